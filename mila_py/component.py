@@ -1,0 +1,397 @@
+"""Component: the lifecycle every mila_py layer, block and network follows.
+
+The lifecycle (mirroring Mila's ``Component``):
+
+1. **Construct** ``Comp(name, ..., device=None, precision=Precision.FP32)``. Validates the name and
+   config; allocates nothing. With ``device`` (``"CPU"``, ``"CUDA:0"``, a DeviceId) the component
+   is *standalone*: it creates and owns its execution context right after ``__init__`` returns.
+   Without it, the component waits for its parent to hand it a context.
+2. **Execution context set**, once only. The hook ``_on_execution_context_set`` runs; leaves create
+   their op there. If the hook raises, no context is set and the component can be given another.
+3. **build(BuildContext)**, once only (``build`` is final: subclasses implement ``_on_building``).
+   Allocates parameters, gradients (TRAINING only) and state. If the hook raises, the component
+   and its whole subtree are restored to exactly what they were before, so ``build`` can be retried.
+4. **Run**: ``forward``/``backward`` and friends, defined by each subclass. ``set_training_mode``
+   switches TRAINING builds between NORMAL and EVAL (hook ``_on_training_mode_changing``).
+
+Subclasses register what they allocate with :meth:`_add_parameter` and :meth:`_add_state`; from
+those registrations the base class answers ``named_parameters``, ``get_gradients``,
+``zero_gradients``, ``parameter_count`` and ``get_memory_stats`` for every component alike.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import numpy as np
+
+from mila_py.build_context import BuildContext, RuntimeMode, TrainingMode
+from mila_py.devices import DeviceId, DeviceLike, DeviceType, create_execution_context
+from mila_py.devices.execution_context import ExecutionContext
+from mila_py.memory import MemoryCategory, MemoryLocation, MemoryStats
+from mila_py.ops.operation import Operation
+from mila_py.precision import Precision
+
+__all__ = ["Component"]
+
+_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9._-]{0,127}$")
+
+
+class _ComponentMeta(type):
+    """Runs the standalone-context step after the whole ``__init__`` chain has finished."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        obj = super().__call__(*args, **kwargs)
+        obj._finish_construction()
+        return obj
+
+
+class Component(metaclass=_ComponentMeta):
+    """Base class of every mila_py component.
+
+    Args:
+        name: 1-128 characters: a letter, then letters, digits, ``.``, ``_`` or ``-``.
+        device: makes the component standalone on that device; ``None`` waits for a parent.
+        precision: storage precision of its tensors.
+
+    Raises:
+        ValueError: a malformed name or device string.
+        TypeError: a precision that is not a :class:`Precision`.
+    """
+
+    _FINAL_METHODS: ClassVar[tuple[str, ...]] = ("build", "set_execution_context")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for method in Component._FINAL_METHODS:
+            if method in cls.__dict__:
+                raise TypeError(
+                    f"{cls.__name__} overrides Component.{method}, which is final; "
+                    "implement the hook (_on_building / _on_execution_context_set) instead"
+                )
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        device: DeviceLike | None = None,
+        precision: Precision = Precision.FP32,
+    ) -> None:
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise ValueError(
+                f"invalid component name {name!r}: use 1-128 characters, a letter first, "
+                "then letters, digits, '.', '_' or '-'"
+            )
+        if not isinstance(precision, Precision):
+            raise TypeError(f"{name}: precision must be a Precision, got {precision!r}")
+        self._name = name
+        self._precision = precision
+        self._standalone_device: DeviceId | None = (
+            DeviceId.parse(device) if device is not None else None
+        )
+        self._context: ExecutionContext | None = None
+        self._owns_context = False
+        self._build_context: BuildContext | None = None
+        self._training_mode: TrainingMode | None = None
+        self._parameters: dict[str, Any] = {}
+        self._gradients: dict[str, Any] = {}
+        self._state: dict[str, Any] = {}
+
+    def _finish_construction(self) -> None:
+        if self._standalone_device is not None and self._context is None:
+            self.set_execution_context(create_execution_context(self._standalone_device))
+            self._owns_context = True
+
+    # ------------------------------------------------------------------ identity and context
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def precision(self) -> Precision:
+        return self._precision
+
+    @property
+    def has_execution_context(self) -> bool:
+        return self._context is not None
+
+    @property
+    def execution_context(self) -> ExecutionContext:
+        """The context this component runs on.
+
+        Raises:
+            RuntimeError: if no context has been set yet.
+        """
+        if self._context is None:
+            raise RuntimeError(
+                f"{self._describe()} has no execution context: construct it with device=... "
+                "or add it to a Network"
+            )
+        return self._context
+
+    @property
+    def device_id(self) -> DeviceId:
+        return self.execution_context.device_id
+
+    def set_execution_context(self, context: ExecutionContext) -> None:
+        """Give the component its execution context (once; parents call this for children).
+
+        Raises:
+            RuntimeError: if a context is already set.
+            TypeError: if ``context`` is not an ExecutionContext.
+        """
+        if self._context is not None:
+            raise RuntimeError(
+                f"{self._describe()} already has an execution context ({self._context.device_id}); "
+                "it can be set only once"
+            )
+        if not isinstance(context, ExecutionContext):
+            raise TypeError(f"{self._describe()}: expected an ExecutionContext, got {context!r}")
+        self._context = context
+        try:
+            self._on_execution_context_set()
+        except BaseException:
+            self._context = None
+            raise
+
+    def synchronize(self) -> None:
+        """Wait for the device work this component submitted."""
+        self.execution_context.synchronize()
+
+    # ------------------------------------------------------------------ build
+    @property
+    def is_built(self) -> bool:
+        return self._build_context is not None
+
+    @property
+    def build_context(self) -> BuildContext:
+        """The BuildContext given to :meth:`build`.
+
+        Raises:
+            RuntimeError: before build.
+        """
+        if self._build_context is None:
+            raise RuntimeError(
+                f"{self._describe()} is not built yet: call build(BuildContext(...))"
+            )
+        return self._build_context
+
+    @property
+    def runtime_mode(self) -> RuntimeMode:
+        return self.build_context.runtime_mode
+
+    def build(self, build_context: BuildContext) -> None:
+        """Allocate everything the component needs for ``build_context`` (final; once only).
+
+        Raises:
+            TypeError: if ``build_context`` is not a BuildContext.
+            RuntimeError: if already built or no execution context is set.
+            ValueError: if the subclass rejects the context (e.g. a shape that fits no config).
+        """
+        if not isinstance(build_context, BuildContext):
+            raise TypeError(
+                f"{self._describe()}: build() needs a BuildContext, got {build_context!r}"
+            )
+        if self._build_context is not None:
+            raise RuntimeError(f"{self._describe()} is already built; build() runs once")
+        if self._context is None:
+            raise RuntimeError(
+                f"{self._describe()} cannot be built without an execution context: construct it "
+                "with device=... or add it to a Network"
+            )
+        snapshot = self._snapshot()
+        try:
+            self._parameters, self._gradients, self._state = {}, {}, {}
+            self._pending_build_context = build_context
+            self._on_building(build_context)
+            del self._pending_build_context
+            self._build_context = build_context
+            self._training_mode = (
+                TrainingMode.NORMAL if build_context.is_training else TrainingMode.EVAL
+            )
+        except BaseException:
+            for obj, saved in snapshot:
+                obj.__dict__.clear()
+                obj.__dict__.update(saved)
+            raise
+
+    def _snapshot(self) -> list[tuple[Any, dict[str, Any]]]:
+        """Shallow copies of the ``__dict__`` of this component, its ops and its subtree."""
+        saved: list[tuple[Any, dict[str, Any]]] = []
+        for component in self._walk():
+            saved.append((component, dict(component.__dict__)))
+            for value in component.__dict__.values():
+                if isinstance(value, Operation):
+                    saved.append((value, dict(value.__dict__)))
+        return saved
+
+    # ------------------------------------------------------------------ training mode
+    @property
+    def training_mode(self) -> TrainingMode | None:
+        """NORMAL or EVAL once built (INFERENCE builds always EVAL); ``None`` before build."""
+        return self._training_mode
+
+    @property
+    def is_training_mode(self) -> bool:
+        return self._training_mode is TrainingMode.NORMAL
+
+    def set_training_mode(self, mode: TrainingMode) -> None:
+        """Switch a TRAINING build between NORMAL and EVAL; the same mode is a no-op.
+
+        Raises:
+            TypeError: ``mode`` is not a TrainingMode.
+            RuntimeError: before build, or on an INFERENCE build.
+        """
+        if not isinstance(mode, TrainingMode):
+            raise TypeError(f"{self._describe()}: expected a TrainingMode, got {mode!r}")
+        if self._build_context is None:
+            raise RuntimeError(f"{self._describe()}: set_training_mode() needs a built component")
+        if self._build_context.is_inference:
+            raise RuntimeError(
+                f"{self._describe()} was built for INFERENCE and always runs in EVAL; "
+                "build it with RuntimeMode.TRAINING to train"
+            )
+        if mode is self._training_mode:
+            return
+        self._on_training_mode_changing(mode)
+        self._training_mode = mode
+
+    def train(self) -> None:
+        """Shorthand for ``set_training_mode(TrainingMode.NORMAL)``."""
+        self.set_training_mode(TrainingMode.NORMAL)
+
+    def eval(self) -> None:
+        """Shorthand for ``set_training_mode(TrainingMode.EVAL)`` on TRAINING builds."""
+        self.set_training_mode(TrainingMode.EVAL)
+
+    # ------------------------------------------------------------------ hooks
+    def _on_execution_context_set(self) -> None:
+        """Called once the context is set (create ops here). Raising unsets the context."""
+
+    def _on_building(self, build_context: BuildContext) -> None:
+        """Allocate buffers for ``build_context``; succeed fully or raise (the base rolls back)."""
+
+    def _on_training_mode_changing(self, mode: TrainingMode) -> None:
+        """Called before the training mode changes to ``mode``."""
+
+    # ------------------------------------------------------------------ registration helpers
+    def _allocate(self, shape: tuple[int, ...], dtype: Any = None, *, zero: bool = True) -> Any:
+        dtype = self._precision.numpy_dtype if dtype is None else dtype
+        return self.execution_context.allocate(tuple(shape), dtype, zero=zero)
+
+    def _add_parameter(self, name: str, array: Any, *, with_gradient: bool | None = None) -> Any:
+        """Register a parameter (and, on TRAINING builds, a zeroed gradient of the same shape)."""
+        self._parameters[name] = array
+        if with_gradient is None:
+            with_gradient = self._building_context().is_training
+        if with_gradient:
+            self._gradients[name] = self.execution_context.allocate(array.shape, array.dtype)
+        return array
+
+    def _add_gradient(self, name: str, array: Any) -> Any:
+        """Register a gradient buffer that belongs to no parameter (e.g. input gradients)."""
+        self._gradients[name] = array
+        return array
+
+    def _add_state(self, name: str, array: Any) -> Any:
+        """Register a state buffer (caches, activations, scratch); shared arrays count once."""
+        self._state[name] = array
+        return array
+
+    def _building_context(self) -> BuildContext:
+        pending = self.__dict__.get("_pending_build_context")
+        return pending if pending is not None else self.build_context
+
+    # ------------------------------------------------------------------ parameters and memory
+    def _children(self) -> list[Component]:
+        return []
+
+    def _walk(self, prefix: str = "") -> Iterator[Component]:
+        yield self
+        for child in self._children():
+            yield from child._walk()
+
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Any]]:
+        """``(dotted name, parameter)`` in canonical order (children in insertion order)."""
+        for name, array in self._parameters.items():
+            yield prefix + name, array
+        for child in self._children():
+            yield from child.named_parameters(prefix + child.name + ".")
+
+    def named_gradients(self, prefix: str = "") -> Iterator[tuple[str, Any]]:
+        """``(dotted name, gradient)`` aligned with :meth:`named_parameters` where both exist."""
+        for name, array in self._gradients.items():
+            yield prefix + name, array
+        for child in self._children():
+            yield from child.named_gradients(prefix + child.name + ".")
+
+    def get_parameters(self) -> list[Any]:
+        return [array for _, array in self.named_parameters()]
+
+    def get_gradients(self) -> list[Any]:
+        """Gradients of the parameters, in :meth:`get_parameters` order; empty on INFERENCE builds.
+
+        Components with input-gradient buffers but no parameters (Rope) list those buffers.
+        """
+        grads = dict(self.named_gradients())
+        params = [name for name, _ in self.named_parameters()]
+        ordered = [grads.pop(name) for name in params if name in grads]
+        return ordered + list(grads.values())
+
+    def parameter_count(self) -> int:
+        return sum(int(p.size) for p in self.get_parameters())
+
+    def zero_gradients(self) -> None:
+        """Set every gradient buffer of the subtree to zero."""
+        for _, grad in self.named_gradients():
+            grad.fill(0)
+
+    def _memory_entries(self) -> Iterator[tuple[MemoryCategory, MemoryLocation, Any]]:
+        for component in self._walk():
+            for array in component._parameters.values():
+                yield MemoryCategory.PARAMETERS, MemoryLocation.DEVICE, array
+            for array in component._gradients.values():
+                yield MemoryCategory.GRADIENTS, MemoryLocation.DEVICE, array
+            for array in component._state.values():
+                yield MemoryCategory.STATE, component._location_of(array), array
+            for value in component.__dict__.values():
+                if isinstance(value, Operation):
+                    for array in value.state_arrays():
+                        yield MemoryCategory.STATE, component._location_of(array), array
+
+    def _location_of(self, array: Any) -> MemoryLocation:
+        # On a GPU component a NumPy array is host memory; on the CPU every array is device memory.
+        context = self._context
+        if context is None or context.device_type is DeviceType.CPU:
+            return MemoryLocation.DEVICE
+        return MemoryLocation.HOST if isinstance(array, np.ndarray) else MemoryLocation.DEVICE
+
+    def get_memory_stats(self) -> MemoryStats:
+        """Bytes this component (and its subtree) owns now; each distinct array counted once."""
+        return MemoryStats.from_arrays(self._memory_entries())
+
+    # ------------------------------------------------------------------ text
+    def _describe(self) -> str:
+        return f"{type(self).__name__} '{self._name}'"
+
+    def _extra_repr(self) -> str:
+        return ""
+
+    def __repr__(self) -> str:
+        return "\n".join(self._repr_lines())
+
+    def _repr_lines(self, indent: str = "") -> list[str]:
+        parts = [f"params={self.parameter_count():,}"]
+        extra = self._extra_repr()
+        if extra:
+            parts.insert(0, extra)
+        if self._context is not None:
+            parts.append(str(self._context.device_id))
+        parts.append(str(self._precision))
+        parts.append("built" if self.is_built else "unbuilt")
+        lines = [f"{indent}{type(self).__name__}('{self._name}', {', '.join(parts)})"]
+        for child in self._children():
+            lines.extend(child._repr_lines(indent + "  "))
+        return lines

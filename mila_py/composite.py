@@ -1,0 +1,173 @@
+"""CompositeComponent (ordered, named children) and Network (the root that owns its context)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mila_py.build_context import BuildContext, TrainingMode
+from mila_py.component import Component
+from mila_py.devices import DeviceLike
+from mila_py.precision import Precision
+
+__all__ = ["CompositeComponent", "Network"]
+
+
+class CompositeComponent(Component):
+    """A component made of named children, kept in insertion order.
+
+    The composite hands its execution context to every child (children added later get it on
+    ``add_component``), propagates training-mode switches, and aggregates parameters, gradients
+    and memory statistics (shared arrays counted once). By default ``build`` builds every child
+    with the composite's own BuildContext; subclasses override ``_on_building`` to give children
+    the contexts they need.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        device: DeviceLike | None = None,
+        precision: Precision = Precision.FP32,
+    ) -> None:
+        super().__init__(name, device=device, precision=precision)
+        self._components: dict[str, Component] = {}
+
+    # ------------------------------------------------------------------ children
+    def add_component(self, child: Component) -> CompositeComponent:
+        """Append ``child``; returns ``self`` so calls chain.
+
+        Raises:
+            TypeError: ``child`` is not a Component.
+            RuntimeError: the composite is built, or the child already has an execution context
+                (a standalone component cannot join a tree).
+            ValueError: a child of that name exists.
+        """
+        if not isinstance(child, Component):
+            raise TypeError(f"{self._describe()}: add_component() needs a Component, got {child!r}")
+        if self.is_built:
+            raise RuntimeError(f"{self._describe()} is built; children can only be added before")
+        if child.name in self._components:
+            raise ValueError(f"{self._describe()} already has a child named '{child.name}'")
+        if child.has_execution_context:
+            raise RuntimeError(
+                f"{child._describe()} already has an execution context ({child.device_id}); "
+                "construct children without device= and let the parent provide it"
+            )
+        if child is self or any(c is self for c in child._walk()):
+            raise ValueError(f"{self._describe()}: adding '{child.name}' would create a cycle")
+        if self.has_execution_context:
+            child.set_execution_context(self.execution_context)
+        self._components[child.name] = child
+        return self
+
+    def get_component(self, name: str) -> Component:
+        """The direct child called ``name``.
+
+        Raises:
+            KeyError: with the names that exist.
+        """
+        try:
+            return self._components[name]
+        except KeyError:
+            raise KeyError(
+                f"{self._describe()} has no child '{name}'; children: {list(self._components)}"
+            ) from None
+
+    def find_component(self, path: str) -> Component:
+        """A descendant by dotted path, e.g. ``"layers.0.attn"``.
+
+        Raises:
+            KeyError: naming the first missing step.
+        """
+        node: Component = self
+        for part in path.split("."):
+            if not isinstance(node, CompositeComponent):
+                raise KeyError(f"'{path}': {node._describe()} has no children (at '{part}')")
+            node = node.get_component(part)
+        return node
+
+    def has_component(self, name: str) -> bool:
+        return name in self._components
+
+    def remove_component(self, name: str) -> Component:
+        """Remove and return the child ``name`` (before build only).
+
+        Raises:
+            RuntimeError: after build.
+            KeyError: no such child.
+        """
+        if self.is_built:
+            raise RuntimeError(f"{self._describe()} is built; children can only be removed before")
+        child = self.get_component(name)
+        del self._components[name]
+        return child
+
+    def clear_components(self) -> None:
+        """Remove every child (before build only)."""
+        if self.is_built:
+            raise RuntimeError(f"{self._describe()} is built; children can only be removed before")
+        self._components.clear()
+
+    @property
+    def components(self) -> dict[str, Component]:
+        """A copy of the children, in order."""
+        return dict(self._components)
+
+    def __len__(self) -> int:
+        return len(self._components)
+
+    def __iter__(self) -> Any:
+        return iter(self._components.values())
+
+    def _children(self) -> list[Component]:
+        return list(self._components.values())
+
+    # ------------------------------------------------------------------ hooks
+    def _on_execution_context_set(self) -> None:
+        done: list[Component] = []
+        try:
+            for child in self._components.values():
+                child.set_execution_context(self.execution_context)
+                done.append(child)
+        except BaseException:
+            for child in done:
+                child._context = None
+            raise
+
+    def _on_building(self, build_context: BuildContext) -> None:
+        for child in self._components.values():
+            child.build(build_context)
+
+    def _on_training_mode_changing(self, mode: TrainingMode) -> None:
+        switched: list[tuple[Component, TrainingMode | None]] = []
+        try:
+            for child in self._components.values():
+                previous = child.training_mode
+                child.set_training_mode(mode)
+                switched.append((child, previous))
+        except BaseException:
+            for child, previous in reversed(switched):
+                if previous is not None:
+                    child.set_training_mode(previous)
+            raise
+
+    def _extra_repr(self) -> str:
+        return f"{len(self._components)} children"
+
+
+class Network(CompositeComponent):
+    """The root of a component tree; it creates and owns the execution context for ``device``.
+
+    Parameter names are relative to the network (``"block.linear.weight"``), like PyTorch.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        device: DeviceLike = "CPU",
+        precision: Precision = Precision.FP32,
+    ) -> None:
+        if device is None:
+            raise ValueError(f"Network '{name}' needs a device, e.g. device='CPU' or 'CUDA:0'")
+        super().__init__(name, device=device, precision=precision)

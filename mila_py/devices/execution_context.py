@@ -1,0 +1,55 @@
+"""The execution context: where a component's arrays live and its work runs.
+
+Every buffer a component or op owns is allocated through :meth:`ExecutionContext.allocate`, so
+memory is counted in one place (see :mod:`mila_py.memory`).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import numpy as np
+
+from mila_py.devices.device import DeviceId, DeviceType
+
+__all__ = ["ExecutionContext"]
+
+
+class ExecutionContext(abc.ABC):
+    """Abstract execution context for one device.
+
+    Attributes:
+        device_id: the device this context runs on.
+        xp: the array module (``numpy`` or ``cupy``).
+    """
+
+    device_id: DeviceId
+    xp: Any
+
+    @property
+    def device_type(self) -> DeviceType:
+        return self.device_id.device_type
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Wait until all work submitted through this context has finished."""
+
+    @abc.abstractmethod
+    def allocate(self, shape: tuple[int, ...], dtype: Any, *, zero: bool = True) -> Any:
+        """Allocate an array on this device (zeroed unless ``zero=False``)."""
+
+    @abc.abstractmethod
+    def is_device_array(self, array: Any) -> bool:
+        """True if ``array`` lives on this context's device and can be used in place."""
+
+    @abc.abstractmethod
+    def to_device(self, array: Any) -> Any:
+        """Copy host data (anything ``numpy.asarray`` accepts) to this device."""
+
+    def to_host(self, array: Any) -> np.ndarray:
+        """Copy an array of this device to a NumPy array."""
+        return np.asarray(array)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.device_id})"

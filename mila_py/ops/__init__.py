@@ -1,0 +1,1 @@
+"""Operations: the registry, the base class and one folder per device."""

@@ -1,0 +1,1 @@
+"""NumPy ops (the readable references)."""

@@ -1,0 +1,1 @@
+"""CuPy ops; each module imports CuPy lazily."""

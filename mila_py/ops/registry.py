@@ -1,0 +1,132 @@
+"""The op registry: ``(op name, device type) -> op class`` plus the precisions it supports.
+
+Op modules live in ``mila_py/ops/<device>/<op>.py`` and register themselves on import; the
+registry imports the packages ``mila_py.ops.cpu`` and ``mila_py.ops.cuda`` on first lookup.
+Every op module must import without CuPy (CUDA ops import it lazily).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from mila_py.devices.device import DeviceType
+from mila_py.devices.execution_context import ExecutionContext
+from mila_py.ops.operation import Operation
+from mila_py.precision import Precision
+
+__all__ = [
+    "OpNotFoundError",
+    "RegisteredOp",
+    "create_op",
+    "find_op",
+    "is_supported",
+    "register_op",
+    "registered_ops",
+]
+
+T = TypeVar("T", bound=type[Operation])
+
+
+class OpNotFoundError(LookupError):
+    """No op is registered for the requested (name, device, precision)."""
+
+
+@dataclass(frozen=True)
+class RegisteredOp:
+    name: str
+    device_type: DeviceType
+    precisions: frozenset[Precision]
+    cls: type[Operation]
+
+
+_REGISTRY: dict[tuple[str, DeviceType], RegisteredOp] = {}
+_LOCK = threading.Lock()
+_LOADED = False
+
+
+def register_op(
+    name: str, device_type: DeviceType, precisions: Iterable[Precision]
+) -> Callable[[T], T]:
+    """Class decorator registering an op for a device type and the precisions it supports.
+
+    Raises:
+        ValueError: if ``(name, device_type)`` is already registered to another class.
+    """
+    precision_set = frozenset(precisions)
+    if not precision_set or not all(isinstance(p, Precision) for p in precision_set):
+        raise ValueError(f"register_op({name!r}): precisions must be non-empty Precision values")
+
+    def decorator(cls: T) -> T:
+        key = (name, device_type)
+        with _LOCK:
+            existing = _REGISTRY.get(key)
+            if existing is not None and existing.cls.__qualname__ != cls.__qualname__:
+                raise ValueError(
+                    f"op {name!r} for {device_type} is already registered as {existing.cls!r}"
+                )
+            _REGISTRY[key] = RegisteredOp(name, device_type, precision_set, cls)
+        return cls
+
+    return decorator
+
+
+def _load_op_modules() -> None:
+    global _LOADED
+    if _LOADED:
+        return
+    for package_name in ("mila_py.ops.cpu", "mila_py.ops.cuda"):
+        package = importlib.import_module(package_name)
+        for info in pkgutil.iter_modules(package.__path__):
+            if not info.name.startswith("_"):
+                importlib.import_module(f"{package_name}.{info.name}")
+    _LOADED = True
+
+
+def registered_ops() -> list[RegisteredOp]:
+    """Every registered op, sorted by name then device."""
+    _load_op_modules()
+    return sorted(_REGISTRY.values(), key=lambda r: (r.name, r.device_type.value))
+
+
+def is_supported(name: str, device_type: DeviceType, precision: Precision) -> bool:
+    """True if an op ``name`` exists for ``device_type`` and supports ``precision``."""
+    _load_op_modules()
+    entry = _REGISTRY.get((name, device_type))
+    return entry is not None and precision in entry.precisions
+
+
+def _describe_registry() -> str:
+    entries = registered_ops()
+    if not entries:
+        return "nothing is registered"
+    return "registered: " + "; ".join(
+        f"{r.name}/{r.device_type}[{','.join(sorted(p.value for p in r.precisions))}]"
+        for r in entries
+    )
+
+
+def find_op(name: str, device_type: DeviceType, precision: Precision) -> type[Operation]:
+    """The op class for ``(name, device_type, precision)``.
+
+    Raises:
+        OpNotFoundError: naming all three and listing what is registered.
+    """
+    _load_op_modules()
+    entry = _REGISTRY.get((name, device_type))
+    if entry is None or precision not in entry.precisions:
+        raise OpNotFoundError(
+            f"no op {name!r} for device {device_type} at precision {precision}; "
+            f"{_describe_registry()}"
+        )
+    return entry.cls
+
+
+def create_op(name: str, context: ExecutionContext, config: Any, precision: Precision) -> Operation:
+    """Instantiate the op ``name`` for ``context``'s device at ``precision``."""
+    cls = find_op(name, context.device_type, precision)
+    return cls(context, config, precision)

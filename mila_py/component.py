@@ -36,7 +36,7 @@ from mila_py.precision import Precision
 
 __all__ = ["Component"]
 
-_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9._-]{0,127}$")
+_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9._-]{0,127}")
 
 
 class _ComponentMeta(type):
@@ -58,7 +58,7 @@ class Component(metaclass=_ComponentMeta):
 
     Raises:
         ValueError: a malformed name or device string.
-        TypeError: a precision that is not a :class:`Precision`.
+        TypeError: a name that is not a str, a precision that is not a :class:`Precision`.
     """
 
     _FINAL_METHODS: ClassVar[tuple[str, ...]] = ("build", "set_execution_context")
@@ -79,7 +79,9 @@ class Component(metaclass=_ComponentMeta):
         device: DeviceLike | None = None,
         precision: Precision = Precision.FP32,
     ) -> None:
-        if not isinstance(name, str) or not _NAME_RE.match(name):
+        if not isinstance(name, str):
+            raise TypeError(f"component name must be a str, got {name!r}")
+        if not _NAME_RE.fullmatch(name):
             raise ValueError(
                 f"invalid component name {name!r}: use 1-128 characters, a letter first, "
                 "then letters, digits, '.', '_' or '-'"
@@ -149,11 +151,14 @@ class Component(metaclass=_ComponentMeta):
             )
         if not isinstance(context, ExecutionContext):
             raise TypeError(f"{self._describe()}: expected an ExecutionContext, got {context!r}")
+        snapshot = self._snapshot()
         self._context = context
         try:
             self._on_execution_context_set()
         except BaseException:
-            self._context = None
+            # Restore the whole subtree: a nested composite may have handed the context to
+            # grandchildren before a later sibling's hook raised.
+            _restore(snapshot)
             raise
 
     def synchronize(self) -> None:
@@ -212,9 +217,7 @@ class Component(metaclass=_ComponentMeta):
                 TrainingMode.NORMAL if build_context.is_training else TrainingMode.EVAL
             )
         except BaseException:
-            for obj, saved in snapshot:
-                obj.__dict__.clear()
-                obj.__dict__.update(saved)
+            _restore(snapshot)
             raise
 
     def _snapshot(self) -> list[tuple[Any, dict[str, Any]]]:
@@ -395,3 +398,10 @@ class Component(metaclass=_ComponentMeta):
         for child in self._children():
             lines.extend(child._repr_lines(indent + "  "))
         return lines
+
+
+def _restore(snapshot: list[tuple[Any, dict[str, Any]]]) -> None:
+    """Put back the ``__dict__`` contents saved by :meth:`Component._snapshot`."""
+    for obj, saved in snapshot:
+        obj.__dict__.clear()
+        obj.__dict__.update(saved)

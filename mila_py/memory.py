@@ -7,6 +7,7 @@ array reachable from several components (the shared RoPE table) is counted once 
 from __future__ import annotations
 
 import enum
+import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -35,6 +36,15 @@ class MemoryStats:
     host_parameter_bytes: int = 0
     host_gradient_bytes: int = 0
     host_state_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"MemoryStats.{f.name} must be an int, got {value!r}")
+            if value < 0:
+                raise ValueError(f"MemoryStats.{f.name} must be >= 0, got {value}")
+            object.__setattr__(self, f.name, int(value))
 
     @classmethod
     def from_arrays(
@@ -110,6 +120,7 @@ def format_bytes(n: int) -> str:
     value = float(n)
     for unit in ("KiB", "MiB", "GiB", "TiB"):
         value /= 1024.0
-        if value < 1024.0 or unit == "TiB":
+        # Compare the rounded value, so 1048575 B prints "1.00 MiB", never "1024.00 KiB".
+        if round(value, 2) < 1024.0 or unit == "TiB":
             return f"{value:.2f} {unit}"
     raise AssertionError("unreachable")

@@ -14,7 +14,7 @@ import numpy as np
 from mila_py.devices.device import DeviceId, DeviceType
 from mila_py.devices.execution_context import ExecutionContext
 
-__all__ = ["CudaExecutionContext", "cuda_device_count", "import_cupy"]
+__all__ = ["CudaExecutionContext", "cuda_device_count", "import_cupy", "shared_context"]
 
 _INSTALL_HINT = (
     "install CuPy for your CUDA toolkit with `pip install mila-py[cuda12]` "
@@ -121,3 +121,14 @@ class _Activation:
     def __exit__(self, *exc: object) -> None:
         self._ctx.stream.__exit__(*exc)
         self._ctx.device.__exit__(*exc)
+
+
+_SHARED: dict[DeviceId, CudaExecutionContext] = {}
+
+
+def shared_context(device: DeviceId) -> CudaExecutionContext:
+    """One context per GPU for process-wide shared buffers (e.g. RoPE tables)."""
+    ctx = _SHARED.get(device)
+    if ctx is None:
+        ctx = _SHARED.setdefault(device, CudaExecutionContext(device))
+    return ctx

@@ -55,8 +55,18 @@ def register_op(
     """Class decorator registering an op for a device type and the precisions it supports.
 
     Raises:
-        ValueError: if ``(name, device_type)`` is already registered to another class.
+        TypeError: ``name`` is not a str or ``device_type`` is not a DeviceType.
+        ValueError: an empty name or precision set, or ``(name, device_type)`` already registered
+            to another class.
     """
+    if not isinstance(name, str):
+        raise TypeError(f"register_op: name must be a str, got {name!r}")
+    if not name:
+        raise ValueError("register_op: name must not be empty")
+    if not isinstance(device_type, DeviceType):
+        raise TypeError(
+            f"register_op({name!r}): device_type must be a DeviceType, got {device_type!r}"
+        )
     precision_set = frozenset(precisions)
     if not precision_set or not all(isinstance(p, Precision) for p in precision_set):
         raise ValueError(f"register_op({name!r}): precisions must be non-empty Precision values")
@@ -65,7 +75,9 @@ def register_op(
         key = (name, device_type)
         with _LOCK:
             existing = _REGISTRY.get(key)
-            if existing is not None and existing.cls.__qualname__ != cls.__qualname__:
+            # The same class re-registered (a module reloaded) replaces itself; another class
+            # under the same (name, device) is an error, even if its name matches.
+            if existing is not None and _class_key(existing.cls) != _class_key(cls):
                 raise ValueError(
                     f"op {name!r} for {device_type} is already registered as {existing.cls!r}"
                 )
@@ -73,6 +85,10 @@ def register_op(
         return cls
 
     return decorator
+
+
+def _class_key(cls: type) -> tuple[str, str]:
+    return cls.__module__, cls.__qualname__
 
 
 def _load_op_modules() -> None:

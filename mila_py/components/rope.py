@@ -1,0 +1,318 @@
+"""Rope: rotary position embedding of Q and K, in place (Mila's ``Rope`` component).
+
+The component owns no output buffers: it rotates the caller's Q and K (typically views of a
+fused QKV projection) through the ``RopeOp`` of its device. TRAINING builds own the input-gradient
+buffers ``dq_in``/``dk_in`` that :meth:`Rope.backward` fills. The cos/sin table is shared by every
+Rope with the same configuration on a device (see :func:`get_rope`).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import numpy as np
+
+from mila_py.build_context import BuildContext
+from mila_py.component import Component
+from mila_py.components.rope_config import RopeConfig
+from mila_py.devices import DeviceLike
+from mila_py.ops.registry import create_op, find_op
+from mila_py.precision import Precision
+
+__all__ = ["Rope"]
+
+
+class Rope(Component):
+    """Rotary position embedding applied in place to Q ``[B, T, n_heads * head_dim]`` and K
+    ``[B, T, n_kv_heads * head_dim]``.
+
+    Args:
+        name: component name.
+        config: a :class:`RopeConfig`.
+        device: ``"CPU"``, ``"CUDA:0"``, ... for a standalone component; None inside a Network.
+        precision: dtype of Q and K (FP32, FP16 or BF16); arithmetic is FP32 with FP32 tables.
+
+    The build shape is Q's: ``BuildContext((B, T, n_heads * head_dim), mode)``. Calls may use any
+    ``B' <= B`` and ``T' <= T``.
+
+    Every call validates before touching data: a call that raises leaves Q, K and the component
+    unchanged.
+
+    Length-dependent scaling (``dynamic``, ``longrope``) picks its frequencies from the largest
+    position of each call, as Hugging Face does. With a KV cache this means keys cached while the
+    context was short were rotated with other frequencies than later queries use: exact for a
+    prefill of the whole context, approximate across the switch when decoding.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        config: RopeConfig,
+        *,
+        device: DeviceLike | None = None,
+        precision: Precision = Precision.FP32,
+    ) -> None:
+        super().__init__(name, device=device, precision=precision)
+        if not isinstance(config, RopeConfig):
+            raise TypeError(f"Rope '{name}': config must be a RopeConfig, got {config!r}")
+        self.config = config
+        self._op: Any = None
+        self._dtype = precision.numpy_dtype
+        self._q_width = config.channels
+        self._k_width = config.kv_channels
+        self._max_batch = 0
+        self._max_tokens = 0
+
+    # ------------------------------------------------------------------ lifecycle hooks
+    def _on_execution_context_set(self) -> None:
+        find_op("RopeOp", self.execution_context.device_type, self.precision)
+        self._op = create_op("RopeOp", self.execution_context, self.config, self.precision)
+
+    def _on_building(self, build_context: BuildContext) -> None:
+        shape = build_context.input_shape
+        if len(shape) != 3 or shape[2] != self._q_width:
+            raise ValueError(
+                f"{self._describe()}: build shape must be Q's [B, T, n_heads * head_dim = "
+                f"{self._q_width}], got {shape}"
+            )
+        n_b, n_t = shape[0], shape[1]
+        self._op.build(build_context)
+        if build_context.is_training:
+            self._add_gradient("dq_in", self._allocate((n_b, n_t, self._q_width)))
+            self._add_gradient("dk_in", self._allocate((n_b, n_t, self._k_width)))
+        self._max_batch, self._max_tokens = n_b, n_t
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def op(self) -> Any:
+        """The device op (``op.backend`` selects the CPU path)."""
+        return self._op
+
+    @property
+    def table(self) -> Any:
+        """The shared cos/sin :class:`RopeTable` (after build)."""
+        self._require_built("table")
+        return self._op.table
+
+    @property
+    def attention_scaling(self) -> float:
+        """The factor already folded into cos and sin (YaRN mscale, LongRoPE scaling)."""
+        return self.table.attention_scaling
+
+    @property
+    def softmax_scale_multiplier(self) -> float:
+        """Extra factor attention must apply to its softmax scale (DeepSeek YaRN), else 1.0."""
+        return self.table.softmax_scale_multiplier
+
+    # ------------------------------------------------------------------ run
+    def forward(self, q: Any, k: Any) -> None:
+        """Rotate Q and K in place at positions ``0 .. T-1``.
+
+        Args:
+            q: ``[B, T, n_heads * head_dim]``, rotated in place.
+            k: ``[B, T, n_kv_heads * head_dim]``, rotated in place.
+        """
+        self.prefill(q, k, 0)
+
+    def prefill(self, q: Any, k: Any, position_offset: int) -> None:
+        """Rotate Q and K in place at positions ``position_offset .. position_offset + T - 1``.
+
+        Raises:
+            ValueError: a negative offset, or ``position_offset + T > max_seq_len``.
+        """
+        n_t = self._check_qk(q, k)
+        offset = self._check_int(position_offset, "position_offset")
+        last = offset + n_t - 1
+        if last >= self.config.max_seq_len:
+            raise ValueError(
+                f"{self._describe()}: position {last} (offset {offset} + T {n_t} - 1) is beyond "
+                f"the table: positions must be < max_seq_len = {self.config.max_seq_len}"
+            )
+        self._op.apply(q, k, offset=offset, seq_len=last + 1)
+
+    def decode(self, q: Any, k: Any, position: Any) -> None:
+        """Rotate one token per sequence in place.
+
+        Args:
+            q: ``[B, 1, n_heads * head_dim]``.
+            k: ``[B, 1, n_kv_heads * head_dim]``.
+            position: an int for every sequence, or one int per sequence ``[B]``.
+        """
+        n_t = self._check_qk(q, k)
+        if n_t != 1:
+            raise ValueError(f"{self._describe()}: decode takes T == 1, got T = {n_t}")
+        if isinstance(position, int | np.integer) and not isinstance(position, bool):
+            offset = self._check_int(position, "position")
+            if offset >= self.config.max_seq_len:
+                raise ValueError(
+                    f"{self._describe()}: position {offset} is beyond the table: positions must "
+                    f"be < max_seq_len = {self.config.max_seq_len}"
+                )
+            self._op.apply(q, k, offset=offset, seq_len=offset + 1)
+            return
+        positions = self._check_positions(position, (q.shape[0],), "position")
+        self._apply_positions(q, k, positions.reshape(-1, 1))
+
+    def rotate(self, q: Any, k: Any, positions: Any) -> None:
+        """Rotate Q and K in place at explicit positions (packed or ragged batches).
+
+        Args:
+            q: ``[B, T, n_heads * head_dim]``.
+            k: ``[B, T, n_kv_heads * head_dim]``.
+            positions: integers broadcastable to ``[B, T]`` (``[T]``, ``[B, 1]``, ``[B, T]``, ...).
+        """
+        self._check_qk(q, k)
+        positions = self._check_positions(positions, q.shape[:2], "positions")
+        self._apply_positions(q, k, positions)
+
+    def backward(self, dq: Any, dk: Any, positions: Any = None) -> tuple[Any, Any]:
+        """Gradients w.r.t. the inputs of the rotation: ``R^T dq``, ``R^T dk``.
+
+        Args:
+            dq: ``[B, T, n_heads * head_dim]`` upstream gradient of rotated Q (not modified).
+            dk: ``[B, T, n_kv_heads * head_dim]`` upstream gradient of rotated K (not modified).
+            positions: the positions of the forward call: None for ``0 .. T-1``, or integers
+                broadcastable to ``[B, T]`` as in :meth:`rotate`.
+
+        Returns:
+            ``(dq_in, dk_in)``: views ``[B, T, ...]`` of the component-owned gradient buffers,
+            overwritten by the next backward.
+
+        Raises:
+            RuntimeError: on INFERENCE builds (they own no gradient buffers).
+        """
+        self._require_built("backward")
+        if not self.build_context.is_training:
+            raise RuntimeError(
+                f"{self._describe()} was built for INFERENCE and has no gradient buffers; "
+                "build with RuntimeMode.TRAINING to call backward()"
+            )
+        n_t = self._check_qk(dq, dk, names=("dq", "dk"), writeable=False)
+        n_b = dq.shape[0]
+        dq_in = self._gradients["dq_in"][:n_b, :n_t]
+        dk_in = self._gradients["dk_in"][:n_b, :n_t]
+        if positions is None:
+            if n_t > self.config.max_seq_len:
+                raise ValueError(
+                    f"{self._describe()}: T = {n_t} exceeds max_seq_len = {self.config.max_seq_len}"
+                )
+            self._op.apply(dq, dk, offset=0, seq_len=n_t, inverse=True, q_out=dq_in, k_out=dk_in)
+        else:
+            pos = self._check_positions(positions, (n_b, n_t), "positions")
+            self._op.apply(
+                dq,
+                dk,
+                positions=pos,
+                seq_len=int(pos.max()) + 1,
+                inverse=True,
+                q_out=dq_in,
+                k_out=dk_in,
+            )
+        return dq_in, dk_in
+
+    # ------------------------------------------------------------------ checks
+    def _apply_positions(self, q: Any, k: Any, positions: np.ndarray) -> None:
+        self._op.apply(q, k, positions=positions, seq_len=int(positions.max()) + 1)
+
+    def _require_built(self, what: str) -> None:
+        if self._build_context is None:
+            raise RuntimeError(
+                f"{self._describe()}: {what} needs a built component; call "
+                f"build(BuildContext((B, T, {self._q_width}), RuntimeMode.TRAINING or INFERENCE))"
+            )
+
+    def _check_qk(
+        self,
+        q: Any,
+        k: Any,
+        *,
+        names: tuple[str, str] = ("q", "k"),
+        writeable: bool = True,
+    ) -> int:
+        """Validate Q and K; returns T."""
+        if self._build_context is None:
+            self._require_built("a call")
+        ctx = self._context
+        for x, name, width in ((q, names[0], self._q_width), (k, names[1], self._k_width)):
+            if not ctx.is_device_array(x):  # type: ignore[union-attr]
+                raise TypeError(
+                    f"{self._describe()}: {name} must be an array on {ctx.device_id} "  # type: ignore[union-attr]
+                    f"({ctx.xp.__name__}.ndarray), got {type(x).__module__}.{type(x).__name__}"  # type: ignore[union-attr]
+                )
+            if x.dtype != self._dtype:
+                raise TypeError(
+                    f"{self._describe()}: {name} has dtype {x.dtype}; this component is "
+                    f"{self.precision} ({self._dtype}); convert with .astype"
+                )
+            if x.ndim != 3 or x.shape[2] != width:
+                raise ValueError(
+                    f"{self._describe()}: {name} must be [B, T, {width}], got {tuple(x.shape)}"
+                )
+            if writeable and not _is_writeable(x):
+                raise ValueError(f"{self._describe()}: {name} is read-only; RoPE rotates in place")
+        n_b, n_t = q.shape[0], q.shape[1]
+        if k.shape[0] != n_b or k.shape[1] != n_t:
+            raise ValueError(
+                f"{self._describe()}: {names[0]} {tuple(q.shape)} and {names[1]} "
+                f"{tuple(k.shape)} must share B and T"
+            )
+        if n_b > self._max_batch or n_t > self._max_tokens:
+            raise ValueError(
+                f"{self._describe()}: [B={n_b}, T={n_t}] exceeds the build shape "
+                f"[B={self._max_batch}, T={self._max_tokens}]"
+            )
+        return int(n_t)
+
+    def _check_int(self, value: Any, name: str) -> int:
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            number = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{self._describe()}: {name} must be an int, got {value!r}") from None
+        if number < 0:
+            raise ValueError(f"{self._describe()}: {name} must be >= 0, got {number}")
+        return number
+
+    def _check_positions(self, positions: Any, shape: tuple[int, ...], name: str) -> np.ndarray:
+        """Host int64 positions broadcast-compatible with ``shape``, all in ``[0, max_seq_len)``."""
+        if hasattr(positions, "__cuda_array_interface__") or type(positions).__module__.startswith(
+            "cupy"
+        ):
+            positions = self.execution_context.to_host(positions)
+        array = np.asarray(positions)
+        if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
+            raise TypeError(f"{self._describe()}: {name} must be integers, got dtype {array.dtype}")
+        try:
+            np.broadcast_shapes(array.shape, shape)
+            if np.broadcast_shapes(array.shape, shape) != tuple(shape):
+                raise ValueError
+        except ValueError:
+            raise ValueError(
+                f"{self._describe()}: {name} of shape {array.shape} does not broadcast to "
+                f"{list(shape)}"
+            ) from None
+        if array.size == 0:
+            raise ValueError(f"{self._describe()}: {name} is empty")
+        low, high = int(array.min()), int(array.max())
+        if low < 0:
+            raise ValueError(f"{self._describe()}: {name} must be >= 0, got {low}")
+        if high >= self.config.max_seq_len:
+            raise ValueError(
+                f"{self._describe()}: position {high} is beyond the table: positions must be "
+                f"< max_seq_len = {self.config.max_seq_len}"
+            )
+        return array.astype(np.int64, copy=False)
+
+    def _extra_repr(self) -> str:
+        cfg = self.config
+        return (
+            f"heads={cfg.n_heads}/{cfg.n_kv_heads}, head_dim={cfg.head_dim}, "
+            f"rotary_dim={cfg.rotated_dim}, layout={cfg.layout.value}, type={cfg.rope_type}"
+        )
+
+
+def _is_writeable(x: Any) -> bool:
+    flags = getattr(x, "flags", None)
+    return bool(getattr(flags, "writeable", True)) if flags is not None else True

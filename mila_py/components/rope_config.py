@@ -1,0 +1,274 @@
+"""RopeConfig: the frozen, validated description of a rotary position embedding."""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mila_py.components.rope_scaling import (
+    RopeType,
+    check_scaling,
+    get_rope_type,
+    rope_type_name,
+)
+
+__all__ = ["FrozenDict", "RopeConfig", "RopeLayout"]
+
+
+class RopeLayout(enum.StrEnum):
+    """Which channels of a head form a rotated pair.
+
+    HALF pairs ``(i, i + d/2)`` (Llama, Mila, GPT-NeoX "rotate_half"); INTERLEAVED pairs
+    ``(2i, 2i + 1)`` (GPT-J, Meta's original Llama checkpoints). Named by layout on purpose:
+    family names ("neox style") mean opposite things in different libraries.
+    """
+
+    HALF = "half"
+    INTERLEAVED = "interleaved"
+
+
+class FrozenDict(Mapping[str, Any]):
+    """An immutable, hashable mapping (lists inside become tuples)."""
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self._data = {str(k): _freeze(v) for k, v in data.items()}
+        self._hash = hash(tuple(sorted(self._data.items(), key=lambda kv: kv[0])))
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Mapping):
+            return self._data == {k: _freeze(v) for k, v in other.items()}
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(self._data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self._data.items()}
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, Mapping):
+        return FrozenDict(value)
+    if hasattr(value, "tolist"):  # numpy arrays and scalars
+        return _freeze(value.tolist())
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Configuration of a rotary position embedding.
+
+    Args:
+        channels: width of Q, ``n_heads * head_dim``.
+        n_heads: query heads.
+        n_kv_heads: key heads (``n_kv_heads <= n_heads``; GQA/MQA when smaller).
+        max_seq_len: table size: the longest context served (positions ``0..max_seq_len-1``).
+        base: the frequency base theta.
+        rotary_dim: channels rotated per head, the first ones (0 = the whole head); even. Frequencies
+            use exponents over ``rotary_dim`` (the common convention); for Mila's convention, where
+            pairs span the whole head and frequencies past the rotated part are zero, use the
+            scaling type ``"proportional"``.
+        layout: ``"half"`` pairs ``(i, i + d/2)``; ``"interleaved"`` pairs ``(2i, 2i + 1)``.
+        scaling: a Hugging Face ``rope_scaling`` / ``rope_parameters`` dict with ``rope_type``
+            (or legacy ``type``): default, linear, dynamic, yarn, llama3, longrope, proportional or
+            any type added with ``register_rope_type``.
+
+    Raises:
+        ValueError: on any invalid value, saying what to fix.
+        TypeError: a non-int size or a non-dict scaling.
+    """
+
+    channels: int
+    n_heads: int
+    n_kv_heads: int
+    max_seq_len: int
+    base: float = 10000.0
+    rotary_dim: int = 0
+    layout: RopeLayout | str = RopeLayout.HALF
+    scaling: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "layout", RopeLayout(self.layout))
+        except ValueError:
+            raise ValueError(
+                f"RopeConfig: layout must be 'half' (pairs i, i+d/2) or 'interleaved' "
+                f"(pairs 2i, 2i+1), got {self.layout!r}"
+            ) from None
+        if self.scaling is not None:
+            if not isinstance(self.scaling, Mapping):
+                raise TypeError(
+                    f"RopeConfig: scaling must be a dict like {{'rope_type': 'yarn', ...}} or None, "
+                    f"got {self.scaling!r}"
+                )
+            object.__setattr__(self, "scaling", FrozenDict(self.scaling))
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field and the scaling dict (called on construction).
+
+        Raises:
+            ValueError: naming the field, the value and what is expected.
+        """
+        for name in ("channels", "n_heads", "n_kv_heads", "max_seq_len", "rotary_dim"):
+            value = getattr(self, name)
+            if not _is_int(value):
+                raise TypeError(f"RopeConfig: {name} must be an int, got {value!r}")
+        for name in ("channels", "n_heads", "n_kv_heads", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"RopeConfig: {name} must be > 0, got {getattr(self, name)}")
+        if self.channels % self.n_heads:
+            raise ValueError(
+                f"RopeConfig: channels ({self.channels}) must be divisible by n_heads ({self.n_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"RopeConfig: head_dim = channels / n_heads = {self.head_dim} must be even "
+                "(RoPE rotates pairs of channels)"
+            )
+        if self.n_kv_heads > self.n_heads:
+            raise ValueError(
+                f"RopeConfig: n_kv_heads ({self.n_kv_heads}) must be <= n_heads ({self.n_heads})"
+            )
+        if (
+            isinstance(self.base, bool)
+            or not isinstance(self.base, int | float)
+            or not math.isfinite(self.base)
+            or self.base <= 1.0
+        ):
+            raise ValueError(f"RopeConfig: base must be a finite number > 1, got {self.base!r}")
+        if not 0 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(
+                f"RopeConfig: rotary_dim must be even and in [0, head_dim={self.head_dim}] "
+                f"(0 = whole head), got {self.rotary_dim}"
+            )
+        check_scaling(self.scaling, self.head_dim, self.rotated_dim, self.max_seq_len)
+
+    @property
+    def head_dim(self) -> int:
+        return self.channels // self.n_heads
+
+    @property
+    def kv_channels(self) -> int:
+        """Width of K, ``n_kv_heads * head_dim``."""
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def rotated_dim(self) -> int:
+        """``rotary_dim``, or ``head_dim`` when ``rotary_dim == 0``."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def rope_type(self) -> str:
+        return rope_type_name(self.scaling)
+
+    @property
+    def rope_type_entry(self) -> RopeType:
+        return get_rope_type(self.rope_type)
+
+    def table_key(self) -> tuple[Any, ...]:
+        """What determines the cos/sin table (layout and head counts do not)."""
+        return (
+            self.head_dim,
+            self.rotated_dim,
+            float(self.base),
+            self.max_seq_len,
+            self.scaling,
+        )
+
+    @classmethod
+    def from_hf(
+        cls,
+        config: Mapping[str, Any],
+        *,
+        max_seq_len: int | None = None,
+        layout: RopeLayout | str = RopeLayout.HALF,
+    ) -> RopeConfig:
+        """Build a RopeConfig from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x).
+
+        Reads ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``,
+        ``max_position_embeddings``, ``rope_theta``, ``partial_rotary_factor`` and the scaling dict
+        (``rope_scaling`` or ``rope_parameters``). Values HF would take from the model config
+        (``original_max_position_embeddings``, a missing YaRN/LongRoPE ``factor``) are written into
+        the scaling dict, so the result computes what HF computes even if ``max_seq_len`` differs
+        from ``max_position_embeddings``.
+
+        Args:
+            config: the parsed ``config.json``.
+            max_seq_len: table size; defaults to ``max_position_embeddings``.
+            layout: ``"half"`` for HF Llama-family checkpoints.
+
+        Raises:
+            ValueError: a missing key or a config RopeConfig cannot express.
+        """
+        try:
+            n_heads = int(config["num_attention_heads"])
+            hidden = int(config["hidden_size"])
+            max_pos = int(config["max_position_embeddings"])
+        except KeyError as exc:
+            raise ValueError(f"RopeConfig.from_hf: config.json has no {exc.args[0]!r}") from None
+        n_kv = int(config.get("num_key_value_heads") or n_heads)
+        head_dim = int(config.get("head_dim") or hidden // n_heads)
+        raw = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"RopeConfig.from_hf: rope_scaling must be a dict, got {raw!r}")
+        if raw and all(isinstance(v, Mapping) for v in raw.values()):
+            raise ValueError(
+                "RopeConfig.from_hf: per-layer-type rope_parameters "
+                f"({sorted(raw)}) are not supported; build one RopeConfig per layer type"
+            )
+        params = dict(raw)
+        base = params.get("rope_theta", config.get("rope_theta", 10000.0))
+        prf = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        name = rope_type_name(params)
+        rotary_dim = 2 * int(prf * head_dim // 2) if name == "proportional" else int(head_dim * prf)
+        if rotary_dim % 2:
+            raise ValueError(
+                f"RopeConfig.from_hf: head_dim {head_dim} * partial_rotary_factor {prf} = "
+                f"{rotary_dim} rotated channels is odd"
+            )
+        for key in ("rope_theta", "partial_rotary_factor", "type"):
+            params.pop(key, None)
+        params.pop("rope_type", None)
+        original = "original_max_position_embeddings"
+        if name == "dynamic":
+            params[original] = max_pos  # HF 5.x: dynamic always scales from max_position_embeddings
+        elif name in ("llama3", "yarn", "longrope"):
+            if config.get(original) is not None:
+                params[original] = int(config[original])
+            elif params.get(original) is None:
+                params[original] = max_pos
+            if name in ("yarn", "longrope") and params.get("factor") is None:
+                params["factor"] = max_pos / params[original]
+        scaling = None if name == "default" and not params else {"rope_type": name, **params}
+        return cls(
+            channels=n_heads * head_dim,
+            n_heads=n_heads,
+            n_kv_heads=n_kv,
+            max_seq_len=int(max_seq_len or max_pos),
+            base=float(base),
+            rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
+            layout=layout,
+            scaling=scaling,
+        )

@@ -1,0 +1,191 @@
+"""The shared cos/sin tables of a RoPE configuration, and ``get_rope`` that caches them.
+
+Angles are formed in float64 (``position * inv_freq``), their cos and sin taken in float64,
+multiplied by the attention factor and rounded once to float32. Every ``Rope`` with the same
+table-relevant configuration on the same device shares one :class:`RopeTable`, so N layers hold
+one table (counted once in memory statistics).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+from mila_py.components.rope_config import RopeConfig
+from mila_py.components.rope_scaling import original_length
+from mila_py.devices import DeviceId, DeviceLike, DeviceType
+
+__all__ = ["RopeTable", "clear_rope_cache", "get_rope"]
+
+_ROWS_PER_CHUNK = 8192
+
+
+class RopeTable:
+    """cos/sin tables ``[max_seq_len, n_freq]`` float32 (attention factor folded in) on one device.
+
+    Attributes:
+        config: the RopeConfig it was made for (head counts and layout are irrelevant to it).
+        device_id: where the arrays live.
+        inv_freq: float64 ``[n_freq]`` at rest (``seq_len <= original``).
+        n_freq: rotated pairs per head; the first ``2 * n_freq`` channels of a head rotate.
+        attention_scaling: factor folded into cos and sin.
+        softmax_scale_multiplier: extra factor attention must apply to its softmax scale.
+        cos, sin: the tables at rest. ``long_cos``/``long_sin``: LongRoPE's long tables (else None).
+    """
+
+    def __init__(self, config: RopeConfig, device: DeviceLike = "CPU") -> None:
+        self.config = config
+        self.device_id = DeviceId.parse(device)
+        entry = config.rope_type_entry
+        self._entry = entry
+        self._params = dict(config.scaling or {})
+        self.original_len = original_length(config.scaling, config.max_seq_len)
+        inv_freq, attention = self._frequencies(seq_len=None)
+        self.inv_freq = inv_freq
+        self.n_freq = int(inv_freq.shape[0])
+        self.attention_scaling = float(attention)
+        self.softmax_scale_multiplier = (
+            float(entry.softmax_scale(self._params)) if entry.softmax_scale is not None else 1.0
+        )
+        host_cos, host_sin = self._host_rows(np.arange(config.max_seq_len), inv_freq, attention)
+        self.cos, self.sin = self._to_device(host_cos), self._to_device(host_sin)
+        self.long_cos = self.long_sin = None
+        self._long: tuple[np.ndarray, float] | None = None
+        if entry.length_dependent == "switch":
+            long_freq, long_attention = self._frequencies(seq_len=self.original_len + 1)
+            self._long = (long_freq, long_attention)
+            long_cos, long_sin = self._host_rows(
+                np.arange(config.max_seq_len), long_freq, long_attention
+            )
+            self.long_cos, self.long_sin = self._to_device(long_cos), self._to_device(long_sin)
+
+    # ------------------------------------------------------------------ frequencies
+    def _frequencies(self, seq_len: int | None) -> tuple[np.ndarray, float]:
+        params = dict(self._params)
+        if seq_len is not None:
+            params["seq_len"] = int(seq_len)
+        cfg = self.config
+        inv_freq, attention = self._entry.fn(
+            cfg.head_dim, cfg.rotated_dim, float(cfg.base), cfg.max_seq_len, params
+        )
+        inv_freq = np.asarray(inv_freq, dtype=np.float64)
+        if inv_freq.ndim != 1 or not 1 <= inv_freq.shape[0] <= cfg.head_dim // 2:
+            raise ValueError(
+                f"rope_type {cfg.rope_type!r} returned inv_freq of shape {inv_freq.shape}; "
+                f"expected [n] with 1 <= n <= head_dim // 2 = {cfg.head_dim // 2}"
+            )
+        if not np.all(np.isfinite(inv_freq)) or not np.isfinite(attention):
+            raise ValueError(f"rope_type {cfg.rope_type!r} returned non-finite frequencies")
+        return inv_freq, float(attention)
+
+    @staticmethod
+    def _host_rows(
+        positions: np.ndarray, inv_freq: np.ndarray, attention: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        flat = np.asarray(positions, dtype=np.float64).reshape(-1)
+        cos = np.empty((flat.size, inv_freq.size), dtype=np.float32)
+        sin = np.empty_like(cos)
+        for start in range(0, flat.size, _ROWS_PER_CHUNK):
+            stop = min(start + _ROWS_PER_CHUNK, flat.size)
+            angles = np.multiply.outer(flat[start:stop], inv_freq)
+            cos[start:stop] = np.cos(angles) * attention
+            sin[start:stop] = np.sin(angles) * attention
+        shape = (*np.shape(positions), inv_freq.size)
+        return cos.reshape(shape), sin.reshape(shape)
+
+    def _to_device(self, host: np.ndarray) -> Any:
+        if self.device_id.device_type is DeviceType.CPU:
+            return host
+        from mila_py.devices.cuda import shared_context
+
+        return shared_context(self.device_id).to_device(host)
+
+    # ------------------------------------------------------------------ lookups
+    @property
+    def per_length(self) -> bool:
+        """True for types with new frequencies for every length past the original (dynamic)."""
+        return self._entry.length_dependent == "per_length"
+
+    def tables_for(self, seq_len: int) -> tuple[Any, Any] | None:
+        """The ``(cos, sin)`` tables for a call whose largest position is ``seq_len - 1``.
+
+        Returns None when the type needs rows computed for this length (see :meth:`rows`).
+        """
+        if seq_len > self.original_len:
+            if self.long_cos is not None:
+                return self.long_cos, self.long_sin
+            if self.per_length:
+                return None
+        return self.cos, self.sin
+
+    def rows(self, positions: np.ndarray, seq_len: int) -> tuple[Any, Any]:
+        """cos/sin ``positions.shape + [n_freq]`` for a call of length ``seq_len``, made on the host.
+
+        Used for length-dependent types past the original context, where no table fits.
+        """
+        inv_freq, attention = self._frequencies(seq_len=seq_len)
+        cos, sin = self._host_rows(positions, inv_freq, attention)
+        return self._to_device(cos), self._to_device(sin)
+
+    def frequencies(self, seq_len: int | None = None) -> tuple[np.ndarray, float]:
+        """``(inv_freq float64, attention_scaling)`` in effect for a call of length ``seq_len``."""
+        if seq_len is None or seq_len <= self.original_len:
+            return self.inv_freq, self.attention_scaling
+        if self._long is not None:
+            return self._long
+        return (
+            self._frequencies(seq_len)
+            if self.per_length
+            else (self.inv_freq, self.attention_scaling)
+        )
+
+    def arrays(self) -> list[Any]:
+        """Every table array (state memory)."""
+        return [a for a in (self.cos, self.sin, self.long_cos, self.long_sin) if a is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.arrays())
+
+    def __repr__(self) -> str:
+        cfg = self.config
+        return (
+            f"RopeTable({cfg.rope_type}, head_dim={cfg.head_dim}, n_freq={self.n_freq}, "
+            f"max_seq_len={cfg.max_seq_len}, base={cfg.base}, {self.device_id}, "
+            f"{self.nbytes} bytes)"
+        )
+
+
+_CACHE: weakref.WeakValueDictionary[tuple[Any, ...], RopeTable] = weakref.WeakValueDictionary()
+_CACHE_LOCK = threading.Lock()
+
+
+def get_rope(config: RopeConfig, device: DeviceLike = "CPU") -> RopeTable:
+    """The shared :class:`RopeTable` for ``config`` on ``device`` (thread-safe).
+
+    One table exists per distinct table configuration (head_dim, rotated dims, base, max_seq_len,
+    scaling) and device while anything holds it; later calls return the same object.
+
+    Raises:
+        TypeError: ``config`` is not a RopeConfig.
+        ValueError: a scaling type returned unusable frequencies.
+    """
+    if not isinstance(config, RopeConfig):
+        raise TypeError(f"get_rope: expected a RopeConfig, got {config!r}")
+    device_id = DeviceId.parse(device)
+    key = (config.rope_type_entry, *config.table_key(), device_id)
+    with _CACHE_LOCK:
+        table = _CACHE.get(key)
+        if table is None:
+            table = RopeTable(config, device_id)
+            _CACHE[key] = table
+        return table
+
+
+def clear_rope_cache() -> None:
+    """Forget cached tables (components that hold one keep it)."""
+    with _CACHE_LOCK:
+        _CACHE.clear()

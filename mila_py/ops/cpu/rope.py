@@ -1,0 +1,281 @@
+"""CPU RopeOp: rotary position embedding on NumPy arrays, in place.
+
+Two paths compute the same function:
+
+- ``numpy``: the readable reference. Tokens are processed in blocks small enough to stay in
+  cache, so each block is read from memory once although NumPy makes several passes over it.
+- ``fused``: one Numba pass over Q and K together (see ``_rope_fused``), parallel over cores for
+  large calls and serial for decode. Used automatically when Numba is installed.
+
+For a pair ``(x1, x2)`` of a head at position ``p`` with ``c = cos[p, i]``, ``s = sin[p, i]``:
+``x1' = x1 c - x2 s``, ``x2' = x2 c + x1 s``; the inverse (backward) uses ``-s``. The halves are
+``x[i], x[i + n]`` (layout "half") or ``x[2i], x[2i + 1]`` (layout "interleaved"), for
+``i < n = n_freq``; channels past ``2 n`` of a head pass through.
+
+Arrays are ``q: [B, T, n_heads * head_dim]``, ``k: [B, T, n_kv_heads * head_dim]`` with any
+strides (views of a fused QKV buffer work); the op trusts its caller (the Rope component) to have
+validated shapes, dtypes and positions.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from mila_py.build_context import BuildContext
+from mila_py.components.rope_config import RopeConfig, RopeLayout
+from mila_py.components.rope_table import RopeTable, get_rope
+from mila_py.devices import DeviceType
+from mila_py.ops.cpu import _rope_fused
+from mila_py.ops.operation import Operation
+from mila_py.ops.registry import register_op
+from mila_py.precision import Precision
+
+__all__ = ["BACKENDS", "CpuRopeOp"]
+
+BACKENDS = ("auto", "numpy", "fused")
+
+#: bytes of one tensor a NumPy block covers (half of a 1 MiB L2 with room for temporaries)
+_BLOCK_BYTES = 256 * 1024
+#: elements (Q + K) above which the fused kernel uses every core
+_PARALLEL_ELEMENTS = 1 << 16
+
+
+def _default_backend() -> str:
+    value = os.environ.get("MILA_PY_CPU_BACKEND", "auto").lower()
+    return value if value in BACKENDS else "auto"
+
+
+@register_op("RopeOp", DeviceType.CPU, precisions=(Precision.FP32, Precision.FP16, Precision.BF16))
+class CpuRopeOp(Operation):
+    """NumPy/Numba RoPE for one configuration and precision.
+
+    Attributes:
+        backend: ``"auto"`` (fused when Numba is installed), ``"numpy"`` or ``"fused"``;
+            the environment variable ``MILA_PY_CPU_BACKEND`` sets the default.
+        table: the shared :class:`RopeTable` (after build).
+    """
+
+    config: RopeConfig
+
+    def __init__(self, context: Any, config: RopeConfig, precision: Precision) -> None:
+        super().__init__(context, config, precision)
+        self._backend = _default_backend()
+        self.table: RopeTable | None = None
+        self._dtype = precision.numpy_dtype
+        self._interleaved = config.layout is RopeLayout.INTERLEAVED
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        if value not in BACKENDS:
+            raise ValueError(f"CpuRopeOp.backend must be one of {BACKENDS}, got {value!r}")
+        if value == "fused" and not _rope_fused.AVAILABLE:
+            raise RuntimeError("the fused CPU RoPE kernel needs Numba: pip install mila-py[jit]")
+        self._backend = value
+
+    @property
+    def uses_fused(self) -> bool:
+        return self._backend == "fused" or (self._backend == "auto" and _rope_fused.AVAILABLE)
+
+    def build(self, build_context: BuildContext) -> None:
+        super().build(build_context)
+        self.table = get_rope(self.config, self.context.device_id)
+
+    def state_arrays(self) -> list[Any]:
+        return self.table.arrays() if self.table is not None else []
+
+    # ------------------------------------------------------------------ entry points
+    def prefill(self, q: np.ndarray, k: np.ndarray, position_offset: int) -> None:
+        """Rotate in place at positions ``offset .. offset + T - 1``."""
+        self.apply(q, k, offset=int(position_offset), seq_len=int(position_offset) + q.shape[1])
+
+    def decode(self, q: np.ndarray, k: np.ndarray, position: Any) -> None:
+        """Rotate ``T == 1`` tokens in place at ``position`` (int or one per sequence ``[B]``)."""
+        if np.ndim(position) == 0:
+            self.prefill(q, k, int(position))
+        else:
+            positions = np.asarray(position, dtype=np.int64).reshape(-1, 1)
+            self.apply(q, k, positions=positions, seq_len=int(positions.max()) + 1)
+
+    def apply(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        *,
+        offset: int = 0,
+        positions: np.ndarray | None = None,
+        seq_len: int,
+        inverse: bool = False,
+        q_out: np.ndarray | None = None,
+        k_out: np.ndarray | None = None,
+    ) -> None:
+        """Rotate ``q``/``k`` (or their inverse) into ``q_out``/``k_out`` (default: in place).
+
+        Args:
+            q: ``[B, T, n_heads * head_dim]``.
+            k: ``[B, T, n_kv_heads * head_dim]``.
+            offset: position of token ``t`` is ``offset + t`` when ``positions`` is None.
+            positions: int64 ``[B, T]`` explicit positions (broadcast views allowed).
+            seq_len: ``max(position) + 1`` of the call (length-dependent scaling types use it).
+            inverse: apply ``R^T`` (backward).
+            q_out, k_out: outputs of the same shapes (may be ``q``/``k``).
+        """
+        assert self.table is not None, "CpuRopeOp used before build"
+        q_out = q if q_out is None else q_out
+        k_out = k if k_out is None else k_out
+        tables = self.table.tables_for(seq_len)
+        if tables is None:  # a length-dependent type past its original context: rows per call
+            if positions is None:
+                cos, sin = self.table.rows(np.arange(offset, offset + q.shape[1]), seq_len)
+                offset = 0
+            else:
+                b, t = q.shape[0], q.shape[1]
+                cos, sin = self.table.rows(np.broadcast_to(positions, (b, t)).reshape(-1), seq_len)
+                positions = np.arange(b * t, dtype=np.int64).reshape(b, t)
+        else:
+            cos, sin = tables
+        if self.uses_fused:
+            self._fused(q, k, q_out, k_out, cos, sin, offset, positions, inverse)
+        else:
+            for x_in, x_out, heads in (
+                (q, q_out, self.config.n_heads),
+                (k, k_out, self.config.n_kv_heads),
+            ):
+                self._numpy(x_in, x_out, heads, cos, sin, offset, positions, inverse)
+
+    # ------------------------------------------------------------------ fused path
+    def _fused(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        q_out: np.ndarray,
+        k_out: np.ndarray,
+        cos: np.ndarray,
+        sin: np.ndarray,
+        offset: int,
+        positions: np.ndarray | None,
+        inverse: bool,
+    ) -> None:
+        cfg = self.config
+        n_freq = self.table.n_freq  # type: ignore[union-attr]
+        use_pos = positions is not None
+        if use_pos:
+            pos = np.ascontiguousarray(np.broadcast_to(positions, q.shape[:2]), dtype=np.int64)
+        else:
+            pos = _rope_fused.NO_POSITIONS
+        sign = np.float32(-1.0 if inverse else 1.0)
+        copy_rest = (q_out is not q or k_out is not k) and 2 * n_freq < cfg.head_dim
+        elements = q.shape[0] * q.shape[1] * (q.shape[2] + k.shape[2])
+        kernel = (
+            _rope_fused.rope_parallel if elements >= _PARALLEL_ELEMENTS else _rope_fused.rope_serial
+        )
+        args = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, n_freq, self._interleaved, sign)
+        if q.dtype == np.float32:
+            kernel(q, k, q_out, k_out, cos, sin, offset, pos, use_pos, *args, copy_rest)
+            return
+        # 16-bit storage: widen a cache-sized block of tokens to fp32, rotate it, round once back.
+        n_b, n_t = q.shape[0], q.shape[1]
+        row_bytes = 4 * (q.shape[2] + k.shape[2])
+        block = max(1, _BLOCK_BYTES // row_bytes)
+        for b in range(n_b):
+            for t0 in range(0, n_t, block):
+                t1 = min(n_t, t0 + block)
+                qf = q[b : b + 1, t0:t1].astype(np.float32)
+                kf = k[b : b + 1, t0:t1].astype(np.float32)
+                sub_pos = pos[b : b + 1, t0:t1] if use_pos else pos
+                kernel(qf, kf, qf, kf, cos, sin, offset + t0, sub_pos, use_pos, *args, False)
+                q_out[b : b + 1, t0:t1] = qf
+                k_out[b : b + 1, t0:t1] = kf
+
+    # ------------------------------------------------------------------ NumPy path
+    def _numpy(
+        self,
+        x_in: np.ndarray,
+        x_out: np.ndarray,
+        n_heads: int,
+        cos: np.ndarray,
+        sin: np.ndarray,
+        offset: int,
+        positions: np.ndarray | None,
+        inverse: bool,
+    ) -> None:
+        head_dim = self.config.head_dim
+        n = self.table.n_freq  # type: ignore[union-attr]
+        if x_out is not x_in:
+            x_out[...] = x_in
+        n_b, n_t = x_out.shape[0], x_out.shape[1]
+        heads = _heads_view(x_out, n_heads, head_dim)  # [B, T, H, head_dim], a view
+        rotated = heads[..., : 2 * n]
+        if self._interleaved:
+            x1, x2 = rotated[..., 0::2], rotated[..., 1::2]  # [B, T, H, n] each
+        else:
+            x1, x2 = rotated[..., :n], rotated[..., n:]
+        if positions is not None:
+            positions = np.broadcast_to(positions, (n_b, n_t))
+        row_bytes = 4 * n_heads * head_dim
+        block = max(1, _BLOCK_BYTES // row_bytes)
+        if n_t <= block:  # few tokens per sequence: block over sequences instead
+            for b0 in range(0, n_b, max(1, block // n_t)):
+                b1 = min(n_b, b0 + max(1, block // n_t))
+                c, s = _rows(cos, sin, offset, positions, slice(b0, b1), slice(0, n_t))
+                _rotate_block(x1[b0:b1], x2[b0:b1], c, s, inverse)
+        else:
+            for b in range(n_b):
+                for t0 in range(0, n_t, block):
+                    t1 = min(n_t, t0 + block)
+                    c, s = _rows(cos, sin, offset, positions, slice(b, b + 1), slice(t0, t1))
+                    _rotate_block(x1[b : b + 1, t0:t1], x2[b : b + 1, t0:t1], c, s, inverse)
+
+
+def _heads_view(x: np.ndarray, n_heads: int, head_dim: int) -> np.ndarray:
+    """``x [B, T, H * d]`` as ``[B, T, H, d]`` without copying, whatever the strides."""
+    sb, st, sc = x.strides
+    return as_strided(
+        x, shape=(x.shape[0], x.shape[1], n_heads, head_dim), strides=(sb, st, head_dim * sc, sc)
+    )
+
+
+def _rows(
+    cos: np.ndarray,
+    sin: np.ndarray,
+    offset: int,
+    positions: np.ndarray | None,
+    bs: slice,
+    ts: slice,
+) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin rows for a block, shaped to broadcast against ``[b, t, H, n]``."""
+    if positions is None:
+        rows = slice(offset + ts.start, offset + ts.stop)
+        return cos[None, rows, None, :], sin[None, rows, None, :]
+    idx = positions[bs, ts]
+    return cos[idx][:, :, None, :], sin[idx][:, :, None, :]
+
+
+def _rotate_block(
+    x1: np.ndarray, x2: np.ndarray, c: np.ndarray, s: np.ndarray, inverse: bool
+) -> None:
+    """Rotate the pair halves ``x1, x2 [b, t, H, n]`` in place by cos/sin ``[.., .., 1, n]``."""
+    if x1.dtype == np.float32:
+        a, b = x1, x2
+    else:  # compute in fp32, round once on the way back
+        a, b = x1.astype(np.float32), x2.astype(np.float32)
+    a_s = a * s
+    b_s = b * s
+    a *= c
+    b *= c
+    if inverse:
+        a += b_s
+        b -= a_s
+    else:
+        a -= b_s
+        b += a_s
+    if a is not x1:
+        x1[...] = a
+        x2[...] = b

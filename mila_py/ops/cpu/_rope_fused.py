@@ -1,8 +1,13 @@
 """Fused single-pass RoPE kernels for the CPU, compiled by Numba (the ``jit`` extra).
 
 One pass over Q and K together: each token's cos/sin row is read once and reused across all
-heads of both tensors. ``parallel`` splits tokens across cores (prefill); ``serial`` avoids the
-thread-pool hand-off for decode-sized calls. Arithmetic is float32 on float32 data.
+heads of both tensors. ``*_parallel`` splits tokens across cores (prefill); ``*_serial`` avoids
+the thread-pool hand-off for decode-sized calls. Arithmetic is float32 on float32 data.
+
+Two details keep the inner loop a straight vectorized body: the pair halves are passed as 1-D
+views indexed by ``range`` variables (known non-negative, so Numba emits no wraparound checks),
+and in place one view per half is both read and written, so the vectorizer's runtime overlap
+checks pass (an aliased input/output pair would send it to the scalar fallback).
 
 Importing this module never fails: ``AVAILABLE`` says whether Numba is installed.
 """
@@ -13,7 +18,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["AVAILABLE", "rope_parallel", "rope_serial"]
+__all__ = [
+    "AVAILABLE",
+    "NO_POSITIONS",
+    "rope_inplace_parallel",
+    "rope_inplace_serial",
+    "rope_out_parallel",
+    "rope_out_serial",
+]
 
 try:
     import numba
@@ -21,37 +33,88 @@ except ImportError:  # the NumPy path serves
     numba = None
 
 AVAILABLE = numba is not None
+NO_POSITIONS = np.zeros((1, 1), dtype=np.int64)
 
 
-def _rope_pair(
-    x_in, x_out, b, t, cos, sin, p, n_heads, head_dim, n_freq, interleaved, sign, copy_rest
-):  # type: ignore[no-untyped-def]
+def _rotate_inplace(x1, x2, c, s, n, sign):  # type: ignore[no-untyped-def]
+    for i in range(n):
+        a = x1[i]
+        b = x2[i]
+        si = s[i] * sign
+        x1[i] = a * c[i] - b * si
+        x2[i] = b * c[i] + a * si
+
+
+def _rotate_out(x1, x2, y1, y2, c, s, n, sign):  # type: ignore[no-untyped-def]
+    for i in range(n):
+        a = x1[i]
+        b = x2[i]
+        si = s[i] * sign
+        y1[i] = a * c[i] - b * si
+        y2[i] = b * c[i] + a * si
+
+
+def _rotate_pairs_inplace(x, c, s, n, sign):  # type: ignore[no-untyped-def]
+    # Interleaved pairs (2i, 2i + 1) of one contiguous head; unsigned indices skip wraparound.
+    for i in range(n):
+        j = np.uint64(2 * i)
+        a = x[j]
+        b = x[j + np.uint64(1)]
+        si = s[i] * sign
+        x[j] = a * c[i] - b * si
+        x[j + np.uint64(1)] = b * c[i] + a * si
+
+
+def _rotate_pairs_out(x, y, c, s, n, sign):  # type: ignore[no-untyped-def]
+    for i in range(n):
+        j = np.uint64(2 * i)
+        a = x[j]
+        b = x[j + np.uint64(1)]
+        si = s[i] * sign
+        y[j] = a * c[i] - b * si
+        y[j + np.uint64(1)] = b * c[i] + a * si
+
+
+def _row_inplace(x, c, s, n_heads, head_dim, n, interleaved, sign):  # type: ignore[no-untyped-def]
     for h in range(n_heads):
-        base = h * head_dim
+        lo = h * head_dim
+        hi = lo + 2 * n
         if interleaved:
-            for i in range(n_freq):
-                c = cos[p, i]
-                s = sin[p, i] * sign
-                x1 = x_in[b, t, base + 2 * i]
-                x2 = x_in[b, t, base + 2 * i + 1]
-                x_out[b, t, base + 2 * i] = x1 * c - x2 * s
-                x_out[b, t, base + 2 * i + 1] = x2 * c + x1 * s
+            _k_pairs_inplace(x[lo:hi], c, s, n, sign)
         else:
-            for i in range(n_freq):
-                c = cos[p, i]
-                s = sin[p, i] * sign
-                x1 = x_in[b, t, base + i]
-                x2 = x_in[b, t, base + n_freq + i]
-                x_out[b, t, base + i] = x1 * c - x2 * s
-                x_out[b, t, base + n_freq + i] = x2 * c + x1 * s
-        if copy_rest:
-            for j in range(base + 2 * n_freq, base + head_dim):
-                x_out[b, t, j] = x_in[b, t, j]
+            _k_rotate_inplace(x[lo : lo + n], x[lo + n : hi], c, s, n, sign)
 
 
-def _rope_qk(
-    q_in,
-    k_in,
+def _row_out(x, y, c, s, n_heads, head_dim, n, interleaved, sign):  # type: ignore[no-untyped-def]
+    for h in range(n_heads):
+        lo = h * head_dim
+        hi = lo + 2 * n
+        if interleaved:
+            _k_pairs_out(x[lo:hi], y[lo:hi], c, s, n, sign)
+        else:
+            _k_rotate_out(
+                x[lo : lo + n], x[lo + n : hi], y[lo : lo + n], y[lo + n : hi], c, s, n, sign
+            )
+        for j in range(hi, lo + head_dim):  # channels past the rotated part pass through
+            y[j] = x[j]
+
+
+def _qk_inplace(
+    q, k, cos, sin, offset, pos, use_pos, n_heads, n_kv_heads, head_dim, n, interleaved, inverse
+):  # type: ignore[no-untyped-def]
+    n_t = q.shape[1]
+    sign = np.float32(-1.0) if inverse else np.float32(1.0)
+    for r in numba.prange(q.shape[0] * n_t):
+        b = r // n_t
+        t = r - b * n_t
+        p = pos[b, t] if use_pos else offset + t
+        _k_row_inplace(q[b, t], cos[p], sin[p], n_heads, head_dim, n, interleaved, sign)
+        _k_row_inplace(k[b, t], cos[p], sin[p], n_kv_heads, head_dim, n, interleaved, sign)
+
+
+def _qk_out(
+    q,
+    k,
     q_out,
     k_out,
     cos,
@@ -62,42 +125,31 @@ def _rope_qk(
     n_heads,
     n_kv_heads,
     head_dim,
-    n_freq,
+    n,
     interleaved,
-    sign,
-    copy_rest,
+    inverse,
 ):  # type: ignore[no-untyped-def]
-    n_b = q_in.shape[0]
-    n_t = q_in.shape[1]
-    for r in numba.prange(n_b * n_t):
+    n_t = q.shape[1]
+    sign = np.float32(-1.0) if inverse else np.float32(1.0)
+    for r in numba.prange(q.shape[0] * n_t):
         b = r // n_t
         t = r - b * n_t
         p = pos[b, t] if use_pos else offset + t
-        _pair(
-            q_in, q_out, b, t, cos, sin, p, n_heads, head_dim, n_freq, interleaved, sign, copy_rest
-        )
-        _pair(
-            k_in,
-            k_out,
-            b,
-            t,
-            cos,
-            sin,
-            p,
-            n_kv_heads,
-            head_dim,
-            n_freq,
-            interleaved,
-            sign,
-            copy_rest,
-        )
+        _k_row_out(q[b, t], q_out[b, t], cos[p], sin[p], n_heads, head_dim, n, interleaved, sign)
+        _k_row_out(k[b, t], k_out[b, t], cos[p], sin[p], n_kv_heads, head_dim, n, interleaved, sign)
 
 
 if AVAILABLE:
-    _pair = numba.njit(inline="always", cache=True)(_rope_pair)
-    rope_parallel: Any = numba.njit(parallel=True, cache=True)(_rope_qk)
-    rope_serial: Any = numba.njit(parallel=False, cache=True)(_rope_qk)
+    _inline = numba.njit(inline="always", cache=True)
+    _k_rotate_inplace = _inline(_rotate_inplace)
+    _k_rotate_out = _inline(_rotate_out)
+    _k_pairs_inplace = _inline(_rotate_pairs_inplace)
+    _k_pairs_out = _inline(_rotate_pairs_out)
+    _k_row_inplace = _inline(_row_inplace)
+    _k_row_out = _inline(_row_out)
+    rope_inplace_parallel: Any = numba.njit(parallel=True, cache=True)(_qk_inplace)
+    rope_inplace_serial: Any = numba.njit(cache=True)(_qk_inplace)
+    rope_out_parallel: Any = numba.njit(parallel=True, cache=True)(_qk_out)
+    rope_out_serial: Any = numba.njit(cache=True)(_qk_out)
 else:
-    rope_parallel = rope_serial = None
-
-NO_POSITIONS = np.zeros((1, 1), dtype=np.int64)
+    rope_inplace_parallel = rope_inplace_serial = rope_out_parallel = rope_out_serial = None

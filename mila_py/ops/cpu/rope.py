@@ -170,17 +170,24 @@ class CpuRopeOp(Operation):
             pos = np.ascontiguousarray(np.broadcast_to(positions, q.shape[:2]), dtype=np.int64)
         else:
             pos = _rope_fused.NO_POSITIONS
-        sign = np.float32(-1.0 if inverse else 1.0)
-        copy_rest = (q_out is not q or k_out is not k) and 2 * n_freq < cfg.head_dim
+        out_of_place = q_out is not q or k_out is not k
         elements = q.shape[0] * q.shape[1] * (q.shape[2] + k.shape[2])
-        kernel = (
-            _rope_fused.rope_parallel if elements >= _PARALLEL_ELEMENTS else _rope_fused.rope_serial
-        )
-        args = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, n_freq, self._interleaved, sign)
+        parallel = elements >= _PARALLEL_ELEMENTS
+        args = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, n_freq, self._interleaved, inverse)
         if q.dtype == np.float32:
-            kernel(q, k, q_out, k_out, cos, sin, offset, pos, use_pos, *args, copy_rest)
+            if out_of_place:
+                kernel = _rope_fused.rope_out_parallel if parallel else _rope_fused.rope_out_serial
+                kernel(q, k, q_out, k_out, cos, sin, offset, pos, use_pos, *args)
+            else:
+                kernel = (
+                    _rope_fused.rope_inplace_parallel
+                    if parallel
+                    else _rope_fused.rope_inplace_serial
+                )
+                kernel(q, k, cos, sin, offset, pos, use_pos, *args)
             return
         # 16-bit storage: widen a cache-sized block of tokens to fp32, rotate it, round once back.
+        kernel = _rope_fused.rope_inplace_parallel if parallel else _rope_fused.rope_inplace_serial
         n_b, n_t = q.shape[0], q.shape[1]
         row_bytes = 4 * (q.shape[2] + k.shape[2])
         block = max(1, _BLOCK_BYTES // row_bytes)
@@ -190,7 +197,7 @@ class CpuRopeOp(Operation):
                 qf = q[b : b + 1, t0:t1].astype(np.float32)
                 kf = k[b : b + 1, t0:t1].astype(np.float32)
                 sub_pos = pos[b : b + 1, t0:t1] if use_pos else pos
-                kernel(qf, kf, qf, kf, cos, sin, offset + t0, sub_pos, use_pos, *args, False)
+                kernel(qf, kf, cos, sin, offset + t0, sub_pos, use_pos, *args)
                 q_out[b : b + 1, t0:t1] = qf
                 k_out[b : b + 1, t0:t1] = kf
 
@@ -211,27 +218,37 @@ class CpuRopeOp(Operation):
         if x_out is not x_in:
             x_out[...] = x_in
         n_b, n_t = x_out.shape[0], x_out.shape[1]
-        heads = _heads_view(x_out, n_heads, head_dim)  # [B, T, H, head_dim], a view
-        rotated = heads[..., : 2 * n]
-        if self._interleaved:
-            x1, x2 = rotated[..., 0::2], rotated[..., 1::2]  # [B, T, H, n] each
-        else:
-            x1, x2 = rotated[..., :n], rotated[..., n:]
+        rotated = _heads_view(x_out, n_heads, head_dim)[..., : 2 * n]  # [B, T, H, 2n], a view
         if positions is not None:
             positions = np.broadcast_to(positions, (n_b, n_t))
-        row_bytes = 4 * n_heads * head_dim
-        block = max(1, _BLOCK_BYTES // row_bytes)
+        block = max(1, _BLOCK_BYTES // (4 * n_heads * head_dim))
         if n_t <= block:  # few tokens per sequence: block over sequences instead
-            for b0 in range(0, n_b, max(1, block // n_t)):
-                b1 = min(n_b, b0 + max(1, block // n_t))
-                c, s = _rows(cos, sin, offset, positions, slice(b0, b1), slice(0, n_t))
-                _rotate_block(x1[b0:b1], x2[b0:b1], c, s, inverse)
+            step = max(1, block // n_t)
+            blocks = [(slice(b0, min(n_b, b0 + step)), slice(0, n_t)) for b0 in range(0, n_b, step)]
         else:
-            for b in range(n_b):
-                for t0 in range(0, n_t, block):
-                    t1 = min(n_t, t0 + block)
-                    c, s = _rows(cos, sin, offset, positions, slice(b, b + 1), slice(t0, t1))
-                    _rotate_block(x1[b : b + 1, t0:t1], x2[b : b + 1, t0:t1], c, s, inverse)
+            blocks = [
+                (slice(b, b + 1), slice(t0, min(n_t, t0 + block)))
+                for b in range(n_b)
+                for t0 in range(0, n_t, block)
+            ]
+        # One scratch area per call, reused by every block: fresh large allocations per block
+        # would page-fault on every block.
+        bs0, ts0 = blocks[0]
+        shape = (bs0.stop - bs0.start, ts0.stop - ts0.start, n_heads, 2 * n)
+        scratch = np.empty((2, *shape), dtype=np.float32)
+        for bs, ts in blocks:
+            c, s = _rows(cos, sin, offset, positions, bs, ts)  # [b, t, 1, n]
+            x = rotated[bs, ts]  # [b, t, H, 2n]
+            size = x.shape[0] * x.shape[1]
+            spare = scratch[0].reshape(-1, n_heads, 2 * n)[:size].reshape(x.shape)
+            if x.dtype == np.float32:
+                work = x
+            else:
+                work = scratch[1].reshape(-1, n_heads, 2 * n)[:size].reshape(x.shape)
+                work[...] = x
+            _rotate_block(work, c, -s if inverse else s, n, self._interleaved, spare)
+            if work is not x:
+                x[...] = work  # round once to the storage precision
 
 
 def _heads_view(x: np.ndarray, n_heads: int, head_dim: int) -> np.ndarray:
@@ -259,23 +276,29 @@ def _rows(
 
 
 def _rotate_block(
-    x1: np.ndarray, x2: np.ndarray, c: np.ndarray, s: np.ndarray, inverse: bool
+    x: np.ndarray, c: np.ndarray, s: np.ndarray, n: int, interleaved: bool, spare: np.ndarray
 ) -> None:
-    """Rotate the pair halves ``x1, x2 [b, t, H, n]`` in place by cos/sin ``[.., .., 1, n]``."""
-    if x1.dtype == np.float32:
-        a, b = x1, x2
-    else:  # compute in fp32, round once on the way back
-        a, b = x1.astype(np.float32), x2.astype(np.float32)
-    a_s = a * s
-    b_s = b * s
-    a *= c
-    b *= c
-    if inverse:
-        a += b_s
-        b -= a_s
-    else:
-        a -= b_s
-        b += a_s
-    if a is not x1:
-        x1[...] = a
-        x2[...] = b
+    """Rotate fp32 ``x [b, t, H, 2n]`` in place by ``c, s [b, t, 1, n]`` (``spare``: x-sized scratch).
+
+    Interleaved pairs are adjacent, so they are complex numbers: one complex multiply by
+    ``c + i s``. Half pairs use ``x * [c, c] + [-x2, x1] * [s, s]`` on whole rotated spans,
+    which keeps NumPy's inner loops long.
+    """
+    if interleaved and x.strides[-1] == 4:
+        z = x.view(np.complex64)  # [b, t, H, n]: x[2i] + i x[2i + 1]
+        z *= c + 1j * s
+        return
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        x1_s, x2_s = x1 * s, x2 * s
+        x1 *= c
+        x2 *= c
+        x1 -= x2_s
+        x2 += x1_s
+        return
+    swapped = spare  # [-x2 s, x1 s]
+    np.multiply(x[..., n:], s, out=swapped[..., :n])
+    np.negative(swapped[..., :n], out=swapped[..., :n])
+    np.multiply(x[..., :n], s, out=swapped[..., n:])
+    x *= np.concatenate((c, c), axis=-1)
+    x += swapped

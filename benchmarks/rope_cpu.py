@@ -1,0 +1,160 @@
+"""CPU RoPE benchmark: mila_py against the memory-bound limit and Hugging Face, in one run.
+
+Measures, for Q ``[B, T, Hq*d]`` and K ``[B, T, Hk*d]`` in fp32:
+
+- the limit: an in-place pass that reads and writes every byte of Q and K once (NumPy, one
+  thread; and a Numba ``prange`` pass over both cores when Numba is installed) — the best of them;
+- mila_py ``Rope.forward`` (whole component call) with the fused and the NumPy paths;
+- Hugging Face ``apply_rotary_pos_emb`` in torch eager, when torch and transformers are installed;
+- ``Rope.decode`` for B=1 (whole component call, checks included), in microseconds per call.
+
+Run: ``python benchmarks/rope_cpu.py`` (``--help`` for shapes). Prints a table with ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from mila_py import BuildContext, RuntimeMode
+from mila_py.components import Rope, RopeConfig
+from mila_py.ops.cpu import _rope_fused
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _per_call_seconds(fn: Callable[[], object], calls: int, rounds: int = 5) -> float:
+    for _ in range(100):
+        fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def _numba_negate() -> Callable[[np.ndarray], None] | None:
+    if not _rope_fused.AVAILABLE:
+        return None
+    import numba
+
+    @numba.njit(parallel=True)
+    def negate(x: np.ndarray) -> None:  # reads and writes every element once
+        flat = x.reshape(-1)
+        for i in numba.prange(flat.size):
+            flat[i] = -flat[i]
+
+    return negate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    n_b, n_t, hq, hk, d = args.batch, args.tokens, args.heads, args.kv_heads, args.head_dim
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((n_b, n_t, hq * d), dtype=np.float32)
+    k = rng.standard_normal((n_b, n_t, hk * d), dtype=np.float32)
+    traffic = 2 * (q.nbytes + k.nbytes)  # read + write of Q and K
+    cfg = RopeConfig(
+        channels=hq * d, n_heads=hq, n_kv_heads=hk, max_seq_len=max(8192, n_t), base=500000.0
+    )
+    rope = Rope("rope", cfg, device="CPU")
+    rope.build(BuildContext((n_b, n_t, hq * d), RuntimeMode.INFERENCE))
+
+    rows: list[tuple[str, float]] = []
+
+    def numpy_negate() -> None:
+        np.negative(q, out=q)
+        np.negative(k, out=k)
+
+    limits = [("limit: NumPy in-place pass, 1 thread", _median_seconds(numpy_negate, args.repeats))]
+    negate = _numba_negate()
+    if negate is not None:
+
+        def numba_negate() -> None:
+            negate(q)
+            negate(k)
+
+        limits.append(
+            ("limit: Numba in-place pass, all cores", _median_seconds(numba_negate, args.repeats))
+        )
+    limit = min(t for _, t in limits)
+    rows.extend(limits)
+
+    backends = ["fused", "numpy"] if _rope_fused.AVAILABLE else ["numpy"]
+    mila: dict[str, float] = {}
+    for backend in backends:
+        rope.op.backend = backend
+        mila[backend] = _median_seconds(lambda: rope.forward(q, k), args.repeats)
+        rows.append((f"mila_py Rope.forward ({backend})", mila[backend]))
+
+    hf_time = None
+    try:
+        import torch
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        tq = torch.from_numpy(q.reshape(n_b, n_t, hq, d)).transpose(
+            1, 2
+        )  # [B, H, T, d] as HF has it
+        tk = torch.from_numpy(k.reshape(n_b, n_t, hk, d)).transpose(1, 2)
+        inv = 1.0 / (cfg.base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        freqs = torch.outer(torch.arange(n_t, dtype=torch.float32), inv)
+        emb = torch.cat((freqs, freqs), dim=-1)[None]
+        cos, sin = emb.cos(), emb.sin()
+        with torch.inference_mode():
+            hf_time = _median_seconds(lambda: apply_rotary_pos_emb(tq, tk, cos, sin), args.repeats)
+        rows.append(("HF apply_rotary_pos_emb (torch eager)", hf_time))
+    except ImportError as exc:
+        print(f"(Hugging Face skipped: {exc})")
+
+    print(
+        f"\nRoPE fp32 prefill, B={n_b} T={n_t} heads={hq}/{hk} head_dim={d}; "
+        f"Q+K traffic {traffic / 2**20:.1f} MiB (read + write)"
+    )
+    print(f"{'what':<42} {'ms':>9} {'GB/s':>8} {'x limit':>8}")
+    for name, seconds in rows:
+        print(
+            f"{name:<42} {seconds * 1e3:9.3f} {traffic / seconds / 1e9:8.2f} {seconds / limit:8.2f}"
+        )
+    if hf_time is not None:
+        for backend, seconds in mila.items():
+            print(f"speedup of mila_py ({backend}) over HF eager: {hf_time / seconds:.1f}x")
+
+    # decode: the whole component call for B=1, T=1
+    dq = rng.standard_normal((1, 1, hq * d), dtype=np.float32)
+    dk = rng.standard_normal((1, 1, hk * d), dtype=np.float32)
+    print(f"\n{'Rope.decode B=1 (whole call)':<42} {'us/call':>9}")
+    for backend in backends:
+        rope.op.backend = backend
+        seconds = _per_call_seconds(lambda: rope.decode(dq, dk, 1234), calls=2000)
+        print(f"{'  ' + backend:<42} {seconds * 1e6:9.2f}")
+    rope.op.backend = "auto"
+
+
+if __name__ == "__main__":
+    main()

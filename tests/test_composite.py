@@ -1,0 +1,496 @@
+"""mila_py.composite: CompositeComponent and Network."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mila_py import (
+    BuildContext,
+    Component,
+    CompositeComponent,
+    DeviceId,
+    MemoryStats,
+    Network,
+    Precision,
+    RuntimeMode,
+    TrainingMode,
+)
+from mila_py.devices import create_execution_context
+
+TRAIN = RuntimeMode.TRAINING
+INFER = RuntimeMode.INFERENCE
+
+
+def train_ctx(*shape: int) -> BuildContext:
+    return BuildContext(shape or (2, 4), TRAIN)
+
+
+def infer_ctx(*shape: int) -> BuildContext:
+    return BuildContext(shape or (2, 4), INFER)
+
+
+# ---------------------------------------------------------------------------- test components
+class Linear(Component):
+    """A weight (out, in) and a bias (out,)."""
+
+    def __init__(self, name: str, in_features: int = 4, out_features: int = 4, **kwargs) -> None:
+        super().__init__(name, **kwargs)
+        self.in_features = in_features
+        self.out_features = out_features
+
+    def _on_building(self, build_context: BuildContext) -> None:
+        self._add_parameter("weight", self._allocate((self.out_features, self.in_features)))
+        self._add_parameter("bias", self._allocate((self.out_features,)))
+
+
+class Recorder(Component):
+    """Records hook calls; may fail the context hook, the build or one mode switch."""
+
+    def __init__(
+        self, name: str, *, fail_context=False, fail_build=False, fail_mode=None, **kwargs
+    ) -> None:
+        super().__init__(name, **kwargs)
+        self.calls: list[tuple] = []
+        self.fail_context = fail_context
+        self.fail_build = fail_build
+        self.fail_mode = fail_mode
+
+    def _on_execution_context_set(self) -> None:
+        self.calls.append(("context", self.execution_context))
+        if self.fail_context:
+            raise RuntimeError(f"{self.name}: simulated context failure")
+
+    def _on_building(self, build_context: BuildContext) -> None:
+        self._add_parameter("w", self._allocate((2, 2)))
+        self.calls.append(("build", build_context))
+        if self.fail_build:
+            raise RuntimeError(f"{self.name}: simulated build failure")
+
+    def _on_training_mode_changing(self, mode: TrainingMode) -> None:
+        self.calls.append(("mode", mode))
+        if mode is self.fail_mode:
+            raise RuntimeError(f"{self.name}: simulated mode failure")
+
+
+class SharedTable(Component):
+    """Registers a state table that several components may share (like RoPE's cos/sin cache)."""
+
+    def __init__(self, name: str, table_holder: dict, **kwargs) -> None:
+        super().__init__(name, **kwargs)
+        self.table_holder = table_holder
+
+    def _on_building(self, build_context: BuildContext) -> None:
+        if "table" not in self.table_holder:
+            self.table_holder["table"] = self._allocate((32, 8))  # 1024 B in FP32
+        self._add_state("table", self.table_holder["table"])
+        self._add_state("own", self._allocate((4,)))  # 16 B each
+
+
+def block(name: str, *children: Component) -> CompositeComponent:
+    composite = CompositeComponent(name)
+    for child in children:
+        composite.add_component(child)
+    return composite
+
+
+def mlp_network(device: str = "CPU") -> Network:
+    """net -> [embed(4x8+8), block -> [fc1(8x16+16), fc2(16x8+8)], head(8x2+2)]."""
+    return (
+        Network("net", device=device)
+        .add_component(Linear("embed", 8, 4))
+        .add_component(block("block", Linear("fc1", 8, 16), Linear("fc2", 16, 8)))
+        .add_component(Linear("head", 2, 8))
+    )
+
+
+EXPECTED_NAMES = [
+    "embed.weight",
+    "embed.bias",
+    "block.fc1.weight",
+    "block.fc1.bias",
+    "block.fc2.weight",
+    "block.fc2.bias",
+    "head.weight",
+    "head.bias",
+]
+EXPECTED_SHAPES = [(4, 8), (4,), (16, 8), (16,), (8, 16), (8,), (8, 2), (8,)]
+
+
+# ---------------------------------------------------------------------------- children
+def test_children_keep_insertion_order() -> None:
+    comp = CompositeComponent("c")
+    names = ["zeta", "alpha", "mid", "beta"]
+    for name in names:
+        comp.add_component(Component(name))
+    assert [child.name for child in comp] == names
+    assert list(comp.components) == names
+    assert len(comp) == 4
+
+
+def test_add_component_is_chainable() -> None:
+    comp = CompositeComponent("c")
+    a, b = Component("a"), Component("b")
+    assert comp.add_component(a) is comp
+    assert comp.add_component(a.__class__("c2")).add_component(b) is comp
+    assert comp.get_component("a") is a
+    assert comp.get_component("b") is b
+
+
+def test_components_is_a_copy() -> None:
+    comp = block("c", Component("a"))
+    copy = comp.components
+    copy.clear()
+    assert comp.has_component("a")
+    assert len(comp) == 1
+
+
+def test_duplicate_child_name_raises_and_keeps_the_first() -> None:
+    comp = CompositeComponent("c")
+    first = Component("x")
+    comp.add_component(first)
+    with pytest.raises(ValueError, match=r"'c'.*'x'"):
+        comp.add_component(Component("x"))
+    assert comp.get_component("x") is first
+    assert len(comp) == 1
+
+
+def test_child_with_a_context_is_refused() -> None:
+    comp = CompositeComponent("c")
+    standalone = Linear("lin", device="CPU")
+    with pytest.raises(RuntimeError, match=r"lin.*execution context"):
+        comp.add_component(standalone)
+    assert len(comp) == 0
+
+
+def test_add_non_component_raises_type_error() -> None:
+    comp = CompositeComponent("c")
+    with pytest.raises(TypeError):
+        comp.add_component("child")  # type: ignore[arg-type]
+
+
+def test_cycles_are_refused() -> None:
+    outer = CompositeComponent("outer")
+    inner = CompositeComponent("inner")
+    outer.add_component(inner)
+    with pytest.raises(ValueError, match="cycle"):
+        outer.add_component(outer)
+    with pytest.raises(ValueError, match="cycle"):
+        inner.add_component(outer)
+    assert len(inner) == 0
+
+
+def test_add_after_build_raises() -> None:
+    net = Network("net").add_component(Linear("a"))
+    net.build(train_ctx())
+    with pytest.raises(RuntimeError, match=r"net.*built"):
+        net.add_component(Linear("b"))
+    assert list(net.components) == ["a"]
+
+
+def test_get_component_raises_key_error_listing_children() -> None:
+    comp = block("c", Component("alpha"), Component("beta"))
+    with pytest.raises(KeyError, match=r"gamma.*alpha.*beta"):
+        comp.get_component("gamma")
+    assert not comp.has_component("gamma")
+    assert comp.has_component("alpha")
+
+
+def test_find_component_by_dotted_path() -> None:
+    leaf = Component("c")
+    tree = block("root", block("a", block("b", leaf), Component("sibling")))
+    assert tree.find_component("a.b.c") is leaf
+    assert tree.find_component("a") is tree.get_component("a")
+    assert tree.find_component("a.sibling").name == "sibling"
+    with pytest.raises(KeyError, match="missing"):
+        tree.find_component("a.missing.c")
+    with pytest.raises(KeyError, match=r"'a\.b\.c\.d'"):
+        tree.find_component("a.b.c.d")  # c is a leaf: it has no children
+    with pytest.raises(KeyError):
+        tree.find_component("")
+
+
+def test_remove_component_before_build() -> None:
+    a, b, c = Component("a"), Component("b"), Component("c")
+    comp = block("comp", a, b, c)
+    assert comp.remove_component("b") is b
+    assert [child.name for child in comp] == ["a", "c"]
+    with pytest.raises(KeyError, match="b"):
+        comp.remove_component("b")
+    comp.add_component(Component("b"))
+    assert [child.name for child in comp] == ["a", "c", "b"]
+
+
+def test_clear_components_before_build() -> None:
+    comp = block("comp", Component("a"), Component("b"))
+    comp.clear_components()
+    assert len(comp) == 0
+    assert list(comp) == []
+    comp.add_component(Component("a"))
+    assert list(comp.components) == ["a"]
+
+
+def test_remove_and_clear_after_build_raise() -> None:
+    net = Network("net").add_component(Linear("a")).add_component(Linear("b"))
+    net.build(train_ctx())
+    with pytest.raises(RuntimeError, match="built"):
+        net.remove_component("a")
+    with pytest.raises(RuntimeError, match="built"):
+        net.clear_components()
+    assert list(net.components) == ["a", "b"]
+
+
+# ---------------------------------------------------------------------------- Network and contexts
+def test_network_owns_its_context_and_defaults_to_cpu() -> None:
+    net = Network("net")
+    assert net.has_execution_context
+    assert net.device_id == DeviceId.parse("CPU")
+    assert net._owns_context
+
+
+def test_network_needs_a_device() -> None:
+    with pytest.raises(ValueError, match="device"):
+        Network("net", device=None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        Network("net", device="tpu:0")
+    with pytest.raises(ValueError):
+        Network("9net")
+
+
+def test_context_propagates_to_children_added_before_and_after(device: str) -> None:
+    early = block("early", Recorder("deep"))
+    comp = CompositeComponent("comp")
+    comp.add_component(early)
+    ctx = create_execution_context(device)
+    comp.set_execution_context(ctx)
+    late = Recorder("late")
+    comp.add_component(late)
+    for node in (comp, early, early.get_component("deep"), late):
+        assert node.execution_context is ctx
+    assert late.calls == [("context", ctx)]
+    assert early.get_component("deep").calls == [("context", ctx)]
+
+
+def test_network_gives_its_context_to_the_whole_tree(device: str) -> None:
+    net = mlp_network(device)
+    ctx = net.execution_context
+    for path in ("embed", "block", "block.fc1", "block.fc2", "head"):
+        assert net.find_component(path).execution_context is ctx
+        assert not net.find_component(path)._owns_context
+
+
+def test_failing_child_hook_leaves_no_context_anywhere_and_can_be_retried() -> None:
+    bad = Recorder("bad", fail_context=True)
+    inner = block("inner", Recorder("leaf"))
+    outer = block("outer", inner, bad)
+    ctx = create_execution_context("CPU")
+    with pytest.raises(RuntimeError, match="simulated context failure"):
+        outer.set_execution_context(ctx)
+    for node in (outer, inner, inner.get_component("leaf"), bad):
+        assert not node.has_execution_context, node.name
+    bad.fail_context = False
+    outer.set_execution_context(ctx)
+    for node in (outer, inner, inner.get_component("leaf"), bad):
+        assert node.execution_context is ctx
+
+
+def test_adding_a_child_whose_hook_fails_leaves_both_unchanged() -> None:
+    net = Network("net")
+    child = block("child", Recorder("ok"), Recorder("bad", fail_context=True))
+    with pytest.raises(RuntimeError, match="simulated context failure"):
+        net.add_component(child)
+    assert not net.has_component("child")
+    assert not child.has_execution_context
+    assert not child.get_component("ok").has_execution_context
+    child.get_component("bad").fail_context = False
+    net.add_component(child)
+    assert child.find_component("ok").execution_context is net.execution_context
+
+
+# ---------------------------------------------------------------------------- build and modes
+def test_build_builds_every_child_with_the_composite_context() -> None:
+    a, b = Recorder("a"), Recorder("b")
+    net = Network("net").add_component(a).add_component(block("blk", b))
+    bc = train_ctx(2, 3)
+    net.build(bc)
+    for node in (net, a, b, net.get_component("blk")):
+        assert node.is_built
+        assert node.build_context is bc
+        assert node.training_mode is TrainingMode.NORMAL
+    assert a.calls[-1] == ("build", bc)
+
+
+def test_build_without_context_raises() -> None:
+    comp = block("comp", Linear("a"))
+    with pytest.raises(RuntimeError, match="execution context"):
+        comp.build(train_ctx())
+    assert not comp.get_component("a").is_built
+
+
+def test_failed_child_build_rolls_back_the_whole_tree_and_can_be_retried() -> None:
+    first = Linear("first")
+    deep = Linear("deep")
+    bad = Recorder("bad", fail_build=True)
+    net = Network("net").add_component(first).add_component(block("blk", deep)).add_component(bad)
+    with pytest.raises(RuntimeError, match="simulated build failure"):
+        net.build(train_ctx())
+    for node in (net, first, deep, net.get_component("blk"), bad):
+        assert not node.is_built, node.name
+        assert node.training_mode is None
+        assert node.get_parameters() == []
+    assert net.get_memory_stats() == MemoryStats()
+    assert net.get_gradients() == []
+    bad.fail_build = False
+    net.build(train_ctx())
+    assert all(node.is_built for node in (net, first, deep, bad))
+    assert net.parameter_count() == 2 * (16 + 4) + 4
+
+
+def test_training_mode_propagates_to_every_child() -> None:
+    a, b = Recorder("a"), Recorder("b")
+    net = Network("net").add_component(a).add_component(block("blk", b))
+    net.build(train_ctx())
+    net.set_training_mode(TrainingMode.EVAL)
+    for node in (net, a, b, net.get_component("blk")):
+        assert node.training_mode is TrainingMode.EVAL
+    assert a.calls[-1] == ("mode", TrainingMode.EVAL)
+    assert b.calls[-1] == ("mode", TrainingMode.EVAL)
+    net.eval()  # no-op: no hook called
+    assert [c for c in a.calls if c[0] == "mode"] == [("mode", TrainingMode.EVAL)]
+    net.train()
+    assert all(n.training_mode is TrainingMode.NORMAL for n in (net, a, b))
+
+
+def test_failing_child_mode_switch_restores_the_children_already_switched() -> None:
+    a = Recorder("a")
+    b = Recorder("b", fail_mode=TrainingMode.EVAL)
+    net = Network("net").add_component(a).add_component(b)
+    net.build(train_ctx())
+    with pytest.raises(RuntimeError, match="simulated mode failure"):
+        net.eval()
+    assert net.training_mode is TrainingMode.NORMAL
+    assert a.training_mode is TrainingMode.NORMAL
+    assert b.training_mode is TrainingMode.NORMAL
+
+
+def test_inference_network_reports_eval_everywhere_and_refuses_mode_changes() -> None:
+    net = mlp_network()
+    net.build(infer_ctx())
+    for path in ("embed", "block", "block.fc1", "head"):
+        assert net.find_component(path).training_mode is TrainingMode.EVAL
+    with pytest.raises(RuntimeError, match="INFERENCE"):
+        net.set_training_mode(TrainingMode.NORMAL)
+    assert net.training_mode is TrainingMode.EVAL
+
+
+def test_set_training_mode_before_build_raises() -> None:
+    net = mlp_network()
+    with pytest.raises(RuntimeError):
+        net.set_training_mode(TrainingMode.EVAL)
+
+
+# ---------------------------------------------------------------------------- aggregation
+def test_parameters_aggregate_in_canonical_order(device: str) -> None:
+    net = mlp_network(device)
+    net.build(train_ctx(2, 8))
+    names = [name for name, _ in net.named_parameters()]
+    assert names == EXPECTED_NAMES
+    params = net.get_parameters()
+    assert [p.shape for p in params] == EXPECTED_SHAPES
+    own = [p for child in net for p in child.get_parameters()]
+    assert all(a is b for a, b in zip(params, own, strict=True))
+    assert net.parameter_count() == sum(int(np.prod(s)) for s in EXPECTED_SHAPES)
+
+
+def test_gradients_aggregate_aligned_with_parameters(device: str, host) -> None:
+    net = mlp_network(device)
+    net.build(train_ctx(2, 8))
+    grads = net.get_gradients()
+    assert [g.shape for g in grads] == EXPECTED_SHAPES
+    assert [name for name, _ in net.named_gradients()] == EXPECTED_NAMES
+    for g in grads:
+        g.fill(3)
+    net.zero_gradients()
+    assert all(not host(g).any() for g in grads)
+
+
+def test_inference_network_has_no_gradients() -> None:
+    net = mlp_network()
+    net.build(infer_ctx(2, 8))
+    assert net.get_gradients() == []
+    assert len(net.get_parameters()) == len(EXPECTED_NAMES)
+
+
+def test_memory_stats_aggregate_over_the_tree() -> None:
+    net = mlp_network()
+    net.build(train_ctx(2, 8))
+    n_params = sum(int(np.prod(s)) for s in EXPECTED_SHAPES)
+    stats = net.get_memory_stats()
+    assert stats.device_parameter_bytes == n_params * 4
+    assert stats.device_gradient_bytes == n_params * 4
+    assert stats.device_state_bytes == 0
+    assert stats.host_total_bytes == 0
+    children_sum = sum((child.get_memory_stats() for child in net), MemoryStats())
+    assert stats == children_sum
+
+
+def test_memory_stats_follow_precision() -> None:
+    net = Network("net", precision=Precision.FP16)
+    net.add_component(Linear("lin", 4, 4, precision=Precision.FP16))
+    net.build(infer_ctx())
+    assert net.get_memory_stats().device_parameter_bytes == 20 * 2
+
+
+def test_shared_buffer_is_counted_once_in_the_aggregate() -> None:
+    holder: dict = {}
+    a = SharedTable("a", holder)
+    b = SharedTable("b", holder)
+    c = SharedTable("c", holder)
+    net = Network("net").add_component(a).add_component(block("blk", b, c))
+    net.build(infer_ctx())
+    assert a.get_memory_stats().device_state_bytes == 1024 + 16
+    assert b.get_memory_stats().device_state_bytes == 1024 + 16
+    assert net.find_component("blk").get_memory_stats().device_state_bytes == 1024 + 2 * 16
+    assert net.get_memory_stats().device_state_bytes == 1024 + 3 * 16
+    naive = sum((x.get_memory_stats() for x in (a, b, c)), MemoryStats())
+    assert naive.device_state_bytes == 3 * (1024 + 16)
+
+
+def test_equal_but_distinct_buffers_are_each_counted() -> None:
+    a = SharedTable("a", {})
+    b = SharedTable("b", {})
+    net = Network("net").add_component(a).add_component(b)
+    net.build(infer_ctx())
+    assert net.get_memory_stats().device_state_bytes == 2 * (1024 + 16)
+
+
+# ---------------------------------------------------------------------------- repr
+def test_repr_prints_the_tree_with_parameter_counts() -> None:
+    net = mlp_network()
+    net.build(train_ctx(2, 8))
+    lines = repr(net).splitlines()
+    assert len(lines) == 6
+    assert lines[0].startswith("Network('net'")
+    assert "3 children" in lines[0]
+    total = sum(int(np.prod(s)) for s in EXPECTED_SHAPES)
+    assert f"params={total:,}" in lines[0]
+    expected = [
+        ("  ", "Linear('embed'", 4 * 8 + 4),
+        ("  ", "CompositeComponent('block'", 16 * 8 + 16 + 8 * 16 + 8),
+        ("    ", "Linear('fc1'", 16 * 8 + 16),
+        ("    ", "Linear('fc2'", 8 * 16 + 8),
+        ("  ", "Linear('head'", 8 * 2 + 8),
+    ]
+    for line, (indent, head, count) in zip(lines[1:], expected, strict=True):
+        assert line.startswith(indent + head), line
+        assert not line[len(indent)].isspace()
+        assert f"params={count:,}" in line, line
+    assert "2 children" in lines[2]
+
+
+def test_repr_of_an_unbuilt_composite() -> None:
+    comp = block("comp", Linear("a"))
+    text = repr(comp)
+    assert "unbuilt" in text
+    assert "params=0" in text
+    assert text.splitlines()[1].startswith("  Linear('a'")

@@ -1,0 +1,338 @@
+"""mila_py.devices: DeviceType, DeviceId and its parser, available_devices, execution contexts."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import mila_py.devices as devices
+from mila_py.devices import (
+    CpuExecutionContext,
+    CudaExecutionContext,
+    DeviceId,
+    DeviceType,
+    ExecutionContext,
+    available_devices,
+    create_execution_context,
+)
+from mila_py.devices import cuda as cuda_module
+
+CPU0 = DeviceId(DeviceType.CPU, 0)
+
+
+# ---------------------------------------------------------------------------- DeviceType
+def test_device_type_members() -> None:
+    assert [t.name for t in DeviceType] == ["CPU", "CUDA"]
+    assert str(DeviceType.CPU) == "CPU"
+    assert str(DeviceType.CUDA) == "CUDA"
+
+
+# ---------------------------------------------------------------------------- DeviceId
+def test_device_id_fields_and_default_index() -> None:
+    d = DeviceId(DeviceType.CUDA, 3)
+    assert d.device_type is DeviceType.CUDA
+    assert d.index == 3
+    assert DeviceId(DeviceType.CPU) == CPU0
+
+
+def test_device_id_is_frozen() -> None:
+    d = DeviceId(DeviceType.CUDA, 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.index = 2  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.device_type = DeviceType.CPU  # type: ignore[misc]
+    assert d == DeviceId(DeviceType.CUDA, 1)
+
+
+def test_device_id_is_hashable_and_compares_by_value() -> None:
+    a = DeviceId(DeviceType.CUDA, 1)
+    b = DeviceId(DeviceType.CUDA, 1)
+    assert a is not b
+    assert a == b
+    assert hash(a) == hash(b)
+    assert len({a, b, CPU0, DeviceId(DeviceType.CUDA, 0)}) == 3
+    table = {a: "first"}
+    assert table[b] == "first"
+    assert a != DeviceId(DeviceType.CUDA, 2)
+    assert a != "CUDA:1"
+
+
+def test_device_id_ordering_cpu_first_then_index() -> None:
+    cuda = [DeviceId(DeviceType.CUDA, i) for i in (10, 2, 0, 1)]
+    ordered = sorted([*cuda, CPU0])
+    assert [str(d) for d in ordered] == ["CPU:0", "CUDA:0", "CUDA:1", "CUDA:2", "CUDA:10"]
+    cpu, cuda0 = CPU0, DeviceId(DeviceType.CUDA, 0)
+    assert cpu < cuda0
+    assert not cuda0 < cpu
+    assert DeviceId(DeviceType.CUDA, 2) > DeviceId(DeviceType.CUDA, 1)
+    assert DeviceId(DeviceType.CUDA, 1) <= DeviceId(DeviceType.CUDA, 1)
+    assert DeviceId(DeviceType.CUDA, 1) >= DeviceId(DeviceType.CUDA, 1)
+    assert not DeviceId(DeviceType.CUDA, 1) < DeviceId(DeviceType.CUDA, 1)
+
+
+def test_device_id_does_not_order_against_other_types() -> None:
+    with pytest.raises(TypeError):
+        _ = CPU0 < "CUDA:0"  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    ("device_type", "index", "error"),
+    [
+        (DeviceType.CUDA, -1, ValueError),
+        (DeviceType.CUDA, 1.0, ValueError),
+        (DeviceType.CUDA, True, ValueError),
+        (DeviceType.CPU, 1, ValueError),
+        ("CUDA", 0, TypeError),
+        (None, 0, TypeError),
+    ],
+)
+def test_device_id_rejects_bad_fields(device_type, index, error) -> None:
+    with pytest.raises(error):
+        DeviceId(device_type, index)
+
+
+def test_device_id_str() -> None:
+    assert str(DeviceId(DeviceType.CUDA, 1)) == "CUDA:1"
+    assert str(CPU0) == "CPU:0"
+
+
+@pytest.mark.parametrize(
+    ("spec", "device_type", "index"),
+    [
+        ("cuda:1", DeviceType.CUDA, 1),
+        ("CUDA:1", DeviceType.CUDA, 1),
+        ("Cuda:1", DeviceType.CUDA, 1),
+        ("cUdA:12", DeviceType.CUDA, 12),
+        ("cuda", DeviceType.CUDA, 0),
+        ("CUDA:0", DeviceType.CUDA, 0),
+        ("cpu", DeviceType.CPU, 0),
+        ("CPU", DeviceType.CPU, 0),
+        ("Cpu:0", DeviceType.CPU, 0),
+    ],
+)
+def test_parse_valid(spec: str, device_type: DeviceType, index: int) -> None:
+    parsed = DeviceId.parse(spec)
+    assert parsed == DeviceId(device_type, index)
+    assert parsed.device_type is device_type
+    assert parsed.index == index
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["", "   ", "cuda:", "cuda:x", "tpu:0", "tpu", ":0", "cuda:-1", "cuda:1:2", "cuda1", "cpu:1"],
+)
+def test_parse_malformed_raises_value_error(spec: str) -> None:
+    with pytest.raises(ValueError):
+        DeviceId.parse(spec)
+
+
+def test_parse_unknown_type_message_names_the_input() -> None:
+    with pytest.raises(ValueError, match="tpu"):
+        DeviceId.parse("tpu:0")
+
+
+@pytest.mark.parametrize("spec", [0, None, 1.5, ["CPU"]])
+def test_parse_wrong_type_raises_type_error(spec) -> None:
+    with pytest.raises(TypeError):
+        DeviceId.parse(spec)
+
+
+def test_parse_passes_device_ids_and_types_through() -> None:
+    d = DeviceId(DeviceType.CUDA, 4)
+    assert DeviceId.parse(d) is d
+    assert DeviceId.parse(DeviceType.CUDA) == DeviceId(DeviceType.CUDA, 0)
+    assert DeviceId.parse(DeviceType.CPU) == CPU0
+
+
+@pytest.mark.parametrize("d", [CPU0, DeviceId(DeviceType.CUDA, 0), DeviceId(DeviceType.CUDA, 7)])
+def test_str_and_parse_round_trip(d: DeviceId) -> None:
+    assert DeviceId.parse(str(d)) == d
+    assert DeviceId.parse(str(d).lower()) == d
+
+
+# ---------------------------------------------------------------------------- available_devices
+def test_available_devices_lists_cpu_then_every_gpu() -> None:
+    found = available_devices()
+    assert found[0] == CPU0
+    assert all(isinstance(d, DeviceId) for d in found)
+    assert found == sorted(found)
+    assert len(set(found)) == len(found)
+    expected_gpus = cuda_module.cuda_device_count()
+    assert [d for d in found if d.device_type is DeviceType.CUDA] == [
+        DeviceId(DeviceType.CUDA, i) for i in range(expected_gpus)
+    ]
+
+
+def test_available_devices_follows_the_gpu_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 2)
+    assert available_devices() == [
+        CPU0,
+        DeviceId(DeviceType.CUDA, 0),
+        DeviceId(DeviceType.CUDA, 1),
+    ]
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 0)
+    assert available_devices() == [CPU0]
+
+
+# ---------------------------------------------------------------------------- CPU context
+@pytest.mark.parametrize("spec", ["CPU", "cpu", "cpu:0", CPU0, DeviceType.CPU])
+def test_create_cpu_context(spec) -> None:
+    ctx = create_execution_context(spec)
+    assert isinstance(ctx, CpuExecutionContext)
+    assert isinstance(ctx, ExecutionContext)
+    assert ctx.device_id == CPU0
+    assert ctx.device_type is DeviceType.CPU
+    assert ctx.xp is np
+    assert "CPU:0" in repr(ctx)
+
+
+@pytest.mark.parametrize("spec", ["", "cuda:", "cuda:x", "tpu:0"])
+def test_create_context_rejects_malformed_devices(spec: str) -> None:
+    with pytest.raises(ValueError):
+        create_execution_context(spec)
+
+
+def test_cpu_context_rejects_a_cuda_device() -> None:
+    with pytest.raises(ValueError, match="CPU"):
+        CpuExecutionContext(DeviceId(DeviceType.CUDA, 0))
+
+
+def test_cuda_context_rejects_a_cpu_device() -> None:
+    with pytest.raises(ValueError, match="CUDA"):
+        CudaExecutionContext(CPU0)
+
+
+def test_cpu_context_allocates_zeroed_arrays_of_the_requested_dtype() -> None:
+    ctx = CpuExecutionContext()
+    a = ctx.allocate((3, 5), np.float16)
+    assert isinstance(a, np.ndarray)
+    assert a.shape == (3, 5)
+    assert a.dtype == np.float16
+    assert not a.any()
+    b = ctx.allocate((4,), np.float32, zero=False)
+    assert b.shape == (4,)
+    assert b.dtype == np.float32
+    assert ctx.is_device_array(a)
+    assert not ctx.is_device_array([0.0, 1.0])
+
+
+def test_cpu_context_to_device_copies_and_to_host_returns_numpy() -> None:
+    ctx = CpuExecutionContext()
+    source = np.arange(6, dtype=np.float32).reshape(2, 3)
+    on_device = ctx.to_device(source)
+    assert on_device is not source
+    source[0, 0] = 100.0
+    assert on_device[0, 0] == 0.0
+    np.testing.assert_array_equal(ctx.to_host(on_device), on_device)
+    np.testing.assert_array_equal(ctx.to_device([[1, 2], [3, 4]]), np.array([[1, 2], [3, 4]]))
+    ctx.synchronize()  # a no-op that must not fail
+
+
+def test_contexts_are_independent_objects() -> None:
+    a = create_execution_context("CPU")
+    b = create_execution_context("CPU")
+    assert a is not b
+    assert a.device_id == b.device_id
+
+
+# ---------------------------------------------------------------------------- device-generic
+def test_context_round_trip_on_every_device(device: str, host) -> None:
+    ctx = create_execution_context(device)
+    assert ctx.device_id == DeviceId.parse(device)
+    data = np.linspace(-2.0, 3.0, 12, dtype=np.float32).reshape(3, 4)
+    on_device = ctx.to_device(data)
+    assert ctx.is_device_array(on_device)
+    back = ctx.to_host(on_device)
+    assert isinstance(back, np.ndarray)
+    np.testing.assert_array_equal(back, data)
+    zeros = ctx.allocate((2, 3), np.float32)
+    ctx.synchronize()
+    np.testing.assert_array_equal(host(zeros), np.zeros((2, 3), np.float32))
+
+
+# ---------------------------------------------------------------------------- CUDA without CuPy / GPU
+def _hide_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A None entry in sys.modules makes `import cupy` raise ImportError.
+    monkeypatch.setitem(sys.modules, "cupy", None)
+
+
+def _fake_cupy(monkeypatch: pytest.MonkeyPatch, count) -> None:
+    def get_device_count() -> int:
+        if isinstance(count, Exception):
+            raise count
+        return count
+
+    fake = types.ModuleType("cupy")
+    fake.cuda = types.SimpleNamespace(  # type: ignore[attr-defined]
+        runtime=types.SimpleNamespace(getDeviceCount=get_device_count)
+    )
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+
+
+def test_cuda_without_cupy_says_what_is_missing_and_how_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _hide_cupy(monkeypatch)
+    assert cuda_module.cuda_device_count() == 0
+    with pytest.raises(RuntimeError) as info:
+        create_execution_context("CUDA:0")
+    message = str(info.value)
+    assert "CuPy" in message
+    assert "pip install mila-py[cuda12]" in message
+
+
+def test_cuda_with_cupy_but_no_gpu_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cupy(monkeypatch, 0)
+    assert cuda_module.cuda_device_count() == 0
+    with pytest.raises(RuntimeError, match="no CUDA GPU"):
+        create_execution_context("cuda:0")
+
+
+def test_cuda_device_count_is_zero_when_the_driver_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cupy(monkeypatch, RuntimeError("cudaErrorNoDevice"))
+    assert cuda_module.cuda_device_count() == 0
+    with pytest.raises(RuntimeError, match="no CUDA GPU"):
+        create_execution_context("CUDA:0")
+
+
+def test_cuda_index_beyond_the_gpus_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cupy(monkeypatch, 1)
+    assert cuda_module.cuda_device_count() == 1
+    with pytest.raises(RuntimeError, match=r"CUDA:3.*1 GPU"):
+        create_execution_context("CUDA:3")
+
+
+def test_importing_mila_py_does_not_import_cupy() -> None:
+    code = "import sys, mila_py, mila_py.devices; print('cupy' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert result.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------------------- real GPU
+@pytest.mark.cuda
+@pytest.mark.skipif(cuda_module.cuda_device_count() == 0, reason="no CUDA GPU / CuPy")
+def test_cuda_context_owns_a_stream_and_allocates_on_its_device() -> None:
+    import cupy
+
+    ctx = create_execution_context("CUDA:0")
+    assert isinstance(ctx, CudaExecutionContext)
+    assert ctx.xp is cupy
+    assert isinstance(ctx.stream, cupy.cuda.Stream)
+    assert ctx.stream is not cupy.cuda.Stream.null
+    a = ctx.allocate((4, 4), np.float32)
+    assert isinstance(a, cupy.ndarray)
+    assert a.device.id == 0
+    assert ctx.is_device_array(a)
+    assert not ctx.is_device_array(np.zeros(3))
+    with ctx.activate():
+        assert cupy.cuda.get_current_stream() == ctx.stream
+        a += 1
+    ctx.synchronize()
+    np.testing.assert_array_equal(ctx.to_host(a), np.ones((4, 4), np.float32))

@@ -1,0 +1,91 @@
+"""mila_py.precision: Precision <-> NumPy dtypes and the per-device support table."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mila_py.devices import DeviceType
+from mila_py.precision import DEVICE_PRECISIONS, Precision
+
+EXPECTED = {
+    Precision.FP32: (np.float32, 4),
+    Precision.FP16: (np.float16, 2),
+    Precision.BF16: (ml_dtypes.bfloat16, 2),
+}
+
+
+def test_members() -> None:
+    assert [p.name for p in Precision] == ["FP32", "FP16", "BF16"]
+    assert [str(p) for p in Precision] == ["FP32", "FP16", "BF16"]
+
+
+@pytest.mark.parametrize("precision", list(Precision))
+def test_numpy_dtype_and_itemsize(precision: Precision) -> None:
+    scalar_type, itemsize = EXPECTED[precision]
+    assert isinstance(precision.numpy_dtype, np.dtype)
+    assert precision.numpy_dtype == np.dtype(scalar_type)
+    assert precision.itemsize == itemsize
+    assert np.zeros(3, dtype=precision.numpy_dtype).nbytes == 3 * itemsize
+
+
+def test_bf16_is_ml_dtypes_bfloat16() -> None:
+    assert Precision.BF16.numpy_dtype.type is ml_dtypes.bfloat16
+    assert Precision.BF16.numpy_dtype != np.dtype(np.float16)
+    # bfloat16 keeps float32's exponent range: 1e30 is finite there, inf in float16.
+    big = np.array([1e30], dtype=np.float32)
+    assert np.isfinite(big.astype(Precision.BF16.numpy_dtype).astype(np.float32)).all()
+    with np.errstate(over="ignore"):
+        assert not np.isfinite(big.astype(np.float16)).any()
+
+
+@pytest.mark.parametrize("precision", list(Precision))
+def test_cupy_dtype_is_the_numpy_dtype(precision: Precision) -> None:
+    assert precision.cupy_dtype() == precision.numpy_dtype
+
+
+@pytest.mark.parametrize(
+    ("dtype", "precision"),
+    [
+        (np.float32, Precision.FP32),
+        ("float32", Precision.FP32),
+        (np.dtype("float32"), Precision.FP32),
+        (np.float16, Precision.FP16),
+        ("float16", Precision.FP16),
+        (ml_dtypes.bfloat16, Precision.BF16),
+        (np.dtype(ml_dtypes.bfloat16), Precision.BF16),
+    ],
+)
+def test_from_dtype(dtype, precision: Precision) -> None:
+    assert Precision.from_dtype(dtype) is precision
+
+
+@pytest.mark.parametrize("precision", list(Precision))
+def test_from_dtype_round_trips_through_arrays(precision: Precision) -> None:
+    array = np.ones((2, 2), dtype=precision.numpy_dtype)
+    assert Precision.from_dtype(array.dtype) is precision
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.int32, np.int8, np.bool_, np.complex64, "U4"])
+def test_from_dtype_rejects_other_dtypes(dtype) -> None:
+    with pytest.raises(TypeError, match="precision"):
+        Precision.from_dtype(dtype)
+
+
+def test_support_table_covers_every_device_type() -> None:
+    assert set(DEVICE_PRECISIONS) == set(DeviceType)
+    for device_type, supported in DEVICE_PRECISIONS.items():
+        assert supported, f"{device_type} supports no precision"
+        assert all(isinstance(p, Precision) for p in supported)
+        for precision in Precision:
+            assert precision.is_supported_on(device_type) == (precision in supported)
+
+
+@pytest.mark.parametrize("device_type", list(DeviceType))
+@pytest.mark.parametrize("precision", list(Precision))
+def test_the_design_precisions_are_supported_everywhere(
+    device_type: DeviceType, precision: Precision
+) -> None:
+    # DESIGN.md section 3: FP32, FP16 and BF16 on both NumPy and CuPy.
+    assert precision.is_supported_on(device_type)

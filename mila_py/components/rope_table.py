@@ -101,7 +101,10 @@ class RopeTable:
             return host
         from mila_py.devices.cuda import shared_context
 
-        return shared_context(self.device_id).to_device(host)
+        ctx = shared_context(self.device_id)
+        array = ctx.to_device(host)
+        ctx.synchronize()  # every stream may read the table from now on
+        return array
 
     # ------------------------------------------------------------------ lookups
     @property
@@ -121,14 +124,14 @@ class RopeTable:
                 return None
         return self.cos, self.sin
 
-    def rows(self, positions: np.ndarray, seq_len: int) -> tuple[Any, Any]:
-        """cos/sin ``positions.shape + [n_freq]`` for a call of length ``seq_len``, made on the host.
+    def rows(self, positions: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host float32 cos/sin ``positions.shape + [n_freq]`` for a call of length ``seq_len``.
 
-        Used for length-dependent types past the original context, where no table fits.
+        Used for length-dependent types past the original context, where no table fits; a GPU
+        op uploads them on its own stream.
         """
         inv_freq, attention = self._frequencies(seq_len=seq_len)
-        cos, sin = self._host_rows(positions, inv_freq, attention)
-        return self._to_device(cos), self._to_device(sin)
+        return self._host_rows(positions, inv_freq, attention)
 
     def frequencies(self, seq_len: int | None = None) -> tuple[np.ndarray, float]:
         """``(inv_freq float64, attention_scaling)`` in effect for a call of length ``seq_len``."""

@@ -163,6 +163,20 @@ class RopeConfig:
                 f"RopeConfig: rotary_dim must be even and in [0, head_dim={self.head_dim}] "
                 f"(0 = whole head), got {self.rotary_dim}"
             )
+        scaling = self.scaling or {}
+        theta = scaling.get("rope_theta")
+        if theta is not None and float(theta) != float(self.base):
+            raise ValueError(
+                f"RopeConfig: scaling carries rope_theta={theta} but base={self.base}; set "
+                "base=<rope_theta> (or use RopeConfig.from_hf, which does)"
+            )
+        prf = scaling.get("partial_rotary_factor")
+        if prf is not None and int(self.head_dim * float(prf)) != self.rotated_dim:
+            raise ValueError(
+                f"RopeConfig: scaling carries partial_rotary_factor={prf} (rotary_dim "
+                f"{int(self.head_dim * float(prf))}) but rotary_dim={self.rotated_dim}; set "
+                "rotary_dim to match (or use RopeConfig.from_hf)"
+            )
         check_scaling(self.scaling, self.head_dim, self.rotated_dim, self.max_seq_len)
 
     @property

@@ -217,6 +217,8 @@ class CpuRopeOp(Operation):
         n = self.table.n_freq  # type: ignore[union-attr]
         if x_out is not x_in:
             x_out[...] = x_in
+        if x_out.size == 0:  # B == 0 or T == 0: nothing to rotate (and no block to size)
+            return
         n_b, n_t = x_out.shape[0], x_out.shape[1]
         rotated = _heads_view(x_out, n_heads, head_dim)[..., : 2 * n]  # [B, T, H, 2n], a view
         if positions is not None:

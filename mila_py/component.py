@@ -22,6 +22,7 @@ those registrations the base class answers ``named_parameters``, ``get_gradients
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -36,6 +37,7 @@ from mila_py.precision import Precision
 
 __all__ = ["Component"]
 
+_BUILDING = threading.local()  # depth of nested build() calls in this thread
 _NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9._-]{0,127}")
 
 
@@ -99,6 +101,7 @@ class Component(metaclass=_ComponentMeta):
         self._training_mode: TrainingMode | None = None
         self._parameters: dict[str, Any] = {}
         self._gradients: dict[str, Any] = {}
+        self._input_gradients: dict[str, Any] = {}
         self._state: dict[str, Any] = {}
 
     def _finish_construction(self) -> None:
@@ -207,8 +210,15 @@ class Component(metaclass=_ComponentMeta):
                 "with device=... or add it to a Network"
             )
         snapshot = self._snapshot()
+        depth = getattr(_BUILDING, "depth", 0)
+        if depth == 0:  # the root of this build: seed every descendant by its dotted path
+            from mila_py.init import assign_init_names
+
+            assign_init_names(self)
+        _BUILDING.depth = depth + 1
         try:
             self._parameters, self._gradients, self._state = {}, {}, {}
+            self._input_gradients = {}
             self._pending_build_context = build_context
             self._on_building(build_context)
             del self._pending_build_context
@@ -219,6 +229,8 @@ class Component(metaclass=_ComponentMeta):
         except BaseException:
             _restore(snapshot)
             raise
+        finally:
+            _BUILDING.depth = depth
 
     def _snapshot(self) -> list[tuple[Any, dict[str, Any]]]:
         """Shallow copies of the ``__dict__`` of this component, its ops and its subtree."""
@@ -294,8 +306,12 @@ class Component(metaclass=_ComponentMeta):
         return array
 
     def _add_gradient(self, name: str, array: Any) -> Any:
-        """Register a gradient buffer that belongs to no parameter (e.g. input gradients)."""
-        self._gradients[name] = array
+        """Register a gradient buffer that belongs to no parameter (e.g. Rope's ``dq_in``).
+
+        It counts as gradient memory but is not listed by ``get_gradients``, which stays aligned
+        with ``get_parameters``.
+        """
+        self._input_gradients[name] = array
         return array
 
     def _add_state(self, name: str, array: Any) -> Any:
@@ -334,14 +350,12 @@ class Component(metaclass=_ComponentMeta):
         return [array for _, array in self.named_parameters()]
 
     def get_gradients(self) -> list[Any]:
-        """Gradients of the parameters, in :meth:`get_parameters` order; empty on INFERENCE builds.
+        """Gradients of the parameters that have one, in :meth:`get_parameters` order.
 
-        Components with input-gradient buffers but no parameters (Rope) list those buffers.
+        Empty on INFERENCE builds. Input-gradient buffers (Rope's ``dq_in``) are not listed.
         """
         grads = dict(self.named_gradients())
-        params = [name for name, _ in self.named_parameters()]
-        ordered = [grads.pop(name) for name in params if name in grads]
-        return ordered + list(grads.values())
+        return [grads[name] for name, _ in self.named_parameters() if name in grads]
 
     def parameter_count(self) -> int:
         return sum(int(p.size) for p in self.get_parameters())
@@ -355,7 +369,7 @@ class Component(metaclass=_ComponentMeta):
         for component in self._walk():
             for array in component._parameters.values():
                 yield MemoryCategory.PARAMETERS, MemoryLocation.DEVICE, array
-            for array in component._gradients.values():
+            for array in (*component._gradients.values(), *component._input_gradients.values()):
                 yield MemoryCategory.GRADIENTS, MemoryLocation.DEVICE, array
             for array in component._state.values():
                 yield MemoryCategory.STATE, component._location_of(array), array
@@ -374,6 +388,19 @@ class Component(metaclass=_ComponentMeta):
     def get_memory_stats(self) -> MemoryStats:
         """Bytes this component (and its subtree) owns now; each distinct array counted once."""
         return MemoryStats.from_arrays(self._memory_entries())
+
+    # ------------------------------------------------------------------ weights
+    def save(self, path: Any) -> None:
+        """Save every parameter to a safetensors file, named by dotted tree path."""
+        from mila_py.serialization import save
+
+        save(self, path)
+
+    def load(self, path: Any) -> None:
+        """Load parameters from a safetensors file; every mismatch is reported, nothing loaded."""
+        from mila_py.serialization import load
+
+        load(self, path)
 
     # ------------------------------------------------------------------ text
     def _describe(self) -> str:

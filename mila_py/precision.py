@@ -20,6 +20,7 @@ class Precision(enum.Enum):
     """Storage precision of a component's tensors."""
 
     FP32 = "FP32"
+    FP64 = "FP64"  # CPU only: exact references and finite-difference gradient checks
     FP16 = "FP16"
     BF16 = "BF16"
 
@@ -53,7 +54,9 @@ class Precision(enum.Enum):
         for precision, candidate in _NUMPY_DTYPES.items():
             if dt == candidate:
                 return precision
-        raise TypeError(f"dtype {dt} is not a mila_py precision (float32, float16, bfloat16)")
+        raise TypeError(
+            f"dtype {dt} is not a mila_py precision (float64, float32, float16, bfloat16)"
+        )
 
     def __str__(self) -> str:
         return self.value
@@ -61,11 +64,12 @@ class Precision(enum.Enum):
 
 _NUMPY_DTYPES: dict[Precision, np.dtype] = {
     Precision.FP32: np.dtype(np.float32),
+    Precision.FP64: np.dtype(np.float64),
     Precision.FP16: np.dtype(np.float16),
     Precision.BF16: np.dtype(ml_dtypes.bfloat16),
 }
 
 DEVICE_PRECISIONS: dict[DeviceType, frozenset[Precision]] = {
     DeviceType.CPU: frozenset(Precision),
-    DeviceType.CUDA: frozenset(Precision),
+    DeviceType.CUDA: frozenset({Precision.FP32, Precision.FP16, Precision.BF16}),
 }

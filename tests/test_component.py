@@ -518,7 +518,8 @@ def test_parameters_keep_registration_order_and_gradients_follow_them() -> None:
     comp = Ordered("ordered", device="CPU")
     comp.build(train_ctx())
     assert [n for n, _ in comp.named_parameters()] == ["zeta", "alpha", "frozen", "mid"]
-    assert [g.shape for g in comp.get_gradients()] == [(2,), (3,), (6,), (5,)]
+    assert [g.shape for g in comp.get_gradients()] == [(2,), (3,), (6,)]  # aligned with params
+    assert comp.get_memory_stats().device_gradient_bytes == (2 + 3 + 6 + 5) * 4
     assert comp.parameter_count() == 2 + 3 + 4 + 6
 
 

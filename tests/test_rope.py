@@ -385,7 +385,8 @@ def test_backward_matches_reference(
 def test_backward_returns_component_owned_buffers(backend: str, rng) -> None:
     cfg = _config((4, 2))
     rope = make_rope(cfg, 2, 4, mode=TRAINING, backend=backend)
-    grads = rope.get_gradients()
+    assert rope.get_gradients() == []  # no parameters: nothing aligned with get_parameters
+    grads = rope.input_gradients
     assert [g.shape for g in grads] == [(2, 4, cfg.channels), (2, 4, cfg.kv_channels)]
     dq, dk = random_qk(rng, cfg, 2, 4)
     dq.flags.writeable = False  # backward only reads its inputs
@@ -506,7 +507,7 @@ def test_training_build_memory(precision: Precision) -> None:
     assert stats.parameter_bytes == 0
     assert stats.state_bytes == 2 * cfg.max_seq_len * 4 * 4  # cos + sin, 4 pairs, float32
     assert stats.host_total_bytes == 0
-    grads = rope.get_gradients()
+    grads = rope.input_gradients
     assert [g.dtype for g in grads] == [dtype_of(precision)] * 2
     assert rope.get_parameters() == [] and rope.parameter_count() == 0
 
@@ -732,7 +733,7 @@ def test_bad_calls_raise_and_change_nothing(
             else a
             for a in args
         )
-    watched = [q, k, dq, dk, *rope.get_gradients(), *rope.table.arrays()]
+    watched = [q, k, dq, dk, *rope.input_gradients, *rope.table.arrays()]
     watched += [a for a in args if isinstance(a, np.ndarray)]
     before = [(a, a.copy()) for a in watched]
     state = dict(rope.__dict__), dict(rope.op.__dict__)
@@ -904,7 +905,8 @@ def test_ropes_share_the_table_and_a_network_counts_it_once() -> None:
     grads += 2 * 3 * (other_heads.channels + other_heads.kv_channels) * 4
     assert stats.gradient_bytes == grads
     assert a.get_memory_stats().state_bytes == table_bytes  # each alone still reports it
-    assert len(net.get_gradients()) == 6
+    assert net.get_gradients() == []  # Rope has no parameters
+    assert sum(len(r.input_gradients) for r in (a, b, c)) == 6
 
 
 def test_network_of_ropes_inference_has_no_gradients() -> None:

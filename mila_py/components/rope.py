@@ -96,6 +96,12 @@ class Rope(Component):
         return self._op.table
 
     @property
+    def input_gradients(self) -> tuple[Any, ...]:
+        """``(dq_in, dk_in)`` full-size buffers on TRAINING builds (what backward fills), else ()."""
+        grads = self._input_gradients
+        return (grads["dq_in"], grads["dk_in"]) if grads else ()
+
+    @property
     def attention_scaling(self) -> float:
         """The factor already folded into cos and sin (YaRN mscale, LongRoPE scaling)."""
         return self.table.attention_scaling
@@ -190,8 +196,8 @@ class Rope(Component):
             )
         n_t = self._check_qk(dq, dk, names=("dq", "dk"), writeable=False)
         n_b = dq.shape[0]
-        dq_in = self._gradients["dq_in"][:n_b, :n_t]
-        dk_in = self._gradients["dk_in"][:n_b, :n_t]
+        dq_in = self._input_gradients["dq_in"][:n_b, :n_t]
+        dk_in = self._input_gradients["dk_in"][:n_b, :n_t]
         if positions is None:
             if n_t > self.config.max_seq_len:
                 raise ValueError(

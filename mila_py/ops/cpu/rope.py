@@ -49,7 +49,11 @@ def _default_backend() -> str:
     return value if value in BACKENDS else "auto"
 
 
-@register_op("RopeOp", DeviceType.CPU, precisions=(Precision.FP32, Precision.FP16, Precision.BF16))
+@register_op(
+    "RopeOp",
+    DeviceType.CPU,
+    precisions=(Precision.FP32, Precision.FP64, Precision.FP16, Precision.BF16),
+)
 class CpuRopeOp(Operation):
     """NumPy/Numba RoPE for one configuration and precision.
 
@@ -174,7 +178,7 @@ class CpuRopeOp(Operation):
         elements = q.shape[0] * q.shape[1] * (q.shape[2] + k.shape[2])
         parallel = elements >= _PARALLEL_ELEMENTS
         args = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, n_freq, self._interleaved, inverse)
-        if q.dtype == np.float32:
+        if q.dtype in (np.float32, np.float64):  # FP64: same fp32 tables, float64 arithmetic
             if out_of_place:
                 kernel = _rope_fused.rope_out_parallel if parallel else _rope_fused.rope_out_serial
                 kernel(q, k, q_out, k_out, cos, sin, offset, pos, use_pos, *args)
@@ -237,13 +241,15 @@ class CpuRopeOp(Operation):
         # would page-fault on every block.
         bs0, ts0 = blocks[0]
         shape = (bs0.stop - bs0.start, ts0.stop - ts0.start, n_heads, 2 * n)
-        scratch = np.empty((2, *shape), dtype=np.float32)
+        scratch = np.empty(
+            (2, *shape), dtype=np.float64 if x_out.dtype == np.float64 else np.float32
+        )
         for bs, ts in blocks:
             c, s = _rows(cos, sin, offset, positions, bs, ts)  # [b, t, 1, n]
             x = rotated[bs, ts]  # [b, t, H, 2n]
             size = x.shape[0] * x.shape[1]
             spare = scratch[0].reshape(-1, n_heads, 2 * n)[:size].reshape(x.shape)
-            if x.dtype == np.float32:
+            if x.dtype in (np.float32, np.float64):
                 work = x
             else:
                 work = scratch[1].reshape(-1, n_heads, 2 * n)[:size].reshape(x.shape)
@@ -286,8 +292,8 @@ def _rotate_block(
     ``c + i s``. Half pairs use ``x * [c, c] + [-x2, x1] * [s, s]`` on whole rotated spans,
     which keeps NumPy's inner loops long.
     """
-    if interleaved and x.strides[-1] == 4:
-        z = x.view(np.complex64)  # [b, t, H, n]: x[2i] + i x[2i + 1]
+    if interleaved and x.strides[-1] == x.itemsize:
+        z = x.view(np.complex64 if x.dtype == np.float32 else np.complex128)  # x[2i] + i x[2i+1]
         z *= c + 1j * s
         return
     if interleaved:

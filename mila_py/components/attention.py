@@ -1,0 +1,198 @@
+"""GroupedQueryAttention: causal multi-head attention with GQA and RoPE on a fused QKV projection."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mila_py.build_context import BuildContext
+from mila_py.components.linear import Linear, LinearConfig
+from mila_py.components.rope import Rope
+from mila_py.components.rope_config import RopeConfig, RopeLayout
+from mila_py.composite import CompositeComponent
+from mila_py.devices import DeviceLike
+from mila_py.ops.registry import create_op
+from mila_py.precision import Precision
+
+__all__ = ["AttentionConfig", "GroupedQueryAttention"]
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Configuration of causal grouped-query attention.
+
+    Args:
+        dim: model width (input and output features).
+        n_heads: query heads; n_kv_heads: key/value heads (divides n_heads).
+        max_seq_len: longest context (RoPE table size).
+        head_dim: per-head width; default ``dim // n_heads``.
+        rope_base, rope_scaling, rope_layout, rotary_dim: as in :class:`RopeConfig`.
+        bias: biases on the QKV and output projections.
+    """
+
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    max_seq_len: int
+    head_dim: int | None = None
+    rope_base: float = 10000.0
+    rope_scaling: Mapping[str, Any] | None = None
+    rope_layout: str = "half"
+    rotary_dim: int = 0
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("dim", "n_heads", "n_kv_heads", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"AttentionConfig: {name} must be a positive int, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"AttentionConfig: n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})"
+            )
+        if self.head_dim is None and self.dim % self.n_heads:
+            raise ValueError(
+                f"AttentionConfig: dim ({self.dim}) must be divisible by n_heads ({self.n_heads}) "
+                "unless head_dim is given"
+            )
+        self.rope_config()  # validates the RoPE part
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def q_width(self) -> int:
+        return self.n_heads * self.resolved_head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.n_kv_heads * self.resolved_head_dim
+
+    def rope_config(self) -> RopeConfig:
+        return RopeConfig(
+            channels=self.q_width,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            max_seq_len=self.max_seq_len,
+            base=self.rope_base,
+            rotary_dim=self.rotary_dim,
+            layout=RopeLayout(self.rope_layout),
+            scaling=self.rope_scaling,
+        )
+
+
+class GroupedQueryAttention(CompositeComponent):
+    """Causal self-attention: ``o_proj(softmax(QK^T * scale + causal) V)`` with RoPE on Q and K.
+
+    Children: ``qkv_proj`` (Linear ``dim -> (Hq + 2 Hk) * d``, one fused projection), ``rope``
+    (rotates the Q and K views of the projection in place) and ``o_proj`` (``Hq * d -> dim``).
+
+    ``forward(x [B, T, dim]) -> [B, T, dim]``; ``backward(dy) -> dx`` on TRAINING builds.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        config: AttentionConfig,
+        *,
+        device: DeviceLike | None = None,
+        precision: Precision = Precision.FP32,
+    ) -> None:
+        super().__init__(name, device=device, precision=precision)
+        if not isinstance(config, AttentionConfig):
+            raise TypeError(f"{name}: config must be an AttentionConfig, got {config!r}")
+        self.config = config
+        qkv_out = config.q_width + 2 * config.kv_width
+        self.qkv_proj = Linear(
+            "qkv_proj", LinearConfig(config.dim, qkv_out, bias=config.bias), precision=precision
+        )
+        self.rope = Rope("rope", config.rope_config(), precision=precision)
+        self.o_proj = Linear(
+            "o_proj",
+            LinearConfig(config.q_width, config.dim, bias=config.bias),
+            precision=precision,
+        )
+        for child in (self.qkv_proj, self.rope, self.o_proj):
+            self.add_component(child)
+        self._op: Any = None
+        self._saved: tuple[Any, ...] | None = None
+
+    def _on_execution_context_set(self) -> None:
+        super()._on_execution_context_set()
+        self._op = create_op("AttentionOp", self.execution_context, self.config, self.precision)
+
+    def _on_building(self, build_context: BuildContext) -> None:
+        cfg = self.config
+        shape = build_context.input_shape
+        if len(shape) != 3 or shape[2] != cfg.dim:
+            raise ValueError(
+                f"{self._describe()}: build shape must be [B, T, dim={cfg.dim}], got {shape}"
+            )
+        n_b, n_t = shape[0], shape[1]
+        self.qkv_proj.build(build_context)
+        self.rope.build(build_context.with_shape((n_b, n_t, cfg.q_width)))
+        self.o_proj.build(build_context.with_shape((n_b, n_t, cfg.q_width)))
+        self._add_state("attn_out", self._allocate((n_b, n_t, cfg.q_width)))
+        if build_context.is_training:
+            groups = cfg.n_heads // cfg.n_kv_heads
+            self._add_state("probs", self._allocate((n_b, cfg.n_kv_heads, groups, n_t, n_t)))
+            self._add_state("dqkv", self._allocate((n_b, n_t, cfg.q_width + 2 * cfg.kv_width)))
+        self._saved = None
+
+    @property
+    def scale(self) -> float:
+        """Softmax scale: ``1/sqrt(head_dim)`` times RoPE's softmax multiplier (DeepSeek YaRN)."""
+        return self.rope.softmax_scale_multiplier / math.sqrt(self.config.resolved_head_dim)
+
+    def _split_qkv(self, qkv: Any) -> tuple[Any, Any, Any]:
+        cfg = self.config
+        q_end = cfg.q_width
+        k_end = q_end + cfg.kv_width
+        return qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
+
+    def forward(self, x: Any) -> Any:
+        """``x [B, T, dim] -> [B, T, dim]`` (a view of ``o_proj``'s output buffer)."""
+        if not self.is_built:
+            raise RuntimeError(f"{self._describe()}: forward() needs a built component")
+        cfg = self.config
+        qkv = self.qkv_proj.forward(x)  # [B, T, (Hq + 2 Hk) d]
+        q, k, v = self._split_qkv(qkv)
+        self.rope.forward(q, k)
+        n_b, n_t = x.shape[0], x.shape[1]
+        out = self._state["attn_out"][:n_b, :n_t]
+        training = self.build_context.is_training
+        probs_buf = None
+        if training:
+            full = self._state["probs"]
+            probs_buf = full if full.shape[0] == n_b and full.shape[3] == n_t else None
+        probs = self._op.forward(
+            q, k, v, cfg.n_heads, cfg.n_kv_heads, self.scale, out=out, probs=probs_buf
+        )
+        self._saved = (q, k, v, probs) if training else None
+        return self.o_proj.forward(out)
+
+    def backward(self, dy: Any) -> Any:
+        """``dy [B, T, dim] -> dx [B, T, dim]``; accumulates every child's parameter gradients."""
+        if not self.is_built or not self.build_context.is_training:
+            raise RuntimeError(f"{self._describe()}: backward() needs a TRAINING build")
+        if self._saved is None:
+            raise RuntimeError(f"{self._describe()}: backward() before forward()")
+        cfg = self.config
+        q, k, v, probs = self._saved
+        d_attn = self.o_proj.backward(dy)  # [B, T, Hq d]
+        n_b, n_t = q.shape[0], q.shape[1]
+        dqkv = self._state["dqkv"][:n_b, :n_t]
+        dq, dk, dv = self._split_qkv(dqkv)
+        self._op.backward(
+            d_attn, q, k, v, probs, cfg.n_heads, cfg.n_kv_heads, self.scale, dq, dk, dv
+        )
+        dq_in, dk_in = self.rope.backward(dq, dk)  # gradients before the rotation
+        dq[...] = dq_in
+        dk[...] = dk_in
+        return self.qkv_proj.backward(dqkv)

@@ -1,0 +1,147 @@
+"""Linear: ``y = x W^T + b`` with the weight in PyTorch / Hugging Face layout ``[out, in]``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mila_py.build_context import BuildContext
+from mila_py.components._layer import Layer, is_int
+
+__all__ = ["Linear", "LinearConfig"]
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """Configuration of a :class:`Linear` layer.
+
+    Args:
+        in_features: width of the input.
+        out_features: width of the output.
+        bias: whether the layer has a bias ``[out_features]`` (Llama projections have none).
+
+    Raises:
+        TypeError: a non-int size or a non-bool ``bias``.
+        ValueError: a size that is not positive.
+    """
+
+    in_features: int
+    out_features: int
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (called on construction)."""
+        for name in ("in_features", "out_features"):
+            value = getattr(self, name)
+            if not is_int(value):
+                raise TypeError(f"LinearConfig: {name} must be an int, got {value!r}")
+            if value <= 0:
+                raise ValueError(f"LinearConfig: {name} must be > 0, got {value}")
+        if not isinstance(self.bias, bool):
+            raise TypeError(f"LinearConfig: bias must be a bool, got {self.bias!r}")
+
+
+class Linear(Layer):
+    """Fully connected layer ``y = x W^T + b``.
+
+    Parameters: ``weight [out_features, in_features]`` ~ Normal(0, 0.02) and, with
+    ``config.bias``, ``bias [out_features]`` = 0 (when the build initializes parameters).
+
+    The build shape is the input's, ``[B, T, in_features]`` (any number of leading dimensions);
+    calls may use smaller leading dimensions. TRAINING builds own ``dinput``, which
+    :meth:`backward` fills.
+
+    Args:
+        name: component name.
+        config: a :class:`LinearConfig`.
+        device: ``"CPU"``, ... for a standalone component; None inside a Network.
+        precision: FP32.
+    """
+
+    _OP_NAME = "LinearOp"
+    _CONFIG_TYPE = LinearConfig
+    config: LinearConfig
+
+    def _on_building(self, build_context: BuildContext) -> None:
+        cfg = self.config
+        lead = self._build_lead(build_context, cfg.in_features, "[B, T, in_features]")
+        weight = self._add_parameter("weight", self._allocate((cfg.out_features, cfg.in_features)))
+        if cfg.bias:
+            self._add_parameter("bias", self._allocate((cfg.out_features,)))
+        if build_context.should_initialize_parameters:
+            self._init_normal(weight)  # the bias stays zero
+        self._add_state("output", self._allocate((*lead, cfg.out_features)))
+        if build_context.is_training:
+            self._add_state("dinput", self._allocate((*lead, cfg.in_features)))
+        self._max_lead = lead
+
+    @property
+    def weight(self) -> Any:
+        """``[out_features, in_features]`` (after build)."""
+        self._require_built("weight")
+        return self._parameters["weight"]
+
+    @property
+    def bias(self) -> Any:
+        """``[out_features]``, or None for a layer without bias (after build)."""
+        self._require_built("bias")
+        return self._parameters.get("bias")
+
+    def forward(self, x: Any) -> Any:
+        """``y = x W^T + b``.
+
+        Args:
+            x: ``[B', T', in_features]`` with ``B' <= B``, ``T' <= T`` of the build shape. On
+                TRAINING builds it is kept (not copied) for :meth:`backward`: do not modify it.
+
+        Returns:
+            ``[B', T', out_features]``: a view of the component-owned output buffer, overwritten
+            by the next forward.
+
+        Raises:
+            TypeError: ``x`` is not an array of this device and precision.
+            ValueError: ``x`` has the wrong width or exceeds the build shape.
+            RuntimeError: before build.
+        """
+        self._require_built("forward()")
+        lead = self._check_floats(x, "x", self.config.in_features)
+        y = self._view("output", (*lead, self.config.out_features))
+        self._op.forward(x, self._parameters["weight"], self._parameters.get("bias"), y)
+        if self.build_context.is_training:
+            self._saved = x
+        return y
+
+    def backward(self, dy: Any) -> Any:
+        """Accumulate ``dW += dy^T x`` (and ``db += sum(dy)``); return ``dx = dy W``.
+
+        Args:
+            dy: ``[B', T', out_features]``, the gradient of the last forward's output.
+
+        Returns:
+            ``[B', T', in_features]``: a view of the component-owned ``dinput`` buffer,
+            overwritten by the next backward.
+
+        Raises:
+            RuntimeError: on INFERENCE builds, or before any forward.
+            TypeError, ValueError: ``dy`` does not match the last forward's output.
+        """
+        self._require_backward()
+        x = self._saved
+        self._check_grad(dy, "dy", (*x.shape[:-1], self.config.out_features))
+        dx = self._view("dinput", tuple(x.shape))
+        self._op.backward(
+            x,
+            self._parameters["weight"],
+            dy,
+            self._gradients["weight"],
+            self._gradients.get("bias"),
+            dx,
+        )
+        return dx
+
+    def _extra_repr(self) -> str:
+        cfg = self.config
+        return f"in={cfg.in_features}, out={cfg.out_features}, bias={cfg.bias}"

@@ -1,0 +1,135 @@
+"""RmsNorm: root-mean-square normalization with a learned scale (Hugging Face LlamaRMSNorm)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mila_py.build_context import BuildContext
+from mila_py.components._layer import Layer, is_int
+
+__all__ = ["RmsNorm", "RmsNormConfig"]
+
+
+@dataclass(frozen=True)
+class RmsNormConfig:
+    """Configuration of an :class:`RmsNorm` layer.
+
+    Args:
+        dim: width of the normalized (last) axis.
+        eps: added to the mean square before the square root (HF ``rms_norm_eps``).
+
+    Raises:
+        TypeError: a non-int ``dim`` or a non-number ``eps``.
+        ValueError: ``dim <= 0``, or ``eps`` not finite and > 0.
+    """
+
+    dim: int
+    eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (called on construction)."""
+        if not is_int(self.dim):
+            raise TypeError(f"RmsNormConfig: dim must be an int, got {self.dim!r}")
+        if self.dim <= 0:
+            raise ValueError(f"RmsNormConfig: dim must be > 0, got {self.dim}")
+        if isinstance(self.eps, bool) or not isinstance(self.eps, int | float | np.floating):
+            raise TypeError(f"RmsNormConfig: eps must be a number, got {self.eps!r}")
+        if not math.isfinite(self.eps) or self.eps <= 0:
+            raise ValueError(f"RmsNormConfig: eps must be finite and > 0, got {self.eps!r}")
+
+
+class RmsNorm(Layer):
+    """``y = x / sqrt(mean(x^2, -1) + eps) * weight`` over the last axis.
+
+    Parameter: ``weight [dim]``, initialized to ones (when the build initializes parameters).
+    The arithmetic is float32, in Hugging Face's order (normalize, then scale).
+
+    The build shape is the input's, ``[B, T, dim]`` (any number of leading dimensions); calls may
+    use smaller leading dimensions. Every build owns ``rstd [B, T]`` (float32, the reciprocal RMS
+    of each row, kept for backward); TRAINING builds own ``dinput``.
+
+    Args:
+        name: component name.
+        config: an :class:`RmsNormConfig`.
+        device: ``"CPU"``, ... for a standalone component; None inside a Network.
+        precision: FP32.
+    """
+
+    _OP_NAME = "RmsNormOp"
+    _CONFIG_TYPE = RmsNormConfig
+    config: RmsNormConfig
+
+    def _on_building(self, build_context: BuildContext) -> None:
+        dim = self.config.dim
+        lead = self._build_lead(build_context, dim, "[B, T, dim]")
+        weight = self._add_parameter("weight", self._allocate((dim,)))
+        if build_context.should_initialize_parameters:
+            weight.fill(1)
+        self._add_state("output", self._allocate((*lead, dim)))
+        # float32 at least: the statistics are computed in float32 whatever the storage precision
+        self._add_state("rstd", self._allocate(lead, np.promote_types(self._dtype, np.float32)))
+        if build_context.is_training:
+            self._add_state("dinput", self._allocate((*lead, dim)))
+        self._max_lead = lead
+
+    @property
+    def weight(self) -> Any:
+        """``[dim]`` (after build)."""
+        self._require_built("weight")
+        return self._parameters["weight"]
+
+    def forward(self, x: Any) -> Any:
+        """Normalize each row of ``x``.
+
+        Args:
+            x: ``[B', T', dim]`` with ``B' <= B``, ``T' <= T`` of the build shape. On TRAINING
+                builds it is kept (not copied) for :meth:`backward`: do not modify it.
+
+        Returns:
+            ``[B', T', dim]``: a view of the component-owned output buffer, overwritten by the
+            next forward.
+
+        Raises:
+            TypeError: ``x`` is not an array of this device and precision.
+            ValueError: ``x`` has the wrong width or exceeds the build shape.
+            RuntimeError: before build.
+        """
+        self._require_built("forward()")
+        lead = self._check_floats(x, "x", self.config.dim)
+        y = self._view("output", tuple(x.shape))
+        self._op.forward(x, self._parameters["weight"], y, self._view("rstd", lead))
+        if self.build_context.is_training:
+            self._saved = x
+        return y
+
+    def backward(self, dy: Any) -> Any:
+        """Accumulate ``dweight``; return ``dx``.
+
+        Args:
+            dy: ``[B', T', dim]``, the gradient of the last forward's output.
+
+        Returns:
+            ``[B', T', dim]``: a view of the component-owned ``dinput`` buffer, overwritten by the
+            next backward.
+
+        Raises:
+            RuntimeError: on INFERENCE builds, or before any forward.
+            TypeError, ValueError: ``dy`` does not match the last forward's output.
+        """
+        self._require_backward()
+        x = self._saved
+        self._check_grad(dy, "dy", tuple(x.shape))
+        dx = self._view("dinput", tuple(x.shape))
+        rstd = self._view("rstd", tuple(x.shape[:-1]))
+        self._op.backward(x, self._parameters["weight"], rstd, dy, self._gradients["weight"], dx)
+        return dx
+
+    def _extra_repr(self) -> str:
+        return f"dim={self.config.dim}, eps={self.config.eps:g}"

@@ -1,0 +1,157 @@
+"""SwiGLU: the gated feed-forward block of Llama, ``down(silu(gate(x)) * up(x))``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mila_py.build_context import BuildContext
+from mila_py.components._layer import Layer, is_int
+from mila_py.components.linear import Linear, LinearConfig
+from mila_py.composite import CompositeComponent
+from mila_py.devices import DeviceLike
+from mila_py.init import init_name, set_init_name
+from mila_py.precision import Precision
+
+__all__ = ["SwiGLU", "SwiGLUConfig"]
+
+
+@dataclass(frozen=True)
+class SwiGLUConfig:
+    """Configuration of a :class:`SwiGLU` block.
+
+    Args:
+        dim: width of the input and output (HF ``hidden_size``).
+        hidden_dim: width of the gated hidden layer (HF ``intermediate_size``).
+
+    Raises:
+        TypeError: a non-int size.
+        ValueError: a size that is not positive.
+    """
+
+    dim: int
+    hidden_dim: int
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (called on construction)."""
+        for name in ("dim", "hidden_dim"):
+            value = getattr(self, name)
+            if not is_int(value):
+                raise TypeError(f"SwiGLUConfig: {name} must be an int, got {value!r}")
+            if value <= 0:
+                raise ValueError(f"SwiGLUConfig: {name} must be > 0, got {value}")
+
+
+class SwiGLU(Layer, CompositeComponent):
+    """``y = down_proj(silu(gate_proj(x)) * up_proj(x))``, three bias-free :class:`Linear`
+    children named as in Hugging Face Llama (``gate_proj``, ``up_proj``: ``[hidden_dim, dim]``;
+    ``down_proj``: ``[dim, hidden_dim]``).
+
+    The build shape is the input's, ``[B, T, dim]`` (any number of leading dimensions); calls may
+    use smaller leading dimensions. The block owns ``hidden [B, T, hidden_dim]`` (the input of
+    ``down_proj``, kept for backward); TRAINING builds also own ``dup [B, T, hidden_dim]`` and
+    ``dinput [B, T, dim]``. Each child is seeded with ``"<this block's init name>.<child>"``
+    (see :mod:`mila_py.init`: a network holding several SwiGLU blocks gives each its path with
+    :func:`~mila_py.init.assign_init_names`, or all blocks start with the same weights).
+
+    Args:
+        name: component name.
+        config: a :class:`SwiGLUConfig`.
+        device: ``"CPU"``, ... for a standalone component; None inside a Network.
+        precision: FP32.
+    """
+
+    _OP_NAME = "SwiGLUOp"
+    _CONFIG_TYPE = SwiGLUConfig
+    config: SwiGLUConfig
+
+    def __init__(
+        self,
+        name: str,
+        config: SwiGLUConfig,
+        *,
+        device: DeviceLike | None = None,
+        precision: Precision = Precision.FP32,
+    ) -> None:
+        super().__init__(name, config, device=device, precision=precision)
+        into = LinearConfig(config.dim, config.hidden_dim, bias=False)
+        out_of = LinearConfig(config.hidden_dim, config.dim, bias=False)
+        self.gate_proj = Linear("gate_proj", into, precision=precision)
+        self.up_proj = Linear("up_proj", into, precision=precision)
+        self.down_proj = Linear("down_proj", out_of, precision=precision)
+        for child in (self.gate_proj, self.up_proj, self.down_proj):
+            self.add_component(child)
+
+    def _on_building(self, build_context: BuildContext) -> None:
+        dim, hidden = self.config.dim, self.config.hidden_dim
+        lead = self._build_lead(build_context, dim, "[B, T, dim]")
+        for child in (self.gate_proj, self.up_proj, self.down_proj):
+            set_init_name(child, f"{init_name(self)}.{child.name}")
+        self.gate_proj.build(build_context)
+        self.up_proj.build(build_context)
+        self.down_proj.build(build_context.with_shape((*lead, hidden)))
+        self._add_state("hidden", self._allocate((*lead, hidden)))
+        if build_context.is_training:
+            self._add_state("dup", self._allocate((*lead, hidden)))
+            self._add_state("dinput", self._allocate((*lead, dim)))
+        self._max_lead = lead
+
+    def forward(self, x: Any) -> Any:
+        """``down(silu(gate(x)) * up(x))``.
+
+        Args:
+            x: ``[B', T', dim]`` with ``B' <= B``, ``T' <= T`` of the build shape. On TRAINING
+                builds it is kept (not copied) for :meth:`backward`: do not modify it.
+
+        Returns:
+            ``[B', T', dim]``: a view of ``down_proj``'s output buffer, overwritten by the next
+            forward.
+
+        Raises:
+            TypeError: ``x`` is not an array of this device and precision.
+            ValueError: ``x`` has the wrong width or exceeds the build shape.
+            RuntimeError: before build.
+        """
+        self._require_built("forward()")
+        lead = self._check_floats(x, "x", self.config.dim)
+        gate = self.gate_proj.forward(x)
+        up = self.up_proj.forward(x)
+        hidden = self._view("hidden", (*lead, self.config.hidden_dim))
+        self._op.forward(gate, up, hidden)
+        if self.build_context.is_training:
+            self._saved = (x, gate, up)
+        return self.down_proj.forward(hidden)
+
+    def backward(self, dy: Any) -> Any:
+        """Accumulate the three weight gradients; return ``dx``.
+
+        Args:
+            dy: ``[B', T', dim]``, the gradient of the last forward's output.
+
+        Returns:
+            ``[B', T', dim]``: a view of the block-owned ``dinput`` buffer, overwritten by the
+            next backward.
+
+        Raises:
+            RuntimeError: on INFERENCE builds, or before any forward.
+            TypeError, ValueError: ``dy`` does not match the last forward's output.
+        """
+        self._require_backward()
+        x, gate, up = self._saved
+        self._check_grad(dy, "dy", tuple(x.shape))
+        dh = self.down_proj.backward(dy)
+        dup = self._view("dup", tuple(gate.shape))
+        # dgate overwrites dh in place: dh is down_proj's dinput, recomputed by every backward,
+        # so this saves a [B, T, hidden_dim] buffer and repeated backward calls stay exact.
+        self._op.backward(gate, up, dh, dh, dup)
+        dx_gate = self.gate_proj.backward(dh)
+        dx_up = self.up_proj.backward(dup)
+        dx = self._view("dinput", tuple(x.shape))
+        self.execution_context.xp.add(dx_gate, dx_up, out=dx)
+        return dx
+
+    def _extra_repr(self) -> str:
+        return f"dim={self.config.dim}, hidden_dim={self.config.hidden_dim}"

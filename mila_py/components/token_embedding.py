@@ -1,0 +1,139 @@
+"""TokenEmbedding: token ids to vectors through a learned table ``[vocab_size, dim]``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mila_py.build_context import BuildContext
+from mila_py.components._layer import Layer, is_int
+
+__all__ = ["TokenEmbedding", "TokenEmbeddingConfig"]
+
+
+@dataclass(frozen=True)
+class TokenEmbeddingConfig:
+    """Configuration of a :class:`TokenEmbedding`.
+
+    Args:
+        vocab_size: number of token ids (ids are ``0 .. vocab_size - 1``).
+        dim: width of each embedding vector.
+
+    Raises:
+        TypeError: a non-int size.
+        ValueError: a size that is not positive.
+    """
+
+    vocab_size: int
+    dim: int
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (called on construction)."""
+        for name in ("vocab_size", "dim"):
+            value = getattr(self, name)
+            if not is_int(value):
+                raise TypeError(f"TokenEmbeddingConfig: {name} must be an int, got {value!r}")
+            if value <= 0:
+                raise ValueError(f"TokenEmbeddingConfig: {name} must be > 0, got {value}")
+
+
+class TokenEmbedding(Layer):
+    """``y[b, t] = weight[tokens[b, t]]``.
+
+    Parameter: ``weight [vocab_size, dim]`` ~ Normal(0, 0.02) (when the build initializes
+    parameters).
+
+    The build shape is the token ids', ``[B, T]``; calls may use ``B' <= B``, ``T' <= T``.
+    TRAINING builds own ``tokens [B, T]`` (int64), a copy of the last forward's ids for backward,
+    so the caller may reuse its id array.
+
+    Args:
+        name: component name.
+        config: a :class:`TokenEmbeddingConfig`.
+        device: ``"CPU"``, ... for a standalone component; None inside a Network.
+        precision: FP32 (of the table and the output).
+    """
+
+    _OP_NAME = "TokenEmbeddingOp"
+    _CONFIG_TYPE = TokenEmbeddingConfig
+    config: TokenEmbeddingConfig
+
+    def _on_building(self, build_context: BuildContext) -> None:
+        cfg = self.config
+        lead = build_context.input_shape
+        if len(lead) != 2:
+            raise ValueError(
+                f"{self._describe()}: build input_shape must be the token ids' [B, T], got {lead}"
+            )
+        weight = self._add_parameter("weight", self._allocate((cfg.vocab_size, cfg.dim)))
+        if build_context.should_initialize_parameters:
+            self._init_normal(weight)
+        self._add_state("output", self._allocate((*lead, cfg.dim)))
+        if build_context.is_training:
+            self._add_state("tokens", self._allocate(lead, np.int64))
+        self._max_lead = lead
+
+    @property
+    def weight(self) -> Any:
+        """``[vocab_size, dim]`` (after build)."""
+        self._require_built("weight")
+        return self._parameters["weight"]
+
+    def forward(self, tokens: Any) -> Any:
+        """Look up the embedding of every id.
+
+        Args:
+            tokens: integer ids ``[B', T']`` with ``B' <= B``, ``T' <= T``, each in
+                ``[0, vocab_size)``.
+
+        Returns:
+            ``[B', T', dim]``: a view of the component-owned output buffer, overwritten by the
+            next forward.
+
+        Raises:
+            TypeError: ``tokens`` is not an integer array of this device.
+            ValueError: a wrong shape, or an id outside ``[0, vocab_size)`` (nothing is written).
+            RuntimeError: before build.
+        """
+        self._require_built("forward()")
+        shape = self._check_ints(tokens, "tokens")
+        if tokens.size:
+            low, high = int(tokens.min()), int(tokens.max())
+            if low < 0 or high >= self.config.vocab_size:
+                bad = low if low < 0 else high
+                raise ValueError(
+                    f"{self._describe()}: token id {bad} is out of range: ids must be in "
+                    f"[0, vocab_size = {self.config.vocab_size})"
+                )
+        y = self._view("output", (*shape, self.config.dim))
+        if self.build_context.is_training:
+            kept = self._view("tokens", shape)
+            kept[...] = tokens
+            tokens = self._saved = kept
+        self._op.forward(tokens, self._parameters["weight"], y)
+        return y
+
+    def backward(self, dy: Any) -> None:
+        """Accumulate ``dweight[tokens[b, t]] += dy[b, t]`` (repeated ids add up).
+
+        Token ids have no gradient, so nothing is returned.
+
+        Args:
+            dy: ``[B', T', dim]``, the gradient of the last forward's output.
+
+        Raises:
+            RuntimeError: on INFERENCE builds, or before any forward.
+            TypeError, ValueError: ``dy`` does not match the last forward's output.
+        """
+        self._require_backward()
+        tokens = self._saved
+        self._check_grad(dy, "dy", (*tokens.shape, self.config.dim))
+        self._op.backward(tokens, dy, self._gradients["weight"])
+
+    def _extra_repr(self) -> str:
+        return f"vocab={self.config.vocab_size}, dim={self.config.dim}"

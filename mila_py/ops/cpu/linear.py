@@ -1,0 +1,82 @@
+"""CPU LinearOp: ``y = x W^T + b`` on NumPy arrays, with the weight in PyTorch's ``[out, in]`` layout.
+
+With ``N`` the product of the leading dimensions of ``x``::
+
+    forward   y  [N, out]  = x [N, in] @ W^T [in, out] + b [out]
+    backward  dW [out, in] += dy^T [out, N] @ x [N, in]
+              db [out]     += sum_N dy [N, out]
+              dx [N, in]   = dy [N, out] @ W [out, in]
+
+Parameter gradients accumulate (``+=``) so micro-batches add up; ``dx`` is overwritten. The math
+is dtype-generic (the tests run it in float64); the op trusts its caller to have validated shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mila_py.devices.device import DeviceType
+from mila_py.ops.cpu._rows import as_rows, out_rows
+from mila_py.ops.operation import Operation
+from mila_py.ops.registry import register_op
+from mila_py.precision import Precision
+
+__all__ = ["CpuLinearOp", "linear_backward", "linear_forward"]
+
+
+def linear_forward(
+    x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, out: np.ndarray
+) -> None:
+    """``out = x W^T + b``.
+
+    Args:
+        x: ``[..., in]``.
+        weight: ``[out, in]``.
+        bias: ``[out]`` or None.
+        out: ``[..., out]``, C-contiguous, written.
+    """
+    y = out_rows(out)  # [N, out]
+    np.matmul(as_rows(x), weight.T, out=y)  # BLAS reads W^T through strides: no copy
+    if bias is not None:
+        y += bias
+
+
+def linear_backward(
+    x: np.ndarray,
+    weight: np.ndarray,
+    dy: np.ndarray,
+    dweight: np.ndarray,
+    dbias: np.ndarray | None,
+    dx: np.ndarray,
+) -> None:
+    """Accumulate ``dW``, ``db`` and write ``dx`` for the upstream gradient ``dy``.
+
+    Args:
+        x: ``[..., in]`` the forward input.
+        weight: ``[out, in]``.
+        dy: ``[..., out]`` upstream gradient (not modified).
+        dweight: ``[out, in]``, ``+= dy^T x``.
+        dbias: ``[out]``, ``+= sum(dy)``, or None when the layer has no bias.
+        dx: ``[..., in]``, C-contiguous, overwritten with ``dy W``.
+    """
+    x2 = as_rows(x)  # [N, in]
+    dy2 = as_rows(dy)  # [N, out]
+    # NumPy cannot accumulate into the output of a matmul (BLAS beta = 1): one temporary the
+    # size of the weight per call.
+    dweight += dy2.T @ x2  # [out, in]
+    if dbias is not None:
+        dbias += dy2.sum(axis=0)  # [out]
+    np.matmul(dy2, weight, out=out_rows(dx))  # [N, in]
+
+
+@register_op("LinearOp", DeviceType.CPU, precisions=(Precision.FP32, Precision.FP64))
+class CpuLinearOp(Operation):
+    """NumPy ``y = x W^T + b`` (see :func:`linear_forward`, :func:`linear_backward`)."""
+
+    def forward(self, x: Any, weight: Any, bias: Any, out: Any) -> None:
+        linear_forward(x, weight, bias, out)
+
+    def backward(self, x: Any, weight: Any, dy: Any, dweight: Any, dbias: Any, dx: Any) -> None:
+        linear_backward(x, weight, dy, dweight, dbias, dx)

@@ -1,0 +1,96 @@
+"""CPU RmsNormOp: root-mean-square normalization over the last axis (Hugging Face LlamaRMSNorm).
+
+Per row ``x [D]`` with weight ``w [D]``::
+
+    forward   r = 1 / sqrt(mean(x^2) + eps)            # [N], kept for backward
+              y = (x * r) * w                          # [N, D], HF's order of operations
+    backward  n = x * r,  g = dy * w                   # [N, D]
+              dw [D]    += sum_N dy * n
+              dx [N, D]  = r * (g - n * mean(g * n))
+
+Rows are processed in cache-sized blocks, so temporaries stay small however large the batch.
+The math is dtype-generic (the tests run it in float64); the op trusts its caller's shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mila_py.devices.device import DeviceType
+from mila_py.ops.cpu._rows import as_rows, out_flat, out_rows, row_blocks
+from mila_py.ops.operation import Operation
+from mila_py.ops.registry import register_op
+from mila_py.precision import Precision
+
+__all__ = ["CpuRmsNormOp", "rms_norm_backward", "rms_norm_forward"]
+
+
+def rms_norm_forward(
+    x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray, rstd: np.ndarray
+) -> None:
+    """``out = x / sqrt(mean(x^2, -1) + eps) * weight``.
+
+    Args:
+        x: ``[..., D]``.
+        weight: ``[D]``.
+        eps: added to the mean square.
+        out: ``[..., D]``, C-contiguous, written.
+        rstd: ``[...]`` (x's leading shape), C-contiguous, written with ``r`` for backward.
+    """
+    x2, y2 = as_rows(x), out_rows(out)  # [N, D]
+    r = out_flat(rstd)  # [N]
+    dim = x2.shape[1]
+    for s in row_blocks(x2.shape[0], dim):
+        xb, yb, rb = x2[s], y2[s], r[s]
+        np.square(xb, out=yb)  # the output block is scratch until the last step
+        np.mean(yb, axis=1, out=rb)  # [n], pairwise summation
+        rb += eps
+        np.sqrt(rb, out=rb)
+        np.reciprocal(rb, out=rb)
+        np.multiply(xb, rb[:, None], out=yb)
+        yb *= weight
+
+
+def rms_norm_backward(
+    x: np.ndarray,
+    weight: np.ndarray,
+    rstd: np.ndarray,
+    dy: np.ndarray,
+    dweight: np.ndarray,
+    dx: np.ndarray,
+) -> None:
+    """Accumulate ``dweight`` and write ``dx``.
+
+    Args:
+        x: ``[..., D]`` the forward input.
+        weight: ``[D]``.
+        rstd: ``[...]`` the ``r`` written by :func:`rms_norm_forward`.
+        dy: ``[..., D]`` upstream gradient (not modified).
+        dweight: ``[D]``, accumulated.
+        dx: ``[..., D]``, C-contiguous, overwritten.
+    """
+    x2, dy2, dx2 = as_rows(x), as_rows(dy), out_rows(dx)  # [N, D]
+    r = rstd.reshape(-1)  # [N]
+    dim = x2.shape[1]
+    for s in row_blocks(x2.shape[0], dim):
+        rb = r[s, None]  # [n, 1]
+        n = x2[s] * rb  # [n, D] normalized input
+        dweight += np.einsum("nd,nd->d", dy2[s], n)
+        g = np.multiply(dy2[s], weight, out=dx2[s])  # [n, D]
+        c = np.einsum("nd,nd->n", g, n)[:, None] / dim  # [n, 1] mean(g * n)
+        n *= c
+        g -= n
+        g *= rb
+
+
+@register_op("RmsNormOp", DeviceType.CPU, precisions=(Precision.FP32, Precision.FP64))
+class CpuRmsNormOp(Operation):
+    """NumPy RMS normalization (see :func:`rms_norm_forward`, :func:`rms_norm_backward`)."""
+
+    def forward(self, x: Any, weight: Any, out: Any, rstd: Any) -> None:
+        rms_norm_forward(x, weight, self.config.eps, out, rstd)
+
+    def backward(self, x: Any, weight: Any, rstd: Any, dy: Any, dweight: Any, dx: Any) -> None:
+        rms_norm_backward(x, weight, rstd, dy, dweight, dx)

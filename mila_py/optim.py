@@ -1,0 +1,106 @@
+"""Optimizers over a component's parameters and gradients, and gradient clipping."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from mila_py.component import Component
+from mila_py.memory import MemoryCategory, MemoryStats
+
+__all__ = ["AdamW", "clip_grad_norm"]
+
+
+def _pairs(model: Component) -> list[tuple[str, Any, Any]]:
+    grads = dict(model.named_gradients())
+    pairs = [(name, p, grads[name]) for name, p in model.named_parameters() if name in grads]
+    if not pairs:
+        raise RuntimeError(
+            f"{model._describe()} has no parameter gradients: build it with RuntimeMode.TRAINING"
+        )
+    return pairs
+
+
+def _default_decay(name: str, param: Any) -> bool:
+    # Matrices decay; vectors (norm weights, biases) do not, as in most LLM training recipes.
+    return param.ndim >= 2
+
+
+class AdamW:
+    """Adam with decoupled weight decay (Loshchilov & Hutter) and bias correction.
+
+    ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)`` for parameters that decay.
+
+    Args:
+        model: a built TRAINING component (its parameters and gradients are walked once).
+        lr: learning rate (may be changed between steps through ``opt.lr``).
+        betas: moment decay rates; eps: denominator guard.
+        weight_decay: decoupled decay factor.
+        decay: ``(name, param) -> bool`` choosing which parameters decay (default: ndim >= 2).
+    """
+
+    def __init__(
+        self,
+        model: Component,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        decay: Callable[[str, Any], bool] = _default_decay,
+    ) -> None:
+        if not lr > 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or not eps > 0:
+            raise ValueError(f"AdamW: bad hyper-parameters lr={lr} betas={betas} eps={eps}")
+        if weight_decay < 0:
+            raise ValueError(f"AdamW: weight_decay must be >= 0, got {weight_decay}")
+        self.model = model
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self._pairs = _pairs(model)
+        xp = model.execution_context.xp
+        self._m = [xp.zeros_like(p) for _, p, _ in self._pairs]
+        self._v = [xp.zeros_like(p) for _, p, _ in self._pairs]
+        self._decays = [decay(name, p) for name, p, _ in self._pairs]
+        self.step_count = 0
+
+    def step(self) -> None:
+        """One update from the current gradients (they are left as they are)."""
+        self.step_count += 1
+        beta1, beta2 = self.betas
+        correction1 = 1.0 - beta1**self.step_count
+        correction2 = 1.0 - beta2**self.step_count
+        step_size = self.lr / correction1
+        xp = self.model.execution_context.xp
+        for (_, p, g), m, v, decays in zip(
+            self._pairs, self._m, self._v, self._decays, strict=True
+        ):
+            if decays and self.weight_decay:
+                p *= 1.0 - self.lr * self.weight_decay
+            m *= beta1
+            m += (1.0 - beta1) * g
+            v *= beta2
+            v += (1.0 - beta2) * (g * g)
+            denom = xp.sqrt(v / correction2)
+            denom += self.eps
+            p -= step_size * (m / denom)
+
+    def zero_grad(self) -> None:
+        self.model.zero_gradients()
+
+    def get_memory_stats(self) -> MemoryStats:
+        """The optimizer's own state (the two moments) as host/device state bytes."""
+        loc = self.model._location_of
+        return MemoryStats.from_arrays(
+            (MemoryCategory.STATE, loc(a), a) for a in (*self._m, *self._v)
+        )
+
+
+def clip_grad_norm(model: Component, max_norm: float) -> float:
+    """Scale every gradient so their global L2 norm is at most ``max_norm``; returns the norm
+    before clipping."""
+    grads = [g for _, _, g in _pairs(model)]
+    total = math.sqrt(sum(float((g.astype("float64") ** 2).sum()) for g in grads))
+    if total > max_norm > 0:
+        scale = max_norm / (total + 1e-6)
+        for g in grads:
+            g *= scale
+    return total

@@ -1,0 +1,105 @@
+"""Shared helpers of the layer tests: builds, snapshots, finite differences, tolerances."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from mila_py import BuildContext, Component, RuntimeMode
+
+TRAINING, INFERENCE = RuntimeMode.TRAINING, RuntimeMode.INFERENCE
+
+#: component (float32) against a float64 reference
+RTOL32, ATOL32 = 2e-5, 2e-6
+#: analytic float64 gradients against central differences
+FD_RTOL = 1e-6
+
+
+def built(
+    component: Component,
+    shape: tuple[int, ...],
+    mode: RuntimeMode = TRAINING,
+    *,
+    initialize: bool | None = None,
+) -> Any:
+    """``component`` after ``build(BuildContext(shape, mode, initialize))``."""
+    component.build(BuildContext(shape, mode, initialize_parameters=initialize))
+    return component
+
+
+def owned_arrays(component: Component) -> dict[str, np.ndarray]:
+    """Every array the subtree registered, by ``kind:component.key`` (references, not copies)."""
+    arrays: dict[str, np.ndarray] = {}
+    for c in component._walk():
+        tables = (
+            ("p", c._parameters),
+            ("g", c._gradients),
+            ("gi", c.__dict__.get("_input_gradients", {})),
+            ("s", c._state),
+        )
+        for kind, table in tables:
+            for key, array in table.items():
+                arrays[f"{kind}:{c.name}.{key}"] = array
+    return arrays
+
+
+def snapshot(component: Component, *inputs: Any) -> tuple[dict[str, np.ndarray], list[Any]]:
+    """Copies of the component's arrays and of ``inputs``, for :func:`assert_unchanged`."""
+    arrays = {k: v.copy() for k, v in owned_arrays(component).items()}
+    return arrays, [np.array(x, copy=True) for x in inputs]
+
+
+def assert_unchanged(
+    component: Component, saved: tuple[dict[str, np.ndarray], list[Any]], *inputs: Any
+) -> None:
+    arrays, copies = saved
+    now = owned_arrays(component)
+    assert now.keys() == arrays.keys()
+    for key, array in arrays.items():
+        np.testing.assert_array_equal(now[key], array, err_msg=key)
+    for x, copy in zip(inputs, copies, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), copy)
+
+
+def distinct_nbytes(arrays: list[np.ndarray]) -> int:
+    """Bytes of the distinct arrays among ``arrays``."""
+    unique = {id(a): a for a in arrays}
+    return sum(int(a.nbytes) for a in unique.values())
+
+
+def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
+    """``|actual - expected| / max(|actual|, |expected|)`` in the 2-norm (0 for two zeros)."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    scale = max(np.linalg.norm(actual), np.linalg.norm(expected))
+    return 0.0 if scale == 0 else float(np.linalg.norm(actual - expected) / scale)
+
+
+def numerical_gradient(
+    objective: Callable[[], float], array: np.ndarray, eps: float = 1e-6
+) -> np.ndarray:
+    """Central differences of ``objective()`` with respect to every element of ``array``.
+
+    ``array`` (float64) is perturbed in place and restored.
+    """
+    grad = np.zeros_like(array)
+    for idx in np.ndindex(array.shape):
+        old = array[idx]
+        array[idx] = old + eps
+        plus = objective()
+        array[idx] = old - eps
+        minus = objective()
+        array[idx] = old
+        grad[idx] = (plus - minus) / (2 * eps)
+    return grad
+
+
+def assert_gradients(
+    objective: Callable[[], float], pairs: dict[str, tuple[np.ndarray, np.ndarray]]
+) -> None:
+    """For each ``name: (array, analytic gradient)``: analytic matches central differences."""
+    for name, (array, analytic) in pairs.items():
+        numeric = numerical_gradient(objective, array)
+        err = rel_err(analytic, numeric)
+        assert err < FD_RTOL, f"{name}: relative error {err:.2e} against finite differences"

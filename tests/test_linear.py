@@ -1,0 +1,282 @@
+"""Linear: forward against x W^T + b (NumPy float64 and torch), gradients, lifecycle, memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from layer_helpers import (
+    ATOL32,
+    INFERENCE,
+    RTOL32,
+    TRAINING,
+    assert_gradients,
+    assert_unchanged,
+    built,
+    distinct_nbytes,
+    owned_arrays,
+    snapshot,
+)
+
+from mila_py import BuildContext, Network, Precision, TrainingMode
+from mila_py.components import Linear, LinearConfig
+from mila_py.init import manual_seed
+from mila_py.ops.cpu.linear import linear_backward, linear_forward
+from mila_py.ops.registry import OpNotFoundError
+
+B, T, IN, OUT = 3, 5, 7, 4
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(1234)
+
+
+def make(bias: bool = True, mode=TRAINING, shape=(B, T, IN), name: str = "proj", **kw) -> Linear:
+    return built(Linear(name, LinearConfig(IN, OUT, bias=bias), device="CPU"), shape, mode, **kw)
+
+
+def reference(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+    y = np.einsum("...i,oi->...o", x.astype(np.float64), w.astype(np.float64))
+    return y if b is None else y + b
+
+
+# ------------------------------------------------------------------------------- config
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"in_features": 0, "out_features": 2}, ValueError),
+        ({"in_features": 2, "out_features": -1}, ValueError),
+        ({"in_features": 2.0, "out_features": 2}, TypeError),
+        ({"in_features": True, "out_features": 2}, TypeError),
+        ({"in_features": 2, "out_features": 2, "bias": 1}, TypeError),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, error) -> None:
+    with pytest.raises(error, match="LinearConfig"):
+        LinearConfig(**kwargs)
+
+
+def test_config_is_frozen_and_needs_the_right_type() -> None:
+    cfg = LinearConfig(2, 3)
+    assert cfg.bias is False
+    with pytest.raises(AttributeError):
+        cfg.in_features = 4  # type: ignore[misc]
+    with pytest.raises(TypeError, match="LinearConfig"):
+        Linear("proj", {"in_features": 2, "out_features": 3})
+
+
+def test_construction_allocates_nothing_and_refuses_unsupported_precision() -> None:
+    lin = Linear("proj", LinearConfig(IN, OUT), device="CPU")
+    assert (
+        not lin.is_built and lin.get_parameters() == [] and lin.get_memory_stats().total_bytes == 0
+    )
+    with pytest.raises(OpNotFoundError, match="LinearOp"):
+        Linear("proj", LinearConfig(IN, OUT), device="CPU", precision=Precision.FP16)
+
+
+# ------------------------------------------------------------------------------- forward
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("lead", [(B, T), (1, T), (B, 1), (2, 3)])
+def test_forward_matches_float64_reference(bias: bool, lead, rng) -> None:
+    lin = make(bias)
+    if bias:
+        lin.bias[...] = rng.standard_normal(OUT)
+    x = rng.standard_normal((*lead, IN)).astype(np.float32)
+    y = lin.forward(x)
+    assert y.shape == (*lead, OUT) and y.dtype == np.float32
+    assert np.shares_memory(y, owned_arrays(lin)["s:proj.output"])
+    np.testing.assert_allclose(y, reference(x, lin.weight, lin.bias), rtol=RTOL32, atol=ATOL32)
+
+
+def test_forward_matches_torch(rng) -> None:
+    torch = pytest.importorskip("torch")
+    lin = make(bias=True)
+    lin.bias[...] = rng.standard_normal(OUT)
+    x = rng.standard_normal((B, T, IN)).astype(np.float32)
+    expected = torch.nn.functional.linear(
+        torch.from_numpy(x), torch.from_numpy(lin.weight), torch.from_numpy(lin.bias)
+    )
+    np.testing.assert_allclose(lin.forward(x), expected.numpy(), rtol=RTOL32, atol=ATOL32)
+
+
+def test_any_number_of_leading_dimensions(rng) -> None:
+    lin = make(shape=(6, IN))
+    x = rng.standard_normal((4, IN)).astype(np.float32)
+    np.testing.assert_allclose(lin.forward(x), reference(x, lin.weight, lin.bias), atol=ATOL32)
+    with pytest.raises(ValueError, match="must be"):
+        lin.forward(np.zeros((1, 4, IN), np.float32))
+
+
+def test_non_contiguous_input(rng) -> None:
+    lin = make()
+    wide = rng.standard_normal((B, T, 2 * IN)).astype(np.float32)
+    x = wide[..., ::2]
+    np.testing.assert_allclose(lin.forward(x), reference(x, lin.weight, lin.bias), atol=ATOL32)
+
+
+# ------------------------------------------------------------------------------- backward
+@pytest.mark.parametrize("bias", [True, False])
+def test_backward_float64_matches_finite_differences(bias: bool, rng) -> None:
+    x = rng.standard_normal((2, 3, 5))
+    w = rng.standard_normal((4, 5))
+    b = rng.standard_normal(4) if bias else None
+    r = rng.standard_normal((2, 3, 4))  # objective sum(y * r): dy = r
+
+    def objective() -> float:
+        y = np.empty((2, 3, 4))
+        linear_forward(x, w, b, y)
+        return float(np.sum(y * r))
+
+    dw, dx = np.zeros_like(w), np.empty_like(x)
+    db = np.zeros(4) if bias else None
+    linear_backward(x, w, r, dw, db, dx)
+    pairs = {"x": (x, dx), "weight": (w, dw)}
+    if bias:
+        pairs["bias"] = (b, db)
+    assert_gradients(objective, pairs)
+
+
+def test_component_backward_matches_float64_formula(rng) -> None:
+    lin = make(bias=True)
+    x = rng.standard_normal((2, 3, IN)).astype(np.float32)
+    dy = rng.standard_normal((2, 3, OUT)).astype(np.float32)
+    lin.forward(x)
+    dx = lin.backward(dy)
+    assert dx.shape == x.shape
+    assert np.shares_memory(dx, owned_arrays(lin)["s:proj.dinput"])
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    grads = dict(lin.named_gradients())
+    np.testing.assert_allclose(dx, dy64 @ lin.weight, rtol=RTOL32, atol=ATOL32)
+    np.testing.assert_allclose(
+        grads["weight"], np.einsum("bto,bti->oi", dy64, x64), rtol=RTOL32, atol=ATOL32
+    )
+    np.testing.assert_allclose(grads["bias"], dy64.sum((0, 1)), rtol=RTOL32, atol=ATOL32)
+
+
+def test_gradients_accumulate_and_zero(rng) -> None:
+    lin = make(bias=True)
+    x = rng.standard_normal((B, T, IN)).astype(np.float32)
+    dy = rng.standard_normal((B, T, OUT)).astype(np.float32)
+    lin.forward(x)
+    dx1 = lin.backward(dy).copy()
+    once = [g.copy() for g in lin.get_gradients()]
+    dx2 = lin.backward(dy)
+    for g, g1 in zip(lin.get_gradients(), once, strict=True):
+        np.testing.assert_allclose(g, 2 * g1, rtol=1e-6)
+    np.testing.assert_array_equal(dx2, dx1)  # dx is overwritten, not accumulated
+    lin.zero_gradients()
+    assert all(not g.any() for g in lin.get_gradients())
+
+
+def test_eval_mode_still_runs(rng) -> None:
+    lin = make()
+    lin.set_training_mode(TrainingMode.EVAL)
+    x = rng.standard_normal((B, T, IN)).astype(np.float32)
+    lin.forward(x)
+    assert lin.backward(np.ones((B, T, OUT), np.float32)).shape == x.shape
+
+
+# ------------------------------------------------------------------------------- lifecycle
+def test_inference_build_has_no_gradients_and_backward_raises(rng) -> None:
+    lin = make(mode=INFERENCE)
+    assert lin.get_gradients() == []
+    assert not lin.weight.any()  # inference builds expect loaded weights
+    lin.forward(rng.standard_normal((B, T, IN)).astype(np.float32))
+    with pytest.raises(RuntimeError, match="INFERENCE"):
+        lin.backward(np.zeros((B, T, OUT), np.float32))
+
+
+def test_backward_before_forward_and_calls_before_build_raise() -> None:
+    with pytest.raises(RuntimeError, match="forward"):
+        make().backward(np.zeros((B, T, OUT), np.float32))
+    lin = Linear("proj", LinearConfig(IN, OUT), device="CPU")
+    with pytest.raises(RuntimeError, match="built"):
+        lin.forward(np.zeros((B, T, IN), np.float32))
+
+
+@pytest.mark.parametrize(
+    ("x", "error"),
+    [
+        (np.zeros((B, T, IN), np.float64), TypeError),
+        ([[[0.0] * IN]], TypeError),
+        (np.zeros((B, T, IN + 1), np.float32), ValueError),
+        (np.zeros((B + 1, T, IN), np.float32), ValueError),
+        (np.zeros((B, T + 1, IN), np.float32), ValueError),
+        (np.zeros((B * T, IN), np.float32), ValueError),
+    ],
+    ids=["float64", "list", "width", "batch", "tokens", "rank"],
+)
+def test_bad_forward_leaves_everything_unchanged(x, error, rng) -> None:
+    lin = make()
+    good = rng.standard_normal((B, T, IN)).astype(np.float32)
+    lin.forward(good)
+    lin.backward(np.ones((B, T, OUT), np.float32))
+    saved = snapshot(lin, x)
+    with pytest.raises(error):
+        lin.forward(x)
+    assert_unchanged(lin, saved, x)
+    assert lin.backward(np.ones((B, T, OUT), np.float32)).shape == good.shape  # still the good x
+
+
+@pytest.mark.parametrize(
+    "dy",
+    [np.ones((B, T, OUT), np.float64), np.ones((B, T - 1, OUT), np.float32), np.ones((B, T, IN))],
+    ids=["dtype", "shape", "width"],
+)
+def test_bad_backward_leaves_everything_unchanged(dy, rng) -> None:
+    lin = make()
+    lin.forward(rng.standard_normal((B, T, IN)).astype(np.float32))
+    lin.backward(np.ones((B, T, OUT), np.float32))
+    saved = snapshot(lin, dy)
+    with pytest.raises((TypeError, ValueError)):
+        lin.backward(dy)
+    assert_unchanged(lin, saved, dy)
+
+
+def test_bad_build_shape_rolls_back_and_retry_succeeds() -> None:
+    lin = Linear("proj", LinearConfig(IN, OUT), device="CPU")
+    for shape in [(B, T, IN + 1), (IN,)]:
+        with pytest.raises(ValueError, match="input_shape"):
+            lin.build(BuildContext(shape, TRAINING))
+        assert not lin.is_built and lin.get_memory_stats().total_bytes == 0
+    built(lin, (B, T, IN))
+    assert lin.is_built
+
+
+# ------------------------------------------------------------------------------- memory, init
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("mode", [TRAINING, INFERENCE])
+def test_memory_stats_count_every_owned_array_once(bias: bool, mode) -> None:
+    lin = make(bias, mode)
+    stats = lin.get_memory_stats()
+    params = (OUT * IN + OUT * bias) * 4
+    state = B * T * OUT * 4 + (B * T * IN * 4 if mode is TRAINING else 0)
+    assert stats.parameter_bytes == params
+    assert stats.gradient_bytes == (params if mode is TRAINING else 0)
+    assert stats.state_bytes == state
+    assert stats.total_bytes == distinct_nbytes(list(owned_arrays(lin).values()))
+
+
+def test_initialization_is_seeded_normal_and_bias_zero() -> None:
+    big = built(Linear("big", LinearConfig(256, 128, bias=True), device="CPU"), (1, 1, 256))
+    assert abs(big.weight.std() - 0.02) < 0.001 and abs(big.weight.mean()) < 0.001
+    assert not big.bias.any()
+    w = make(name="a").weight.copy()
+    np.testing.assert_array_equal(make(name="a").weight, w)  # same (seed, name): same weights
+    assert not np.array_equal(make(name="b").weight, w)  # another name: another stream
+    try:
+        manual_seed(7)
+        assert not np.array_equal(make(name="a").weight, w)
+    finally:
+        manual_seed(0)
+    assert not make(initialize=False).weight.any()
+
+
+def test_inside_a_network(rng) -> None:
+    net = Network("net")
+    lin = Linear("proj", LinearConfig(IN, OUT))
+    net.add_component(lin)
+    net.build(BuildContext((B, T, IN), TRAINING))
+    x = rng.standard_normal((B, T, IN)).astype(np.float32)
+    np.testing.assert_allclose(lin.forward(x), reference(x, lin.weight, None), atol=ATOL32)
+    assert [n for n, _ in net.named_parameters()] == ["proj.weight"]

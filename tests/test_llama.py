@@ -1,0 +1,257 @@
+"""Llama network: gradients, modes, memory accounting, save/load, AdamW and a short training run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mila_py import BuildContext, Precision, RuntimeMode, TrainingMode
+from mila_py.component import Component
+from mila_py.components import Llama, LlamaConfig
+from mila_py.ops.operation import Operation
+from mila_py.optim import AdamW, clip_grad_norm
+
+B, T = 2, 5
+
+
+def tiny(tie: bool = False, **overrides: object) -> LlamaConfig:
+    fields = dict(
+        vocab_size=32,
+        dim=16,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=24,
+        max_seq_len=16,
+        tie_embeddings=tie,
+    )
+    fields.update(overrides)
+    return LlamaConfig(**fields)  # type: ignore[arg-type]
+
+
+def built(mode: RuntimeMode = RuntimeMode.TRAINING, tie: bool = False, **kw: object) -> Llama:
+    model = Llama("llama", tiny(tie, **kw), device="CPU")
+    model.build(BuildContext((B, T), mode, initialize_parameters=True))
+    return model
+
+
+def tokens(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 32, size=(B, T))
+
+
+def test_forward_shapes_and_names() -> None:
+    model = built()
+    logits = model.forward(tokens())
+    assert logits.shape == (B, T, 32)
+    assert np.isfinite(logits).all()
+    names = [name for name, _ in model.named_parameters()]
+    assert names[0] == "embed_tokens.weight"
+    assert "layer1.self_attn.qkv_proj.weight" in names
+    assert "layer0.mlp.gate_proj.weight" in names
+    assert names[-1] == "lm_head.weight"
+    assert len(model.get_gradients()) == len(model.get_parameters())
+    for p, g in zip(model.get_parameters(), model.get_gradients(), strict=True):
+        assert p.shape == g.shape
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_backward_matches_finite_differences_in_float64(tie: bool) -> None:
+    model = Llama("llama", tiny(tie), device="CPU", precision=Precision.FP64)
+    model.build(BuildContext((B, T), RuntimeMode.TRAINING))
+    rng = np.random.default_rng(1)
+    x = tokens(2)
+    weight = rng.standard_normal((B, T, 32))  # loss = sum(weight * logits): asymmetric
+
+    def loss() -> float:
+        return float((weight * model.forward(x)).sum())
+
+    model.forward(x)
+    model.backward(weight)
+    grads = {name: g.copy() for name, g in model.named_gradients()}
+    assert set(grads) == {name for name, _ in model.named_parameters()}
+    eps = 1e-6
+    for name, p in model.named_parameters():
+        for _ in range(2):  # two random directions per tensor
+            direction = rng.standard_normal(p.shape)
+            analytic = float((grads[name] * direction).sum())
+            saved = p.copy()
+            p += eps * direction
+            up = loss()
+            p[...] = saved - eps * direction
+            down = loss()
+            p[...] = saved
+            numeric = (up - down) / (2 * eps)
+            assert abs(analytic - numeric) <= 1e-6 * max(1.0, abs(numeric)), (
+                name,
+                analytic,
+                numeric,
+            )
+        for index in [tuple(rng.integers(0, n) for n in p.shape) for _ in range(3)]:  # elements
+            saved = p[index]
+            p[index] = saved + eps
+            up = loss()
+            p[index] = saved - eps
+            down = loss()
+            p[index] = saved
+            numeric = (up - down) / (2 * eps)
+            assert abs(grads[name][index] - numeric) <= 1e-6 * max(1.0, abs(numeric)), name
+
+
+def test_blocks_start_from_different_weights() -> None:
+    model = built()
+    a = model.find_component("layer0.mlp.gate_proj").weight
+    b = model.find_component("layer1.mlp.gate_proj").weight
+    assert a.std() > 0 and not np.array_equal(a, b)
+
+
+def test_gradients_accumulate_and_zero() -> None:
+    model = built()
+    x = tokens()
+    dlogits = np.ones((B, T, 32), dtype=np.float32)
+    model.forward(x)
+    model.backward(dlogits)
+    first = [g.copy() for g in model.get_gradients()]
+    model.forward(x)
+    model.backward(dlogits)
+    for a, b in zip(first, model.get_gradients(), strict=True):
+        np.testing.assert_allclose(b, 2 * a, rtol=1e-5, atol=1e-6)
+    model.zero_gradients()
+    assert all(not g.any() for g in model.get_gradients())
+
+
+def test_eval_mode_forward_leaves_gradients_alone() -> None:
+    model = built()
+    model.set_training_mode(TrainingMode.EVAL)
+    assert model.get_component("layer0").training_mode is TrainingMode.EVAL
+    model.forward(tokens())
+    assert all(not g.any() for g in model.get_gradients())
+
+
+def _owned_arrays(root: Component) -> list[np.ndarray]:
+    """Every distinct base array reachable from the tree's objects (independent of MemoryStats)."""
+    seen: dict[int, np.ndarray] = {}
+
+    def visit(value: object) -> None:
+        if isinstance(value, np.ndarray):
+            base = value
+            while base.base is not None and isinstance(base.base, np.ndarray):
+                base = base.base
+            seen[id(base)] = base
+        elif isinstance(value, dict):
+            for v in value.values():
+                visit(v)
+        elif isinstance(value, list | tuple):
+            for v in value:
+                visit(v)
+        elif isinstance(value, Operation):
+            for v in vars(value).values():
+                visit(v)
+            for a in value.state_arrays():
+                visit(a)
+
+    for component in root._walk():
+        for key, value in vars(component).items():
+            if key.startswith("_saved") or key in ("_hidden",):
+                continue  # references to inputs of the last call, not owned memory
+            visit(value)
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("mode", [RuntimeMode.TRAINING, RuntimeMode.INFERENCE])
+@pytest.mark.parametrize("tie", [False, True])
+def test_memory_stats_equal_the_arrays_the_network_owns(mode: RuntimeMode, tie: bool) -> None:
+    model = built(mode, tie=tie)
+    model.forward(tokens())
+    stats = model.get_memory_stats()
+    owned = _owned_arrays(model)
+    assert stats.device_total_bytes == sum(a.nbytes for a in owned)
+    if mode is RuntimeMode.INFERENCE:
+        assert stats.device_gradient_bytes == 0
+        assert model.get_gradients() == []
+
+
+def test_rope_table_is_shared_by_every_layer() -> None:
+    model = built()
+    tables = {id(block.self_attn.rope.table) for block in model.layers}
+    assert len(tables) == 1
+
+
+def test_inference_build_is_smaller_and_cannot_backward() -> None:
+    train, infer = built(RuntimeMode.TRAINING), built(RuntimeMode.INFERENCE)
+    assert infer.get_memory_stats().total_bytes < train.get_memory_stats().total_bytes
+    with pytest.raises(RuntimeError, match="TRAINING"):
+        infer.backward(np.zeros((B, T, 32), dtype=np.float32))
+
+
+def test_save_load_round_trip_and_mismatch_report(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    a = built()
+    path = tmp_path / "w.safetensors"
+    a.save(path)
+    b = Llama("llama", tiny(), device="CPU")
+    b.build(BuildContext((B, T), RuntimeMode.INFERENCE))
+    b.load(path)
+    x = tokens(5)
+    np.testing.assert_array_equal(a.forward(x), b.forward(x))
+
+    other = Llama("llama", tiny(n_layers=3, hidden_dim=20), device="CPU")
+    other.build(BuildContext((B, T), RuntimeMode.INFERENCE))
+    before = [p.copy() for p in other.get_parameters()]
+    with pytest.raises(ValueError) as info:
+        other.load(path)
+    message = str(info.value)
+    assert "missing: layer2." in message
+    assert "shape of layer0.mlp.gate_proj.weight" in message
+    assert "nothing was loaded" in message
+    for p, q in zip(before, other.get_parameters(), strict=True):
+        np.testing.assert_array_equal(p, q)
+
+
+def test_adamw_step_matches_the_formula() -> None:
+    model = built()
+    model.forward(tokens())
+    model.backward(np.random.default_rng(3).standard_normal((B, T, 32)).astype(np.float32))
+    params = [p.copy().astype(np.float64) for p in model.get_parameters()]
+    grads = [g.copy().astype(np.float64) for g in model.get_gradients()]
+    opt = AdamW(model, lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    opt.step()
+    for name_p, p0, g in zip(model.named_parameters(), params, grads, strict=True):
+        name, p = name_p
+        decay = 0.1 if p.ndim >= 2 else 0.0
+        m_hat = (0.1 * g) / 0.1
+        v_hat = (0.01 * g * g) / 0.01
+        expected = p0 * (1 - 0.01 * decay) - 0.01 * m_hat / (np.sqrt(v_hat) + 1e-8)
+        np.testing.assert_allclose(p, expected, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_clip_grad_norm() -> None:
+    model = built()
+    for g in model.get_gradients():
+        g[...] = 1.0
+    count = sum(g.size for g in model.get_gradients())
+    norm = clip_grad_norm(model, 1.0)
+    assert norm == pytest.approx(np.sqrt(count))
+    after = np.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in model.get_gradients()))
+    assert after == pytest.approx(1.0, rel=1e-4)
+
+
+def test_training_brings_the_loss_down() -> None:
+    from mila_py.components import SoftmaxCrossEntropy, SoftmaxCrossEntropyConfig
+
+    text = np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 40, dtype=np.uint8)
+    data = (text % 32).astype(np.int64)
+    model = Llama("llama", tiny(max_seq_len=32), device="CPU")
+    n_b, n_t = 4, 16
+    model.build(BuildContext((n_b, n_t), RuntimeMode.TRAINING))
+    loss_fn = SoftmaxCrossEntropy("loss", SoftmaxCrossEntropyConfig(32), device="CPU")
+    loss_fn.build(BuildContext((n_b, n_t, 32), RuntimeMode.TRAINING))
+    opt = AdamW(model, lr=1e-2, weight_decay=0.0)
+    rng = np.random.default_rng(0)
+    losses = []
+    for _ in range(40):
+        starts = rng.integers(0, data.size - n_t - 1, size=n_b)
+        window = np.stack([data[s : s + n_t + 1] for s in starts])
+        losses.append(loss_fn.forward(model.forward(window[:, :-1]), window[:, 1:]))
+        model.backward(loss_fn.backward())
+        opt.step()
+        model.zero_gradients()
+    assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])

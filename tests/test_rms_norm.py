@@ -1,0 +1,238 @@
+"""RmsNorm: forward against HF's formula (NumPy float64 and torch), gradients, lifecycle, memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from layer_helpers import (
+    ATOL32,
+    INFERENCE,
+    RTOL32,
+    TRAINING,
+    assert_gradients,
+    assert_unchanged,
+    built,
+    distinct_nbytes,
+    owned_arrays,
+    snapshot,
+)
+
+from mila_py import BuildContext, Precision, TrainingMode
+from mila_py.components import RmsNorm, RmsNormConfig
+from mila_py.ops.cpu.rms_norm import rms_norm_backward, rms_norm_forward
+from mila_py.ops.registry import OpNotFoundError
+
+B, T, D = 3, 5, 8
+EPS = 1e-5
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(4321)
+
+
+def make(mode=TRAINING, shape=(B, T, D), eps: float = EPS, **kw) -> RmsNorm:
+    return built(RmsNorm("norm", RmsNormConfig(D, eps), device="CPU"), shape, mode, **kw)
+
+
+def reference(x: np.ndarray, w: np.ndarray, eps: float = EPS) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def random_weight(norm: RmsNorm, rng: np.random.Generator) -> None:
+    norm.weight[...] = rng.uniform(0.5, 1.5, D)
+
+
+# ------------------------------------------------------------------------------- config
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"dim": 0}, ValueError),
+        ({"dim": 4.0}, TypeError),
+        ({"dim": 4, "eps": 0.0}, ValueError),
+        ({"dim": 4, "eps": -1e-6}, ValueError),
+        ({"dim": 4, "eps": float("nan")}, ValueError),
+        ({"dim": 4, "eps": "1e-5"}, TypeError),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, error) -> None:
+    with pytest.raises(error, match="RmsNormConfig"):
+        RmsNormConfig(**kwargs)
+
+
+def test_construction_allocates_nothing_and_refuses_unsupported_precision() -> None:
+    norm = RmsNorm("norm", RmsNormConfig(D), device="CPU")
+    assert not norm.is_built and norm.get_memory_stats().total_bytes == 0
+    with pytest.raises(OpNotFoundError, match="RmsNormOp"):
+        RmsNorm("norm", RmsNormConfig(D), device="CPU", precision=Precision.BF16)
+
+
+# ------------------------------------------------------------------------------- forward
+@pytest.mark.parametrize("lead", [(B, T), (1, 1), (2, 3)])
+def test_forward_matches_float64_reference(lead, rng) -> None:
+    norm = make()
+    random_weight(norm, rng)
+    x = (rng.standard_normal((*lead, D)) * 3 + 0.5).astype(np.float32)
+    y = norm.forward(x)
+    assert y.shape == x.shape and y.dtype == np.float32
+    assert np.shares_memory(y, owned_arrays(norm)["s:norm.output"])
+    np.testing.assert_allclose(y, reference(x, norm.weight), rtol=RTOL32, atol=ATOL32)
+
+
+def test_forward_matches_torch_llama_rms_norm(rng) -> None:
+    torch = pytest.importorskip("torch")
+    norm = make()
+    random_weight(norm, rng)
+    x = rng.standard_normal((B, T, D)).astype(np.float32)
+    # transformers' LlamaRMSNorm.forward, written out
+    h = torch.from_numpy(x).to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
+    expected = torch.from_numpy(norm.weight.copy()) * h
+    np.testing.assert_allclose(norm.forward(x), expected.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_weight_initialized_to_ones_and_large_or_tiny_rows(rng) -> None:
+    norm = make()
+    np.testing.assert_array_equal(norm.weight, np.ones(D, np.float32))
+    x = rng.standard_normal((B, T, D)).astype(np.float32)
+    x[0] *= 1e15  # squares near the float32 limit stay finite
+    x[1] *= 1e-3
+    np.testing.assert_allclose(norm.forward(x), reference(x, norm.weight), rtol=1e-5, atol=1e-6)
+    assert not make(mode=INFERENCE).weight.any()  # inference builds expect loaded weights
+
+
+def test_many_rows_span_several_blocks(rng) -> None:
+    # 160 rows of 512: three row blocks of the op
+    norm = built(RmsNorm("wide", RmsNormConfig(512), device="CPU"), (4, 40, 512))
+    x = rng.standard_normal((4, 40, 512)).astype(np.float32)
+    np.testing.assert_allclose(norm.forward(x), reference(x, norm.weight), rtol=RTOL32, atol=ATOL32)
+
+
+# ------------------------------------------------------------------------------- backward
+def test_backward_float64_matches_finite_differences(rng) -> None:
+    x = rng.standard_normal((2, 3, 6)) + 0.3
+    w = rng.uniform(0.5, 1.5, 6)
+    r = rng.standard_normal((2, 3, 6))
+    eps = 1e-2  # a large eps makes its contribution to the derivative visible
+
+    def objective() -> float:
+        y, rstd = np.empty_like(x), np.empty(x.shape[:-1])
+        rms_norm_forward(x, w, eps, y, rstd)
+        return float(np.sum(y * r))
+
+    y, rstd = np.empty_like(x), np.empty(x.shape[:-1])
+    rms_norm_forward(x, w, eps, y, rstd)
+    np.testing.assert_allclose(y, reference(x, w, eps), rtol=1e-14)
+    dw, dx = np.zeros_like(w), np.empty_like(x)
+    rms_norm_backward(x, w, rstd, r, dw, dx)
+    assert_gradients(objective, {"x": (x, dx), "weight": (w, dw)})
+
+
+def test_component_gradients_match_float64_backward(rng) -> None:
+    norm = make()
+    random_weight(norm, rng)
+    x = rng.standard_normal((2, 4, D)).astype(np.float32)
+    dy = rng.standard_normal((2, 4, D)).astype(np.float32)
+    norm.forward(x)
+    dx = norm.backward(dy)
+    assert np.shares_memory(dx, owned_arrays(norm)["s:norm.dinput"])
+    x64, w64 = x.astype(np.float64), norm.weight.astype(np.float64)
+    rstd, dw64, dx64 = np.empty((2, 4)), np.zeros(D), np.empty_like(x64)
+    rms_norm_forward(x64, w64, EPS, np.empty_like(x64), rstd)
+    rms_norm_backward(x64, w64, rstd, dy.astype(np.float64), dw64, dx64)
+    np.testing.assert_allclose(dx, dx64, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(norm.get_gradients()[0], dw64, rtol=1e-4, atol=1e-5)
+
+
+def test_gradients_accumulate_and_zero(rng) -> None:
+    norm = make()
+    x = rng.standard_normal((B, T, D)).astype(np.float32)
+    dy = rng.standard_normal((B, T, D)).astype(np.float32)
+    norm.forward(x)
+    dx1 = norm.backward(dy).copy()
+    once = norm.get_gradients()[0].copy()
+    np.testing.assert_array_equal(norm.backward(dy), dx1)
+    np.testing.assert_allclose(norm.get_gradients()[0], 2 * once, rtol=1e-6)
+    norm.zero_gradients()
+    assert not norm.get_gradients()[0].any()
+
+
+def test_eval_mode_still_runs(rng) -> None:
+    norm = make()
+    norm.set_training_mode(TrainingMode.EVAL)
+    norm.forward(rng.standard_normal((1, 2, D)).astype(np.float32))
+    assert norm.backward(np.ones((1, 2, D), np.float32)).shape == (1, 2, D)
+
+
+# ------------------------------------------------------------------------------- lifecycle
+def test_inference_build_has_no_gradients_and_backward_raises(rng) -> None:
+    norm = make(mode=INFERENCE)
+    assert norm.get_gradients() == []
+    norm.forward(rng.standard_normal((B, T, D)).astype(np.float32))
+    with pytest.raises(RuntimeError, match="INFERENCE"):
+        norm.backward(np.zeros((B, T, D), np.float32))
+
+
+def test_backward_before_forward_raises() -> None:
+    with pytest.raises(RuntimeError, match="forward"):
+        make().backward(np.zeros((B, T, D), np.float32))
+
+
+@pytest.mark.parametrize(
+    ("x", "error"),
+    [
+        (np.ones((B, T, D), np.float16), TypeError),
+        (np.ones((B, T, D - 1), np.float32), ValueError),
+        (np.ones((B + 1, T, D), np.float32), ValueError),
+        (np.ones((T, D), np.float32), ValueError),
+    ],
+    ids=["dtype", "width", "batch", "rank"],
+)
+def test_bad_forward_leaves_everything_unchanged(x, error, rng) -> None:
+    norm = make()
+    norm.forward(rng.standard_normal((B, T, D)).astype(np.float32))
+    norm.backward(np.ones((B, T, D), np.float32))
+    saved = snapshot(norm, x)
+    with pytest.raises(error):
+        norm.forward(x)
+    assert_unchanged(norm, saved, x)
+
+
+def test_own_output_as_input_is_refused(rng) -> None:
+    norm = make()
+    y = norm.forward(rng.standard_normal((B, T, D)).astype(np.float32))
+    saved = snapshot(norm)
+    with pytest.raises(ValueError, match="overlaps"):
+        norm.forward(y)
+    assert_unchanged(norm, saved)
+    np.testing.assert_allclose(norm.forward(y.copy()), reference(y, norm.weight), atol=ATOL32)
+
+
+def test_bad_backward_leaves_everything_unchanged(rng) -> None:
+    norm = make()
+    norm.forward(rng.standard_normal((1, 2, D)).astype(np.float32))
+    for dy in (np.ones((1, 3, D), np.float32), np.ones((1, 2, D), np.float64)):
+        saved = snapshot(norm, dy)
+        with pytest.raises((TypeError, ValueError)):
+            norm.backward(dy)
+        assert_unchanged(norm, saved, dy)
+
+
+def test_bad_build_shape_rolls_back() -> None:
+    norm = RmsNorm("norm", RmsNormConfig(D), device="CPU")
+    with pytest.raises(ValueError, match="input_shape"):
+        norm.build(BuildContext((B, T, D + 1), TRAINING))
+    assert not norm.is_built and norm.get_memory_stats().total_bytes == 0
+    built(norm, (B, T, D))
+
+
+@pytest.mark.parametrize("mode", [TRAINING, INFERENCE])
+def test_memory_stats_count_every_owned_array_once(mode) -> None:
+    norm = make(mode)
+    stats = norm.get_memory_stats()
+    assert stats.parameter_bytes == D * 4
+    assert stats.gradient_bytes == (D * 4 if mode is TRAINING else 0)
+    # output [B, T, D] + rstd [B, T] (+ dinput [B, T, D])
+    assert stats.state_bytes == (B * T * D + B * T + (B * T * D if mode is TRAINING else 0)) * 4
+    assert stats.total_bytes == distinct_nbytes(list(owned_arrays(norm).values()))

@@ -1,0 +1,263 @@
+"""SoftmaxCrossEntropy: loss against a float64 formula and torch, ignore_index, stability,
+gradient against finite differences, lifecycle, memory."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from layer_helpers import (
+    INFERENCE,
+    TRAINING,
+    assert_gradients,
+    assert_unchanged,
+    built,
+    distinct_nbytes,
+    owned_arrays,
+    snapshot,
+)
+
+from mila_py import BuildContext, Precision, TrainingMode
+from mila_py.components import SoftmaxCrossEntropy, SoftmaxCrossEntropyConfig
+from mila_py.ops.cpu.softmax_cross_entropy import (
+    softmax_cross_entropy_backward,
+    softmax_cross_entropy_forward,
+)
+from mila_py.ops.registry import OpNotFoundError
+
+B, T, V = 3, 4, 9
+IGNORE = -100
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(2718)
+
+
+def make(mode=TRAINING, shape=(B, T, V), ignore_index: int = IGNORE) -> SoftmaxCrossEntropy:
+    cfg = SoftmaxCrossEntropyConfig(V, ignore_index)
+    return built(SoftmaxCrossEntropy("loss", cfg, device="CPU"), shape, mode)
+
+
+def inputs(rng, lead=(B, T), scale: float = 3.0) -> tuple[np.ndarray, np.ndarray]:
+    logits = (rng.standard_normal((*lead, V)) * scale).astype(np.float32)
+    targets = rng.integers(0, V, lead)
+    return logits, targets
+
+
+def reference(logits: np.ndarray, targets: np.ndarray, ignore: int = IGNORE) -> float:
+    z = logits.astype(np.float64).reshape(-1, logits.shape[-1])
+    t = targets.reshape(-1)
+    keep = t != ignore
+    log_probs = z - z.max(1, keepdims=True)
+    log_probs -= np.log(np.exp(log_probs).sum(1, keepdims=True))
+    return float(-log_probs[keep, t[keep]].mean()) if keep.any() else math.nan
+
+
+def reference_grad(logits: np.ndarray, targets: np.ndarray, ignore: int = IGNORE) -> np.ndarray:
+    z = logits.astype(np.float64)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    keep = targets != ignore
+    onehot = np.eye(logits.shape[-1])[np.where(keep, targets, 0)]
+    return (p - onehot) * keep[..., None] / max(1, keep.sum())
+
+
+# ------------------------------------------------------------------------------- config
+def test_config_rejects_bad_values() -> None:
+    with pytest.raises(ValueError, match="vocab_size"):
+        SoftmaxCrossEntropyConfig(0)
+    with pytest.raises(TypeError, match="ignore_index"):
+        SoftmaxCrossEntropyConfig(4, ignore_index=None)  # type: ignore[arg-type]
+    assert SoftmaxCrossEntropyConfig(4).ignore_index == -100
+
+
+def test_construction_allocates_nothing_and_refuses_unsupported_precision() -> None:
+    loss = SoftmaxCrossEntropy("loss", SoftmaxCrossEntropyConfig(V), device="CPU")
+    assert not loss.is_built and loss.get_memory_stats().total_bytes == 0
+    with pytest.raises(OpNotFoundError, match="SoftmaxCrossEntropyOp"):
+        SoftmaxCrossEntropy(
+            "loss", SoftmaxCrossEntropyConfig(V), device="CPU", precision=Precision.FP16
+        )
+
+
+# ------------------------------------------------------------------------------- forward
+@pytest.mark.parametrize("lead", [(B, T), (1, 1), (2, 3)])
+def test_loss_matches_float64_reference(lead, rng) -> None:
+    loss = make()
+    logits, targets = inputs(rng, lead)
+    targets[0, 0] = IGNORE
+    value = loss.forward(logits, targets)
+    assert isinstance(value, float)
+    if targets.size == 1:
+        assert math.isnan(value)
+    else:
+        assert value == pytest.approx(reference(logits, targets), rel=1e-6)
+
+
+def test_loss_and_gradient_match_torch(rng) -> None:
+    torch = pytest.importorskip("torch")
+    loss = make()
+    logits, targets = inputs(rng)
+    targets[1, :2] = IGNORE
+    z = torch.from_numpy(logits).requires_grad_()
+    expected = torch.nn.functional.cross_entropy(
+        z.reshape(-1, V), torch.from_numpy(targets).reshape(-1), ignore_index=IGNORE
+    )
+    expected.backward()
+    assert loss.forward(logits, targets) == pytest.approx(expected.item(), rel=1e-6)
+    np.testing.assert_allclose(loss.backward(), z.grad.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_large_logits_are_stable(rng) -> None:
+    loss = make()
+    logits, targets = inputs(rng)
+    logits += np.float32(1e4)  # exp would overflow without the max subtraction
+    logits[0, 0, 3] = -1e4
+    with np.errstate(over="raise", invalid="raise", divide="raise"):
+        value = loss.forward(logits, targets)
+        grad = loss.backward()
+    assert value == pytest.approx(reference(logits, targets), rel=1e-3)
+    assert np.isfinite(grad).all()
+
+
+def test_ignore_index_inside_the_vocabulary(rng) -> None:
+    loss = make(ignore_index=0)
+    logits, targets = inputs(rng)
+    targets[:, 0] = 0
+    assert loss.forward(logits, targets) == pytest.approx(reference(logits, targets, 0), rel=1e-6)
+    np.testing.assert_allclose(
+        loss.backward(), reference_grad(logits, targets, 0), rtol=1e-5, atol=1e-7
+    )
+
+
+def test_all_targets_ignored_gives_nan_loss_and_zero_gradient(rng) -> None:
+    loss = make()
+    logits, _ = inputs(rng)
+    assert math.isnan(loss.forward(logits, np.full((B, T), IGNORE)))
+    assert not loss.backward().any()
+
+
+# ------------------------------------------------------------------------------- backward
+def test_backward_float64_matches_finite_differences(rng) -> None:
+    logits = rng.standard_normal((2, 3, 5)) * 2
+    targets = np.array([[4, IGNORE, 0], [2, 2, 1]])
+    lse = np.empty((2, 3))
+
+    def objective() -> float:
+        return softmax_cross_entropy_forward(logits, targets, IGNORE, lse)[0]
+
+    value, count = softmax_cross_entropy_forward(logits, targets, IGNORE, lse)
+    assert count == 5 and value == pytest.approx(reference(logits, targets), rel=1e-14)
+    dlogits = np.empty_like(logits)
+    softmax_cross_entropy_backward(logits, targets, IGNORE, lse, dlogits, 1.0 / count)
+    assert not dlogits[0, 1].any()  # the ignored row
+    assert_gradients(objective, {"logits": (logits, dlogits)})
+
+
+def test_component_gradient_matches_formula_and_scales(rng) -> None:
+    loss = make()
+    logits, targets = inputs(rng, (2, 3))
+    targets[1, 2] = IGNORE
+    loss.forward(logits, targets)
+    expected = reference_grad(logits, targets)
+    targets[...] = 0  # the caller may reuse its array: the component kept a copy
+    grad = loss.backward()
+    assert grad.shape == logits.shape
+    assert np.shares_memory(grad, owned_arrays(loss)["s:loss.dinput"])
+    np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-7)
+    once = grad.copy()
+    np.testing.assert_allclose(loss.backward(0.25), 0.25 * once, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(loss.backward(), once, rtol=0, atol=0)  # idempotent
+    assert loss.get_gradients() == []  # no parameters
+
+
+def test_eval_mode_still_runs(rng) -> None:
+    loss = make()
+    loss.set_training_mode(TrainingMode.EVAL)
+    loss.forward(*inputs(rng, (1, 2)))
+    assert loss.backward().shape == (1, 2, V)
+
+
+# ------------------------------------------------------------------------------- lifecycle
+def test_inference_build_has_no_gradient_buffer_and_backward_raises(rng) -> None:
+    loss = make(mode=INFERENCE)
+    logits, targets = inputs(rng)
+    assert loss.forward(logits, targets) == pytest.approx(reference(logits, targets), rel=1e-6)
+    assert "s:loss.dinput" not in owned_arrays(loss)
+    with pytest.raises(RuntimeError, match="INFERENCE"):
+        loss.backward()
+
+
+def test_backward_before_forward_raises() -> None:
+    with pytest.raises(RuntimeError, match="forward"):
+        make().backward()
+
+
+@pytest.mark.parametrize(
+    ("case", "error", "match"),
+    [
+        ("target-too-big", ValueError, f"target {V} is out of range"),
+        ("target-negative", ValueError, "target -1 is out of range"),
+        ("float-targets", TypeError, "integers"),
+        ("float64-logits", TypeError, "dtype"),
+        ("shape-mismatch", ValueError, "leading shape"),
+        ("too-long", ValueError, "exceeds the build shape"),
+        ("width", ValueError, "must be"),
+    ],
+)
+def test_bad_forward_leaves_everything_unchanged(case, error, match, rng) -> None:
+    loss = make()
+    loss.forward(*inputs(rng))
+    loss.backward()
+    logits, targets = inputs(rng)
+    if case == "target-too-big":
+        targets[1, 1] = V
+    elif case == "target-negative":
+        targets[2, 3] = -1
+    elif case == "float-targets":
+        targets = targets.astype(np.float32)
+    elif case == "float64-logits":
+        logits = logits.astype(np.float64)
+    elif case == "shape-mismatch":
+        targets = targets[:, :2]
+    elif case == "too-long":
+        logits, targets = inputs(rng, (B, T + 1))
+    elif case == "width":
+        logits = np.zeros((B, T, V + 1), np.float32)
+    saved = snapshot(loss, logits, targets)
+    with pytest.raises(error, match=match):
+        loss.forward(logits, targets)
+    assert_unchanged(loss, saved, logits, targets)
+
+
+@pytest.mark.parametrize(
+    ("dloss", "error"), [("1", TypeError), (True, TypeError), (math.inf, ValueError)]
+)
+def test_bad_dloss_leaves_everything_unchanged(dloss, error, rng) -> None:
+    loss = make()
+    loss.forward(*inputs(rng))
+    saved = snapshot(loss)
+    with pytest.raises(error, match="dloss"):
+        loss.backward(dloss)
+    assert_unchanged(loss, saved)
+
+
+def test_bad_build_shape_rolls_back() -> None:
+    loss = SoftmaxCrossEntropy("loss", SoftmaxCrossEntropyConfig(V), device="CPU")
+    with pytest.raises(ValueError, match="input_shape"):
+        loss.build(BuildContext((B, T, V - 1), TRAINING))
+    assert not loss.is_built and loss.get_memory_stats().total_bytes == 0
+    built(loss, (B, T, V))
+
+
+@pytest.mark.parametrize("mode", [TRAINING, INFERENCE])
+def test_memory_stats_count_every_owned_array_once(mode) -> None:
+    loss = make(mode)
+    stats = loss.get_memory_stats()
+    assert stats.parameter_bytes == 0 and stats.gradient_bytes == 0
+    # lse [B, T] float32 (+ targets [B, T] int64, dinput [B, T, V] float32)
+    training = mode is TRAINING
+    assert stats.state_bytes == B * T * 4 + ((B * T * 8 + B * T * V * 4) if training else 0)
+    assert stats.total_bytes == distinct_nbytes(list(owned_arrays(loss).values()))

@@ -1,0 +1,281 @@
+"""SwiGLU: forward against down(silu(gate x) * up x) (NumPy float64 and torch), gradients through
+the three Linear children, lifecycle, memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from layer_helpers import (
+    ATOL32,
+    INFERENCE,
+    RTOL32,
+    TRAINING,
+    assert_gradients,
+    assert_unchanged,
+    built,
+    distinct_nbytes,
+    owned_arrays,
+    snapshot,
+)
+
+from mila_py import BuildContext, Network, TrainingMode
+from mila_py.components import Linear, SwiGLU, SwiGLUConfig
+from mila_py.init import set_init_name
+from mila_py.ops.cpu.linear import linear_backward, linear_forward
+from mila_py.ops.cpu.swiglu import swiglu_backward, swiglu_forward
+
+B, T, D, H = 2, 4, 6, 10
+NAMES = ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(777)
+
+
+def make(mode=TRAINING, shape=(B, T, D), name: str = "mlp", **kw) -> SwiGLU:
+    return built(SwiGLU(name, SwiGLUConfig(D, H), device="CPU"), shape, mode, **kw)
+
+
+def weights(mlp: SwiGLU) -> dict[str, np.ndarray]:
+    return dict(mlp.named_parameters())
+
+
+def reference(x: np.ndarray, w: dict[str, np.ndarray]) -> np.ndarray:
+    x = x.astype(np.float64)
+    g = x @ w["gate_proj.weight"].T.astype(np.float64)
+    u = x @ w["up_proj.weight"].T.astype(np.float64)
+    return (g / (1 + np.exp(-g)) * u) @ w["down_proj.weight"].T.astype(np.float64)
+
+
+# ------------------------------------------------------------------------------- structure
+def test_config_rejects_bad_values() -> None:
+    with pytest.raises(ValueError, match="SwiGLUConfig"):
+        SwiGLUConfig(4, 0)
+    with pytest.raises(TypeError, match="SwiGLUConfig"):
+        SwiGLUConfig("4", 8)  # type: ignore[arg-type]
+
+
+def test_children_are_bias_free_linears_with_hf_names() -> None:
+    mlp = SwiGLU("mlp", SwiGLUConfig(D, H), device="CPU")
+    assert list(mlp.components) == ["gate_proj", "up_proj", "down_proj"]
+    assert all(isinstance(c, Linear) and not c.config.bias for c in mlp)
+    assert mlp.get_memory_stats().total_bytes == 0  # construction allocates nothing
+    built(mlp, (B, T, D))
+    shapes = {name: p.shape for name, p in mlp.named_parameters()}
+    assert shapes == {NAMES[0]: (H, D), NAMES[1]: (H, D), NAMES[2]: (D, H)}
+
+
+def test_children_are_seeded_by_their_path() -> None:
+    w = weights(make())
+    assert not np.array_equal(w[NAMES[0]], w[NAMES[1]])
+    np.testing.assert_array_equal(weights(make())[NAMES[0]], w[NAMES[0]])
+    assert not np.array_equal(weights(make(name="other"))[NAMES[0]], w[NAMES[0]])
+    inner = SwiGLU("mlp", SwiGLUConfig(D, H), device="CPU")
+    set_init_name(inner, "layers.1.mlp")  # what a parent holding many blocks does
+    assert not np.array_equal(weights(built(inner, (B, T, D)))[NAMES[0]], w[NAMES[0]])
+
+
+# ------------------------------------------------------------------------------- forward
+@pytest.mark.parametrize("lead", [(B, T), (1, 1), (2, 3)])
+def test_forward_matches_float64_reference(lead, rng) -> None:
+    mlp = make()
+    x = rng.standard_normal((*lead, D)).astype(np.float32) * 20  # pre-activations far from 0
+    y = mlp.forward(x)
+    assert y.shape == x.shape and y.dtype == np.float32
+    np.testing.assert_allclose(y, reference(x, weights(mlp)), rtol=RTOL32, atol=ATOL32)
+
+
+def test_forward_matches_torch(rng) -> None:
+    torch = pytest.importorskip("torch")
+    mlp = make()
+    x = rng.standard_normal((B, T, D)).astype(np.float32) * 20
+    w = {k: torch.from_numpy(v.copy()) for k, v in weights(mlp).items()}
+    xt = torch.from_numpy(x)
+    F = torch.nn.functional
+    expected = F.linear(F.silu(F.linear(xt, w[NAMES[0]])) * F.linear(xt, w[NAMES[1]]), w[NAMES[2]])
+    np.testing.assert_allclose(mlp.forward(x), expected.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_activation_is_finite_for_extreme_gates() -> None:
+    g = np.array([-1e4, -100.0, 0.0, 100.0, 1e4], np.float32)
+    h = np.empty_like(g)
+    with np.errstate(over="raise", invalid="raise", divide="raise"):
+        swiglu_forward(g, np.ones_like(g), h)
+    np.testing.assert_allclose(h, [0, -100 / (1 + np.exp(100.0)), 0, 100, 1e4], atol=1e-30)
+
+
+# ------------------------------------------------------------------------------- backward
+def test_backward_float64_matches_finite_differences(rng) -> None:
+    """The block's math in float64: the two ops composed as the component composes them."""
+    x = rng.standard_normal((2, 3, 4))
+    wg, wu, wd = (rng.standard_normal(s) for s in [(5, 4), (5, 4), (4, 5)])
+    r = rng.standard_normal((2, 3, 4))
+
+    def forward() -> tuple[np.ndarray, ...]:
+        g, u, h, y = np.empty((2, 3, 5)), np.empty((2, 3, 5)), np.empty((2, 3, 5)), np.empty_like(x)
+        linear_forward(x, wg, None, g)
+        linear_forward(x, wu, None, u)
+        swiglu_forward(g, u, h)
+        linear_forward(h, wd, None, y)
+        return g, u, h, y
+
+    def objective() -> float:
+        return float(np.sum(forward()[3] * r))
+
+    g, u, h, _ = forward()
+    dwg, dwu, dwd = np.zeros_like(wg), np.zeros_like(wu), np.zeros_like(wd)
+    dh, dg, du = np.empty_like(h), np.empty_like(h), np.empty_like(h)
+    dx_g, dx_u = np.empty_like(x), np.empty_like(x)
+    linear_backward(h, wd, r, dwd, None, dh)
+    swiglu_backward(g, u, dh, dg, du)
+    linear_backward(x, wg, dg, dwg, None, dx_g)
+    linear_backward(x, wu, du, dwu, None, dx_u)
+    pairs = {"x": (x, dx_g + dx_u), "gate": (wg, dwg), "up": (wu, dwu), "down": (wd, dwd)}
+    assert_gradients(objective, pairs)
+    # in place (dgate = dh), as the component calls it
+    swiglu_backward(g, u, dh, dh, du)
+    np.testing.assert_array_equal(dh, dg)
+
+
+def test_activation_backward_float64_matches_finite_differences(rng) -> None:
+    g = rng.standard_normal((3, 7)) * 4
+    u = rng.standard_normal((3, 7))
+    r = rng.standard_normal((3, 7))
+
+    def objective() -> float:
+        h = np.empty_like(g)
+        swiglu_forward(g, u, h)
+        return float(np.sum(h * r))
+
+    dg, du = np.empty_like(g), np.empty_like(u)
+    swiglu_backward(g, u, r, dg, du)
+    assert_gradients(objective, {"gate": (g, dg), "up": (u, du)})
+
+
+def test_component_backward_matches_float64_ops(rng) -> None:
+    mlp = make()
+    x = rng.standard_normal((2, 3, D)).astype(np.float32)
+    dy = rng.standard_normal((2, 3, D)).astype(np.float32)
+    mlp.forward(x)
+    dx = mlp.backward(dy)
+    assert np.shares_memory(dx, owned_arrays(mlp)["s:mlp.dinput"])
+    w = {k: v.astype(np.float64) for k, v in weights(mlp).items()}
+    x64 = x.astype(np.float64)
+    g, u = x64 @ w[NAMES[0]].T, x64 @ w[NAMES[1]].T
+    s = 1 / (1 + np.exp(-g))
+    dh = dy.astype(np.float64) @ w[NAMES[2]]
+    dg, du = dh * u * s * (1 + g * (1 - s)), dh * g * s
+    expected = {
+        NAMES[0]: np.einsum("bth,btd->hd", dg, x64),
+        NAMES[1]: np.einsum("bth,btd->hd", du, x64),
+        NAMES[2]: np.einsum("btd,bth->dh", dy.astype(np.float64), g * s * u),
+    }
+    grads = dict(mlp.named_gradients())
+    for name, value in expected.items():
+        np.testing.assert_allclose(grads[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(dx, dg @ w[NAMES[0]] + du @ w[NAMES[1]], rtol=1e-4, atol=1e-6)
+
+
+def test_gradients_accumulate_and_zero(rng) -> None:
+    mlp = make()
+    x = rng.standard_normal((B, T, D)).astype(np.float32)
+    dy = rng.standard_normal((B, T, D)).astype(np.float32)
+    mlp.forward(x)
+    dx1 = mlp.backward(dy).copy()
+    once = [g.copy() for g in mlp.get_gradients()]
+    np.testing.assert_array_equal(mlp.backward(dy), dx1)  # repeated backward is exact
+    for g, g1 in zip(mlp.get_gradients(), once, strict=True):
+        np.testing.assert_allclose(g, 2 * g1, rtol=1e-6)
+    mlp.zero_gradients()
+    assert not any(g.any() for g in mlp.get_gradients())
+
+
+def test_eval_mode_propagates_and_still_runs(rng) -> None:
+    mlp = make()
+    mlp.set_training_mode(TrainingMode.EVAL)
+    assert all(c.training_mode is TrainingMode.EVAL for c in mlp)
+    mlp.forward(rng.standard_normal((1, 2, D)).astype(np.float32))
+    assert mlp.backward(np.ones((1, 2, D), np.float32)).shape == (1, 2, D)
+
+
+# ------------------------------------------------------------------------------- lifecycle
+def test_inference_build_has_no_gradients_and_backward_raises(rng) -> None:
+    mlp = make(mode=INFERENCE)
+    assert mlp.get_gradients() == []
+    mlp.forward(rng.standard_normal((B, T, D)).astype(np.float32))
+    with pytest.raises(RuntimeError, match="INFERENCE"):
+        mlp.backward(np.zeros((B, T, D), np.float32))
+
+
+def test_backward_before_forward_raises() -> None:
+    with pytest.raises(RuntimeError, match="forward"):
+        make().backward(np.zeros((B, T, D), np.float32))
+
+
+@pytest.mark.parametrize(
+    ("x", "error"),
+    [
+        (np.ones((B, T, D), np.float64), TypeError),
+        (np.ones((B, T, D + 1), np.float32), ValueError),
+        (np.ones((B, T + 1, D), np.float32), ValueError),
+    ],
+    ids=["dtype", "width", "tokens"],
+)
+def test_bad_forward_leaves_everything_unchanged(x, error, rng) -> None:
+    mlp = make()
+    mlp.forward(rng.standard_normal((B, T, D)).astype(np.float32))
+    mlp.backward(np.ones((B, T, D), np.float32))
+    saved = snapshot(mlp, x)
+    with pytest.raises(error):
+        mlp.forward(x)
+    assert_unchanged(mlp, saved, x)
+
+
+def test_bad_backward_leaves_everything_unchanged(rng) -> None:
+    mlp = make()
+    mlp.forward(rng.standard_normal((1, 2, D)).astype(np.float32))
+    for dy in (np.ones((1, 3, D), np.float32), np.ones((1, 2, D), np.float64)):
+        saved = snapshot(mlp, dy)
+        with pytest.raises((TypeError, ValueError)):
+            mlp.backward(dy)
+        assert_unchanged(mlp, saved, dy)
+
+
+def test_bad_build_shape_rolls_back_the_children() -> None:
+    mlp = SwiGLU("mlp", SwiGLUConfig(D, H), device="CPU")
+    with pytest.raises(ValueError, match="input_shape"):
+        mlp.build(BuildContext((B, T, H), TRAINING))
+    assert not any(c.is_built for c in mlp._walk())
+    assert mlp.get_memory_stats().total_bytes == 0
+    built(mlp, (B, T, D))
+    assert all(c.is_built for c in mlp._walk())
+
+
+@pytest.mark.parametrize("mode", [TRAINING, INFERENCE])
+def test_memory_stats_count_every_owned_array_once(mode) -> None:
+    mlp = make(mode)
+    stats = mlp.get_memory_stats()
+    training = mode is TRAINING
+    params = 3 * D * H * 4
+    assert stats.parameter_bytes == params
+    assert stats.gradient_bytes == (params if training else 0)
+    n = B * T
+    # children's outputs: gate, up [n, H], down [n, D]; the block's hidden [n, H]
+    state = (2 * n * H + n * D) + n * H
+    if training:  # children's dinputs: gate, up [n, D], down [n, H]; the block's dup, dinput
+        state += (2 * n * D + n * H) + (n * H + n * D)
+    assert stats.state_bytes == state * 4
+    assert stats.total_bytes == distinct_nbytes(list(owned_arrays(mlp).values()))
+
+
+def test_inside_a_network(rng) -> None:
+    net = Network("net")
+    net.add_component(SwiGLU("mlp", SwiGLUConfig(D, H)))
+    net.build(BuildContext((B, T, D), TRAINING))
+    mlp = net.find_component("mlp")
+    assert isinstance(mlp, SwiGLU)
+    assert net.find_component("mlp.down_proj").is_built
+    x = rng.standard_normal((B, T, D)).astype(np.float32)
+    np.testing.assert_allclose(mlp.forward(x), reference(x, weights(mlp)), rtol=RTOL32, atol=ATOL32)
+    assert [n for n, _ in net.named_parameters()] == [f"mlp.{n}" for n in NAMES]

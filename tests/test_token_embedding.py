@@ -1,0 +1,196 @@
+"""TokenEmbedding: lookup against indexing and torch, scatter-add gradient, validation, memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from layer_helpers import (
+    INFERENCE,
+    TRAINING,
+    assert_gradients,
+    assert_unchanged,
+    built,
+    distinct_nbytes,
+    owned_arrays,
+    snapshot,
+)
+
+from mila_py import BuildContext, Precision, TrainingMode
+from mila_py.components import TokenEmbedding, TokenEmbeddingConfig
+from mila_py.ops.cpu.token_embedding import token_embedding_backward, token_embedding_forward
+from mila_py.ops.registry import OpNotFoundError
+
+B, T, V, D = 3, 5, 11, 6
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(99)
+
+
+def make(mode=TRAINING, shape=(B, T), name: str = "embed", **kw) -> TokenEmbedding:
+    return built(TokenEmbedding(name, TokenEmbeddingConfig(V, D), device="CPU"), shape, mode, **kw)
+
+
+def random_tokens(rng: np.random.Generator, shape=(B, T), dtype=np.int64) -> np.ndarray:
+    return rng.integers(0, V, shape).astype(dtype)
+
+
+# ------------------------------------------------------------------------------- config
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"vocab_size": 0, "dim": 4}, ValueError),
+        ({"vocab_size": 4, "dim": -2}, ValueError),
+        ({"vocab_size": 4.5, "dim": 4}, TypeError),
+        ({"vocab_size": 4, "dim": None}, TypeError),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, error) -> None:
+    with pytest.raises(error, match="TokenEmbeddingConfig"):
+        TokenEmbeddingConfig(**kwargs)
+
+
+def test_construction_allocates_nothing_and_refuses_unsupported_precision() -> None:
+    emb = TokenEmbedding("embed", TokenEmbeddingConfig(V, D), device="CPU")
+    assert not emb.is_built and emb.get_memory_stats().total_bytes == 0
+    with pytest.raises(OpNotFoundError, match="TokenEmbeddingOp"):
+        TokenEmbedding("embed", TokenEmbeddingConfig(V, D), device="CPU", precision=Precision.FP16)
+
+
+# ------------------------------------------------------------------------------- forward
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint8])
+@pytest.mark.parametrize("lead", [(B, T), (1, 1), (2, 4)])
+def test_forward_is_a_table_lookup(lead, dtype, rng) -> None:
+    emb = make()
+    tokens = random_tokens(rng, lead, dtype)
+    y = emb.forward(tokens)
+    assert y.shape == (*lead, D) and y.dtype == np.float32
+    assert np.shares_memory(y, owned_arrays(emb)["s:embed.output"])
+    expected = np.stack([[emb.weight[int(t)] for t in row] for row in tokens])
+    np.testing.assert_array_equal(y, expected)
+
+
+def test_forward_matches_torch(rng) -> None:
+    torch = pytest.importorskip("torch")
+    emb = make()
+    tokens = random_tokens(rng)
+    expected = torch.nn.functional.embedding(torch.from_numpy(tokens), torch.from_numpy(emb.weight))
+    np.testing.assert_array_equal(emb.forward(tokens), expected.numpy())
+
+
+def test_initialization_is_seeded_normal() -> None:
+    big = built(TokenEmbedding("big", TokenEmbeddingConfig(512, 64), device="CPU"), (1, 1))
+    assert abs(big.weight.std() - 0.02) < 0.001
+    np.testing.assert_array_equal(make().weight, make().weight)
+    assert not np.array_equal(make(name="other").weight, make().weight)
+    assert not make(mode=INFERENCE).weight.any()
+
+
+# ------------------------------------------------------------------------------- backward
+def test_backward_float64_matches_finite_differences(rng) -> None:
+    tokens = np.array([[1, 4, 1], [0, 4, 4]])  # repeated ids must add up
+    w = rng.standard_normal((5, 3))
+    r = rng.standard_normal((2, 3, 3))
+
+    def objective() -> float:
+        y = np.empty((2, 3, 3))
+        token_embedding_forward(tokens, w, y)
+        return float(np.sum(y * r))
+
+    dw = np.zeros_like(w)
+    token_embedding_backward(tokens, r, dw)
+    assert not dw[[2, 3]].any()  # unused ids get no gradient
+    assert_gradients(objective, {"weight": (w, dw)})
+
+
+def test_component_backward_scatters_and_accumulates(rng) -> None:
+    emb = make()
+    tokens = np.array([[3, 3, 7], [0, 3, 10]])
+    dy = rng.standard_normal((2, 3, D)).astype(np.float32)
+    emb.forward(tokens)
+    tokens[...] = 99  # the caller may reuse its array: the component kept a copy
+    emb.backward(dy)  # returns None: token ids have no gradient
+    expected = np.zeros((V, D))
+    for (b, t), tok in np.ndenumerate(np.array([[3, 3, 7], [0, 3, 10]])):
+        expected[tok] += dy[b, t]
+    (grad,) = emb.get_gradients()
+    np.testing.assert_allclose(grad, expected, rtol=1e-6, atol=1e-7)
+    emb.backward(dy)
+    np.testing.assert_allclose(grad, 2 * expected, rtol=1e-6, atol=1e-7)
+    emb.zero_gradients()
+    assert not grad.any()
+
+
+def test_eval_mode_still_runs(rng) -> None:
+    emb = make()
+    emb.set_training_mode(TrainingMode.EVAL)
+    emb.forward(random_tokens(rng, (1, 2)))
+    emb.backward(np.ones((1, 2, D), np.float32))
+
+
+# ------------------------------------------------------------------------------- lifecycle
+def test_inference_build_has_no_gradients_and_backward_raises(rng) -> None:
+    emb = make(mode=INFERENCE)
+    assert emb.get_gradients() == []
+    emb.forward(random_tokens(rng))
+    with pytest.raises(RuntimeError, match="INFERENCE"):
+        emb.backward(np.zeros((B, T, D), np.float32))
+
+
+def test_backward_before_forward_raises() -> None:
+    with pytest.raises(RuntimeError, match="forward"):
+        make().backward(np.zeros((B, T, D), np.float32))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "error", "match"),
+    [
+        (np.array([[0, V]]), ValueError, f"token id {V} is out of range"),
+        (np.array([[-1, 0]]), ValueError, "token id -1 is out of range"),
+        (np.zeros((1, 2), np.float32), TypeError, "integers"),
+        (np.zeros((1, 2), np.bool_), TypeError, "integers"),
+        (np.zeros((2,), np.int64), ValueError, "must be"),
+        (np.zeros((B, T + 1), np.int64), ValueError, "exceeds the build shape"),
+        ([[0, 1]], TypeError, "array"),
+    ],
+    ids=["too-big", "negative", "float", "bool", "rank", "too-long", "list"],
+)
+def test_bad_tokens_leave_everything_unchanged(tokens, error, match, rng) -> None:
+    emb = make()
+    emb.forward(random_tokens(rng))
+    emb.backward(np.ones((B, T, D), np.float32))
+    saved = snapshot(emb, tokens)
+    with pytest.raises(error, match=match):
+        emb.forward(tokens)
+    assert_unchanged(emb, saved, tokens)
+
+
+def test_bad_backward_leaves_everything_unchanged(rng) -> None:
+    emb = make()
+    emb.forward(random_tokens(rng, (2, 2)))
+    for dy in (np.ones((2, 3, D), np.float32), np.ones((2, 2, D), np.float64)):
+        saved = snapshot(emb, dy)
+        with pytest.raises((TypeError, ValueError)):
+            emb.backward(dy)
+        assert_unchanged(emb, saved, dy)
+
+
+def test_bad_build_shape_rolls_back() -> None:
+    emb = TokenEmbedding("embed", TokenEmbeddingConfig(V, D), device="CPU")
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        emb.build(BuildContext((B, T, D), TRAINING))
+    assert not emb.is_built and emb.get_memory_stats().total_bytes == 0
+    built(emb, (B, T))
+
+
+@pytest.mark.parametrize("mode", [TRAINING, INFERENCE])
+def test_memory_stats_count_every_owned_array_once(mode) -> None:
+    emb = make(mode)
+    stats = emb.get_memory_stats()
+    training = mode is TRAINING
+    assert stats.parameter_bytes == V * D * 4
+    assert stats.gradient_bytes == (V * D * 4 if training else 0)
+    # output [B, T, D] float32 (+ kept token ids [B, T] int64)
+    assert stats.state_bytes == B * T * D * 4 + (B * T * 8 if training else 0)
+    assert stats.total_bytes == distinct_nbytes(list(owned_arrays(emb).values()))

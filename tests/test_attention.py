@@ -71,6 +71,10 @@ def test_backward_matches_finite_differences(hq: int, hk: int) -> None:
     probs = attention_forward(q, k, v, hq, hk, scale, out)
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
     attention_backward(weight, q, k, v, probs, hq, hk, scale, dq, dk, dv)
+    via_out = [np.empty_like(q), np.empty_like(k), np.empty_like(v)]
+    attention_backward(weight, q, k, v, probs, hq, hk, scale, *via_out, out=out)
+    for a, b in zip((dq, dk, dv), via_out, strict=True):  # rowsum(dP*P) == dO.O
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
     eps = 1e-6
     for array, grad in ((q, dq), (k, dk), (v, dv)):
         numeric = np.zeros_like(array)

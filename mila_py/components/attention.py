@@ -174,7 +174,7 @@ class GroupedQueryAttention(CompositeComponent):
         probs = self._op.forward(
             q, k, v, cfg.n_heads, cfg.n_kv_heads, self.scale, out=out, probs=probs_buf
         )
-        self._saved = (q, k, v, probs) if training else None
+        self._saved = (q, k, v, probs, out) if training else None
         return self.o_proj.forward(out)
 
     def backward(self, dy: Any) -> Any:
@@ -184,13 +184,13 @@ class GroupedQueryAttention(CompositeComponent):
         if self._saved is None:
             raise RuntimeError(f"{self._describe()}: backward() before forward()")
         cfg = self.config
-        q, k, v, probs = self._saved
+        q, k, v, probs, out = self._saved
         d_attn = self.o_proj.backward(dy)  # [B, T, Hq d]
         n_b, n_t = q.shape[0], q.shape[1]
         dqkv = self._state["dqkv"][:n_b, :n_t]
         dq, dk, dv = self._split_qkv(dqkv)
         self._op.backward(
-            d_attn, q, k, v, probs, cfg.n_heads, cfg.n_kv_heads, self.scale, dq, dk, dv
+            d_attn, q, k, v, probs, cfg.n_heads, cfg.n_kv_heads, self.scale, dq, dk, dv, out=out
         )
         dq_in, dk_in = self.rope.backward(dq, dk)  # gradients before the rotation
         dq[...] = dq_in

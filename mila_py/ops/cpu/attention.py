@@ -30,6 +30,12 @@ def _split(x: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
     return x.reshape(n_b, n_t, heads, head_dim).transpose(0, 2, 1, 3)
 
 
+def _causal_bias(n_tq: int, n_tk: int, q_offset: int, dtype: np.dtype) -> np.ndarray:
+    """``[Tq, Tk]``: 0 where query ``t`` may see key ``s`` (``s <= q_offset + t``), else -inf."""
+    future = np.arange(n_tk)[None, :] > (q_offset + np.arange(n_tq))[:, None]
+    return np.where(future, -np.inf, 0.0).astype(dtype)
+
+
 def attention_forward(
     q: np.ndarray,
     k: np.ndarray,
@@ -40,6 +46,7 @@ def attention_forward(
     out: np.ndarray,
     probs: np.ndarray | None = None,
     q_offset: int = 0,
+    bias: np.ndarray | None = None,
 ) -> np.ndarray:
     """Causal attention; writes ``out [B, Tq, Hq*d]`` and returns ``P [B, Hk, g, Tq, Tk]``.
 
@@ -47,18 +54,18 @@ def attention_forward(
         q: ``[B, Tq, Hq*d]``; k, v: ``[B, Tk, Hk*d]`` with ``Tk >= q_offset + Tq``.
         probs: optional buffer for P (else allocated).
         q_offset: position of the first query among the keys.
+        bias: the causal bias of :func:`_causal_bias` for these sizes, if the caller caches it.
     """
     n_b, n_tq = q.shape[0], q.shape[1]
     n_tk = k.shape[1]
     head_dim = q.shape[2] // n_heads
     groups = n_heads // n_kv_heads
-    qh = _split(q, n_heads, head_dim).reshape(n_b, n_kv_heads, groups, n_tq, head_dim)
+    # Scaling Q (T*d values) is cheaper than scaling the scores (T*T values).
+    qh = (_split(q, n_heads, head_dim) * scale).reshape(n_b, n_kv_heads, groups, n_tq, head_dim)
     kh = _split(k, n_kv_heads, head_dim)[:, :, None]  # [B, Hk, 1, Tk, d]
     vh = _split(v, n_kv_heads, head_dim)[:, :, None]
     scores = np.matmul(qh, kh.swapaxes(-1, -2), out=probs)  # [B, Hk, g, Tq, Tk]
-    scores *= scale
-    future = np.arange(n_tk)[None, :] > (q_offset + np.arange(n_tq))[:, None]  # [Tq, Tk]
-    scores[..., future] = -np.inf
+    scores += _causal_bias(n_tq, n_tk, q_offset, scores.dtype) if bias is None else bias
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
@@ -79,8 +86,13 @@ def attention_backward(
     dq: np.ndarray,
     dk: np.ndarray,
     dv: np.ndarray,
+    out: np.ndarray | None = None,
 ) -> None:
-    """Gradients of :func:`attention_forward` into ``dq [B, T, Hq*d]``, ``dk``, ``dv [B, T, Hk*d]``."""
+    """Gradients of :func:`attention_forward` into ``dq [B, T, Hq*d]``, ``dk``, ``dv [B, T, Hk*d]``.
+
+    ``out`` (the forward output) lets the softmax backward use ``rowsum(dP * P) = dO . O``,
+    a ``[T, d]`` product instead of a pass over the ``[T, T]`` scores.
+    """
     n_b, n_t = q.shape[0], q.shape[1]
     head_dim = q.shape[2] // n_heads
     groups = n_heads // n_kv_heads
@@ -91,11 +103,17 @@ def attention_backward(
     vh = _split(v, n_kv_heads, head_dim)[:, :, None]
     dv_h = np.matmul(probs.swapaxes(-1, -2), do).sum(axis=2)  # [B, Hk, T, d]
     dp = np.matmul(do, vh.swapaxes(-1, -2))  # [B, Hk, g, T, T]
-    dp -= (dp * probs).sum(axis=-1, keepdims=True)
-    dp *= probs  # dS: masked entries have P == 0
-    dp *= scale
+    if out is not None:
+        oh = _split(out, n_heads, head_dim).reshape(shape5)
+        row = np.einsum("...td,...td->...t", do, oh)[..., None]
+    else:
+        row = np.einsum("...ts,...ts->...t", dp, probs)[..., None]
+    dp -= row
+    dp *= probs  # dS / scale; masked entries have P == 0
     dq_h = np.matmul(dp, kh)  # [B, Hk, g, T, d]
+    dq_h *= scale
     dk_h = np.matmul(dp.swapaxes(-1, -2), qh).sum(axis=2)  # [B, Hk, T, d]
+    dk_h *= scale
     dq[...] = dq_h.reshape(n_b, n_heads, n_t, head_dim).transpose(0, 2, 1, 3).reshape(dq.shape)
     dk[...] = dk_h.transpose(0, 2, 1, 3).reshape(dk.shape)
     dv[...] = dv_h.transpose(0, 2, 1, 3).reshape(dv.shape)

@@ -40,8 +40,10 @@ BACKENDS = ("auto", "numpy", "fused")
 
 #: bytes of one tensor a NumPy block covers (half of a 1 MiB L2 with room for temporaries)
 _BLOCK_BYTES = 256 * 1024
-#: elements (Q + K) above which the fused kernel uses every core
-_PARALLEL_ELEMENTS = 1 << 16
+#: elements (Q + K) above which the fused kernel uses every core. High on purpose: RoPE is
+#: memory-bound, and handing mid-sized calls to a thread pool that BLAS threads are still
+#: spinning on (right after a matmul, as in attention) costs far more than it saves.
+_PARALLEL_ELEMENTS = 1 << 22
 
 
 def _default_backend() -> str:
@@ -178,20 +180,15 @@ class CpuRopeOp(Operation):
         elements = q.shape[0] * q.shape[1] * (q.shape[2] + k.shape[2])
         parallel = elements >= _PARALLEL_ELEMENTS
         args = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, n_freq, self._interleaved, inverse)
+        kernel = _rope_fused.rope_inplace_parallel if parallel else _rope_fused.rope_inplace_serial
+        if out_of_place:  # see _rope_fused: copy, then rotate the copy in place
+            np.copyto(q_out, q)
+            np.copyto(k_out, k)
+            q, k = q_out, k_out
         if q.dtype in (np.float32, np.float64):  # FP64: same fp32 tables, float64 arithmetic
-            if out_of_place:
-                kernel = _rope_fused.rope_out_parallel if parallel else _rope_fused.rope_out_serial
-                kernel(q, k, q_out, k_out, cos, sin, offset, pos, use_pos, *args)
-            else:
-                kernel = (
-                    _rope_fused.rope_inplace_parallel
-                    if parallel
-                    else _rope_fused.rope_inplace_serial
-                )
-                kernel(q, k, cos, sin, offset, pos, use_pos, *args)
+            kernel(q, k, cos, sin, offset, pos, use_pos, *args)
             return
         # 16-bit storage: widen a cache-sized block of tokens to fp32, rotate it, round once back.
-        kernel = _rope_fused.rope_inplace_parallel if parallel else _rope_fused.rope_inplace_serial
         n_b, n_t = q.shape[0], q.shape[1]
         row_bytes = 4 * (q.shape[2] + k.shape[2])
         block = max(1, _BLOCK_BYTES // row_bytes)

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from mila_py.build_context import BuildContext
 from mila_py.components.linear import Linear, LinearConfig
 from mila_py.components.rope import Rope
@@ -135,10 +137,22 @@ class GroupedQueryAttention(CompositeComponent):
                 f"{self._describe()}: build shape must be [B, T, dim={cfg.dim}], got {shape}"
             )
         n_b, n_t = shape[0], shape[1]
-        self.qkv_proj.build(build_context)
-        self.rope.build(build_context.with_shape((n_b, n_t, cfg.q_width)))
-        self.o_proj.build(build_context.with_shape((n_b, n_t, cfg.q_width)))
-        self._add_state("attn_out", self._allocate((n_b, n_t, cfg.q_width)))
+        if n_t > cfg.max_seq_len:
+            raise ValueError(
+                f"{self._describe()}: T = {n_t} exceeds max_seq_len = {cfg.max_seq_len}"
+            )
+        # INFERENCE: T is the context the KV cache holds; activations are sized for one
+        # prefill chunk (prefill_size, or the whole context when 0).
+        chunk = n_t
+        if build_context.is_inference and build_context.prefill_size:
+            chunk = min(n_t, build_context.prefill_size)
+        self.qkv_proj.build(build_context.with_shape((n_b, chunk, cfg.dim)))
+        self.rope.build(build_context.with_shape((n_b, chunk, cfg.q_width)))
+        self.o_proj.build(build_context.with_shape((n_b, chunk, cfg.q_width)))
+        self._add_state("attn_out", self._allocate((n_b, chunk, cfg.q_width)))
+        if build_context.is_inference:
+            self._add_state("k_cache", self._allocate((n_b, n_t, cfg.kv_width)))
+            self._add_state("v_cache", self._allocate((n_b, n_t, cfg.kv_width)))
         if build_context.is_training:
             groups = cfg.n_heads // cfg.n_kv_heads
             self._add_state("probs", self._allocate((n_b, cfg.n_kv_heads, groups, n_t, n_t)))
@@ -156,25 +170,96 @@ class GroupedQueryAttention(CompositeComponent):
         k_end = q_end + cfg.kv_width
         return qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
 
-    def forward(self, x: Any) -> Any:
-        """``x [B, T, dim] -> [B, T, dim]`` (a view of ``o_proj``'s output buffer)."""
+    @property
+    def context_length(self) -> int:
+        """Tokens the KV cache holds (INFERENCE builds)."""
+        return int(self._state["k_cache"].shape[1])
+
+    def forward(self, x: Any, position_offset: int = 0) -> Any:
+        """``x [B, T, dim] -> [B, T, dim]`` (a view of ``o_proj``'s output buffer).
+
+        TRAINING builds attend within ``x`` (positions ``0 .. T-1``). INFERENCE builds are a
+        prefill chunk at positions ``position_offset .. position_offset + T - 1``: its keys and
+        values are written to the KV cache and its queries attend to everything cached before.
+        """
         if not self.is_built:
             raise RuntimeError(f"{self._describe()}: forward() needs a built component")
         cfg = self.config
         qkv = self.qkv_proj.forward(x)  # [B, T, (Hq + 2 Hk) d]
         q, k, v = self._split_qkv(qkv)
-        self.rope.forward(q, k)
         n_b, n_t = x.shape[0], x.shape[1]
         out = self._state["attn_out"][:n_b, :n_t]
-        training = self.build_context.is_training
-        probs_buf = None
-        if training:
-            full = self._state["probs"]
-            probs_buf = full if full.shape[0] == n_b and full.shape[3] == n_t else None
+        if self.build_context.is_inference:
+            end = position_offset + n_t
+            if position_offset < 0 or end > self.context_length:
+                raise ValueError(
+                    f"{self._describe()}: positions {position_offset}..{end - 1} do not fit the "
+                    f"KV cache of {self.context_length} tokens"
+                )
+            self.rope.prefill(q, k, position_offset)
+            k_cache = self._state["k_cache"][:n_b]
+            v_cache = self._state["v_cache"][:n_b]
+            k_cache[:, position_offset:end] = k
+            v_cache[:, position_offset:end] = v
+            self._op.forward(
+                q,
+                k_cache[:, :end],
+                v_cache[:, :end],
+                cfg.n_heads,
+                cfg.n_kv_heads,
+                self.scale,
+                out=out,
+                q_offset=position_offset,
+            )
+            return self.o_proj.forward(out)
+        if position_offset:
+            raise ValueError(f"{self._describe()}: TRAINING builds run from position 0")
+        self.rope.forward(q, k)
+        full = self._state["probs"]
+        probs_buf = full if full.shape[0] == n_b and full.shape[3] == n_t else None
         probs = self._op.forward(
             q, k, v, cfg.n_heads, cfg.n_kv_heads, self.scale, out=out, probs=probs_buf
         )
-        self._saved = (q, k, v, probs, out) if training else None
+        self._saved = (q, k, v, probs, out)
+        return self.o_proj.forward(out)
+
+    def decode(self, x: Any, positions: Any) -> Any:
+        """One new token per sequence: ``x [B, 1, dim]`` at ``positions`` (int or ``[B]``).
+
+        Each sequence attends to its own cached keys ``0 .. positions[b]`` (ragged batches).
+        """
+        if not self.is_built or not self.build_context.is_inference:
+            raise RuntimeError(f"{self._describe()}: decode() needs an INFERENCE build")
+        cfg = self.config
+        n_b = x.shape[0]
+        pos = np.broadcast_to(np.asarray(positions, dtype=np.int64).reshape(-1), (n_b,))
+        if pos.min() < 0 or pos.max() >= self.context_length:
+            raise ValueError(
+                f"{self._describe()}: decode positions must be in [0, {self.context_length}), "
+                f"got {pos.min()}..{pos.max()}"
+            )
+        qkv = self.qkv_proj.forward(x)
+        q, k, v = self._split_qkv(qkv)
+        self.rope.decode(q, k, int(pos[0]) if (pos == pos[0]).all() else pos)
+        k_cache = self._state["k_cache"][:n_b]
+        v_cache = self._state["v_cache"][:n_b]
+        rows = np.arange(n_b)
+        k_cache[rows, pos] = k[:, 0]
+        v_cache[rows, pos] = v[:, 0]
+        end = int(pos.max()) + 1
+        visible = np.arange(end)[None, :] <= pos[:, None]  # [B, Tk]
+        bias = np.where(visible, 0.0, -np.inf).astype(x.dtype)[:, None, None, None, :]
+        out = self._state["attn_out"][:n_b, :1]
+        self._op.forward(
+            q,
+            k_cache[:, :end],
+            v_cache[:, :end],
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            self.scale,
+            out=out,
+            bias=bias,
+        )
         return self.o_proj.forward(out)
 
     def backward(self, dy: Any) -> Any:

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from mila_py.build_context import BuildContext
 from mila_py.components.attention import AttentionConfig, GroupedQueryAttention
 from mila_py.components.linear import Linear, LinearConfig
@@ -80,6 +82,14 @@ class LlamaConfig:
         )
 
 
+def _chunk(build_context: BuildContext) -> int:
+    """Tokens per pass: T for TRAINING; the prefill size (0 = all of T) for INFERENCE."""
+    n_t = build_context.input_shape[1]
+    if build_context.is_inference and build_context.prefill_size:
+        return min(n_t, build_context.prefill_size)
+    return n_t
+
+
 class LlamaBlock(CompositeComponent):
     """Pre-norm decoder block: ``h = x + attn(norm1(x))``, ``y = h + mlp(norm2(h))``."""
 
@@ -119,19 +129,34 @@ class LlamaBlock(CompositeComponent):
             raise ValueError(
                 f"{self._describe()}: build shape must be [B, T, dim={self.config.dim}], got {shape}"
             )
-        super()._on_building(build_context)
-        self._add_state("hidden", self._allocate(shape))
-        self._add_state("output", self._allocate(shape))
+        chunk = _chunk(build_context)
+        act = build_context.with_shape((shape[0], chunk, shape[2]))
+        self.input_layernorm.build(act)
+        self.self_attn.build(build_context)  # the whole context: its KV cache
+        self.post_attention_layernorm.build(act)
+        self.mlp.build(act)
+        self._add_state("hidden", self._allocate(act.input_shape))
+        self._add_state("output", self._allocate(act.input_shape))
         if build_context.is_training:
             self._add_state("dhidden", self._allocate(shape))
             self._add_state("dinput", self._allocate(shape))
 
-    def forward(self, x: Any) -> Any:
-        """``x [B, T, dim] -> [B, T, dim]`` (a view of the block's output buffer)."""
+    def forward(self, x: Any, position_offset: int = 0) -> Any:
+        """``x [B, T, dim] -> [B, T, dim]`` (a view of the block's output buffer).
+
+        On INFERENCE builds ``x`` is a prefill chunk at ``position_offset``.
+        """
+        return self._run(x, lambda a: self.self_attn.forward(a, position_offset))
+
+    def decode(self, x: Any, positions: Any) -> Any:
+        """One token per sequence, ``x [B, 1, dim]`` at ``positions`` (INFERENCE builds)."""
+        return self._run(x, lambda a: self.self_attn.decode(a, positions))
+
+    def _run(self, x: Any, attend: Any) -> Any:
         xp = self.execution_context.xp
         n_b, n_t = x.shape[0], x.shape[1]
         h = self._state["hidden"][:n_b, :n_t]
-        xp.add(x, self.self_attn.forward(self.input_layernorm.forward(x)), out=h)
+        xp.add(x, attend(self.input_layernorm.forward(x)), out=h)
         out = self._state["output"][:n_b, :n_t]
         xp.add(h, self.mlp.forward(self.post_attention_layernorm.forward(h)), out=out)
         return out
@@ -195,25 +220,61 @@ class Llama(Network):
             raise ValueError(
                 f"{self._describe()}: T = {n_t} exceeds max_seq_len = {self.config.max_seq_len}"
             )
-        hidden = build_context.with_shape((n_b, n_t, self.config.dim))
-        self.embed_tokens.build(build_context)
+        chunk = _chunk(build_context)
+        act = build_context.with_shape((n_b, chunk, self.config.dim))
+        self.embed_tokens.build(build_context.with_shape((n_b, chunk)))
         for block in self.layers:
-            block.build(hidden)
-        self.norm.build(hidden)
+            block.build(build_context.with_shape((n_b, n_t, self.config.dim)))
+        self.norm.build(act)
         if self.lm_head is not None:
-            self.lm_head.build(hidden)
+            self.lm_head.build(act)
         else:
-            self._add_state("logits", self._allocate((n_b, n_t, self.config.vocab_size)))
+            self._add_state("logits", self._allocate((n_b, chunk, self.config.vocab_size)))
             if build_context.is_training:
                 self._add_state("dnorm", self._allocate((n_b, n_t, self.config.dim)))
+        self._hidden = None
 
-    def forward(self, tokens: Any) -> Any:
-        """``tokens [B, T] -> logits [B, T, vocab]`` (a view of an owned buffer)."""
+    # ------------------------------------------------------------------ sizes
+    @property
+    def chunk_size(self) -> int:
+        """Tokens per forward pass: T for TRAINING builds, the prefill chunk for INFERENCE."""
+        return _chunk(self.build_context)
+
+    @property
+    def context_length(self) -> int:
+        """Positions the build serves: T of the build shape (the KV cache size on INFERENCE)."""
+        return self.build_context.input_shape[1]
+
+    def required_memory(self, build_context: BuildContext) -> Any:
+        """The :class:`MemoryStats` a build with ``build_context`` will have, without building
+        this model: a twin is built (parameters not initialized, so its zeroed pages are never
+        touched) and measured."""
+        twin = Llama(self.name, self.config, device=self.device_id, precision=self.precision)
+        twin.build(
+            BuildContext(
+                build_context.input_shape,
+                build_context.runtime_mode,
+                initialize_parameters=False,
+                prefill_size=build_context.prefill_size,
+            )
+        )
+        return twin.get_memory_stats()
+
+    # ------------------------------------------------------------------ run
+    def forward(self, tokens: Any, position_offset: int = 0) -> Any:
+        """``tokens [B, T] -> logits [B, T, vocab]`` (a view of an owned buffer).
+
+        TRAINING builds: positions ``0 .. T-1``. INFERENCE builds: one prefill chunk
+        (``T <= chunk_size``) at ``position_offset``, its keys and values cached.
+        """
         if not self.is_built:
             raise RuntimeError(f"{self._describe()}: forward() needs a built network")
         h = self.embed_tokens.forward(tokens)
         for block in self.layers:
-            h = block.forward(h)
+            h = block.forward(h, position_offset)
+        return self._head(h)
+
+    def _head(self, h: Any) -> Any:
         h = self.norm.forward(h)
         if self.lm_head is not None:
             return self.lm_head.forward(h)
@@ -223,6 +284,108 @@ class Llama(Network):
         weight = self.embed_tokens._parameters["weight"]  # [vocab, dim]
         self.execution_context.xp.matmul(h, weight.T, out=logits)
         return logits
+
+    def _require_inference(self, what: str) -> None:
+        if not self.is_built or not self.build_context.is_inference:
+            raise RuntimeError(
+                f"{self._describe()}: {what} needs an INFERENCE build: "
+                "build(BuildContext((B, context), RuntimeMode.INFERENCE, prefill_size=...))"
+            )
+
+    def prefill(self, tokens: Any) -> Any:
+        """Run a prompt through the model in chunks of ``chunk_size``, filling the KV cache.
+
+        Args:
+            tokens: ``[B, T]`` ints, positions ``0 .. T-1`` (``T <= context_length``).
+
+        Returns:
+            logits of the last position, ``[B, vocab]`` (a copy).
+        """
+        self._require_inference("prefill()")
+        tokens = self.execution_context.xp.asarray(tokens)
+        if tokens.ndim != 2 or not 0 < tokens.shape[1] <= self.context_length:
+            raise ValueError(
+                f"{self._describe()}: prefill takes tokens [B, T] with 0 < T <= "
+                f"{self.context_length}, got shape {tuple(tokens.shape)}"
+            )
+        n_t, chunk = tokens.shape[1], self.chunk_size
+        h = None
+        for start in range(0, n_t, chunk):
+            h = self.embed_tokens.forward(tokens[:, start : start + chunk])
+            for block in self.layers:
+                h = block.forward(h, start)
+        last = self.execution_context.xp.ascontiguousarray(h[:, -1:])  # type: ignore[index]
+        return self._head(last)[:, 0].copy()
+
+    def decode(self, token: Any, position: Any) -> Any:
+        """One token per sequence through the cached context.
+
+        Args:
+            token: ``[B]`` ints, the newest token of each sequence.
+            position: its position, an int or one per sequence ``[B]`` (ragged batches).
+
+        Returns:
+            next-token logits ``[B, vocab]`` (a copy).
+        """
+        self._require_inference("decode()")
+        xp = self.execution_context.xp
+        token = xp.asarray(token).reshape(-1, 1)
+        h = self.embed_tokens.forward(token)
+        for block in self.layers:
+            h = block.decode(h, position)
+        return self._head(h)[:, 0].copy()
+
+    def stream(
+        self,
+        prompt: Any,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+    ) -> Any:
+        """Yield ``[B]`` new tokens one step at a time (prefill once, then decode).
+
+        Greedy when ``temperature == 0``; otherwise samples from ``softmax(logits / T)``
+        restricted to the ``top_k`` most likely tokens and the smallest set whose probability
+        reaches ``top_p``.
+        """
+        self._require_inference("generate()")
+        prompt = np.asarray(prompt)
+        if prompt.ndim == 1:
+            prompt = prompt[None]
+        if max_new_tokens < 0 or temperature < 0:
+            raise ValueError(f"{self._describe()}: max_new_tokens and temperature must be >= 0")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"{self._describe()}: top_p must be in (0, 1], got {top_p}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"{self._describe()}: top_k must be >= 1, got {top_k}")
+        n_t = prompt.shape[1]
+        steps = min(max_new_tokens, self.context_length - n_t + 1)
+        rng = np.random.default_rng(seed)
+        logits = self.prefill(prompt)
+        for step in range(steps):
+            token = _sample(self.execution_context.to_host(logits), temperature, top_k, top_p, rng)
+            yield token
+            if step + 1 < steps:
+                logits = self.decode(token, n_t + step)
+
+    def generate(
+        self,
+        prompt: Any,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+    ) -> np.ndarray:
+        """The prompt followed by up to ``max_new_tokens`` generated tokens, ``[B, T + n]``
+        (``[T + n]`` for a 1-D prompt). See :meth:`stream` for the sampling rules."""
+        prompt = np.asarray(prompt)
+        new = list(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed))
+        batch = prompt if prompt.ndim == 2 else prompt[None]
+        out = np.concatenate([batch, *(t[:, None] for t in new)], axis=1) if new else batch
+        return out if prompt.ndim == 2 else out[0]
 
     def backward(self, dlogits: Any) -> None:
         """Backpropagate ``dlogits [B, T, vocab]``; accumulates every parameter gradient."""
@@ -246,3 +409,30 @@ class Llama(Network):
         for block in reversed(self.layers):
             dh = block.backward(dh)
         self.embed_tokens.backward(dh)
+
+
+def _sample(
+    logits: np.ndarray,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    rng: np.random.Generator,
+) -> np.ndarray:
+    """Next token per row of ``logits [B, V]``."""
+    if temperature == 0:
+        return logits.argmax(axis=-1)
+    scaled = logits.astype(np.float64) / temperature
+    if top_k is not None and top_k < scaled.shape[-1]:
+        kth = np.partition(scaled, -top_k, axis=-1)[:, -top_k][:, None]
+        scaled = np.where(scaled < kth, -np.inf, scaled)
+    probs = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if top_p is not None and top_p < 1:
+        order = np.argsort(-probs, axis=-1)
+        sorted_probs = np.take_along_axis(probs, order, axis=-1)
+        keep_sorted = np.cumsum(sorted_probs, axis=-1) - sorted_probs < top_p
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum(axis=-1, keepdims=True)
+    return np.array([rng.choice(probs.shape[-1], p=row) for row in probs])

@@ -1,0 +1,144 @@
+"""Llama INFERENCE builds: KV cache, chunked prefill, decode, ragged batches, generation, memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mila_py import BuildContext, RuntimeMode
+from mila_py.components import Llama, LlamaConfig
+
+CFG = LlamaConfig(
+    vocab_size=40,
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    hidden_dim=48,
+    max_seq_len=64,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 4.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
+)
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory) -> str:  # type: ignore[no-untyped-def]
+    model = Llama("llama", CFG, device="CPU")
+    model.build(BuildContext((1, 8), RuntimeMode.TRAINING))
+    path = tmp_path_factory.mktemp("w") / "llama.safetensors"
+    model.save(path)
+    return str(path)
+
+
+def make(weights: str, mode: RuntimeMode, shape: tuple[int, int], prefill: int = 0) -> Llama:
+    model = Llama("llama", CFG, device="CPU")
+    model.build(BuildContext(shape, mode, prefill_size=prefill))
+    model.load(weights)
+    return model
+
+
+def reference_logits(weights: str, tokens: np.ndarray) -> np.ndarray:
+    """All-position logits from a TRAINING build (no cache involved)."""
+    model = make(weights, RuntimeMode.TRAINING, tokens.shape)
+    return model.forward(tokens).copy()
+
+
+def tokens(b: int, t: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, CFG.vocab_size, size=(b, t))
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 5, 7, 32])
+def test_chunked_prefill_equals_one_forward(weights: str, chunk: int) -> None:
+    x = tokens(2, 30)
+    full = reference_logits(weights, x)
+    model = make(weights, RuntimeMode.INFERENCE, (2, 48), prefill=chunk)
+    last = model.prefill(x)
+    np.testing.assert_allclose(last, full[:, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_decode_at_each_position_equals_forward(weights: str) -> None:
+    x = tokens(2, 24, seed=1)
+    full = reference_logits(weights, x)
+    model = make(weights, RuntimeMode.INFERENCE, (2, 32), prefill=4)
+    logits = model.prefill(x[:, :5])
+    np.testing.assert_allclose(logits, full[:, 4], rtol=1e-5, atol=1e-5)
+    for position in range(5, 24):  # positions pass the llama3 original context (16)
+        logits = model.decode(x[:, position], position)
+        np.testing.assert_allclose(logits, full[:, position], rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_batch_decodes_each_sequence_at_its_own_position(weights: str) -> None:
+    a, b = tokens(1, 12, seed=2)[0], tokens(1, 7, seed=3)[0]
+    ref_a, ref_b = reference_logits(weights, a[None]), reference_logits(weights, b[None])
+    model = make(weights, RuntimeMode.INFERENCE, (2, 16), prefill=4)
+    padded = np.stack([a[:5], np.concatenate([b[:3], [0, 0]])])  # b is shorter: padded
+    model.prefill(padded)
+    lengths = np.array([5, 3])
+    while lengths[0] < 12:
+        nxt = np.array([a[lengths[0]], b[lengths[1]] if lengths[1] < 7 else 0])
+        logits = model.decode(nxt, lengths)
+        np.testing.assert_allclose(logits[0], ref_a[0, lengths[0]], rtol=1e-5, atol=1e-5)
+        if lengths[1] < 7:
+            np.testing.assert_allclose(logits[1], ref_b[0, lengths[1]], rtol=1e-5, atol=1e-5)
+        lengths = lengths + 1
+
+
+def test_forward_on_an_inference_build_matches_training(weights: str) -> None:
+    x = tokens(1, 10, seed=4)
+    model = make(weights, RuntimeMode.INFERENCE, (1, 16))
+    np.testing.assert_allclose(model.forward(x), reference_logits(weights, x), atol=1e-5)
+
+
+def test_greedy_generate_is_argmax_of_the_full_recomputation(weights: str) -> None:
+    prompt = tokens(1, 6, seed=5)[0]
+    model = make(weights, RuntimeMode.INFERENCE, (1, 32), prefill=4)
+    out = model.generate(prompt, max_new_tokens=8)
+    assert out.shape == (14,)
+    np.testing.assert_array_equal(out[:6], prompt)
+    for i in range(6, 14):  # every token is the argmax of an uncached forward over its prefix
+        assert out[i] == reference_logits(weights, out[None, :i])[0, -1].argmax()
+
+
+def test_sampling_is_seeded_and_top_k_one_is_greedy(weights: str) -> None:
+    prompt = tokens(2, 4, seed=6)
+    model = make(weights, RuntimeMode.INFERENCE, (2, 32))
+    a = model.generate(prompt, 6, temperature=1.0, top_p=0.9, seed=7)
+    b = model.generate(prompt, 6, temperature=1.0, top_p=0.9, seed=7)
+    np.testing.assert_array_equal(a, b)
+    greedy = model.generate(prompt, 6)
+    np.testing.assert_array_equal(model.generate(prompt, 6, temperature=0.8, top_k=1), greedy)
+    streamed = list(model.stream(prompt, 6))
+    np.testing.assert_array_equal(np.stack(streamed, axis=1), greedy[:, 4:])
+
+
+def test_memory_prediction_and_inference_is_smaller(weights: str) -> None:
+    model = Llama("llama", CFG, device="CPU")
+    infer_ctx = BuildContext((1, 64), RuntimeMode.INFERENCE, prefill_size=8)
+    train_ctx = BuildContext((1, 64), RuntimeMode.TRAINING)
+    predicted = model.required_memory(infer_ctx)
+    assert not model.is_built  # the prediction built nothing on this model
+    model.build(infer_ctx)
+    assert predicted == model.get_memory_stats()
+    training = Llama("llama", CFG, device="CPU").required_memory(train_ctx)
+    assert predicted.gradient_bytes == 0
+    assert predicted.total_bytes < training.total_bytes / 2
+    # the KV cache: 2 layers x (K + V) x [1, 64, Hk * d] float32
+    kv = 2 * 2 * 64 * CFG.n_kv_heads * (CFG.dim // CFG.n_heads) * 4
+    assert predicted.state_bytes >= kv
+
+
+def test_positions_outside_the_context_are_refused(weights: str) -> None:
+    model = make(weights, RuntimeMode.INFERENCE, (1, 8))
+    with pytest.raises(ValueError):
+        model.prefill(tokens(1, 9))
+    model.prefill(tokens(1, 3))
+    with pytest.raises(ValueError, match="decode positions"):
+        model.decode(np.array([1]), 8)
+    training = make(weights, RuntimeMode.TRAINING, (1, 8))
+    with pytest.raises(RuntimeError, match="INFERENCE"):
+        training.decode(np.array([1]), 3)

@@ -410,6 +410,54 @@ class Llama(Network):
             dh = block.backward(dh)
         self.embed_tokens.backward(dh)
 
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: Any,
+        *,
+        device: DeviceLike = "CPU",
+        runtime_mode: Any = None,
+        batch_size: int = 1,
+        prefill_size: int | None = None,
+        seq_len: int | None = None,
+        precision: Precision = Precision.FP32,
+    ) -> Llama:
+        """Build a Llama from a Hugging Face checkpoint directory and load its weights.
+
+        Args:
+            path: a folder with ``config.json`` and ``model.safetensors`` (or a sharded
+                ``model.safetensors.index.json``); see :mod:`mila_py.hf`.
+            device: where the network runs.
+            runtime_mode: a ``RuntimeMode``; None means ``RuntimeMode.INFERENCE``.
+            batch_size: B of the build shape.
+            prefill_size: prefill chunk size of INFERENCE builds (None: the whole context).
+            seq_len: T of the build shape (the context capacity of INFERENCE builds); default
+                ``max_position_embeddings``.
+            precision: parameter and activation precision (weights are cast to it).
+
+        Raises:
+            FileNotFoundError: no checkpoint at ``path``.
+            ValueError: a config mila_py cannot express, or tensors that do not match it (every
+                problem listed at once).
+        """
+        from mila_py import hf
+        from mila_py.build_context import RuntimeMode
+
+        mode = RuntimeMode.INFERENCE if runtime_mode is None else runtime_mode
+        hf_config, tensors = hf.read_hf_checkpoint(path)
+        config = hf.llama_config_from_hf(hf_config)
+        model = cls("llama", config, device=device, precision=precision)
+        model.build(
+            BuildContext(
+                (batch_size, seq_len or config.max_seq_len),
+                mode,
+                initialize_parameters=False,
+                prefill_size=prefill_size or 0,
+            )
+        )
+        hf.load_hf_weights(model, tensors)
+        return model
+
 
 def _sample(
     logits: np.ndarray,

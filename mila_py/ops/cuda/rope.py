@@ -2,16 +2,24 @@
 
 Kernel layout: one thread block per token; the block first stages the token's cos/sin row in
 shared memory (read once, reused by every head of Q and K), then its threads walk the
-``(heads of Q + heads of K) x (pair groups)`` items. A pair group is ``VEC`` consecutive pairs,
-loaded with one 16-byte access per half where alignment allows (``VEC = 16 / sizeof(T)``), else
-one element at a time. Rows may have any stride (Q/K views of a fused QKV buffer); the last axis
-must be contiguous. Arithmetic is fp32; storage is float, __half or __nv_bfloat16.
+``(heads of Q + heads of K) x (pair groups)`` items, consecutive threads on consecutive groups of
+one head (coalesced). A pair group is read with one access of ``VEC`` elements per half: 16 bytes
+where alignment allows, else 8, 4, ... down to single elements (``VEC = 1``). Rows may have any
+stride (Q/K views of a fused QKV buffer); the last axis must be contiguous.
 
-Positions are validated on the host by the Rope component before launch, so a bad position
-never reaches the kernel and Q, K stay untouched.
+Arithmetic is fp32 with the CPU kernels' order of operations (``x1 c - x2 s``, ``x2 c + x1 s``),
+written with ``__fmul_rn``/``__fadd_rn`` so that the compiler never contracts it into FMAs: every
+vector width gives bit-identical results. 16-bit storage is carried as raw bits and converted
+with PTX ``cvt`` (FP16) or integer round-to-nearest-even (BF16), so the source includes no CUDA
+header: NVRTC's header discovery differs between CuPy installs, and CuPy's bundled
+``cuda_fp16.h`` does not always match a toolkit's ``cuda_bf16.h``.
 
-The source is a module-level string compiled lazily with CuPy and cached per device and dtype;
-scalars are passed with explicit widths (CuPy's RawKernel turns a Python int into 64 bits).
+Positions are validated on the host by the Rope component before launch; the op re-checks
+``seq_len`` against the table in O(1), so a bad call never reads past the table and Q, K stay
+untouched.
+
+The source is a module-level string compiled lazily with CuPy (NVRTC) and cached per device and
+dtype; scalars are passed with explicit widths (CuPy turns a Python int into 64 bits).
 """
 
 from __future__ import annotations
@@ -28,70 +36,105 @@ from mila_py.ops.operation import Operation
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
-__all__ = ["ROPE_CUDA_SOURCE", "CudaRopeOp"]
+__all__ = ["ROPE_CUDA_SOURCE", "CudaRopeOp", "kernel_names", "vector_widths"]
 
 ROPE_CUDA_SOURCE = r"""
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+// 16-bit floats as raw bits: no CUDA header needed.
+struct __align__(2) mila_half { unsigned short bits; };
+struct __align__(2) mila_bf16 { unsigned short bits; };
 
-template <typename T> __device__ __forceinline__ float to_f32(T v);
-template <> __device__ __forceinline__ float to_f32<float>(float v) { return v; }
-template <> __device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) {
-    return __bfloat162float(v);
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(mila_half v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+    return f;
 }
+__device__ __forceinline__ float to_f32(mila_bf16 v) {
+    return __uint_as_float(((unsigned int)v.bits) << 16);
+}
+
 template <typename T> __device__ __forceinline__ T from_f32(float v);
 template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
-    return __float2bfloat16_rn(v);
+template <> __device__ __forceinline__ mila_half from_f32<mila_half>(float v) {
+    mila_half h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(v));
+    return h;
+}
+template <> __device__ __forceinline__ mila_bf16 from_f32<mila_bf16>(float v) {
+    // round to nearest even, as ml_dtypes and PyTorch do; NaN stays a (quiet) NaN
+    unsigned int u = __float_as_uint(v);
+    mila_bf16 r;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        r.bits = (unsigned short)((u >> 16) | 0x0040u);
+    } else {
+        u += 0x7fffu + ((u >> 16) & 1u);
+        r.bits = (unsigned short)(u >> 16);
+    }
+    return r;
 }
 
-// VEC elements of T moved as one aligned access when VEC * sizeof(T) == 16.
+// The rotation of one pair, in the CPU kernels' order; _rn intrinsics are never fused into FMAs.
+__device__ __forceinline__ void rotate_pair(
+    float a, float b, float c, float s, float& x, float& y)
+{
+    x = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    y = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+}
+
+// VEC elements of T moved as one aligned access of VEC * sizeof(T) bytes.
 template <typename T, int VEC> struct alignas(sizeof(T) * VEC) Pack { T v[VEC]; };
 
+// Group g of one head starting at element lo. Layout "half": VEC pairs (i, i + n) for
+// i in [g * VEC, g * VEC + VEC). Layout "interleaved": VEC / 2 pairs (2i, 2i + 1) in the VEC
+// elements from g * VEC; with VEC == 1, one pair (2g, 2g + 1) read element by element.
 template <typename T, int VEC, bool INTERLEAVED>
 __device__ __forceinline__ void rotate_group(
-    const T* __restrict__ x, T* __restrict__ y, int lo, int g, int n,
+    const T* x, T* y, int lo, int g, int n,
     const float* __restrict__ c, const float* __restrict__ s, float sign)
 {
-    if (INTERLEAVED) {
-        // VEC consecutive elements = VEC / 2 pairs (2i, 2i + 1), starting at element g * VEC.
+    if constexpr (INTERLEAVED && VEC == 1) {
+        const int e = lo + 2 * g;
+        const float a = to_f32(x[e]), b = to_f32(x[e + 1]);
+        float u, w;
+        rotate_pair(a, b, c[g], __fmul_rn(s[g], sign), u, w);
+        y[e] = from_f32<T>(u);
+        y[e + 1] = from_f32<T>(w);
+    } else if constexpr (INTERLEAVED) {
         const int e0 = lo + g * VEC;
-        Pack<T, VEC> in = *reinterpret_cast<const Pack<T, VEC>*>(x + e0);
+        const Pack<T, VEC> in = *reinterpret_cast<const Pack<T, VEC>*>(x + e0);
         Pack<T, VEC> out;
 #pragma unroll
         for (int j = 0; j < VEC; j += 2) {
             const int i = (g * VEC + j) >> 1;
-            const float a = to_f32(in.v[j]), b = to_f32(in.v[j + 1]);
-            const float si = s[i] * sign;
-            out.v[j] = from_f32<T>(a * c[i] - b * si);
-            out.v[j + 1] = from_f32<T>(b * c[i] + a * si);
+            float u, w;
+            rotate_pair(to_f32(in.v[j]), to_f32(in.v[j + 1]), c[i], __fmul_rn(s[i], sign), u, w);
+            out.v[j] = from_f32<T>(u);
+            out.v[j + 1] = from_f32<T>(w);
         }
         *reinterpret_cast<Pack<T, VEC>*>(y + e0) = out;
     } else {
-        // VEC pairs (i, i + n) for i in [g * VEC, g * VEC + VEC).
         const int i0 = g * VEC;
-        Pack<T, VEC> in1 = *reinterpret_cast<const Pack<T, VEC>*>(x + lo + i0);
-        Pack<T, VEC> in2 = *reinterpret_cast<const Pack<T, VEC>*>(x + lo + n + i0);
+        const Pack<T, VEC> in1 = *reinterpret_cast<const Pack<T, VEC>*>(x + lo + i0);
+        const Pack<T, VEC> in2 = *reinterpret_cast<const Pack<T, VEC>*>(x + lo + n + i0);
         Pack<T, VEC> out1, out2;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
             const int i = i0 + j;
-            const float a = to_f32(in1.v[j]), b = to_f32(in2.v[j]);
-            const float si = s[i] * sign;
-            out1.v[j] = from_f32<T>(a * c[i] - b * si);
-            out2.v[j] = from_f32<T>(b * c[i] + a * si);
+            float u, w;
+            rotate_pair(to_f32(in1.v[j]), to_f32(in2.v[j]), c[i], __fmul_rn(s[i], sign), u, w);
+            out1.v[j] = from_f32<T>(u);
+            out2.v[j] = from_f32<T>(w);
         }
         *reinterpret_cast<Pack<T, VEC>*>(y + lo + i0) = out1;
         *reinterpret_cast<Pack<T, VEC>*>(y + lo + n + i0) = out2;
     }
 }
 
-// One block per token (b, t). Strides are in elements; the last axis is contiguous.
+// One block per token (b, t). Strides are in elements; the last axis is contiguous. In place,
+// x_in and x_out are the same array (so neither is __restrict__).
 template <typename T, int VEC, bool INTERLEAVED>
-__global__ void rope_qk(
-    const T* __restrict__ q_in, T* q_out, const T* __restrict__ k_in, T* k_out,
+__global__ void __launch_bounds__(128) rope_qk(
+    const T* q_in, T* q_out, const T* k_in, T* k_out,
     const float* __restrict__ cos_table, const float* __restrict__ sin_table,
     const long long* __restrict__ positions, int use_positions, long long offset,
     int n_t, int n_heads, int n_kv_heads, int head_dim, int n_freq,
@@ -115,7 +158,7 @@ __global__ void rope_qk(
     const T* ki = k_in + b * k_sb + t * k_st;
     T* qo = q_out + b * qo_sb + t * qo_st;
     T* ko = k_out + b * ko_sb + t * ko_st;
-    const int groups = INTERLEAVED ? (2 * n_freq) / VEC : n_freq / VEC;
+    const int groups = INTERLEAVED ? (VEC == 1 ? n_freq : (2 * n_freq) / VEC) : n_freq / VEC;
     const int items = (n_heads + n_kv_heads) * groups;
     for (int item = threadIdx.x; item < items; item += blockDim.x) {
         const int h = item / groups;
@@ -123,7 +166,8 @@ __global__ void rope_qk(
         if (h < n_heads) {
             rotate_group<T, VEC, INTERLEAVED>(qi, qo, h * head_dim, g, n_freq, c, s, sign);
         } else {
-            rotate_group<T, VEC, INTERLEAVED>(ki, ko, (h - n_heads) * head_dim, g, n_freq, c, s, sign);
+            rotate_group<T, VEC, INTERLEAVED>(
+                ki, ko, (h - n_heads) * head_dim, g, n_freq, c, s, sign);
         }
     }
     if (copy_rest) {  // out of place: channels past the rotated part pass through
@@ -132,24 +176,38 @@ __global__ void rope_qk(
         for (int e = threadIdx.x; e < total; e += blockDim.x) {
             const int h = e / rest;
             const int j = 2 * n_freq + (e - h * rest);
-            if (h < n_heads) qo[h * head_dim + j] = qi[h * head_dim + j];
-            else ko[(h - n_heads) * head_dim + j] = ki[(h - n_heads) * head_dim + j];
+            if (h < n_heads) {
+                qo[h * head_dim + j] = qi[h * head_dim + j];
+            } else {
+                ko[(h - n_heads) * head_dim + j] = ki[(h - n_heads) * head_dim + j];
+            }
         }
     }
 }
 """
 
-_CTYPES = {Precision.FP32: "float", Precision.FP16: "__half", Precision.BF16: "__nv_bfloat16"}
+_CTYPES = {Precision.FP32: "float", Precision.FP16: "mila_half", Precision.BF16: "mila_bf16"}
 _THREADS = 128
+_SIGNS = {False: np.float32(1.0), True: np.float32(-1.0)}  # forward, inverse (backward)
 _MODULES: dict[tuple[int, Precision], Any] = {}
+_FUNCTIONS: dict[tuple[int, Precision, int, bool], Any] = {}
 
 
-def _kernel_names(precision: Precision) -> list[str]:
-    ctype = _CTYPES[precision]
-    vec = 16 // precision.itemsize
+def vector_widths(precision: Precision) -> tuple[int, ...]:
+    """Elements per access the kernels are instantiated for, widest first (16, 8, 4, 2 bytes)."""
+    item = precision.itemsize
+    return tuple(sorted({max(1, nbytes // item) for nbytes in (16, 8, 4, 2)}, reverse=True))
+
+
+def kernel_name(precision: Precision, vec: int, interleaved: bool) -> str:
+    return f"rope_qk<{_CTYPES[precision]}, {vec}, {'true' if interleaved else 'false'}>"
+
+
+def kernel_names(precision: Precision) -> list[str]:
+    """Every instantiation the launcher can request for ``precision``."""
     return [
-        f"rope_qk<{ctype}, {v}, {'true' if inter else 'false'}>"
-        for v in (vec, 1)
+        kernel_name(precision, vec, inter)
+        for vec in vector_widths(precision)
         for inter in (False, True)
     ]
 
@@ -161,14 +219,31 @@ def _module(device_index: int, precision: Precision) -> Any:
     if module is None:
         import cupy
 
+        module = cupy.RawModule(
+            code=ROPE_CUDA_SOURCE,
+            options=("--std=c++17",),
+            name_expressions=kernel_names(precision),
+        )
         with cupy.cuda.Device(device_index):
-            module = cupy.RawModule(
-                code=ROPE_CUDA_SOURCE,
-                options=("--std=c++17",),
-                name_expressions=_kernel_names(precision),
-            )
+            module.compile()
         _MODULES[key] = module
     return module
+
+
+def _function(device_index: int, precision: Precision, vec: int, interleaved: bool) -> Any:
+    """The launchable kernel, cached: ``RawModule.get_function`` builds a new object per call."""
+    key = (device_index, precision, vec, interleaved)
+    function = _FUNCTIONS.get(key)
+    if function is None:
+        import cupy
+
+        module = _module(device_index, precision)
+        with cupy.cuda.Device(device_index):
+            raw = module.get_function(kernel_name(precision, vec, interleaved))
+            # the driver-level Function: its __call__ takes shared_mem= and stream= directly
+            function = getattr(raw, "kernel", raw)
+        _FUNCTIONS[key] = function
+    return function
 
 
 @register_op("RopeOp", DeviceType.CUDA, precisions=(Precision.FP32, Precision.FP16, Precision.BF16))
@@ -181,12 +256,17 @@ class CudaRopeOp(Operation):
         super().__init__(context, config, precision)
         self.table: RopeTable | None = None
         self._interleaved = config.layout is RopeLayout.INTERLEAVED
-        self._ctype = _CTYPES[precision]
-        self._vec = 16 // precision.itemsize
+        self._widths = vector_widths(precision)
+        self._shape_args: tuple[np.int32, ...] = ()
 
     def build(self, build_context: BuildContext) -> None:
         super().build(build_context)
         self.table = get_rope(self.config, self.context.device_id)
+        cfg = self.config
+        # the kernel's fixed int32 arguments, made once: n_heads, n_kv_heads, head_dim, n_freq
+        self._shape_args = tuple(
+            np.int32(v) for v in (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.table.n_freq)
+        )
 
     def state_arrays(self) -> list[Any]:
         return self.table.arrays() if self.table is not None else []
@@ -201,16 +281,28 @@ class CudaRopeOp(Operation):
             positions = np.asarray(position, dtype=np.int64).reshape(-1, 1)
             self.apply(q, k, positions=positions, seq_len=int(positions.max()) + 1)
 
-    def _vec_for(self, arrays: tuple[Any, ...], n_freq: int) -> int:
-        """The widest vector width every array, stride and head offset allows."""
-        vec = self._vec
-        item = self.precision.itemsize
+    def vector_width(self, *arrays: Any) -> int:
+        """The widest access (elements) that every array's base, row strides and the head allow.
+
+        Strides of axes of length 1 are never stepped, so they do not count.
+        """
+        assert self.table is not None, "CudaRopeOp used before build"
+        n_freq = self.table.n_freq
         span = 2 * n_freq if self._interleaved else n_freq
-        ok = span % vec == 0 and self.config.head_dim % vec == 0
-        for a in arrays:
-            ok = ok and a.data.ptr % 16 == 0
-            ok = ok and all((st // item) % vec == 0 for st in a.strides[:2])
-        return vec if ok else 1
+        item = self.precision.itemsize
+        for vec in self._widths:
+            if vec == 1:
+                return 1
+            if span % vec or self.config.head_dim % vec:
+                continue
+            nbytes = vec * item
+            if all(
+                a.data.ptr % nbytes == 0
+                and all(a.shape[ax] == 1 or a.strides[ax] % nbytes == 0 for ax in (0, 1))
+                for a in arrays
+            ):
+                return vec
+        return 1
 
     def apply(
         self,
@@ -224,62 +316,92 @@ class CudaRopeOp(Operation):
         q_out: Any = None,
         k_out: Any = None,
     ) -> None:
-        """Same contract as :meth:`mila_py.ops.cpu.rope.CpuRopeOp.apply`, on CuPy arrays."""
-        import cupy
+        """Same contract as :meth:`mila_py.ops.cpu.rope.CpuRopeOp.apply`, on CuPy arrays.
 
+        Raises:
+            ValueError: a last axis that is not contiguous, or ``seq_len`` past the table (both
+                checked before anything is launched).
+        """
         assert self.table is not None, "CudaRopeOp used before build"
-        ctx = self.context
         q_out = q if q_out is None else q_out
         k_out = k if k_out is None else k_out
+        n_b, n_t = int(q.shape[0]), int(q.shape[1])
+        if n_b == 0 or n_t == 0:  # nothing to rotate (empty arrays may carry any strides)
+            return
+        item = self.precision.itemsize
         for a in (q, k, q_out, k_out):
-            if a.strides[2] != self.precision.itemsize:
-                raise ValueError("CUDA RoPE needs the last axis of Q and K contiguous")
-        n_b, n_t = q.shape[0], q.shape[1]
-        tables = self.table.tables_for(seq_len)
-        with ctx.activate():  # type: ignore[attr-defined]
-            if tables is None:
-                host_pos = (
-                    np.arange(offset, offset + n_t)
-                    if positions is None
-                    else np.broadcast_to(positions, (n_b, n_t)).reshape(-1)
+            if a.strides[2] != item:
+                raise ValueError(
+                    "CUDA RoPE needs the last axis of Q and K contiguous, got strides "
+                    f"{a.strides} for shape {a.shape}"
                 )
-                cos, sin = (ctx.to_device(a) for a in self.table.rows(host_pos, seq_len))
+        if seq_len > self.config.max_seq_len:
+            raise ValueError(
+                f"CUDA RoPE: position {seq_len - 1} is beyond the table: positions must be "
+                f"< max_seq_len = {self.config.max_seq_len}"
+            )
+        ctx = self.context
+        table = self.table
+        tables = table.tables_for(seq_len)
+        if tables is not None and positions is None:
+            # the common case (forward, prefill, decode at one position) uploads nothing, so it
+            # needs only the right current device, not the stream context
+            import cupy
+
+            if cupy.cuda.runtime.getDevice() == ctx.device_id.index:
+                self._launch(q, k, q_out, k_out, *tables, None, offset, inverse)
+                return
+        with ctx.activate():  # type: ignore[attr-defined]
+            if tables is None:  # a length-dependent type past its original context: rows per call
                 if positions is None:
+                    host_pos = np.arange(offset, offset + n_t)
                     offset = 0
                 else:
+                    host_pos = np.broadcast_to(positions, (n_b, n_t)).reshape(-1)
                     positions = np.arange(n_b * n_t, dtype=np.int64).reshape(n_b, n_t)
-            else:
-                cos, sin = tables
-            use_pos = positions is not None
-            if use_pos:
-                pos = cupy.asarray(
+                cos_rows, sin_rows = table.rows(host_pos, seq_len)
+                tables = ctx.to_device(cos_rows), ctx.to_device(sin_rows)
+            pos = None  # a null pointer: the kernel reads positions only when told to
+            if positions is not None:
+                pos = ctx.to_device(
                     np.ascontiguousarray(np.broadcast_to(positions, (n_b, n_t)), dtype=np.int64)
                 )
-            else:
-                pos = cupy.zeros(1, dtype=cupy.int64)
-            n_freq = self.table.n_freq
-            vec = self._vec_for((q, k, q_out, k_out), n_freq)
-            name = f"rope_qk<{self._ctype}, {vec}, {'true' if self._interleaved else 'false'}>"
-            kernel = _module(ctx.device_id.index, self.precision).get_function(name)
-            item = self.precision.itemsize
-            cfg = self.config
-            copy_rest = (q_out is not q or k_out is not k) and 2 * n_freq < cfg.head_dim
-            args = (
-                q, q_out, k, k_out, cos, sin, pos,
-                np.int32(use_pos), np.int64(offset),
-                np.int32(n_t), np.int32(cfg.n_heads), np.int32(cfg.n_kv_heads),
-                np.int32(cfg.head_dim), np.int32(n_freq),
-                *(np.int64(st // item) for st in q.strides[:2]),
-                *(np.int64(st // item) for st in k.strides[:2]),
-                *(np.int64(st // item) for st in q_out.strides[:2]),
-                *(np.int64(st // item) for st in k_out.strides[:2]),
-                np.float32(-1.0 if inverse else 1.0), np.int32(copy_rest),
-            )  # fmt: skip
-            if n_b * n_t:
-                kernel(
-                    (n_b * n_t,),
-                    (_THREADS,),
-                    args,
-                    shared_mem=2 * n_freq * 4,
-                    stream=ctx.stream,  # type: ignore[attr-defined]
-                )
+            self._launch(q, k, q_out, k_out, *tables, pos, offset, inverse)
+
+    def _launch(
+        self,
+        q: Any,
+        k: Any,
+        q_out: Any,
+        k_out: Any,
+        cos: Any,
+        sin: Any,
+        pos: Any,
+        offset: int,
+        inverse: bool,
+    ) -> None:
+        """One launch on the context's stream: a block per token (``pos``: int64 [B, T] or None)."""
+        ctx = self.context
+        n_b, n_t = q.shape[0], q.shape[1]
+        n_freq = self.table.n_freq  # type: ignore[union-attr]
+        item = self.precision.itemsize
+        vec = self.vector_width(q, k, q_out, k_out)
+        kernel = _function(ctx.device_id.index, self.precision, vec, self._interleaved)
+        copy_rest = (q_out is not q or k_out is not k) and 2 * n_freq < self.config.head_dim
+        args = (
+            q, q_out, k, k_out, cos, sin, pos,
+            np.int32(pos is not None), np.int64(offset), np.int32(n_t),
+            *self._shape_args,
+            np.int64(q.strides[0] // item), np.int64(q.strides[1] // item),
+            np.int64(k.strides[0] // item), np.int64(k.strides[1] // item),
+            np.int64(q_out.strides[0] // item), np.int64(q_out.strides[1] // item),
+            np.int64(k_out.strides[0] // item), np.int64(k_out.strides[1] // item),
+            _SIGNS[inverse], np.int32(copy_rest),
+        )  # fmt: skip
+        kernel(
+            (n_b * n_t,),
+            (_THREADS,),
+            args,
+            shared_mem=2 * n_freq * 4,
+            stream=ctx.stream,  # type: ignore[attr-defined]
+        )

@@ -1,0 +1,107 @@
+"""Generation speed: mila_py INFERENCE builds vs Hugging Face ``generate`` on the same weights.
+
+For a ~10M and a ~100M parameter Llama (random weights saved by transformers and loaded with
+``Llama.from_pretrained``), in one run, fp32 on the CPU:
+
+- prefill tokens/s: a 256-token prompt (mila_py: ``prefill``; HF: one forward with its cache);
+- decode tokens/s: 64 greedy tokens after the prompt (mila_py: ``decode`` per token; HF:
+  ``generate(do_sample=False)`` minus its prefill);
+- a check that both produce the same greedy tokens.
+
+Needs torch and transformers (test-only references). Run: ``python benchmarks/generate.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import numpy as np
+
+from mila_py import RuntimeMode
+from mila_py.components import Llama
+
+SIZES = {
+    "~10M": dict(
+        vocab_size=4096, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+        num_attention_heads=6, num_key_value_heads=2,
+    ),
+    "~100M": dict(
+        vocab_size=8192, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+        num_attention_heads=12, num_key_value_heads=4,
+    ),
+}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--prompt", type=int, default=256)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--sizes", nargs="*", default=list(SIZES))
+    args = parser.parse_args()
+    try:
+        import torch
+        import transformers
+    except ImportError as exc:
+        raise SystemExit(f"this benchmark compares with Hugging Face: {exc}") from None
+    torch.manual_seed(0)
+    rows = []
+    for name in args.sizes:
+        hf_cfg = transformers.LlamaConfig(
+            **SIZES[name],
+            max_position_embeddings=1024,
+            rope_theta=10000.0,
+            tie_word_embeddings=False,
+        )
+        hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+        params = sum(p.numel() for p in hf.parameters())
+        prompt = np.random.default_rng(0).integers(0, hf_cfg.vocab_size, size=(1, args.prompt))
+        with tempfile.TemporaryDirectory() as tmp:
+            hf.save_pretrained(tmp, safe_serialization=True)
+            model = Llama.from_pretrained(
+                tmp, runtime_mode=RuntimeMode.INFERENCE, batch_size=1, prefill_size=None
+            )
+
+        start = time.perf_counter()
+        logits = model.prefill(prompt)
+        mila_prefill = time.perf_counter() - start
+        tokens = []
+        start = time.perf_counter()
+        for i in range(args.new):
+            token = logits.argmax(axis=-1)
+            tokens.append(int(token[0]))
+            logits = model.decode(token, args.prompt + i)
+        mila_decode = time.perf_counter() - start
+
+        ids = torch.from_numpy(prompt)
+        with torch.no_grad():
+            start = time.perf_counter()
+            hf(ids, use_cache=True)
+            hf_prefill = time.perf_counter() - start
+            start = time.perf_counter()
+            out = hf.generate(
+                ids, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False,
+                pad_token_id=0,
+            )  # fmt: skip
+            hf_total = time.perf_counter() - start
+        hf_decode = max(hf_total - hf_prefill, 1e-9)
+        same = out[0, args.prompt :].tolist() == tokens
+        rows.append((name, params, mila_prefill, hf_prefill, mila_decode, hf_decode, same))
+
+    print(f"\nfp32 CPU, prompt {args.prompt} tokens, {args.new} greedy new tokens")
+    header = (
+        f"{'model':<7} {'params':>7} | {'prefill tok/s mila':>18} {'HF':>8} {'x':>6} | "
+        f"{'decode tok/s mila':>17} {'HF':>7} {'x':>6} | same tokens"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, params, mp, hp, md, hd, same in rows:
+        print(
+            f"{name:<7} {params / 1e6:6.1f}M | {args.prompt / mp:18,.0f} {args.prompt / hp:8,.0f} "
+            f"{hp / mp:6.2f} | {args.new / md:17,.0f} {args.new / hd:7,.0f} {hd / md:6.2f} | {same}"
+        )
+
+
+if __name__ == "__main__":
+    main()

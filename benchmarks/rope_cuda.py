@@ -1,0 +1,475 @@
+"""CUDA RoPE benchmark: mila_py against the copy ceiling and the peer libraries, in one run.
+
+Measures on one GPU, with CUDA events, the median of many repeats:
+
+- the ceiling: a large device-to-device copy (``cudaMemcpyAsync``), counting bytes read + written;
+- mila_py ``Rope.forward`` and ``Rope.backward`` (whole component calls), fp32 and bf16, for
+  ``B=1 T=8192`` and ``B=4 T=4096`` with 32 query / 8 key heads of 128; bytes counted are Q and K
+  read and written once plus the cos/sin rows of the distinct positions;
+- ``Rope.decode`` for ``B=1`` and ``B=64`` (whole component calls, validation included), in
+  microseconds per call, timed over many back-to-back calls so host work is included;
+- peers, each only when importable: Hugging Face ``apply_rotary_pos_emb`` in torch eager and
+  under ``torch.compile``, Liger-Kernel's rope, flash-attention's Triton rotary. Peers get their
+  own layouts (HF and Liger ``[B, H, T, D]`` views of ``[B, T, H*D]``; flash-attention
+  ``[B, T, H, D]``) and precomputed cos/sin ``[1, T, D]`` (half-width for flash-attention); backward is
+  ``torch.autograd.grad`` of their forward (no gradient accumulation).
+
+Ratios: ``% copy`` is achieved bandwidth over the copy's; ``x PEER`` is the peer's time over
+mila_py's (above 1: mila_py is faster). Before timing, mila_py's output is checked against the
+peers' on the same input.
+
+Run: ``python benchmarks/rope_cuda.py`` (``--help`` for options; ``--json PATH`` keeps the raw
+numbers; ``--quick`` is a smoke run on small shapes). Each case is printed as it is measured, the
+table at the end. Without CuPy or a GPU it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mila_py import BuildContext, Precision, RuntimeMode
+from mila_py.components import Rope, RopeConfig
+from mila_py.devices.cuda import cuda_device_count
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+PREFILL_SHAPES = ((1, 8192), (4, 4096))
+DECODE_BATCHES = (1, 64)
+MAX_SEQ = 8192
+
+
+@dataclass
+class Row:
+    case: str
+    dtype: str
+    seconds: float
+    nbytes: int
+    peers: dict[str, float] = field(default_factory=dict)  # peer name -> seconds
+    note: str = ""
+
+
+# ---------------------------------------------------------------------------------- timing
+
+
+class CupyTimer:
+    """Per-call milliseconds from CUDA events recorded on one CuPy stream."""
+
+    def __init__(self, cupy: Any, stream: Any) -> None:
+        self.cupy, self.stream = cupy, stream
+
+    def median_seconds(self, fn: Callable[[], object], *, calls: int, repeats: int) -> float:
+        cupy = self.cupy
+        for _ in range(3):
+            fn()
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        times = []
+        for _ in range(repeats):
+            start.record(self.stream)
+            for _ in range(calls):
+                fn()
+            end.record(self.stream)
+            end.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3 / calls)
+        return statistics.median(times)
+
+
+class TorchTimer:
+    """Per-call seconds from CUDA events on torch's current stream."""
+
+    def __init__(self, torch: Any) -> None:
+        self.torch = torch
+
+    def median_seconds(self, fn: Callable[[], object], *, calls: int, repeats: int) -> float:
+        torch = self.torch
+        for _ in range(3):
+            fn()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(repeats):
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / calls)
+        return statistics.median(times)
+
+
+def host_seconds_per_call(fn: Callable[[], object], sync: Callable[[], None], calls: int) -> float:
+    """Wall-clock seconds per call of ``calls`` back-to-back calls (best of 5 rounds)."""
+    for _ in range(10):
+        fn()
+    sync()
+    best = float("inf")
+    for _ in range(5):
+        begin = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - begin) / calls)
+    return best
+
+
+# ---------------------------------------------------------------------------------- peers
+
+
+def load_peers(torch: Any, use_compile: bool) -> dict[str, Callable[..., Any]]:
+    """Peer forward functions ``fn(q4, k4, cos, sin) -> (q, k)`` by name, where importable.
+
+    ``q4`` is ``[B, T, H, D]`` in and out; each wrapper presents it in the layout its library
+    expects through transposed views (free), as a model's attention code does.
+    """
+    peers: dict[str, Callable[..., Any]] = {}
+    try:  # torch.compile keeps one graph per shape and dtype: let it keep them all
+        import torch._dynamo
+
+        for limit in ("cache_size_limit", "recompile_limit"):
+            if hasattr(torch._dynamo.config, limit):
+                setattr(torch._dynamo.config, limit, 64)
+    except Exception:
+        pass
+    try:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    except Exception as exc:  # transformers missing or changed
+        print(f"peer HF eager: not importable ({type(exc).__name__}: {exc})")
+    else:
+
+        def hf(q4: Any, k4: Any, cos: Any, sin: Any) -> Any:
+            # HF: q, k [B, H, T, D] (a transpose view of the projection), cos, sin [1, T, D]
+            q, k = apply_rotary_pos_emb(q4.transpose(1, 2), k4.transpose(1, 2), cos, sin)
+            return q.transpose(1, 2), k.transpose(1, 2)
+
+        peers["HF eager"] = hf
+        if use_compile:
+            peers["HF compile"] = torch.compile(hf, dynamic=False)
+    try:
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    except Exception as exc:
+        print(f"peer Liger: not importable ({type(exc).__name__})")
+    else:
+
+        def liger(q4: Any, k4: Any, cos: Any, sin: Any) -> Any:
+            q, k = liger_rotary_pos_emb(q4.transpose(1, 2), k4.transpose(1, 2), cos, sin)
+            return q.transpose(1, 2), k.transpose(1, 2)
+
+        peers["Liger"] = liger
+    try:
+        from flash_attn.layers.rotary import apply_rotary_emb
+    except Exception as exc:
+        print(f"peer flash-attn triton: not importable ({type(exc).__name__})")
+    else:
+        halves: dict[int, tuple[Any, Any, Any]] = {}  # id(cos) -> (cos, cos half, sin half)
+
+        def flash(q4: Any, k4: Any, cos: Any, sin: Any) -> Any:
+            # flash-attention: x [B, T, H, D], cos/sin [T, D/2], its own half-width tables
+            # (made once per table, outside the timed calls after the first)
+            entry = halves.get(id(cos))
+            if entry is None or entry[0] is not cos:
+                half = cos.shape[-1] // 2
+                entry = (cos, cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous())
+                halves[id(cos)] = entry
+            _, c, s = entry
+            return apply_rotary_emb(q4, c, s), apply_rotary_emb(k4, c, s)
+
+        peers["flash-attn"] = flash
+    return peers
+
+
+def flat_numpy(x: Any) -> np.ndarray:
+    """A torch ``[B, T, H, D]`` tensor as float32 NumPy ``[B, T, H*D]``."""
+    return x.float().reshape(x.shape[0], x.shape[1], -1).cpu().numpy()
+
+
+# ---------------------------------------------------------------------------------- cases
+
+
+@dataclass
+class Bench:
+    """What every case needs: the modules, the peers and the timing options."""
+
+    cupy: Any
+    torch: Any
+    peers: dict[str, Callable[..., Any]]
+    repeats: int
+    calls: int
+    decode_calls: int
+    rng: np.random.Generator
+    checks: list[str] = field(default_factory=list)
+
+    def torch_dtype(self, precision: Precision) -> Any:
+        return self.torch.float32 if precision is Precision.FP32 else self.torch.bfloat16
+
+
+def measure_copy(bench: Bench) -> Row:
+    """The ceiling: a 1 GiB device-to-device copy, bytes read + written."""
+    cupy = bench.cupy
+    stream = cupy.cuda.Stream(non_blocking=False)
+    with stream:
+        src = cupy.arange(2**28, dtype=cupy.float32)  # 1 GiB of non-zero data
+        dst = cupy.empty_like(src)
+
+    def copy() -> None:
+        dst.data.copy_from_device_async(src.data, src.nbytes, stream)
+
+    seconds = CupyTimer(cupy, stream).median_seconds(copy, calls=bench.calls, repeats=bench.repeats)
+    return Row("copy 1 GiB (ceiling)", "-", seconds, 2 * src.nbytes)
+
+
+def peer_tables(bench: Bench, rope: Rope, rows: slice, precision: Precision) -> Any:
+    """HF-style cos/sin ``[1, T, D]`` (contiguous, broadcast over the batch) made from mila_py's
+    own table rows, so every library computes the same function; in the peer's dtype as HF does.
+    """
+    torch, ctx = bench.torch, rope.execution_context
+    cos = torch.from_numpy(ctx.to_host(rope.table.cos)[rows]).cuda()
+    sin = torch.from_numpy(ctx.to_host(rope.table.sin)[rows]).cuda()
+    dtype = bench.torch_dtype(precision)
+    cos = torch.cat([cos, cos], -1)[None].to(dtype).contiguous()
+    sin = torch.cat([sin, sin], -1)[None].to(dtype).contiguous()
+    return cos, sin
+
+
+def bench_prefill(
+    bench: Bench, cfg: RopeConfig, precision: Precision, n_b: int, n_t: int
+) -> list[Row]:
+    """Forward and backward of one prefill shape: mila_py, then each peer."""
+    cupy, torch = bench.cupy, bench.torch
+    dtype_name = "fp32" if precision is Precision.FP32 else "bf16"
+    case = f"B={n_b} T={n_t}"
+    rope = Rope("rope", cfg, device="CUDA:0", precision=precision)
+    rope.build(BuildContext((n_b, n_t, cfg.channels), RuntimeMode.TRAINING))
+    ctx = rope.execution_context
+    q_host = bench.rng.standard_normal((n_b, n_t, cfg.channels), dtype=np.float32)
+    k_host = bench.rng.standard_normal((n_b, n_t, cfg.kv_channels), dtype=np.float32)
+    q = ctx.to_device(q_host.astype(precision.numpy_dtype))
+    k = ctx.to_device(k_host.astype(precision.numpy_dtype))
+    nbytes = 2 * (q.nbytes + k.nbytes) + n_t * (cfg.head_dim // 2) * 8
+    timer = CupyTimer(cupy, ctx.stream)
+    # forward in place on the same buffers (a rotation keeps the values bounded)
+    forward = Row(
+        f"forward {case}",
+        dtype_name,
+        timer.median_seconds(lambda: rope.forward(q, k), calls=bench.calls, repeats=bench.repeats),
+        nbytes,
+    )
+    # backward: R^T of (dq, dk) into the component's gradient buffers
+    backward = Row(
+        f"backward {case}",
+        dtype_name,
+        timer.median_seconds(lambda: rope.backward(q, k), calls=bench.calls, repeats=bench.repeats),
+        nbytes,
+    )
+    if bench.peers:
+        tdtype = bench.torch_dtype(precision)
+        tq = torch.from_numpy(q_host).cuda().to(tdtype).view(n_b, n_t, HEADS, HEAD_DIM)
+        tk = torch.from_numpy(k_host).cuda().to(tdtype).view(n_b, n_t, KV_HEADS, HEAD_DIM)
+        cos, sin = peer_tables(bench, rope, slice(0, n_t), precision)
+        # the same function? mila_py forward on the same input against each peer
+        check_q = ctx.to_device(flat_numpy(tq).astype(precision.numpy_dtype))
+        check_k = ctx.to_device(flat_numpy(tk).astype(precision.numpy_dtype))
+        rope.forward(check_q, check_k)
+        mine = ctx.to_host(check_q).astype(np.float32)
+        del check_q, check_k
+        ttimer = TorchTimer(torch)
+        for name, fn in bench.peers.items():
+            try:
+                out_q, _ = fn(tq.clone(), tk.clone(), cos, sin)
+                diff = float(np.max(np.abs(flat_numpy(out_q) - mine)))
+                bench.checks.append(f"{dtype_name} {case} {name}: max |diff| {diff:.2e}")
+                forward.peers[name] = ttimer.median_seconds(
+                    lambda fn=fn: fn(tq, tk, cos, sin), calls=bench.calls, repeats=bench.repeats
+                )
+            except Exception as exc:
+                forward.note += f" {name} forward failed: {type(exc).__name__};"
+            try:
+                backward.peers[name] = peer_backward_seconds(bench, ttimer, fn, tq, tk, cos, sin)
+            except Exception as exc:
+                backward.note += f" {name} backward failed: {type(exc).__name__};"
+    return [forward, backward]
+
+
+def peer_backward_seconds(
+    bench: Bench, timer: TorchTimer, fn: Callable[..., Any], tq: Any, tk: Any, cos: Any, sin: Any
+) -> float:
+    """A peer's backward alone: autograd.grad of one recorded forward (no accumulation)."""
+    torch = bench.torch
+    gq = tq.detach().clone().requires_grad_()
+    gk = tk.detach().clone().requires_grad_()
+    out_q, out_k = fn(gq, gk, cos, sin)
+    up_q, up_k = torch.randn_like(out_q), torch.randn_like(out_k)
+
+    def grad() -> Any:
+        return torch.autograd.grad((out_q, out_k), (gq, gk), (up_q, up_k), retain_graph=True)
+
+    return timer.median_seconds(grad, calls=bench.calls, repeats=bench.repeats)
+
+
+def bench_decode(bench: Bench, cfg: RopeConfig, precision: Precision, n_b: int) -> list[Row]:
+    """Whole ``Rope.decode`` calls, one token per sequence, and each peer on the same shape."""
+    cupy, torch = bench.cupy, bench.torch
+    dtype_name = "fp32" if precision is Precision.FP32 else "bf16"
+    rope = Rope("rope", cfg, device="CUDA:0", precision=precision)
+    rope.build(BuildContext((n_b, 1, cfg.channels), RuntimeMode.INFERENCE))
+    ctx = rope.execution_context
+    q = ctx.to_device(
+        bench.rng.standard_normal((n_b, 1, cfg.channels)).astype(precision.numpy_dtype)
+    )
+    k = ctx.to_device(
+        bench.rng.standard_normal((n_b, 1, cfg.kv_channels)).astype(precision.numpy_dtype)
+    )
+    timer = CupyTimer(cupy, ctx.stream)
+    variants: list[tuple[str, Any, int]] = [("pos int", 4000, 1)]
+    if n_b > 1:
+        variants.append(("pos per seq", bench.rng.integers(0, MAX_SEQ, size=n_b), n_b))
+    rows = []
+    for label, position, distinct in variants:
+
+        def call(position: Any = position) -> None:
+            rope.decode(q, k, position)
+
+        seconds = timer.median_seconds(call, calls=bench.decode_calls, repeats=bench.repeats)
+        wall = host_seconds_per_call(call, ctx.synchronize, bench.decode_calls)
+        nbytes = 2 * (q.nbytes + k.nbytes) + distinct * (cfg.head_dim // 2) * 8
+        row = Row(
+            f"decode B={n_b} ({label})",
+            dtype_name,
+            seconds,
+            nbytes,
+            note=f"host wall {wall * 1e6:.1f} us/call;",
+        )
+        if bench.peers and label == "pos int":
+            tdtype = bench.torch_dtype(precision)
+            tq = torch.randn(n_b, 1, HEADS, HEAD_DIM, device="cuda", dtype=tdtype)
+            tk = torch.randn(n_b, 1, KV_HEADS, HEAD_DIM, device="cuda", dtype=tdtype)
+            cos, sin = peer_tables(bench, rope, slice(4000, 4001), precision)
+            ttimer = TorchTimer(torch)
+            for name, fn in bench.peers.items():
+                try:
+                    row.peers[name] = ttimer.median_seconds(
+                        lambda fn=fn, tq=tq, tk=tk, cos=cos, sin=sin: fn(tq, tk, cos, sin),
+                        calls=bench.decode_calls,
+                        repeats=bench.repeats,
+                    )
+                except Exception as exc:
+                    row.note += f" {name} failed: {type(exc).__name__};"
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def progress(rows: list[Row]) -> list[Row]:
+    """Print each measured row at once (a run cut short still shows what it measured)."""
+    for r in rows:
+        peers = ", ".join(f"{name} {sec * 1e6:.1f} us" for name, sec in r.peers.items())
+        print(
+            f"measured {r.case} {r.dtype}: {r.seconds * 1e6:.1f} us"
+            + (f"; {peers}" if peers else "")
+            + (f"; {r.note.strip()}" if r.note else ""),
+            flush=True,
+        )
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=30, help="timed repeats (median)")
+    parser.add_argument("--calls", type=int, default=10, help="back-to-back calls per repeat")
+    parser.add_argument("--decode-calls", type=int, default=200)
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--json", default=None, help="write the raw numbers to this file")
+    parser.add_argument(
+        "--quick", action="store_true", help="small shapes and few repeats: a smoke run only"
+    )
+    args = parser.parse_args()
+    prefill_shapes = ((1, 256), (2, 128)) if args.quick else PREFILL_SHAPES
+    if args.quick:
+        args.repeats, args.calls, args.decode_calls = 3, 2, 5
+
+    if cuda_device_count() == 0:
+        print(
+            "rope_cuda: no CUDA GPU / CuPy found, nothing measured. Run it on a machine with an "
+            "NVIDIA GPU and `pip install mila-py[cuda12]` (or [cuda13])."
+        )
+        return 0
+
+    import cupy
+
+    torch: Any = None
+    if not args.no_peers:
+        try:
+            import torch as torch_module
+
+            torch = torch_module if torch_module.cuda.is_available() else None
+        except Exception as exc:
+            print(f"peers: torch not importable ({type(exc).__name__}); timing mila_py alone")
+    peers = load_peers(torch, not args.no_compile) if torch is not None else {}
+    bench = Bench(
+        cupy, torch, peers, args.repeats, args.calls, args.decode_calls, np.random.default_rng(0)
+    )
+
+    props = cupy.cuda.runtime.getDeviceProperties(0)  # before the timings: names the GPU
+    device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    versions = f"CuPy {cupy.__version__}" + (f", torch {torch.__version__}" if torch else "")
+    print(f"device: {device}; {versions}; peers: {', '.join(peers) or 'none'}")
+
+    copy = measure_copy(bench)
+    copy_bw = copy.nbytes / copy.seconds
+    rows = [copy]
+    cfg = RopeConfig(
+        channels=HEADS * HEAD_DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, max_seq_len=MAX_SEQ
+    )
+    print(f"measured {copy.case}: {copy_bw / 1e9:.0f} GB/s", flush=True)
+    for precision in (Precision.FP32, Precision.BF16):
+        for n_b, n_t in prefill_shapes:
+            rows += progress(bench_prefill(bench, cfg, precision, n_b, n_t))
+            cupy.get_default_memory_pool().free_all_blocks()  # the case's buffers are gone
+            if torch is not None:
+                torch.cuda.empty_cache()
+        for n_b in DECODE_BATCHES:
+            rows += progress(bench_decode(bench, cfg, precision, n_b))
+
+    for line in bench.checks:
+        print("check:", line)
+    print(f"\ncopy ceiling: {copy_bw / 1e9:.0f} GB/s (bytes read + written)")
+    header = f"{'case':<30} {'dtype':<5} {'time':>10} {'GB/s':>7} {'% copy':>7}"
+    header += "".join(f" {'x ' + p:>12}" for p in peers)
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        bw = r.nbytes / r.seconds
+        line = f"{r.case:<30} {r.dtype:<5} {r.seconds * 1e6:8.1f}us {bw / 1e9:7.0f}"
+        line += f" {100 * bw / copy_bw:6.1f}%"
+        for p in peers:
+            line += f" {r.peers[p] / r.seconds:12.2f}" if p in r.peers else f" {'-':>12}"
+        print(line + (f"  {r.note.strip()}" if r.note else ""))
+    print(
+        "\ntargets: prefill >= 85% of copy; every 'x PEER' > 1 (mila_py faster); "
+        "decode B=1 <= 10 us per component call"
+    )
+    if args.json:
+        with open(args.json, "w") as fh:
+            payload = {
+                "device": device,
+                "copy_bytes_per_second": copy_bw,
+                "checks": bench.checks,
+                "rows": [asdict(r) for r in rows],
+            }
+            json.dump(payload, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

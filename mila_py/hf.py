@@ -1,0 +1,515 @@
+"""Hugging Face Llama checkpoints: config and tensor-name mapping, reading and writing safetensors.
+
+A Hugging Face ``LlamaForCausalLM`` (or ``MistralForCausalLM`` without an effective sliding
+window) directory holds ``config.json`` and ``model.safetensors`` (or a sharded
+``model.safetensors.index.json`` plus its shards). This module turns the config into a
+:class:`~mila_py.components.llama.LlamaConfig` and the tensors into the names of mila_py's
+component tree::
+
+    model.embed_tokens.weight                     -> embed_tokens.weight
+    model.layers.{i}.input_layernorm.weight       -> layer{i}.input_layernorm.weight
+    model.layers.{i}.self_attn.{q,k,v}_proj.weight -> layer{i}.self_attn.qkv_proj.weight
+                                                      (concatenated along the output axis)
+    model.layers.{i}.self_attn.o_proj.weight      -> layer{i}.self_attn.o_proj.weight
+    model.layers.{i}.post_attention_layernorm.weight -> layer{i}.post_attention_layernorm.weight
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight -> layer{i}.mlp.{gate,up,down}_proj.weight
+    model.norm.weight                             -> norm.weight
+    lm_head.weight                                -> lm_head.weight (absent when tied)
+
+Hugging Face Llama stores Q and K already in the ``rotate_half`` layout (mila_py's
+``layout="half"``), so no permutation is applied.
+
+Neither transformers nor torch is needed: the files are read with ``safetensors.numpy``
+(``ml_dtypes`` gives NumPy its ``bfloat16``), and BF16/FP16 tensors are widened to float32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes  # also registers numpy's "bfloat16" dtype, which safetensors.numpy needs
+import numpy as np
+
+from mila_py.components.llama import Llama, LlamaConfig
+from mila_py.components.rope_config import RopeConfig
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "hf_to_mila",
+    "llama_config_from_hf",
+    "llama_config_to_hf",
+    "load_hf_weights",
+    "mila_to_hf",
+    "read_hf_checkpoint",
+    "save_hf_checkpoint",
+]
+
+#: ``model_type`` values whose checkpoints this module maps (verified against transformers).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+_REQUIRED_KEYS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "dim",
+    "num_hidden_layers": "n_layers",
+    "num_attention_heads": "n_heads",
+    "intermediate_size": "hidden_dim",
+    "max_position_embeddings": "max_seq_len",
+}
+
+# Buffers some older transformers versions saved; they are recomputed from the config.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+# Per-layer HF name (under "model.layers.{i}.") -> mila name (under "layer{i}.").
+_LAYER_DIRECT = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attn.o_proj.weight": "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
+    "mlp.up_proj.weight": "mlp.up_proj.weight",
+    "mlp.down_proj.weight": "mlp.down_proj.weight",
+}
+_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_QKV_MILA = "self_attn.qkv_proj.weight"
+
+
+# ---------------------------------------------------------------------------------------- config
+def llama_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
+    """Make a :class:`LlamaConfig` from a Hugging Face ``config.json`` dict.
+
+    Maps ``vocab_size``, ``hidden_size`` -> ``dim``, ``num_hidden_layers``,
+    ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size`` -> ``hidden_dim``,
+    ``max_position_embeddings`` -> ``max_seq_len``, ``rms_norm_eps`` -> ``norm_eps`` (HF default
+    1e-6), ``tie_word_embeddings`` -> ``tie_embeddings`` (default False) and ``head_dim``. RoPE
+    (``rope_theta``, ``rope_parameters`` or legacy ``rope_scaling``) goes through
+    :meth:`RopeConfig.from_hf`, so every scaling type maps the same way as there.
+
+    ``pretraining_tp`` is ignored, as transformers 5 does (in 4.x it only split the matmuls
+    into slices, the same arithmetic).
+
+    Raises:
+        ValueError: naming every key that is missing or that mila_py's Llama cannot express:
+            ``model_type`` other than llama/mistral, ``attention_bias``, ``mlp_bias``,
+            ``hidden_act`` other than silu, ``partial_rotary_factor`` < 1, an effective
+            ``sliding_window``, ``layer_types`` other than full attention,
+            ``quantization_config``, YaRN ``mscale_all_dim`` (mila's attention would apply
+            DeepSeek's softmax multiplier, which HF Llama does not).
+    """
+    if not isinstance(config, Mapping):
+        raise TypeError(f"llama_config_from_hf: config must be a dict, got {type(config).__name__}")
+    problems: list[str] = []
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        problems.append(
+            f"model_type={model_type!r}: only {', '.join(SUPPORTED_MODEL_TYPES)} checkpoints are "
+            "supported"
+        )
+    missing = [key for key in _REQUIRED_KEYS if config.get(key) is None]
+    problems += [
+        f"{key}: missing (needed for LlamaConfig.{_REQUIRED_KEYS[key]})" for key in missing
+    ]
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            problems.append(f"{key}=True: mila_py's Llama projections have no bias")
+    act = config.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        problems.append(f"hidden_act={act!r}: mila_py's SwiGLU uses silu")
+    if config.get("quantization_config") is not None:
+        problems.append("quantization_config: quantized checkpoints are not supported")
+    window = config.get("sliding_window")
+    max_pos = config.get("max_position_embeddings")
+    if (
+        window is not None
+        and config.get("use_sliding_window", True)
+        and (max_pos is None or int(window) < int(max_pos))
+    ):
+        problems.append(
+            f"sliding_window={window}: mila_py's attention is full causal attention (accepted "
+            f"only when the window covers max_position_embeddings={max_pos})"
+        )
+    layer_types = config.get("layer_types")
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        problems.append(f"layer_types={sorted(set(layer_types))}: only full_attention is supported")
+
+    rope: RopeConfig | None = None
+    if not missing:
+        try:
+            rope = RopeConfig.from_hf(config)
+        except (ValueError, TypeError) as exc:
+            key = "rope_parameters" if "rope_parameters" in config else "rope_scaling"
+            problems.append(f"{key}: {exc}")
+    if rope is not None:
+        if rope.rotary_dim:
+            prf = (config.get("rope_parameters") or config.get("rope_scaling") or {}).get(
+                "partial_rotary_factor", config.get("partial_rotary_factor")
+            )
+            problems.append(
+                f"partial_rotary_factor={prf}: mila_py's Llama rotates the whole head "
+                f"({rope.rotary_dim} of {rope.head_dim} channels requested)"
+            )
+        scaling = rope.scaling or {}
+        if scaling.get("mscale_all_dim"):
+            problems.append(
+                f"rope_parameters.mscale_all_dim={scaling['mscale_all_dim']}: mila_py's attention "
+                "would multiply the softmax scale (DeepSeek convention), HF Llama does not"
+            )
+    if problems:
+        raise ValueError(
+            "llama_config_from_hf: this config cannot be loaded as a mila_py Llama:\n  "
+            + "\n  ".join(problems)
+        )
+    assert rope is not None
+    n_heads = int(config["num_attention_heads"])
+    hidden = int(config["hidden_size"])
+    head_dim = config.get("head_dim")
+    if head_dim is not None and hidden % n_heads == 0 and int(head_dim) == hidden // n_heads:
+        head_dim = None
+    return LlamaConfig(
+        vocab_size=int(config["vocab_size"]),
+        dim=hidden,
+        n_layers=int(config["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
+        hidden_dim=int(config["intermediate_size"]),
+        max_seq_len=int(config["max_position_embeddings"]),
+        rope_base=float(rope.base),
+        rope_scaling=rope.scaling,
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        head_dim=None if head_dim is None else int(head_dim),
+    )
+
+
+def llama_config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
+    """A Hugging Face ``config.json`` dict (``LlamaForCausalLM``) describing ``cfg``.
+
+    The RoPE parameters are written both as transformers 5 ``rope_parameters`` and as the
+    ``rope_theta`` / ``rope_scaling`` keys that 4.x reads.
+    """
+    head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
+    scaling = _plain(dict(cfg.rope_scaling)) if cfg.rope_scaling else None
+    rope_parameters = {"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_base}
+    out: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.hidden_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "rope_theta": cfg.rope_base,
+        "rope_parameters": rope_parameters,
+    }
+    if scaling is not None:
+        out["rope_scaling"] = scaling
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """FrozenDict/tuples -> dicts/lists (JSON-serializable)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------------------------- names
+def _hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name (with the ``model.`` prefix) and its shape, in model order."""
+    d, v, f = cfg.dim, cfg.vocab_size, cfg.hidden_dim
+    hd = cfg.head_dim or d // cfg.n_heads
+    q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d)}
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (d,)
+        shapes[p + "self_attn.q_proj.weight"] = (q, d)
+        shapes[p + "self_attn.k_proj.weight"] = (kv, d)
+        shapes[p + "self_attn.v_proj.weight"] = (kv, d)
+        shapes[p + "self_attn.o_proj.weight"] = (d, q)
+        shapes[p + "post_attention_layernorm.weight"] = (d,)
+        shapes[p + "mlp.gate_proj.weight"] = (f, d)
+        shapes[p + "mlp.up_proj.weight"] = (f, d)
+        shapes[p + "mlp.down_proj.weight"] = (d, f)
+    shapes["model.norm.weight"] = (d,)
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (v, d)
+    return shapes
+
+
+def _mila_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every mila parameter name and its shape, in ``Llama.named_parameters()`` order."""
+    hf = _hf_shapes(cfg)
+    out: dict[str, tuple[int, ...]] = {}
+    for name, mila in _name_pairs(cfg):
+        if isinstance(name, tuple):
+            rows = sum(hf[n][0] for n in name)
+            out[mila] = (rows, cfg.dim)
+        else:
+            out[mila] = hf[name]
+    return out
+
+
+def _name_pairs(cfg: LlamaConfig) -> Iterator[tuple[str | tuple[str, str, str], str]]:
+    """(HF name or (q, k, v) names, mila name) in mila's parameter order."""
+    yield "model.embed_tokens.weight", "embed_tokens.weight"
+    for i in range(cfg.n_layers):
+        hp, mp = f"model.layers.{i}.", f"layer{i}."
+        yield hp + "input_layernorm.weight", mp + "input_layernorm.weight"
+        yield (hp + _QKV[0], hp + _QKV[1], hp + _QKV[2]), mp + _QKV_MILA
+        for hf_name, mila_name in _LAYER_DIRECT.items():
+            if hf_name != "input_layernorm.weight":
+                yield hp + hf_name, mp + mila_name
+    yield "model.norm.weight", "norm.weight"
+    if not cfg.tie_embeddings:
+        yield "lm_head.weight", "lm_head.weight"
+
+
+def _check(
+    tensors: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]], problems: list[str]
+) -> None:
+    problems += [
+        f"missing: {name} {shape}" for name, shape in expected.items() if name not in tensors
+    ]
+    problems += [f"unexpected: {name}" for name in tensors if name not in expected]
+    problems += [
+        f"shape of {name}: got {tuple(np.shape(tensors[name]))}, expected {shape}"
+        for name, shape in expected.items()
+        if name in tensors and tuple(np.shape(tensors[name])) != shape
+    ]
+
+
+def hf_to_mila(tensors: Mapping[str, Any], cfg: LlamaConfig) -> dict[str, np.ndarray]:
+    """Rename (and fuse Q/K/V of) Hugging Face Llama tensors into mila_py parameter names.
+
+    Names may carry the ``model.`` prefix (``LlamaForCausalLM``) or not (a bare ``LlamaModel``).
+    ``*.rotary_emb.inv_freq`` buffers are ignored. With ``cfg.tie_embeddings`` a
+    ``lm_head.weight`` equal to the embedding is dropped. Arrays keep their dtype.
+
+    Returns:
+        ``{mila name: array}`` in ``Llama.named_parameters()`` order.
+
+    Raises:
+        ValueError: listing every missing, unexpected or mis-shaped tensor (nothing is returned).
+    """
+    problems: list[str] = []
+    named: dict[str, Any] = {}
+    for name, array in tensors.items():
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        full = name if name.startswith("model.") or name == "lm_head.weight" else "model." + name
+        if full in named:
+            problems.append(f"duplicate: {name} (given with and without the 'model.' prefix)")
+            continue
+        named[full] = array
+    if cfg.tie_embeddings and "lm_head.weight" in named:
+        head = named.pop("lm_head.weight")
+        embed = named.get("model.embed_tokens.weight")
+        if embed is None or np.shape(head) != np.shape(embed) or not np.array_equal(head, embed):
+            problems.append(
+                "unexpected: lm_head.weight differs from model.embed_tokens.weight but the "
+                "config ties them (tie_word_embeddings=true)"
+            )
+    _check(named, _hf_shapes(cfg), problems)
+    if problems:
+        raise ValueError(
+            "hf_to_mila: the tensors do not match the Llama config:\n  " + "\n  ".join(problems)
+        )
+    out: dict[str, np.ndarray] = {}
+    for hf_name, mila_name in _name_pairs(cfg):
+        if isinstance(hf_name, tuple):
+            out[mila_name] = np.concatenate([np.asarray(named[n]) for n in hf_name], axis=0)
+        else:
+            out[mila_name] = np.asarray(named[hf_name])
+    return out
+
+
+def mila_to_hf(tensors: Mapping[str, Any], cfg: LlamaConfig) -> dict[str, np.ndarray]:
+    """The inverse of :func:`hf_to_mila`: mila_py names -> ``LlamaForCausalLM`` names.
+
+    ``qkv_proj.weight`` is split into ``q_proj``, ``k_proj`` and ``v_proj``; no ``lm_head.weight``
+    is written for tied embeddings (as ``save_pretrained`` does). Arrays are host copies (a
+    CuPy array is accepted through ``.get()``).
+
+    Raises:
+        ValueError: listing every missing, unexpected or mis-shaped tensor.
+    """
+    problems: list[str] = []
+    _check(tensors, _mila_shapes(cfg), problems)
+    if problems:
+        raise ValueError(
+            "mila_to_hf: the tensors do not match the Llama config:\n  " + "\n  ".join(problems)
+        )
+    hd = cfg.head_dim or cfg.dim // cfg.n_heads
+    q_rows, kv_rows = cfg.n_heads * hd, cfg.n_kv_heads * hd
+    out: dict[str, np.ndarray] = {}
+    for hf_name, mila_name in _name_pairs(cfg):
+        array = _host(tensors[mila_name])
+        if isinstance(hf_name, tuple):
+            q_name, k_name, v_name = hf_name
+            out[q_name] = array[:q_rows].copy()
+            out[k_name] = array[q_rows : q_rows + kv_rows].copy()
+            out[v_name] = array[q_rows + kv_rows :].copy()
+        else:
+            out[hf_name] = array
+    return out
+
+
+def _host(array: Any) -> np.ndarray:
+    get = getattr(array, "get", None)
+    if get is not None and not isinstance(array, np.ndarray):
+        array = get()
+    return np.asarray(array)
+
+
+# ---------------------------------------------------------------------------------------- files
+def _widen(array: np.ndarray) -> np.ndarray:
+    if array.dtype in (np.float16, np.dtype(ml_dtypes.bfloat16)):
+        return array.astype(np.float32)
+    return array
+
+
+def _read_safetensors(path: Path, names: list[str] | None = None) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
+
+    out: dict[str, np.ndarray] = {}
+    with safe_open(os.fspath(path), framework="numpy") as f:
+        available = set(f.keys())
+        wanted = list(f.keys()) if names is None else names
+        absent = [n for n in wanted if n not in available]
+        if absent:
+            raise ValueError(
+                f"read_hf_checkpoint: {path.name} lacks tensors its index maps to it: "
+                + ", ".join(absent)
+            )
+        for name in wanted:
+            out[name] = _widen(f.get_tensor(name))
+    return out
+
+
+def read_hf_checkpoint(
+    path: str | os.PathLike[str],
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Read a Hugging Face checkpoint directory.
+
+    Args:
+        path: a directory with ``config.json`` and ``model.safetensors``, or with
+            ``model.safetensors.index.json`` and the shards it names.
+
+    Returns:
+        ``(config dict, {HF name: array})``; BF16 and FP16 tensors are widened to float32.
+
+    Raises:
+        FileNotFoundError: the directory, its ``config.json``, or its weights are missing.
+        ValueError: a shard lacks a tensor its index names, or two shards hold the same name.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"read_hf_checkpoint: {root} is not a directory (expected a Hugging Face checkpoint "
+            f"folder with {CONFIG_NAME} and {WEIGHTS_NAME} or {INDEX_NAME})"
+        )
+    config_path = root / CONFIG_NAME
+    if not config_path.is_file():
+        raise FileNotFoundError(f"read_hf_checkpoint: {root} has no {CONFIG_NAME}")
+    config = json.loads(config_path.read_text())
+    single, index = root / WEIGHTS_NAME, root / INDEX_NAME
+    if single.is_file():
+        return config, _read_safetensors(single)
+    if not index.is_file():
+        raise FileNotFoundError(
+            f"read_hf_checkpoint: {root} has neither {WEIGHTS_NAME} nor {INDEX_NAME} "
+            "(PyTorch .bin checkpoints are not supported; re-save with safe_serialization=True)"
+        )
+    weight_map: Mapping[str, str] = json.loads(index.read_text()).get("weight_map", {})
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        by_shard.setdefault(shard, []).append(name)
+    missing = [s for s in by_shard if not (root / s).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"read_hf_checkpoint: {INDEX_NAME} names shards that are not in {root}: "
+            + ", ".join(sorted(missing))
+        )
+    tensors: dict[str, np.ndarray] = {}
+    for shard, names in by_shard.items():
+        tensors.update(_read_safetensors(root / shard, names))
+    return config, tensors
+
+
+def save_hf_checkpoint(model: Llama, path: str | os.PathLike[str]) -> None:
+    """Write a built :class:`Llama` as a Hugging Face checkpoint directory (float32 weights).
+
+    ``path`` gets ``config.json`` (see :func:`llama_config_to_hf`) and ``model.safetensors``
+    that ``LlamaForCausalLM.from_pretrained`` loads.
+    """
+    from safetensors.numpy import save_file
+
+    if not model.is_built:
+        raise RuntimeError(f"{model._describe()}: build it before save_hf_checkpoint()")
+    ctx = model.execution_context
+    params = {name: ctx.to_host(p) for name, p in model.named_parameters()}
+    tensors = mila_to_hf(params, model.config)
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    config = llama_config_to_hf(model.config)
+    (root / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(
+        {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()},
+        os.fspath(root / WEIGHTS_NAME),
+        metadata={"format": "pt"},
+    )
+
+
+def load_hf_weights(model: Llama, tensors: Mapping[str, Any]) -> None:
+    """Copy Hugging Face-named tensors into a built :class:`Llama`'s parameters.
+
+    All or nothing: every missing, unexpected or mis-shaped tensor (and any non-float one) is
+    reported in one error, and then no parameter has changed. Values are cast to the model's
+    precision.
+
+    Raises:
+        RuntimeError: the model is not built.
+        ValueError: listing every problem.
+    """
+    if not isinstance(model, Llama):
+        raise TypeError(f"load_hf_weights: model must be a Llama, got {type(model).__name__}")
+    if not model.is_built:
+        raise RuntimeError(f"{model._describe()}: build it before load_hf_weights()")
+    mila = hf_to_mila(tensors, model.config)
+    params = dict(model.named_parameters())
+    problems: list[str] = []
+    _check(mila, {name: tuple(p.shape) for name, p in params.items()}, problems)
+    converted: dict[str, np.ndarray] = {}
+    for name, p in params.items():
+        if name not in mila or problems:
+            continue
+        array = mila[name]
+        if not np.issubdtype(array.dtype, np.floating) and array.dtype != ml_dtypes.bfloat16:
+            problems.append(f"dtype of {name}: {array.dtype} is not a float type")
+            continue
+        converted[name] = array.astype(p.dtype, copy=False)
+    if problems:
+        raise ValueError(
+            f"{model._describe()}: cannot load the Hugging Face weights; nothing was loaded:\n  "
+            + "\n  ".join(problems)
+        )
+    ctx = model.execution_context
+    for name, p in params.items():
+        p[...] = ctx.to_device(converted[name])

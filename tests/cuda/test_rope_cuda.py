@@ -1,0 +1,949 @@
+"""Rope on ``CUDA:0``: against the float64 reference and the CPU op, on a machine with a GPU.
+
+Every case compares the CUDA component with the independent float64 reference of
+``rope_reference.py`` (precision-keyed tolerances) and, where it adds something, with the CPU
+component on the same inputs (parity). Arrays go to the device and back through their bits for
+BF16, so no case depends on CuPy compiling bfloat16 kernels of its own.
+
+The whole module is skipped on machines without CuPy or a GPU.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mila_py.devices.cuda import cuda_device_count
+
+if cuda_device_count() == 0:
+    pytest.skip("no CUDA GPU / CuPy", allow_module_level=True)
+
+import cupy
+from rope_helpers import (
+    BF16,
+    FP16,
+    FP32,
+    INFERENCE,
+    PRECISIONS,
+    TRAINING,
+    arange_positions,
+    assert_close,
+    dtype_of,
+    f64,
+    make_rope,
+    random_qk,
+    reference,
+)
+
+from mila_py import BuildContext, Precision, RuntimeMode
+from mila_py.components import Rope, RopeConfig, clear_rope_cache, get_rope
+from mila_py.devices import DeviceId
+from mila_py.devices.cuda import shared_context
+from mila_py.ops.cuda import rope as cuda_rope
+
+pytestmark = pytest.mark.cuda
+
+DEVICE = "CUDA:0"
+BF16_DTYPE = np.dtype(ml_dtypes.bfloat16)
+
+
+def _cupy_has_bfloat16() -> bool:
+    try:
+        cupy.empty((0,), dtype=BF16_DTYPE)
+    except Exception:
+        return False
+    return True
+
+
+CUPY_BF16 = _cupy_has_bfloat16()
+NO_BF16_REASON = (
+    "this CuPy has no bfloat16 dtype (CuPy >= 14 has); BF16 is then checked with torch bf16 "
+    "tensors in test_torch_tensors_are_rotated_in_place_through_dlpack"
+)
+#: the Rope component takes torch / DLPack / __cuda_array_interface__ arrays itself (the patch)
+COMPONENT_ADOPTS = hasattr(Rope, "_device_arrays")
+NO_ADOPT_REASON = (
+    "the Rope component does not adopt foreign CUDA arrays yet (apply the proposed patch)"
+)
+
+#: FP32, FP16 and BF16 (BF16 skipped with the reason where CuPy lacks the dtype)
+PRECISION_PARAMS = [
+    FP32,
+    FP16,
+    pytest.param(BF16, marks=pytest.mark.skipif(not CUPY_BF16, reason=NO_BF16_REASON)),
+]
+#: CPU vs CUDA: the kernels share the order of operations, so results agree to within an ulp of
+#: the storage format (the GPU flushes fp32 subnormals; the NumPy path groups operations its own
+#: way), far tighter than the reference tolerances.
+PARITY: dict[Precision, tuple[float, float]] = {
+    FP32: (1e-6, 1e-6),
+    FP16: (2.0**-10, 1e-7),
+    BF16: (2.0**-7, 1e-7),
+}
+HEAD_DIM = 12  # n_freq = 6: not a multiple of 4, so FP32 takes 8-byte accesses
+HEADS = [(1, 1), (4, 1), (4, 4), (3, 3), (5, 1), (6, 2)]
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(20240601)
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def up(x: np.ndarray) -> Any:
+    """A device copy of a host array (BF16 moved as its bits), ready when this returns."""
+    x = np.ascontiguousarray(x)
+    if x.dtype == BF16_DTYPE:
+        out = cupy.asarray(x.view(np.uint16)).view(BF16_DTYPE)
+    else:
+        out = cupy.asarray(x)
+    cupy.cuda.runtime.deviceSynchronize()
+    return out
+
+
+def down(x: Any) -> np.ndarray:
+    """A host copy of a device array after every stream finished (BF16 moved as its bits)."""
+    cupy.cuda.runtime.deviceSynchronize()
+    if x.dtype == BF16_DTYPE:
+        return cupy.asnumpy(x.view(cupy.uint16)).view(BF16_DTYPE)
+    return cupy.asnumpy(x)
+
+
+def bits(x: Any) -> bytes:
+    host = x if isinstance(x, np.ndarray) else down(x)
+    return np.ascontiguousarray(host).tobytes()
+
+
+def cuda_rope_of(
+    config: RopeConfig,
+    batch: int,
+    tokens: int,
+    *,
+    mode: RuntimeMode = INFERENCE,
+    precision: Precision = FP32,
+    name: str = "rope",
+) -> Rope:
+    """A standalone CUDA Rope built for ``[batch, tokens, channels]``."""
+    rope = Rope(name, config, device=DEVICE, precision=precision)
+    rope.build(BuildContext((batch, tokens, config.channels), mode))
+    return rope
+
+
+def config_of(
+    heads: tuple[int, int] = (3, 1),
+    *,
+    head_dim: int = HEAD_DIM,
+    max_seq_len: int = 2048,
+    **kwargs: Any,
+) -> RopeConfig:
+    hq, hk = heads
+    return RopeConfig(
+        channels=hq * head_dim, n_heads=hq, n_kv_heads=hk, max_seq_len=max_seq_len, **kwargs
+    )
+
+
+def assert_parity(actual: np.ndarray, expected: np.ndarray, precision: Precision) -> None:
+    rtol, atol = PARITY[precision]
+    np.testing.assert_allclose(f64(actual), f64(expected), rtol=rtol, atol=atol)
+
+
+def assert_rest_untouched(x, x0, n_heads: int, head_dim: int, rotary_dim: int) -> None:
+    """Channels past ``rotary_dim`` of every head are bit-identical to the input."""
+    b, t = x.shape[:2]
+    rest = np.ascontiguousarray(x.reshape(b, t, n_heads, head_dim)[..., rotary_dim:])
+    rest0 = np.ascontiguousarray(x0.reshape(b, t, n_heads, head_dim)[..., rotary_dim:])
+    assert rest.tobytes() == rest0.tobytes()
+
+
+# ---------------------------------------------------------------------------------- kernels
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=str)
+def test_every_kernel_instantiation_compiles_and_is_cached(precision: Precision) -> None:
+    module = cuda_rope._module(0, precision)
+    assert cuda_rope._module(0, precision) is module
+    for vec in cuda_rope.vector_widths(precision):
+        for interleaved in (False, True):
+            function = cuda_rope._function(0, precision, vec, interleaved)
+            assert cuda_rope._function(0, precision, vec, interleaved) is function
+    assert cuda_rope.vector_widths(precision)[0] * precision.itemsize == 16
+
+
+# ---------------------------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("rotary_dim", [0, 8], ids=["full", "partial8of12"])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"hq{h[0]}-hk{h[1]}")
+def test_forward_and_prefill_match_reference_and_cpu(
+    heads: tuple[int, int], rotary_dim: int, layout: str, precision: Precision, rng
+) -> None:
+    cfg = config_of(heads, rotary_dim=rotary_dim, layout=layout)
+    batch, tokens = 2, 6
+    rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
+    cpu = make_rope(cfg, batch, tokens, precision=precision)
+    for offset in (0, 5, 1000, cfg.max_seq_len - tokens):
+        q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
+        q, k = up(q0), up(k0)
+        if offset == 0:
+            rope.forward(q, k)
+        else:
+            rope.prefill(q, k, offset)
+        got_q, got_k = down(q), down(k)
+        ref_q, ref_k = reference(cfg, q0, k0, arange_positions(batch, tokens, offset))
+        assert_close(got_q, ref_q, precision)
+        assert_close(got_k, ref_k, precision)
+        cpu_q, cpu_k = q0.copy(), k0.copy()
+        cpu.prefill(cpu_q, cpu_k, offset)
+        assert_parity(got_q, cpu_q, precision)
+        assert_parity(got_k, cpu_k, precision)
+        if rotary_dim:
+            assert_rest_untouched(got_q, q0, heads[0], HEAD_DIM, rotary_dim)
+            assert_rest_untouched(got_k, k0, heads[1], HEAD_DIM, rotary_dim)
+
+
+@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("heads", [(32, 8), (8, 8), (8, 1)], ids=["gqa", "mha", "mqa"])
+@pytest.mark.parametrize("rotary_dim", [0, 64], ids=["full", "partial64of128"])
+def test_llama_head_dim_takes_16_byte_accesses(
+    heads: tuple[int, int], layout: str, rotary_dim: int, precision: Precision, rng
+) -> None:
+    cfg = config_of(heads, head_dim=128, max_seq_len=4096, layout=layout, rotary_dim=rotary_dim)
+    batch, tokens = 2, 33
+    rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
+    q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
+    q, k = up(q0), up(k0)
+    assert rope.op.vector_width(q, k) * precision.itemsize == 16
+    rope.prefill(q, k, 3000)
+    ref_q, ref_k = reference(cfg, q0, k0, arange_positions(batch, tokens, 3000))
+    assert_close(down(q), ref_q, precision)
+    assert_close(down(k), ref_k, precision)
+
+
+@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_large_calls(precision: Precision, layout: str, rng) -> None:
+    """Many blocks (one per token) and a grid well past one wave of the GPU."""
+    cfg = config_of((8, 2), head_dim=64, max_seq_len=8192, layout=layout)
+    batch, tokens = 3, 2000
+    rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
+    q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
+    q, k = up(q0), up(k0)
+    rope.prefill(q, k, 5000)
+    ref_q, ref_k = reference(cfg, q0, k0, arange_positions(batch, tokens, 5000))
+    assert_close(down(q), ref_q, precision)
+    assert_close(down(k), ref_k, precision)
+
+
+def _scalings(n: int) -> dict[str, dict[str, Any] | None]:
+    """Scaling dicts by id (``n`` pairs, for LongRoPE's lists); original context 1024 of 4096."""
+    orig = 1024
+    longrope = {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.05 * i for i in range(n)],
+        "long_factor": [1.0 + 1.7 * i for i in range(n)],
+        "original_max_position_embeddings": orig,
+    }
+    return {
+        "default": None,
+        "linear": {"rope_type": "linear", "factor": 4.0},
+        "dynamic": {
+            "rope_type": "dynamic",
+            "factor": 4.0,
+            "original_max_position_embeddings": orig,
+        },
+        "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": orig},
+        "yarn-deepseek": {
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": orig,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+        },
+        "llama3": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": orig,
+        },
+        "longrope": longrope,
+        "longrope-factor-attention": {**longrope, "factor": 16.0, "attention_factor": 1.25},
+        "proportional-factor": {"rope_type": "proportional", "factor": 2.0},
+    }
+
+
+SCALING_IDS = list(_scalings(1))
+
+
+@pytest.mark.parametrize("precision", [FP32, PRECISION_PARAMS[2]], ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("rotary_dim", [0, 8], ids=["full", "partial"])
+@pytest.mark.parametrize("name", SCALING_IDS)
+def test_scaling_types_far_from_zero(
+    name: str, rotary_dim: int, layout: str, precision: Precision, rng
+) -> None:
+    """Every type at positions 1000..4095; dynamic and longrope below and above 1024."""
+    head_dim, max_seq = 16, 4096
+    n = (rotary_dim or head_dim) // 2
+    cfg = RopeConfig(
+        channels=3 * head_dim,
+        n_heads=3,
+        n_kv_heads=1,
+        max_seq_len=max_seq,
+        rotary_dim=rotary_dim,
+        layout=layout,
+        scaling=_scalings(n)[name],
+    )
+    batch, tokens = 2, 8
+    rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
+    cpu = make_rope(cfg, batch, tokens, precision=precision)
+    calls: list[tuple[str, Any]] = [
+        ("prefill", 1000),  # below the original context
+        ("prefill", 1024 - 3),  # crosses it: the whole call uses the long parameters
+        ("prefill", 2500),
+        ("prefill", max_seq - tokens),
+        ("rotate", rng.integers(1000, max_seq, size=(batch, tokens))),
+        ("rotate", rng.integers(0, 1024, size=(batch, tokens))),
+        ("decode", np.array([1000, 3999])),
+        ("decode", np.array([1017, 5])),
+        ("decode", max_seq - 1),
+    ]
+    for method, arg in calls:
+        n_t = 1 if method == "decode" else tokens
+        q0, k0 = random_qk(rng, cfg, batch, n_t, precision)
+        q, k = up(q0), up(k0)
+        getattr(rope, method)(q, k, arg)
+        if method == "prefill":
+            positions = arange_positions(batch, tokens, arg)
+        elif method == "decode":
+            positions = np.broadcast_to(np.reshape(arg, (-1, 1)), (batch, 1))
+        else:
+            positions = arg
+        ref_q, ref_k = reference(cfg, q0, k0, positions)
+        got_q, got_k = down(q), down(k)
+        assert_close(got_q, ref_q, precision, scale=rope.attention_scaling)
+        assert_close(got_k, ref_k, precision, scale=rope.attention_scaling)
+        cpu_q, cpu_k = q0.copy(), k0.copy()
+        getattr(cpu, method)(cpu_q, cpu_k, arg)
+        assert_parity(got_q, cpu_q, precision)
+        assert_parity(got_k, cpu_k, precision)
+
+
+# ---------------------------------------------------------------------------------- positions
+
+
+@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("start", [0, 1500])
+def test_prefill_in_chunks_equals_one_call(
+    layout: str, precision: Precision, start: int, rng
+) -> None:
+    cfg = config_of((4, 1), layout=layout, rotary_dim=8)
+    batch, tokens = 2, 20
+    rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
+    q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
+    whole_q, whole_k = up(q0), up(k0)
+    rope.prefill(whole_q, whole_k, start)
+    chunk_q, chunk_k = up(q0), up(k0)
+    for lo, hi in ((0, 7), (7, 14), (14, 19), (19, 20)):
+        rope.prefill(chunk_q[:, lo:hi], chunk_k[:, lo:hi], start + lo)
+    assert bits(chunk_q) == bits(whole_q)
+    assert bits(chunk_k) == bits(whole_k)
+
+
+@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_decode_at_each_position_equals_forward(layout: str, precision: Precision, rng) -> None:
+    cfg = config_of((3, 3), layout=layout, max_seq_len=64)
+    batch, tokens = 2, 64
+    rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
+    q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
+    whole_q, whole_k = up(q0), up(k0)
+    rope.forward(whole_q, whole_k)
+    whole_q, whole_k = down(whole_q), down(whole_k)
+    for t in range(0, tokens, 7):
+        step_q, step_k = up(q0[:, t : t + 1]), up(k0[:, t : t + 1])
+        rope.decode(step_q, step_k, t if t % 2 else np.int64(t))
+        assert bits(step_q) == bits(whole_q[:, t : t + 1])
+        assert bits(step_k) == bits(whole_k[:, t : t + 1])
+
+
+@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
+def test_decode_per_sequence_positions(precision: Precision, rng) -> None:
+    cfg = config_of((4, 1))
+    batch = 4
+    rope = cuda_rope_of(cfg, batch, 8, precision=precision)
+    positions = np.array([3, 1500, 2047, 0])
+    q0, k0 = random_qk(rng, cfg, batch, 1, precision)
+    q, k = up(q0), up(k0)
+    rope.decode(q, k, positions)
+    ref_q, ref_k = reference(cfg, q0, k0, positions[:, None])
+    got_q, got_k = down(q), down(k)
+    assert_close(got_q, ref_q, precision)
+    assert_close(got_k, ref_k, precision)
+    for b, p in enumerate(positions):  # the same as decoding each sequence on its own
+        one_q, one_k = up(q0[b : b + 1]), up(k0[b : b + 1])
+        rope.decode(one_q, one_k, int(p))
+        assert bits(one_q) == bits(got_q[b : b + 1])
+        assert bits(one_k) == bits(got_k[b : b + 1])
+    # positions given as a list, and as a CuPy array
+    for given in (positions.tolist(), cupy.asarray(positions)):
+        again_q, again_k = up(q0), up(k0)
+        rope.decode(again_q, again_k, given)
+        assert bits(again_q) == bits(got_q)
+        assert bits(again_k) == bits(got_k)
+
+
+@pytest.mark.parametrize(
+    "make_positions",
+    [
+        lambda rng, b, t: rng.integers(0, 2048, size=(b, t)),
+        lambda rng, b, t: rng.integers(1000, 2048, size=(t,)),
+        lambda rng, b, t: rng.integers(1000, 2048, size=(b, 1)),
+        lambda rng, b, t: rng.integers(0, 2048, size=(b, t)).astype(np.int32),
+        lambda rng, b, t: np.full((b, t), 2047),
+        lambda rng, b, t: cupy.asarray(rng.integers(0, 2048, size=(b, t))),
+    ],
+    ids=["BT", "T", "B1", "int32", "last-row", "cupy"],
+)
+@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_rotate_explicit_positions(layout: str, precision: Precision, make_positions, rng) -> None:
+    cfg = config_of((5, 1), layout=layout)
+    batch, tokens = 3, 5
+    rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
+    positions = make_positions(rng, batch, tokens)
+    host_positions = cupy.asnumpy(positions) if isinstance(positions, cupy.ndarray) else positions
+    q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
+    q, k = up(q0), up(k0)
+    rope.rotate(q, k, positions)
+    ref_q, ref_k = reference(cfg, q0, k0, np.asarray(host_positions))
+    assert_close(down(q), ref_q, precision)
+    assert_close(down(k), ref_k, precision)
+
+
+@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
+def test_smaller_calls_than_the_build(precision: Precision, rng) -> None:
+    cfg = config_of((4, 2))
+    rope = cuda_rope_of(cfg, 4, 16, precision=precision)
+    for batch, tokens in ((1, 1), (4, 3), (2, 16)):
+        q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
+        q, k = up(q0), up(k0)
+        rope.prefill(q, k, 700)
+        ref_q, ref_k = reference(cfg, q0, k0, arange_positions(batch, tokens, 700))
+        assert_close(down(q), ref_q, precision)
+        assert_close(down(k), ref_k, precision)
+
+
+# ---------------------------------------------------------------------------------- layouts in memory
+
+
+@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("heads", [(4, 1), (3, 3), (32, 8)], ids=["mqa", "mha", "gqa"])
+@pytest.mark.parametrize("head_dim", [12, 128])
+def test_fused_qkv_views_rotate_through_the_view(
+    heads: tuple[int, int], head_dim: int, layout: str, precision: Precision, rng
+) -> None:
+    hq, hk = heads
+    d = head_dim
+    cfg = config_of(heads, head_dim=d, layout=layout, rotary_dim=8)
+    batch, tokens = 2, 5
+    rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
+    qkv0 = rng.standard_normal((batch, tokens, (hq + 2 * hk) * d)).astype(dtype_of(precision))
+    qkv = up(qkv0)
+    q, k = qkv[:, :, : hq * d], qkv[:, :, hq * d : (hq + hk) * d]
+    rope.prefill(q, k, 900)
+    after = down(qkv)
+    ref_q, ref_k = reference(
+        cfg, qkv0[:, :, : hq * d], qkv0[:, :, hq * d : (hq + hk) * d], arange_positions(2, 5, 900)
+    )
+    assert_close(after[:, :, : hq * d], ref_q, precision)
+    assert_close(after[:, :, hq * d : (hq + hk) * d], ref_k, precision)
+    assert bits(after[:, :, (hq + hk) * d :]) == bits(qkv0[:, :, (hq + hk) * d :])  # V untouched
+    # decode through views of a [B, 1, ...] buffer
+    step0 = qkv0[:, :1].copy()
+    step = up(step0)
+    rope.decode(step[:, :, : hq * d], step[:, :, hq * d : (hq + hk) * d], np.array([7, 1999]))
+    got = down(step)
+    ref_q, ref_k = reference(
+        cfg, step0[:, :, : hq * d], step0[:, :, hq * d : (hq + hk) * d], np.array([[7], [1999]])
+    )
+    assert_close(got[:, :, : hq * d], ref_q, precision)
+    assert_close(got[:, :, hq * d : (hq + hk) * d], ref_k, precision)
+    assert bits(got[:, :, (hq + hk) * d :]) == bits(step0[:, :, (hq + hk) * d :])
+
+
+@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("shift", [1, 2, 3], ids=lambda s: f"shift{s}")
+def test_odd_alignments_take_narrower_accesses(
+    layout: str, precision: Precision, shift: int, rng
+) -> None:
+    """Q and K starting a few elements past an aligned address: correct, with narrower accesses
+    (a one-element shift forces the element-by-element kernel)."""
+    cfg = config_of((4, 2), head_dim=128, layout=layout)
+    batch, tokens = 2, 9
+    rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
+    cpu = make_rope(cfg, batch, tokens, precision=precision)
+    q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
+    dt = dtype_of(precision)
+    q_buf = up(np.concatenate([np.zeros(shift, dt), q0.reshape(-1)]))
+    k_buf = up(np.concatenate([np.zeros(shift, dt), k0.reshape(-1)]))
+    q = q_buf[shift:].reshape(q0.shape)
+    k = k_buf[shift:].reshape(k0.shape)
+    vec = rope.op.vector_width(q, k)
+    offset_bytes = shift * precision.itemsize
+    assert vec * precision.itemsize == min(16, offset_bytes & -offset_bytes)  # its lowest set bit
+    if shift == 1:
+        assert vec == 1
+    rope.prefill(q, k, 1234)
+    ref_q, ref_k = reference(cfg, q0, k0, arange_positions(batch, tokens, 1234))
+    got_q, got_k = down(q), down(k)
+    assert_close(got_q, ref_q, precision)
+    assert_close(got_k, ref_k, precision)
+    cpu_q, cpu_k = q0.copy(), k0.copy()
+    cpu.prefill(cpu_q, cpu_k, 1234)
+    assert_parity(got_q, cpu_q, precision)
+    assert_parity(got_k, cpu_k, precision)
+    assert not np.any(down(q_buf[:shift]).astype(np.float32))  # nothing written before Q
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=str)
+def test_vector_width_choice(precision: Precision) -> None:
+    widest = 16 // precision.itemsize
+    rope = Rope("r", config_of((4, 2), head_dim=128), device=DEVICE, precision=precision)
+    rope.build(BuildContext((2, 8, 512), INFERENCE))
+    dt = cupy.uint16 if precision.itemsize == 2 else cupy.float32  # only addresses matter here
+    q, k = cupy.zeros((2, 8, 512), dt), cupy.zeros((2, 8, 256), dt)
+    assert rope.op.vector_width(q, k) == widest
+    wide = cupy.zeros((2, 8, 512 + 1), dt)  # rows of an odd number of elements
+    assert rope.op.vector_width(wide[:, :, :512], k) == 1
+    assert rope.op.vector_width(wide[:, :1, :512], k[:, :1]) == widest  # T == 1: no T stride
+    assert rope.op.vector_width(wide[:1, :1, :512], k[:1, :1]) == widest
+    assert rope.op.vector_width(wide[:1, :, :512], k[:1]) == 1
+    small = Rope("s", config_of((3, 1), head_dim=12), device=DEVICE, precision=precision)
+    small.build(BuildContext((1, 1, 36), INFERENCE))
+    q, k = cupy.zeros((1, 1, 36), dt), cupy.zeros((1, 1, 12), dt)
+    # n_freq = 6 pairs, head_dim = 12: 2-element accesses divide both, 4 do not
+    assert small.op.vector_width(q, k) == 2
+
+
+def test_non_contiguous_last_axis_is_refused_before_launch(rng) -> None:
+    cfg = config_of((2, 1), head_dim=8)
+    rope = cuda_rope_of(cfg, 2, 3)
+    q0, k0 = random_qk(rng, cfg, 2, 3)
+    q = cupy.asfortranarray(up(q0))
+    k = up(k0)
+    with pytest.raises(ValueError, match="contiguous"):
+        rope.forward(q, k)
+    assert bits(q) == bits(q0) and bits(k) == bits(k0)
+
+
+# ---------------------------------------------------------------------------------- backward
+
+
+@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("rotary_dim", [0, 8], ids=["full", "partial"])
+@pytest.mark.parametrize("heads", [(4, 1), (3, 3), (1, 1)], ids=["mqa", "mha-odd", "single"])
+def test_backward_matches_reference(
+    heads: tuple[int, int], rotary_dim: int, layout: str, precision: Precision, rng
+) -> None:
+    cfg = config_of(heads, rotary_dim=rotary_dim, layout=layout)
+    batch, tokens = 2, 6
+    rope = cuda_rope_of(cfg, batch, tokens, mode=TRAINING, precision=precision)
+    dq0, dk0 = random_qk(rng, cfg, batch, tokens, precision)
+    dq, dk = up(dq0), up(dk0)
+    dq_in, dk_in = rope.backward(dq, dk)
+    assert bits(dq) == bits(dq0) and bits(dk) == bits(dk0)  # upstream gradients not modified
+    ref_q, ref_k = reference(cfg, dq0, dk0, arange_positions(batch, tokens), inverse=True)
+    assert_close(down(dq_in), ref_q, precision)
+    assert_close(down(dk_in), ref_k, precision)
+    if rotary_dim:  # out of place: the pass-through channels are copied
+        assert_rest_untouched(down(dq_in), dq0, heads[0], HEAD_DIM, rotary_dim)
+        assert_rest_untouched(down(dk_in), dk0, heads[1], HEAD_DIM, rotary_dim)
+    positions = rng.integers(1000, cfg.max_seq_len, size=(batch, tokens))
+    dq_in, dk_in = rope.backward(dq, dk, positions=positions)
+    ref_q, ref_k = reference(cfg, dq0, dk0, positions, inverse=True)
+    assert_close(down(dq_in), ref_q, precision)
+    assert_close(down(dk_in), ref_k, precision)
+    dq_in, dk_in = rope.backward(dq[:1, :3], dk[:1, :3], positions=np.array([1500, 7, 2047]))
+    assert dq_in.shape == (1, 3, cfg.channels) and dk_in.shape == (1, 3, cfg.kv_channels)
+    ref_q, ref_k = reference(cfg, dq0[:1, :3], dk0[:1, :3], np.array([1500, 7, 2047]), inverse=True)
+    assert_close(down(dq_in), ref_q, precision)
+    assert_close(down(dk_in), ref_k, precision)
+    assert isinstance(dq_in, cupy.ndarray) and dq_in.device.id == 0
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_forward_after_backward_is_identity(layout: str, rng) -> None:
+    cfg = config_of((3, 1), layout=layout, rotary_dim=8)
+    batch, tokens = 2, 5
+    rope = cuda_rope_of(cfg, batch, tokens, mode=TRAINING)
+    dq0, dk0 = random_qk(rng, cfg, batch, tokens)
+    dq_in, dk_in = rope.backward(up(dq0), up(dk0))
+    x, y = up(down(dq_in)), up(down(dk_in))
+    rope.forward(x, y)
+    np.testing.assert_allclose(down(x), dq0, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(down(y), dk0, rtol=1e-6, atol=1e-6)
+    positions = rng.integers(0, cfg.max_seq_len, size=(batch, tokens))
+    dq_in, dk_in = rope.backward(up(dq0), up(dk0), positions=positions)
+    x, y = up(down(dq_in)), up(down(dk_in))
+    rope.rotate(x, y, positions)
+    np.testing.assert_allclose(down(x), dq0, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(down(y), dk0, rtol=1e-6, atol=1e-6)
+    x, y = up(dq0), up(dk0)  # and backward(forward(x)) = x
+    rope.prefill(x, y, 1800)
+    dq_in, dk_in = rope.backward(x, y, positions=np.arange(1800, 1800 + tokens))
+    np.testing.assert_allclose(down(dq_in), dq0, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(down(dk_in), dk0, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
+def test_backward_parity_with_cpu(precision: Precision, rng) -> None:
+    cfg = config_of((4, 2), head_dim=64, layout="interleaved", rotary_dim=32)
+    batch, tokens = 3, 7
+    rope = cuda_rope_of(cfg, batch, tokens, mode=TRAINING, precision=precision)
+    cpu = make_rope(cfg, batch, tokens, mode=TRAINING, precision=precision)
+    dq0, dk0 = random_qk(rng, cfg, batch, tokens, precision)
+    positions = rng.integers(0, cfg.max_seq_len, size=(batch, tokens))
+    dq_in, dk_in = rope.backward(up(dq0), up(dk0), positions=positions)
+    cpu_q, cpu_k = cpu.backward(dq0, dk0, positions=positions)
+    assert_parity(down(dq_in), cpu_q, precision)
+    assert_parity(down(dk_in), cpu_k, precision)
+
+
+# ---------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda r, q, k: r.prefill(q, k, 61),
+        lambda r, q, k: r.prefill(q, k, 10**6),
+        lambda r, q, k: r.decode(q[:, :1], k[:, :1], 64),
+        lambda r, q, k: r.decode(q[:, :1], k[:, :1], np.array([3, 64])),
+        lambda r, q, k: r.rotate(q, k, np.array([[0, 1, 2, 3], [5, 6, 64, 7]])),
+        lambda r, q, k: r.backward(q, k, np.array([1, 2, 3, 64])),
+    ],
+    ids=["prefill", "prefill-far", "decode", "decode-per-seq", "rotate", "backward"],
+)
+@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
+def test_positions_past_the_table_raise_and_leave_qk_untouched(
+    precision: Precision, call, rng
+) -> None:
+    cfg = config_of((3, 1), head_dim=8, max_seq_len=64)
+    rope = cuda_rope_of(cfg, 2, 4, mode=TRAINING, precision=precision)
+    q0, k0 = random_qk(rng, cfg, 2, 4, precision)
+    q, k = up(q0), up(k0)
+    grads = [bits(g) for g in rope.input_gradients]
+    with pytest.raises(ValueError, match=r"position \d+.*max_seq_len = 64"):
+        call(rope, q, k)
+    assert bits(q) == bits(q0) and bits(k) == bits(k0)
+    assert [bits(g) for g in rope.input_gradients] == grads
+
+
+def test_the_op_itself_refuses_positions_past_the_table(rng) -> None:
+    cfg = config_of((3, 1), head_dim=8, max_seq_len=64)
+    rope = cuda_rope_of(cfg, 2, 4)
+    q0, k0 = random_qk(rng, cfg, 2, 4)
+    q, k = up(q0), up(k0)
+    with pytest.raises(ValueError, match="beyond the table"):
+        rope.op.apply(q, k, offset=61, seq_len=65)
+    assert bits(q) == bits(q0) and bits(k) == bits(k0)
+
+
+def test_host_arrays_are_refused_with_the_device_in_the_message(rng) -> None:
+    cfg = config_of((3, 1), head_dim=8)
+    rope = cuda_rope_of(cfg, 2, 4)
+    q, k = random_qk(rng, cfg, 2, 4)
+    with pytest.raises(TypeError, match="CUDA:0"):
+        rope.forward(q, k)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda r, q, k: r.forward(q, k),
+        lambda r, q, k: r.rotate(q, k, np.zeros(1, np.int64)),
+        lambda r, q, k: r.backward(q, k),
+    ],
+    ids=["forward", "rotate", "backward"],
+)
+@pytest.mark.parametrize("shape", [(0, 4), (2, 0)], ids=["B0", "T0"])
+def test_empty_calls_are_no_ops(shape, call) -> None:
+    cfg = config_of((3, 1))
+    rope = cuda_rope_of(cfg, 2, 4, mode=TRAINING)
+    q = cupy.zeros((*shape, cfg.channels), cupy.float32)
+    k = cupy.zeros((*shape, cfg.kv_channels), cupy.float32)
+    call(rope, q, k)
+    assert q.shape == (*shape, cfg.channels)
+
+
+# ---------------------------------------------------------------------------------- tables, memory
+
+
+def test_shared_table_per_configuration_and_device() -> None:
+    cfg = config_of((4, 2), head_dim=64, max_seq_len=3000)
+    a = cuda_rope_of(cfg, 1, 1, name="a")
+    b = cuda_rope_of(config_of((8, 8), head_dim=64, max_seq_len=3000), 1, 1, name="b")
+    assert a.table is b.table  # head counts do not matter to the table
+    assert get_rope(cfg, DEVICE) is a.table
+    assert get_rope(cfg, DeviceId.parse("cuda:0")) is a.table
+    host = get_rope(cfg, "CPU")
+    assert host is not a.table
+    for array in a.table.arrays():
+        assert isinstance(array, cupy.ndarray) and array.device.id == 0
+        assert array.dtype == np.float32
+    assert bits(a.table.cos) == bits(host.cos)  # formed once on the host, uploaded as fp32
+    assert bits(a.table.sin) == bits(host.sin)
+
+
+@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
+def test_memory_stats_equal_the_pool_delta_of_the_build(precision: Precision) -> None:
+    """Device bytes counted by get_memory_stats() are exactly what the build took from CuPy's pool.
+
+    Every size is a multiple of the pool's 512-byte rounding, so the two must agree to the byte.
+    """
+    cfg = config_of((4, 2), head_dim=64, max_seq_len=1536, base=12345.0)
+    clear_rope_cache()
+    shared_context(DeviceId.parse(DEVICE))  # exists before the measurement (it allocates nothing)
+    pool = cupy.get_default_memory_pool()
+    first = Rope("first", cfg, device=DEVICE, precision=precision)
+    second = Rope("second", cfg, device=DEVICE, precision=precision)
+    gc.collect()
+    gc.disable()
+    try:
+        before = pool.used_bytes()
+        first.build(BuildContext((2, 64, cfg.channels), TRAINING))
+        cupy.cuda.runtime.deviceSynchronize()
+        middle = pool.used_bytes()
+        second.build(BuildContext((2, 64, cfg.channels), TRAINING))
+        cupy.cuda.runtime.deviceSynchronize()
+        after = pool.used_bytes()
+    finally:
+        gc.enable()
+    stats = first.get_memory_stats()
+    item = precision.itemsize
+    grads = 2 * 64 * (cfg.channels + cfg.kv_channels) * item
+    table = 2 * 1536 * 32 * 4
+    assert stats.device_gradient_bytes == grads
+    assert stats.device_state_bytes == table == first.table.nbytes
+    assert stats.host_total_bytes == 0
+    assert middle - before == stats.device_total_bytes
+    assert after - middle == grads  # the second Rope shares the table
+    assert second.table is first.table
+
+
+# ---------------------------------------------------------------------------------- streams
+
+
+def test_user_code_on_the_default_stream_needs_no_synchronize(rng) -> None:
+    """The context's stream is ordered with the legacy default stream both ways."""
+    cfg = config_of((8, 2), head_dim=128, max_seq_len=8192)
+    batch, tokens = 4, 2048
+    rope = cuda_rope_of(cfg, batch, tokens)
+    q0, k0 = random_qk(rng, cfg, batch, tokens)
+    ref_q, ref_k = reference(cfg, q0, k0, arange_positions(batch, tokens, 100))
+    for _ in range(3):
+        q, k = cupy.asarray(q0), cupy.asarray(k0)  # queued on the default stream
+        rope.prefill(q, k, 100)  # queued on the context's stream
+        got_q, got_k = q.get(), k.get()  # read on the default stream, no explicit synchronize
+        assert_close(got_q, ref_q, FP32)
+        assert_close(got_k, ref_k, FP32)
+
+
+# ---------------------------------------------------------------------------------- foreign arrays
+
+
+class _CudaArrayInterfaceOnly:
+    """Exposes only another array's ``__cuda_array_interface__`` (like Numba device arrays)."""
+
+    def __init__(self, array: Any) -> None:
+        self._array = array
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return self._array.__cuda_array_interface__
+
+
+class _DLPackOnly:
+    """Exposes only another array's DLPack methods (like a JAX array)."""
+
+    def __init__(self, array: Any) -> None:
+        self._array = array
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._array.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self) -> Any:
+        return self._array.__dlpack_device__()
+
+
+@pytest.mark.parametrize("wrap", [_CudaArrayInterfaceOnly, _DLPackOnly], ids=["cai", "dlpack"])
+def test_as_device_array_views_foreign_arrays_without_a_copy(wrap, rng) -> None:
+    cfg = config_of((4, 2), head_dim=64)
+    rope = cuda_rope_of(cfg, 2, 3)
+    ctx = rope.execution_context
+    q0, k0 = random_qk(rng, cfg, 2, 3)
+    q_owner, k_owner = up(q0), up(k0)
+    q, k = ctx.as_device_array(wrap(q_owner)), ctx.as_device_array(wrap(k_owner))
+    assert isinstance(q, cupy.ndarray) and q.data.ptr == q_owner.data.ptr
+    assert k.data.ptr == k_owner.data.ptr
+    rope.prefill(q, k, 1000)
+    ctx.release_foreign()
+    ref_q, ref_k = reference(cfg, q0, k0, arange_positions(2, 3, 1000))
+    assert_close(down(q_owner), ref_q, FP32)  # rotated in the owner's memory
+    assert_close(down(k_owner), ref_k, FP32)
+    assert ctx.as_device_array(q0) is q0  # host arrays pass through, for the usual TypeError
+    assert ctx.as_device_array(q_owner) is q_owner
+
+
+@pytest.mark.skipif(not COMPONENT_ADOPTS, reason=NO_ADOPT_REASON)
+@pytest.mark.parametrize("wrap", [_CudaArrayInterfaceOnly, _DLPackOnly], ids=["cai", "dlpack"])
+def test_rope_component_takes_foreign_arrays_directly(wrap, rng) -> None:
+    cfg = config_of((4, 2), head_dim=64)
+    batch, tokens = 2, 5
+    rope = cuda_rope_of(cfg, batch, tokens, mode=TRAINING)
+    q0, k0 = random_qk(rng, cfg, batch, tokens)
+    q_owner, k_owner = up(q0), up(k0)
+    rope.prefill(wrap(q_owner), wrap(k_owner), 1000)
+    ref_q, ref_k = reference(cfg, q0, k0, arange_positions(batch, tokens, 1000))
+    assert_close(down(q_owner), ref_q, FP32)
+    assert_close(down(k_owner), ref_k, FP32)
+    positions = rng.integers(0, cfg.max_seq_len, size=(batch, tokens))
+    q_owner, k_owner = up(q0), up(k0)
+    rope.rotate(wrap(q_owner), wrap(k_owner), positions)
+    ref_q, ref_k = reference(cfg, q0, k0, positions)
+    assert_close(down(q_owner), ref_q, FP32)
+    q_owner, k_owner = up(q0[:, :1]), up(k0[:, :1])
+    rope.decode(wrap(q_owner), wrap(k_owner), np.array([3, 2047]))
+    ref_q, ref_k = reference(cfg, q0[:, :1], k0[:, :1], np.array([[3], [2047]]))
+    assert_close(down(q_owner), ref_q, FP32)
+    assert_close(down(k_owner), ref_k, FP32)
+    dq_in, dk_in = rope.backward(wrap(up(q0)), wrap(up(k0)), positions=positions)
+    ref_q, ref_k = reference(cfg, q0, k0, positions, inverse=True)
+    assert_close(down(dq_in), ref_q, FP32)
+    assert_close(down(dk_in), ref_k, FP32)
+    with pytest.raises(TypeError, match="CUDA:0"):
+        rope.forward(q0, k0)
+
+
+def _torch_cuda() -> Any:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    return torch
+
+
+def _torch_precision_ok(precision: Precision) -> None:
+    if precision is BF16 and not CUPY_BF16 and not COMPONENT_ADOPTS:
+        pytest.skip(
+            "CuPy without bfloat16: torch bf16 arrives as uint16 bits, which the Rope component "
+            "accepts only with the proposed patch (storage dtype)"
+        )
+
+
+TORCH_DTYPES = {FP32: "float32", FP16: "float16", BF16: "bfloat16"}
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=str)
+def test_torch_tensors_are_rotated_in_place_through_dlpack(precision: Precision, rng) -> None:
+    torch = _torch_cuda()
+    _torch_precision_ok(precision)
+    cfg = config_of((32, 8), head_dim=128, max_seq_len=4096)
+    batch, tokens = 2, 16
+    rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
+    ctx = rope.execution_context
+    dtype = getattr(torch, TORCH_DTYPES[precision])
+    tq = torch.randn(batch, tokens, cfg.channels, device="cuda", dtype=torch.float32).to(dtype)
+    tk = torch.randn(batch, tokens, cfg.kv_channels, device="cuda", dtype=torch.float32).to(dtype)
+    q0, k0 = tq.float().cpu().numpy(), tk.float().cpu().numpy()
+    q, k = ctx.as_device_array(tq), ctx.as_device_array(tk)
+    assert q.data.ptr == tq.data_ptr() and k.data.ptr == tk.data_ptr()
+    assert q.dtype == ctx.storage_dtype(precision.numpy_dtype)  # uint16 bits on CuPy < 14
+    rope.prefill(q, k, 3000)
+    ctx.release_foreign()
+    ref_q, ref_k = reference(cfg, q0, k0, arange_positions(batch, tokens, 3000))
+    assert_close(tq.float().cpu().numpy(), ref_q, precision)
+    assert_close(tk.float().cpu().numpy(), ref_k, precision)
+
+
+def test_torch_side_stream_is_ordered_both_ways(rng) -> None:
+    """Tensors produced on a torch side stream: the kernel waits for them, and torch's later
+    work on that stream waits for the kernel (release_foreign), with no host synchronization."""
+    torch = _torch_cuda()
+    cfg = config_of((8, 2), head_dim=128, max_seq_len=8192)
+    batch, tokens = 4, 2048
+    rope = cuda_rope_of(cfg, batch, tokens)
+    ctx = rope.execution_context
+    q0, k0 = random_qk(rng, cfg, batch, tokens)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            tq = torch.from_numpy(q0).to("cuda", non_blocking=True) * 1.0
+            tk = torch.from_numpy(k0).to("cuda", non_blocking=True) * 1.0
+            q, k = ctx.as_device_array(tq), ctx.as_device_array(tk)
+            rope.prefill(q, k, 7)
+            ctx.release_foreign()
+            out_q, out_k = tq * 2.0, tk * 2.0  # queued on the side stream after the kernel
+    side.synchronize()
+    ref_q, ref_k = reference(cfg, q0, k0, arange_positions(batch, tokens, 7))
+    assert_close(out_q.cpu().numpy() / 2.0, ref_q, FP32)
+    assert_close(out_k.cpu().numpy() / 2.0, ref_k, FP32)
+
+
+def test_torch_fused_qkv_view_through_the_cuda_array_interface(rng) -> None:
+    torch = _torch_cuda()
+    hq, hk, d = 4, 2, 64
+    cfg = config_of((hq, hk), head_dim=d)
+    rope = cuda_rope_of(cfg, 2, 5)
+    ctx = rope.execution_context
+    qkv = torch.randn(2, 5, (hq + 2 * hk) * d, device="cuda")
+    before = qkv.cpu().numpy()
+    q = ctx.as_device_array(_CudaArrayInterfaceOnly(qkv[:, :, : hq * d]))
+    k = ctx.as_device_array(_CudaArrayInterfaceOnly(qkv[:, :, hq * d : (hq + hk) * d]))
+    rope.prefill(q, k, 100)
+    ctx.release_foreign()
+    after = qkv.cpu().numpy()
+    ref_q, ref_k = reference(
+        cfg,
+        before[:, :, : hq * d],
+        before[:, :, hq * d : (hq + hk) * d],
+        arange_positions(2, 5, 100),
+    )
+    assert_close(after[:, :, : hq * d], ref_q, FP32)
+    assert_close(after[:, :, hq * d : (hq + hk) * d], ref_k, FP32)
+    assert np.array_equal(after[:, :, (hq + hk) * d :], before[:, :, (hq + hk) * d :])
+
+
+@pytest.mark.skipif(not COMPONENT_ADOPTS, reason=NO_ADOPT_REASON)
+@pytest.mark.parametrize("precision", PRECISIONS, ids=str)
+def test_rope_component_takes_torch_tensors_directly(precision: Precision, rng) -> None:
+    torch = _torch_cuda()
+    _torch_precision_ok(precision)
+    cfg = config_of((4, 2), head_dim=64)
+    rope = cuda_rope_of(cfg, 2, 5, mode=TRAINING, precision=precision)
+    dtype = getattr(torch, TORCH_DTYPES[precision])
+    tq = torch.randn(2, 5, cfg.channels, device="cuda").to(dtype)
+    tk = torch.randn(2, 5, cfg.kv_channels, device="cuda").to(dtype)
+    q0, k0 = tq.float().cpu().numpy(), tk.float().cpu().numpy()
+    rope.prefill(tq, tk, 1000)
+    ref_q, ref_k = reference(cfg, q0, k0, arange_positions(2, 5, 1000))
+    assert_close(tq.float().cpu().numpy(), ref_q, precision)
+    assert_close(tk.float().cpu().numpy(), ref_k, precision)
+    rope.decode(tq[:, :1], tk[:, :1], torch.tensor([3, 7], device="cuda"))
+    dq_in, dk_in = rope.backward(tq, tk)
+    assert isinstance(dq_in, cupy.ndarray) and isinstance(dk_in, cupy.ndarray)
+    with pytest.raises(TypeError, match="CUDA:0"):
+        rope.forward(tq.cpu(), tk.cpu())

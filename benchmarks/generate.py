@@ -81,7 +81,7 @@ def main() -> None:
             hf_prefill = time.perf_counter() - start
             start = time.perf_counter()
             out = hf.generate(
-                ids, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False,
+                ids, max_new_tokens=args.new, do_sample=False, eos_token_id=None,
                 pad_token_id=0,
             )  # fmt: skip
             hf_total = time.perf_counter() - start

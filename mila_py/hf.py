@@ -99,8 +99,9 @@ def llama_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
             ``model_type`` other than llama/mistral, ``attention_bias``, ``mlp_bias``,
             ``hidden_act`` other than silu, ``partial_rotary_factor`` < 1, an effective
             ``sliding_window``, ``layer_types`` other than full attention,
-            ``quantization_config``, YaRN ``mscale_all_dim`` (mila's attention would apply
-            DeepSeek's softmax multiplier, which HF Llama does not).
+            ``quantization_config``. YaRN's ``mscale``/``mscale_all_dim`` are accepted: their
+            attention factor is folded into cos/sin and, as in HF Llama, the softmax scale stays
+            ``1/sqrt(head_dim)``.
     """
     if not isinstance(config, Mapping):
         raise TypeError(f"llama_config_from_hf: config must be a dict, got {type(config).__name__}")
@@ -145,21 +146,14 @@ def llama_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
         except (ValueError, TypeError) as exc:
             key = "rope_parameters" if "rope_parameters" in config else "rope_scaling"
             problems.append(f"{key}: {exc}")
-    if rope is not None:
-        if rope.rotary_dim:
-            prf = (config.get("rope_parameters") or config.get("rope_scaling") or {}).get(
-                "partial_rotary_factor", config.get("partial_rotary_factor")
-            )
-            problems.append(
-                f"partial_rotary_factor={prf}: mila_py's Llama rotates the whole head "
-                f"({rope.rotary_dim} of {rope.head_dim} channels requested)"
-            )
-        scaling = rope.scaling or {}
-        if scaling.get("mscale_all_dim"):
-            problems.append(
-                f"rope_parameters.mscale_all_dim={scaling['mscale_all_dim']}: mila_py's attention "
-                "would multiply the softmax scale (DeepSeek convention), HF Llama does not"
-            )
+    if rope is not None and rope.rotary_dim:
+        prf = (config.get("rope_parameters") or config.get("rope_scaling") or {}).get(
+            "partial_rotary_factor", config.get("partial_rotary_factor")
+        )
+        problems.append(
+            f"partial_rotary_factor={prf}: mila_py's Llama rotates the whole head "
+            f"({rope.rotary_dim} of {rope.head_dim} channels requested)"
+        )
     if problems:
         raise ValueError(
             "llama_config_from_hf: this config cannot be loaded as a mila_py Llama:\n  "

@@ -87,3 +87,28 @@ def test_backward_matches_finite_differences(hq: int, hk: int) -> None:
             array[index] = saved
             numeric[index] = (up - down) / (2 * eps)
         np.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-8)
+
+
+def test_deepseek_softmax_multiplier_is_opt_in() -> None:
+    from mila_py import BuildContext, RuntimeMode
+    from mila_py.components import AttentionConfig, GroupedQueryAttention
+
+    yarn = {
+        "rope_type": "yarn",
+        "factor": 8.0,
+        "original_max_position_embeddings": 16,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.8,
+    }
+    scales = {}
+    for opt_in in (False, True):
+        cfg = AttentionConfig(
+            dim=32, n_heads=4, n_kv_heads=2, max_seq_len=64, rope_scaling=yarn,
+            rope_softmax_scale=opt_in,
+        )  # fmt: skip
+        attn = GroupedQueryAttention("attn", cfg, device="CPU")
+        attn.build(BuildContext((1, 4, 32), RuntimeMode.INFERENCE))
+        scales[opt_in] = attn.scale
+    mscale = 0.1 * 0.8 * math.log(8.0) + 1.0  # DeepSeek: softmax scale * mscale(factor, all_dim)^2
+    assert scales[False] == pytest.approx(1 / math.sqrt(8))
+    assert scales[True] == pytest.approx(mscale**2 / math.sqrt(8))

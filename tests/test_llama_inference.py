@@ -142,3 +142,37 @@ def test_positions_outside_the_context_are_refused(weights: str) -> None:
     training = make(weights, RuntimeMode.TRAINING, (1, 8))
     with pytest.raises(RuntimeError, match="INFERENCE"):
         training.decode(np.array([1]), 3)
+
+
+def test_prefill_at_an_offset_continues_and_rewinds_the_conversation(weights: str) -> None:
+    x = tokens(2, 26, seed=6)
+    full = reference_logits(weights, x)
+    model = make(weights, RuntimeMode.INFERENCE, (2, 32), prefill=4)
+    model.prefill(x[:, :9])
+    model.decode(x[:, 9], 9)
+    # a second turn appended after the decoded token
+    last = model.prefill(x[:, 10:26], position_offset=10)
+    np.testing.assert_allclose(last, full[:, 25], rtol=1e-5, atol=1e-5)
+    # rewind to position 12 with other tokens: the stale tail is never read
+    other = x.copy()
+    other[:, 12:20] = tokens(2, 8, seed=7)
+    ref = reference_logits(weights, other[:, :20])
+    last = model.prefill(other[:, 12:20], position_offset=12)
+    np.testing.assert_allclose(last, ref[:, -1], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="offset"):
+        model.prefill(x[:, :8], position_offset=25)  # 25 + 8 > 32
+    with pytest.raises(ValueError, match="position_offset"):
+        model.prefill(x[:, :2], position_offset=-1)
+
+
+def test_reset_zeroes_every_cache(weights: str) -> None:
+    model = make(weights, RuntimeMode.INFERENCE, (1, 16), prefill=4)
+    before = model.prefill(tokens(1, 6, seed=8))
+    caches = [b.self_attn._state[k] for b in model.layers for k in ("k_cache", "v_cache")]
+    assert all(np.abs(c).sum() > 0 for c in caches)
+    model.reset()
+    assert all(not c.any() for c in caches)
+    np.testing.assert_array_equal(model.prefill(tokens(1, 6, seed=8)), before)
+    training = make(weights, RuntimeMode.TRAINING, (1, 8))
+    with pytest.raises(RuntimeError, match="INFERENCE"):
+        training.reset()

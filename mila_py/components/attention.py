@@ -32,6 +32,10 @@ class AttentionConfig:
         head_dim: per-head width; default ``dim // n_heads``.
         rope_base, rope_scaling, rope_layout, rotary_dim: as in :class:`RopeConfig`.
         bias: biases on the QKV and output projections.
+        rope_softmax_scale: multiply the softmax scale ``1/sqrt(head_dim)`` by
+            :attr:`Rope.softmax_scale_multiplier` (DeepSeek's YaRN rule, ``mscale(factor,
+            mscale_all_dim)**2``). Off by default: Llama, Qwen and Mistral fold YaRN's
+            attention factor into cos/sin only, as Hugging Face does.
     """
 
     dim: int
@@ -44,6 +48,7 @@ class AttentionConfig:
     rope_layout: str = "half"
     rotary_dim: int = 0
     bias: bool = False
+    rope_softmax_scale: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -161,8 +166,12 @@ class GroupedQueryAttention(CompositeComponent):
 
     @property
     def scale(self) -> float:
-        """Softmax scale: ``1/sqrt(head_dim)`` times RoPE's softmax multiplier (DeepSeek YaRN)."""
-        return self.rope.softmax_scale_multiplier / math.sqrt(self.config.resolved_head_dim)
+        """Softmax scale: ``1/sqrt(head_dim)``, times RoPE's softmax multiplier when the config's
+        ``rope_softmax_scale`` asks for it (DeepSeek YaRN)."""
+        base = 1.0 / math.sqrt(self.config.resolved_head_dim)
+        if self.config.rope_softmax_scale:
+            return self.rope.softmax_scale_multiplier * base
+        return base
 
     def _split_qkv(self, qkv: Any) -> tuple[Any, Any, Any]:
         cfg = self.config
@@ -174,6 +183,13 @@ class GroupedQueryAttention(CompositeComponent):
     def context_length(self) -> int:
         """Tokens the KV cache holds (INFERENCE builds)."""
         return int(self._state["k_cache"].shape[1])
+
+    def reset_cache(self) -> None:
+        """Zero the KV cache (INFERENCE builds)."""
+        if not self.is_built or not self.build_context.is_inference:
+            raise RuntimeError(f"{self._describe()}: reset_cache() needs an INFERENCE build")
+        self._state["k_cache"][...] = 0
+        self._state["v_cache"][...] = 0
 
     def forward(self, x: Any, position_offset: int = 0) -> Any:
         """``x [B, T, dim] -> [B, T, dim]`` (a view of ``o_proj``'s output buffer).

@@ -292,30 +292,49 @@ class Llama(Network):
                 "build(BuildContext((B, context), RuntimeMode.INFERENCE, prefill_size=...))"
             )
 
-    def prefill(self, tokens: Any) -> Any:
-        """Run a prompt through the model in chunks of ``chunk_size``, filling the KV cache.
+    def prefill(self, tokens: Any, position_offset: int = 0) -> Any:
+        """Run tokens through the model in chunks of ``chunk_size``, filling the KV cache.
+
+        The cache is addressed by position: a call at ``position_offset`` writes positions
+        ``position_offset .. position_offset + T - 1`` and attends to everything cached before
+        them. ``position_offset=0`` starts a new prompt; a later offset continues a conversation
+        (append a turn after ``decode``) or rewinds it (what lay past the offset is overwritten
+        and never read again).
 
         Args:
-            tokens: ``[B, T]`` ints, positions ``0 .. T-1`` (``T <= context_length``).
+            tokens: ``[B, T]`` ints (``position_offset + T <= context_length``).
+            position_offset: position of ``tokens[:, 0]``.
 
         Returns:
             logits of the last position, ``[B, vocab]`` (a copy).
         """
         self._require_inference("prefill()")
         tokens = self.execution_context.xp.asarray(tokens)
-        if tokens.ndim != 2 or not 0 < tokens.shape[1] <= self.context_length:
+        offset = _as_position(position_offset, self._describe())
+        if tokens.ndim != 2 or not 0 < tokens.shape[1] <= self.context_length - offset:
             raise ValueError(
                 f"{self._describe()}: prefill takes tokens [B, T] with 0 < T <= "
-                f"{self.context_length}, got shape {tuple(tokens.shape)}"
+                f"{self.context_length - offset} (context {self.context_length}, offset "
+                f"{offset}), got shape {tuple(tokens.shape)}"
             )
         n_t, chunk = tokens.shape[1], self.chunk_size
         h = None
         for start in range(0, n_t, chunk):
             h = self.embed_tokens.forward(tokens[:, start : start + chunk])
             for block in self.layers:
-                h = block.forward(h, start)
+                h = block.forward(h, offset + start)
         last = self.execution_context.xp.ascontiguousarray(h[:, -1:])  # type: ignore[index]
         return self._head(last)[:, 0].copy()
+
+    def reset(self) -> None:
+        """Forget every cached key and value (zero the KV caches of all layers).
+
+        Not needed between prompts, since the cache is addressed by position and a prefill
+        at offset 0 overwrites what it reads; use it to scrub a finished conversation.
+        """
+        self._require_inference("reset()")
+        for block in self.layers:
+            block.self_attn.reset_cache()
 
     def decode(self, token: Any, position: Any) -> Any:
         """One token per sequence through the cached context.
@@ -457,6 +476,12 @@ class Llama(Network):
         )
         hf.load_hf_weights(model, tensors)
         return model
+
+
+def _as_position(value: Any, who: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{who}: position_offset must be an int >= 0, got {value!r}")
+    return int(value)
 
 
 def _sample(

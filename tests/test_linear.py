@@ -280,3 +280,19 @@ def test_inside_a_network(rng) -> None:
     x = rng.standard_normal((B, T, IN)).astype(np.float32)
     np.testing.assert_allclose(lin.forward(x), reference(x, lin.weight, None), atol=ATOL32)
     assert [n for n, _ in net.named_parameters()] == ["proj.weight"]
+
+
+def test_inference_builds_store_the_weight_transposed_with_the_same_values(rng) -> None:
+    """INFERENCE keeps ``weight [out, in]`` as a view of ``[in, out]`` rows (fast decode GEMV);
+    initialization, loading and the forward result are those of a TRAINING build."""
+    train = make(name="w")
+    serve = make(name="w", mode=INFERENCE, initialize=True)
+    assert serve.weight.shape == train.weight.shape == (OUT, IN)
+    assert serve.weight.T.flags.c_contiguous and not serve.weight.flags.c_contiguous
+    np.testing.assert_array_equal(serve.weight, train.weight)  # the same seeded draws
+    x = rng.standard_normal((B, T, IN)).astype(np.float32)
+    np.testing.assert_allclose(serve.forward(x), train.forward(x), rtol=1e-6, atol=1e-6)
+    new = rng.standard_normal((OUT, IN)).astype(np.float32)
+    serve.weight[...] = new  # loading writes through the view
+    np.testing.assert_array_equal(serve.weight, new)
+    assert serve.get_memory_stats().device_parameter_bytes == new.nbytes + OUT * 4

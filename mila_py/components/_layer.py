@@ -85,11 +85,17 @@ class Layer(Component):
     def _init_normal(self, array: Any, std: float = INIT_STD) -> None:
         """Fill ``array`` with Normal(0, std) draws from this component's own seeded stream."""
         rng = rng_for(init_name(self))
-        if isinstance(array, np.ndarray) and array.dtype in (np.float32, np.float64):
+        if (
+            isinstance(array, np.ndarray)
+            and array.dtype in (np.float32, np.float64)
+            and array.flags.c_contiguous
+        ):
             rng.standard_normal(out=array, dtype=array.dtype)
             array *= std
-        else:
-            values = rng.standard_normal(array.shape) * std
+        else:  # the same draws, made on the host (a transposed view, a device, 16-bit storage)
+            wide = array.dtype in (np.float32, np.float64)
+            values = rng.standard_normal(array.shape, dtype=array.dtype if wide else np.float32)
+            values *= std
             array[...] = self.execution_context.to_device(values.astype(array.dtype))
 
     def _build_lead(self, build_context: BuildContext, last: int, layout: str) -> tuple[int, ...]:
@@ -145,18 +151,26 @@ class Layer(Component):
         return "[" + ", ".join(dims) + "]"
 
     def _check_floats(self, x: Any, name: str, last: int) -> tuple[int, ...]:
-        """Validate a float input ``[*lead, last]`` against the build shape; returns ``lead``."""
+        """Validate a float input ``[*lead, last]`` against the build shape; returns ``lead``.
+
+        Runs on every call of every layer (decode makes hundreds per token), so the passing
+        path builds no strings."""
         self._check_device_array(x, name)
         if x.dtype != self._dtype:
             raise TypeError(
                 f"{self._describe()}: {name} has dtype {x.dtype}; this component is "
                 f"{self.precision} ({self._dtype}); convert with .astype"
             )
-        expected = self._expected(last)
-        if x.ndim != len(self._max_lead) + 1 or x.shape[-1] != last:
-            raise ValueError(f"{self._describe()}: {name} must be {expected}, got {tuple(x.shape)}")
-        lead = tuple(int(n) for n in x.shape[:-1])
-        self._check_lead(x, name, expected, lead)
+        shape = x.shape
+        max_lead = self._max_lead
+        if len(shape) != len(max_lead) + 1 or shape[-1] != last:
+            raise ValueError(
+                f"{self._describe()}: {name} must be {self._expected(last)}, got {tuple(shape)}"
+            )
+        lead = tuple(int(n) for n in shape[:-1])
+        for n, m in zip(lead, max_lead, strict=True):
+            if n > m:
+                self._check_lead(x, name, self._expected(last), lead)
         output = self._state.get("output")
         if output is not None and self.execution_context.xp.may_share_memory(x, output):
             raise ValueError(

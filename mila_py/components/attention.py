@@ -256,15 +256,22 @@ class GroupedQueryAttention(CompositeComponent):
             )
         qkv = self.qkv_proj.forward(x)
         q, k, v = self._split_qkv(qkv)
-        self.rope.decode(q, k, int(pos[0]) if (pos == pos[0]).all() else pos)
+        uniform = bool((pos == pos[0]).all())
+        self.rope.decode(q, k, int(pos[0]) if uniform else pos)
         k_cache = self._state["k_cache"][:n_b]
         v_cache = self._state["v_cache"][:n_b]
-        rows = np.arange(n_b)
-        k_cache[rows, pos] = k[:, 0]
-        v_cache[rows, pos] = v[:, 0]
-        end = int(pos.max()) + 1
-        visible = np.arange(end)[None, :] <= pos[:, None]  # [B, Tk]
-        bias = np.where(visible, 0.0, -np.inf).astype(x.dtype)[:, None, None, None, :]
+        if uniform:  # one position for all: every cached key up to it is visible, no mask
+            p = int(pos[0])
+            k_cache[:, p] = k[:, 0]
+            v_cache[:, p] = v[:, 0]
+            end, bias = p + 1, None
+        else:
+            rows = np.arange(n_b)
+            k_cache[rows, pos] = k[:, 0]
+            v_cache[rows, pos] = v[:, 0]
+            end = int(pos.max()) + 1
+            visible = np.arange(end)[None, :] <= pos[:, None]  # [B, Tk]
+            bias = np.where(visible, 0.0, -np.inf).astype(x.dtype)[:, None, None, None, :]
         out = self._state["attn_out"][:n_b, :1]
         self._op.forward(
             q,
@@ -275,6 +282,7 @@ class GroupedQueryAttention(CompositeComponent):
             self.scale,
             out=out,
             bias=bias,
+            causal=False,
         )
         return self.o_proj.forward(out)
 

@@ -47,6 +47,7 @@ def attention_forward(
     probs: np.ndarray | None = None,
     q_offset: int = 0,
     bias: np.ndarray | None = None,
+    causal: bool = True,
 ) -> np.ndarray:
     """Causal attention; writes ``out [B, Tq, Hq*d]`` and returns ``P [B, Hk, g, Tq, Tk]``.
 
@@ -55,6 +56,8 @@ def attention_forward(
         probs: optional buffer for P (else allocated).
         q_offset: position of the first query among the keys.
         bias: the causal bias of :func:`_causal_bias` for these sizes, if the caller caches it.
+        causal: False when every query sees every key given (one decode token per sequence,
+            all at the last position): no bias is added.
     """
     n_b, n_tq = q.shape[0], q.shape[1]
     n_tk = k.shape[1]
@@ -65,7 +68,10 @@ def attention_forward(
     kh = _split(k, n_kv_heads, head_dim)[:, :, None]  # [B, Hk, 1, Tk, d]
     vh = _split(v, n_kv_heads, head_dim)[:, :, None]
     scores = np.matmul(qh, kh.swapaxes(-1, -2), out=probs)  # [B, Hk, g, Tq, Tk]
-    scores += _causal_bias(n_tq, n_tk, q_offset, scores.dtype) if bias is None else bias
+    if bias is not None:
+        scores += bias
+    elif causal:
+        scores += _causal_bias(n_tq, n_tk, q_offset, scores.dtype)
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)

@@ -6,7 +6,10 @@ For a ~10M and a ~100M parameter Llama (random weights saved by transformers and
 - prefill tokens/s: a 256-token prompt (mila_py: ``prefill``; HF: one forward with its cache);
 - decode tokens/s: 64 greedy tokens after the prompt (mila_py: ``decode`` per token; HF:
   ``generate(do_sample=False)`` minus its prefill);
-- a check that both produce the same greedy tokens.
+- a check that both produce the same greedy tokens;
+- the weight-streaming floor of decode: the matrix-vector products of one token through every
+  weight matrix of the model (the same arrays, nothing else), timed in the same run. Decode of
+  one sequence reads every weight once per token, so no fp32 implementation beats it.
 
 Each side runs ``--repeat`` times (the first warms caches and allocators); the best run counts.
 
@@ -49,6 +52,22 @@ def run_mila(model: Llama, prompt: np.ndarray, new: int) -> tuple[float, float, 
         tokens.append(int(token[0]))
         logits = model.decode(token, prompt.shape[1] + i)
     return prefill, time.perf_counter() - start, tokens
+
+
+def gemv_floor(model: Llama, repeat: int) -> float:
+    """Seconds of one row through every Linear weight and the output head (best of runs)."""
+    weights = [p for name, p in model.named_parameters() if p.ndim == 2 and "embed" not in name]
+    if model.lm_head is None:
+        weights.append(model.embed_tokens.weight)
+    rows = [np.ones((1, w.shape[1]), w.dtype) for w in weights]
+    outs = [np.empty((1, w.shape[0]), w.dtype) for w in weights]
+    best = float("inf")
+    for _ in range(repeat + 2):
+        start = time.perf_counter()
+        for x, w, y in zip(rows, weights, outs, strict=True):
+            np.matmul(x, w.T, out=y)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def run_hf(torch: Any, hf: Any, prompt: np.ndarray, new: int) -> tuple[float, float, list[int]]:
@@ -104,19 +123,22 @@ def main() -> None:
         hf_prefill = min(r[0] for r in runs_h)
         hf_decode = max(min(r[1] for r in runs_h), 1e-9)
         same = runs_h[0][2] == tokens
-        rows.append((name, params, mila_prefill, hf_prefill, mila_decode, hf_decode, same))
+        floor = gemv_floor(model, 5)
+        rows.append((name, params, mila_prefill, hf_prefill, mila_decode, hf_decode, same, floor))
 
     print(f"\nfp32 CPU, prompt {args.prompt} tokens, {args.new} greedy new tokens")
     header = (
         f"{'model':<7} {'params':>7} | {'prefill tok/s mila':>18} {'HF':>8} {'x':>6} | "
-        f"{'decode tok/s mila':>17} {'HF':>7} {'x':>6} | same tokens"
+        f"{'decode tok/s mila':>17} {'HF':>7} {'x':>6} {'floor':>7} | same tokens"
     )
     print(header)
     print("-" * len(header))
-    for name, params, mp, hp, md, hd, same in rows:
+    # floor: tokens/s if decode did nothing but stream every weight matrix once per token
+    for name, params, mp, hp, md, hd, same, floor in rows:
         print(
             f"{name:<7} {params / 1e6:6.1f}M | {args.prompt / mp:18,.0f} {args.prompt / hp:8,.0f} "
-            f"{hp / mp:6.2f} | {args.new / md:17,.0f} {args.new / hd:7,.0f} {hd / md:6.2f} | {same}"
+            f"{hp / mp:6.2f} | {args.new / md:17,.0f} {args.new / hd:7,.0f} {hd / md:6.2f} "
+            f"{1 / floor:7,.0f} | {same}"
         )
 
 

@@ -126,9 +126,17 @@ def test_position_zero_is_identity_and_position_changes_values(backend: str, rng
     ids=["long-sequences", "many-sequences"],
 )
 def test_large_calls_cross_block_boundaries(
-    backend: str, layout: str, precision: Precision, shape: tuple[int, int], rng
+    backend: str,
+    layout: str,
+    precision: Precision,
+    shape: tuple[int, int],
+    rng,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Calls large enough for the NumPy path to block and the fused kernel to run in parallel."""
+    import mila_py.ops.cpu.rope as cpu_rope
+
+    monkeypatch.setattr(cpu_rope, "_NUMPY_BLOCK_BYTES", 64 * 1024)  # 64 tokens: 10 blocks
     cfg = _config((4, 1), head_dim=64, max_seq_len=2048, layout=layout)
     batch, tokens = shape
     rope = make_rope(cfg, batch, tokens, precision=precision, backend=backend)

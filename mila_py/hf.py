@@ -36,6 +36,7 @@ import numpy as np
 
 from mila_py.components.llama import Llama, LlamaConfig
 from mila_py.components.rope_config import RopeConfig
+from mila_py.serialization import assign_parameters
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -486,24 +487,6 @@ def load_hf_weights(model: Llama, tensors: Mapping[str, Any]) -> None:
         raise TypeError(f"load_hf_weights: model must be a Llama, got {type(model).__name__}")
     if not model.is_built:
         raise RuntimeError(f"{model._describe()}: build it before load_hf_weights()")
-    mila = hf_to_mila(tensors, model.config)
-    params = dict(model.named_parameters())
-    problems: list[str] = []
-    _check(mila, {name: tuple(p.shape) for name, p in params.items()}, problems)
-    converted: dict[str, np.ndarray] = {}
-    for name, p in params.items():
-        if name not in mila or problems:
-            continue
-        array = mila[name]
-        if not np.issubdtype(array.dtype, np.floating) and array.dtype != ml_dtypes.bfloat16:
-            problems.append(f"dtype of {name}: {array.dtype} is not a float type")
-            continue
-        converted[name] = array.astype(p.dtype, copy=False)
-    if problems:
-        raise ValueError(
-            f"{model._describe()}: cannot load the Hugging Face weights; nothing was loaded:\n  "
-            + "\n  ".join(problems)
-        )
-    ctx = model.execution_context
-    for name, p in params.items():
-        p[...] = ctx.to_device(converted[name])
+    assign_parameters(
+        model, hf_to_mila(tensors, model.config), "cannot load the Hugging Face weights"
+    )

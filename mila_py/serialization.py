@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
-__all__ = ["load", "save"]
+__all__ = ["assign_parameters", "load", "save"]
 
 
 def save(component: Any, path: str | os.PathLike[str]) -> None:
@@ -34,20 +36,39 @@ def load(component: Any, path: str | os.PathLike[str]) -> None:
 
     if not component.is_built:
         raise RuntimeError(f"{component._describe()}: build it before load()")
-    tensors = load_file(os.fspath(path))
+    assign_parameters(component, load_file(os.fspath(path)), f"cannot load {os.fspath(path)}")
+
+
+def assign_parameters(component: Any, tensors: Mapping[str, Any], what: str) -> None:
+    """Copy ``{dotted name: array}`` into ``component``'s parameters, all or nothing.
+
+    Every missing, unexpected, mis-shaped or non-float tensor is reported in one ValueError
+    (``"<component>: <what>; nothing was loaded: ..."``), and then no parameter has changed.
+    Values are cast to each parameter's dtype.
+    """
     params = dict(component.named_parameters())
-    problems = [f"missing: {name}" for name in params if name not in tensors]
-    problems += [f"unexpected: {name}" for name in tensors if name not in params]
-    problems += [
-        f"shape of {name}: file {tuple(tensors[name].shape)}, model {tuple(p.shape)}"
-        for name, p in params.items()
-        if name in tensors and tuple(tensors[name].shape) != tuple(p.shape)
+    problems = [
+        f"missing: {name} {tuple(p.shape)}" for name, p in params.items() if name not in tensors
     ]
+    problems += [f"unexpected: {name}" for name in tensors if name not in params]
+    for name, p in params.items():
+        if name not in tensors:
+            continue
+        array = tensors[name]
+        if tuple(np.shape(array)) != tuple(p.shape):
+            problems.append(
+                f"shape of {name}: got {tuple(np.shape(array))}, expected {tuple(p.shape)}"
+            )
+        elif not _is_float(array.dtype):
+            problems.append(f"dtype of {name}: {array.dtype} is not a float type")
     if problems:
         raise ValueError(
-            f"{component._describe()}: cannot load {os.fspath(path)}; nothing was loaded:\n  "
-            + "\n  ".join(problems)
+            f"{component._describe()}: {what}; nothing was loaded:\n  " + "\n  ".join(problems)
         )
     ctx = component.execution_context
     for name, p in params.items():
-        p[...] = ctx.to_device(tensors[name].astype(p.dtype, copy=False))
+        p[...] = ctx.to_device(np.asarray(tensors[name]).astype(p.dtype, copy=False))
+
+
+def _is_float(dtype: Any) -> bool:
+    return bool(np.issubdtype(dtype, np.floating)) or dtype == ml_dtypes.bfloat16

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from mila_py.devices.device import DeviceType
+from mila_py.ops.cpu import _fused_layers
 from mila_py.ops.cpu._rows import as_rows, out_flat, out_rows, row_blocks
 from mila_py.ops.operation import Operation
 from mila_py.ops.registry import register_op
@@ -88,10 +89,16 @@ def rms_norm_backward(
 
 @register_op("RmsNormOp", DeviceType.CPU, precisions=(Precision.FP32, Precision.FP64))
 class CpuRmsNormOp(Operation):
-    """NumPy RMS normalization (see :func:`rms_norm_forward`, :func:`rms_norm_backward`)."""
+    """RMS normalization (see :func:`rms_norm_forward`, :func:`rms_norm_backward`); the forward
+    runs the fused Numba kernel of :mod:`._fused_layers` when it is available."""
 
     def forward(self, x: Any, weight: Any, out: Any, rstd: Any) -> None:
-        rms_norm_forward(x, weight, self.config.eps, out, rstd)
+        if _fused_layers.enabled(x.dtype):  # one pass (Numba), see _fused_layers
+            _fused_layers.rms_norm_rows(
+                as_rows(x), weight, self.config.eps, out_rows(out), out_flat(rstd)
+            )
+        else:
+            rms_norm_forward(x, weight, self.config.eps, out, rstd)
 
     def backward(self, x: Any, weight: Any, rstd: Any, dy: Any, dweight: Any, dx: Any) -> None:
         rms_norm_backward(x, weight, rstd, dy, dweight, dx)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from mila_py.devices.device import DeviceType
+from mila_py.ops.cpu import _fused_layers
 from mila_py.ops.cpu._rows import as_rows, out_rows, row_blocks
 from mila_py.ops.operation import Operation
 from mila_py.ops.registry import register_op
@@ -86,10 +87,14 @@ def swiglu_backward(
 
 @register_op("SwiGLUOp", DeviceType.CPU, precisions=(Precision.FP32, Precision.FP64))
 class CpuSwiGLUOp(Operation):
-    """NumPy ``silu(g) * u`` (see :func:`swiglu_forward`, :func:`swiglu_backward`)."""
+    """``silu(g) * u`` (see :func:`swiglu_forward`, :func:`swiglu_backward`); the forward runs
+    the fused Numba kernel of :mod:`._fused_layers` when it is available."""
 
     def forward(self, gate: Any, up: Any, out: Any) -> None:
-        swiglu_forward(gate, up, out)
+        if _fused_layers.enabled(gate.dtype):
+            _fused_layers.swiglu_rows(as_rows(gate), as_rows(up), out_rows(out))
+        else:
+            swiglu_forward(gate, up, out)
 
     def backward(self, gate: Any, up: Any, dh: Any, dgate: Any, dup: Any) -> None:
         swiglu_backward(gate, up, dh, dgate, dup)

@@ -1,0 +1,70 @@
+"""Fused Numba kernels of the row-wise layers against the NumPy reference functions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mila_py import BuildContext, RuntimeMode
+from mila_py.components import RmsNorm, RmsNormConfig, SwiGLU, SwiGLUConfig
+from mila_py.ops.cpu import _fused_layers
+from mila_py.ops.cpu.rms_norm import rms_norm_forward
+from mila_py.ops.cpu.swiglu import swiglu_forward
+
+pytestmark = pytest.mark.skipif(not _fused_layers.AVAILABLE, reason="Numba is not installed")
+
+DTYPES = [np.float32, np.float64]
+TOL = {np.float32: 2e-6, np.float64: 1e-14}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 384), (7, 33), (64, 256)])
+def test_rms_norm_rows_equals_the_numpy_forward(dtype, shape) -> None:  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal(shape) * rng.uniform(0.01, 100, size=(shape[0], 1))).astype(dtype)
+    w = rng.standard_normal(shape[1]).astype(dtype)
+    ref, ref_r = np.empty_like(x), np.empty(shape[0], dtype)
+    rms_norm_forward(x, w, 1e-5, ref, ref_r)
+    got, got_r = np.full_like(x, np.nan), np.full(shape[0], np.nan, dtype)
+    _fused_layers.rms_norm_rows(x, w, 1e-5, got, got_r)
+    np.testing.assert_allclose(got_r, ref_r, rtol=TOL[dtype])
+    np.testing.assert_allclose(got, ref, rtol=TOL[dtype], atol=TOL[dtype] * np.abs(ref).max())
+    # and against the formula in float64
+    x64 = x.astype(np.float64)
+    r64 = 1 / np.sqrt((x64 * x64).mean(axis=1) + 1e-5)
+    np.testing.assert_allclose(got_r, r64, rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_rows_equals_the_numpy_forward_including_saturation(dtype) -> None:  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(2)
+    g = (rng.standard_normal((9, 130)) * 8).astype(dtype)
+    g[0, :4] = [-1000.0, 1000.0, 0.0, -0.0]  # exp overflows for -1000: silu -> -0, not NaN
+    u = rng.standard_normal((9, 130)).astype(dtype)
+    ref = np.empty_like(g)
+    swiglu_forward(g, u, ref)
+    got = np.full_like(g, np.nan)
+    _fused_layers.swiglu_rows(g, u, got)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=4 * TOL[dtype], atol=4 * TOL[dtype])
+
+
+@pytest.mark.parametrize("backend", ["auto", "numpy"])
+def test_components_agree_on_both_backends(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MILA_PY_CPU_BACKEND", backend)
+    assert _fused_layers.enabled(np.float32) is (backend == "auto")
+    assert not _fused_layers.enabled(np.float16)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 5, 48)).astype(np.float32)
+    norm = RmsNorm("norm", RmsNormConfig(48), device="CPU")
+    norm.build(BuildContext((2, 5, 48), RuntimeMode.TRAINING))
+    y = norm.forward(x[:, 1:4])  # a non-contiguous input
+    x64 = x[:, 1:4].astype(np.float64)
+    ref = x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-5) * norm.weight
+    np.testing.assert_allclose(y, ref, rtol=2e-6, atol=2e-6)
+    mlp = SwiGLU("mlp", SwiGLUConfig(48, 64), device="CPU")
+    mlp.build(BuildContext((2, 5, 48), RuntimeMode.TRAINING))
+    p = {name.split(".")[0]: w.astype(np.float64) for name, w in mlp.named_parameters()}
+    gate, up = x64 @ p["gate_proj"].T, x64 @ p["up_proj"].T
+    ref = (gate / (1 + np.exp(-gate)) * up) @ p["down_proj"].T
+    np.testing.assert_allclose(mlp.forward(x[:, 1:4]), ref, rtol=1e-5, atol=1e-5)

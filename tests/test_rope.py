@@ -137,6 +137,7 @@ def test_large_calls_cross_block_boundaries(
     import mila_py.ops.cpu.rope as cpu_rope
 
     monkeypatch.setattr(cpu_rope, "_NUMPY_BLOCK_BYTES", 64 * 1024)  # 64 tokens: 10 blocks
+    monkeypatch.setattr(cpu_rope, "_PARALLEL_ELEMENTS", 1)  # blocks spread over the cores
     cfg = _config((4, 1), head_dim=64, max_seq_len=2048, layout=layout)
     batch, tokens = shape
     rope = make_rope(cfg, batch, tokens, precision=precision, backend=backend)

@@ -3,7 +3,8 @@
 Two paths compute the same function:
 
 - ``numpy``: the readable reference. Tokens are processed in blocks small enough to stay in
-  cache, so each block is read from memory once although NumPy makes several passes over it.
+  cache, so each block is read from memory once although NumPy makes several passes over it;
+  large calls spread the blocks over the cores (NumPy releases the GIL inside each pass).
 - ``fused``: one Numba pass over Q and K together (see ``_rope_fused``), parallel over cores for
   large calls and serial for decode. Used automatically when Numba is installed.
 
@@ -19,7 +20,9 @@ validated shapes, dtypes and positions.
 
 from __future__ import annotations
 
+import functools
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -44,9 +47,10 @@ _BLOCK_BYTES = 256 * 1024
 #: small, small enough that the block and its scratch stay in L2/L3 across NumPy's passes
 #: (1-2 MiB measured best on a 2-core EPYC with 1 MiB L2 per core; 32 MiB blocks are 2x slower)
 _NUMPY_BLOCK_BYTES = 1024 * 1024
-#: elements (Q + K) above which the fused kernel uses every core. High on purpose: RoPE is
-#: memory-bound, and handing mid-sized calls to a thread pool that BLAS threads are still
-#: spinning on (right after a matmul, as in attention) costs far more than it saves.
+#: elements (Q + K) above which the fused kernel and the NumPy path use every core. High on
+#: purpose: RoPE is memory-bound, and handing mid-sized calls to a thread pool that BLAS
+#: threads are still spinning on (right after a matmul, as in attention) costs far more than
+#: it saves.
 _PARALLEL_ELEMENTS = 1 << 22
 
 
@@ -154,11 +158,15 @@ class CpuRopeOp(Operation):
         if self.uses_fused:
             self._fused(q, k, q_out, k_out, cos, sin, offset, positions, inverse)
         else:
-            for x_in, x_out, heads in (
-                (q, q_out, self.config.n_heads),
-                (k, k_out, self.config.n_kv_heads),
-            ):
-                self._numpy(x_in, x_out, heads, cos, sin, offset, positions, inverse)
+            jobs = [
+                job
+                for x_in, x_out, heads in (
+                    (q, q_out, self.config.n_heads),
+                    (k, k_out, self.config.n_kv_heads),
+                )
+                for job in self._numpy_blocks(x_in, x_out, heads, cos, sin, offset, positions)
+            ]
+            _run_blocks(jobs, self.table.n_freq, self._interleaved, inverse)
 
     # ------------------------------------------------------------------ fused path
     def _fused(
@@ -207,7 +215,7 @@ class CpuRopeOp(Operation):
                 k_out[b : b + 1, t0:t1] = kf
 
     # ------------------------------------------------------------------ NumPy path
-    def _numpy(
+    def _numpy_blocks(
         self,
         x_in: np.ndarray,
         x_out: np.ndarray,
@@ -216,14 +224,14 @@ class CpuRopeOp(Operation):
         sin: np.ndarray,
         offset: int,
         positions: np.ndarray | None,
-        inverse: bool,
-    ) -> None:
+    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """``(x [b, t, H, 2n] view of x_out, cos rows, sin rows)`` per cache-sized block."""
         head_dim = self.config.head_dim
         n = self.table.n_freq  # type: ignore[union-attr]
         if x_out is not x_in:
             x_out[...] = x_in
         if x_out.size == 0:  # B == 0 or T == 0: nothing to rotate (and no block to size)
-            return
+            return []
         n_b, n_t = x_out.shape[0], x_out.shape[1]
         rotated = _heads_view(x_out, n_heads, head_dim)[..., : 2 * n]  # [B, T, H, 2n], a view
         if positions is not None:
@@ -238,26 +246,55 @@ class CpuRopeOp(Operation):
                 for b in range(n_b)
                 for t0 in range(0, n_t, block)
             ]
-        # One scratch area per call, reused by every block: fresh large allocations per block
-        # would page-fault on every block.
-        bs0, ts0 = blocks[0]
-        shape = (bs0.stop - bs0.start, ts0.stop - ts0.start, n_heads, 2 * n)
-        scratch = np.empty(
-            (2, *shape), dtype=np.float64 if x_out.dtype == np.float64 else np.float32
-        )
-        for bs, ts in blocks:
-            c, s = _rows(cos, sin, offset, positions, bs, ts)  # [b, t, 1, n]
-            x = rotated[bs, ts]  # [b, t, H, 2n]
-            size = x.shape[0] * x.shape[1]
-            spare = scratch[0].reshape(-1, n_heads, 2 * n)[:size].reshape(x.shape)
-            if x.dtype in (np.float32, np.float64):
-                work = x
-            else:
-                work = scratch[1].reshape(-1, n_heads, 2 * n)[:size].reshape(x.shape)
-                work[...] = x
-            _rotate_block(work, c, -s if inverse else s, n, self._interleaved, spare)
-            if work is not x:
-                x[...] = work  # round once to the storage precision
+        return [(rotated[bs, ts], *_rows(cos, sin, offset, positions, bs, ts)) for bs, ts in blocks]
+
+
+def _run_blocks(
+    jobs: list[tuple[np.ndarray, np.ndarray, np.ndarray]], n: int, interleaved: bool, inverse: bool
+) -> None:
+    """Rotate every block; large calls split the blocks over the cores.
+
+    NumPy releases the GIL inside each ufunc call, and a block's calls are long enough (1 MiB of
+    data) that threads overlap almost completely.
+    """
+    elements = sum(x.size for x, _, _ in jobs)
+    workers = min(_cpu_count(), len(jobs)) if elements >= _PARALLEL_ELEMENTS else 1
+    if workers <= 1:
+        _rotate_blocks(jobs, n, interleaved, inverse)
+        return
+    parts = [jobs[i::workers] for i in range(workers)]
+    list(_pool().map(lambda part: _rotate_blocks(part, n, interleaved, inverse), parts))
+
+
+def _rotate_blocks(
+    jobs: list[tuple[np.ndarray, np.ndarray, np.ndarray]], n: int, interleaved: bool, inverse: bool
+) -> None:
+    if not jobs:
+        return
+    # One scratch area per worker, reused by every block: fresh large allocations per block
+    # would page-fault on every block.
+    largest = max(x.size for x, _, _ in jobs)
+    wide = np.float64 if jobs[0][0].dtype == np.float64 else np.float32
+    scratch = np.empty((2, largest), dtype=wide)
+    for x, c, s in jobs:
+        spare = scratch[0, : x.size].reshape(x.shape)
+        if x.dtype in (np.float32, np.float64):
+            work = x
+        else:
+            work = scratch[1, : x.size].reshape(x.shape)
+            work[...] = x
+        _rotate_block(work, c, -s if inverse else s, n, interleaved, spare)
+        if work is not x:
+            x[...] = work  # round once to the storage precision
+
+
+def _cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=_cpu_count(), thread_name_prefix="mila_py-rope")
 
 
 def _heads_view(x: np.ndarray, n_heads: int, head_dim: int) -> np.ndarray:

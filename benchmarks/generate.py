@@ -1,11 +1,12 @@
 """Generation speed: mila_py INFERENCE builds vs Hugging Face ``generate`` on the same weights.
 
 For a ~10M and a ~100M parameter Llama (random weights saved by transformers and loaded with
-``Llama.from_pretrained``), in one run, fp32 on the CPU:
+``Llama.from_pretrained``), in one run, fp32 on the CPU or, with ``--device CUDA:0``, both on
+that GPU:
 
 - prefill tokens/s: a 256-token prompt (mila_py: ``prefill``; HF: one forward with its cache);
-- decode tokens/s: 64 greedy tokens after the prompt (mila_py: ``decode`` per token; HF:
-  ``generate(do_sample=False)`` minus its prefill);
+- decode tokens/s and ms per token: 64 greedy tokens after the prompt (mila_py: ``decode`` per
+  token; HF: ``generate(do_sample=False)`` minus its prefill);
 - a check that both produce the same greedy tokens;
 - the weight-streaming floor of decode: the matrix-vector products of one token through every
   weight matrix of the model (the same arrays, nothing else), timed in the same run. Decode of
@@ -13,12 +14,14 @@ For a ~10M and a ~100M parameter Llama (random weights saved by transformers and
 
 Each side runs ``--repeat`` times (the first warms caches and allocators); the best run counts.
 
-Needs torch and transformers (test-only references). Run: ``python benchmarks/generate.py``.
+Needs torch and transformers (test-only references). Run: ``python benchmarks/generate.py
+[--device CUDA:0]`` (on a GPU, CuPy too; every timed region ends with a device synchronize).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 import time
 from typing import Any
@@ -27,6 +30,7 @@ import numpy as np
 
 from mila_py import RuntimeMode
 from mila_py.components import Llama
+from mila_py.devices import DeviceId, DeviceType
 
 SIZES = {
     "~10M": dict(
@@ -41,9 +45,14 @@ SIZES = {
 
 
 def run_mila(model: Llama, prompt: np.ndarray, new: int) -> tuple[float, float, list[int]]:
-    """(prefill seconds, decode seconds, greedy tokens) of one mila_py generation."""
+    """(prefill seconds, decode seconds, greedy tokens) of one mila_py generation.
+
+    The greedy choice is made on the model's device; ``int()`` brings one id to the host per
+    token, as a serving loop would.
+    """
     start = time.perf_counter()
     logits = model.prefill(prompt)
+    model.synchronize()
     prefill = time.perf_counter() - start
     tokens = []
     start = time.perf_counter()
@@ -51,6 +60,7 @@ def run_mila(model: Llama, prompt: np.ndarray, new: int) -> tuple[float, float, 
         token = logits.argmax(axis=-1)
         tokens.append(int(token[0]))
         logits = model.decode(token, prompt.shape[1] + i)
+    model.synchronize()
     return prefill, time.perf_counter() - start, tokens
 
 
@@ -59,28 +69,40 @@ def gemv_floor(model: Llama, repeat: int) -> float:
     weights = [p for name, p in model.named_parameters() if p.ndim == 2 and "embed" not in name]
     if model.lm_head is None:
         weights.append(model.embed_tokens.weight)
-    rows = [np.ones((1, w.shape[1]), w.dtype) for w in weights]
-    outs = [np.empty((1, w.shape[0]), w.dtype) for w in weights]
-    best = float("inf")
-    for _ in range(repeat + 2):
-        start = time.perf_counter()
-        for x, w, y in zip(rows, weights, outs, strict=True):
-            np.matmul(x, w.T, out=y)
-        best = min(best, time.perf_counter() - start)
+    ctx = model.execution_context
+    xp = ctx.xp
+    activate = getattr(ctx, "activate", contextlib.nullcontext)
+    with activate():  # on a GPU: its device and the model's stream
+        rows = [xp.ones((1, w.shape[1]), w.dtype) for w in weights]
+        outs = [xp.empty((1, w.shape[0]), w.dtype) for w in weights]
+        best = float("inf")
+        for _ in range(repeat + 2):
+            ctx.synchronize()
+            start = time.perf_counter()
+            for x, w, y in zip(rows, weights, outs, strict=True):
+                xp.matmul(x, w.T, out=y)
+            ctx.synchronize()
+            best = min(best, time.perf_counter() - start)
     return best
 
 
-def run_hf(torch: Any, hf: Any, prompt: np.ndarray, new: int) -> tuple[float, float, list[int]]:
+def run_hf(
+    torch: Any, hf: Any, prompt: np.ndarray, new: int, device: str = "cpu"
+) -> tuple[float, float, list[int]]:
     """The same for Hugging Face: a cached forward, then ``generate`` minus that prefill."""
-    ids = torch.from_numpy(prompt)
+    ids = torch.from_numpy(prompt).to(device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     with torch.no_grad():
+        sync()
         start = time.perf_counter()
         hf(ids, use_cache=True)
+        sync()
         prefill = time.perf_counter() - start
         start = time.perf_counter()
         out = hf.generate(
             ids, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0
         )
+        sync()
         total = time.perf_counter() - start
     return prefill, total - prefill, out[0, prompt.shape[1] :].tolist()
 
@@ -91,13 +113,18 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3, help="runs of each; the best is kept")
     parser.add_argument("--sizes", nargs="*", default=list(SIZES))
+    parser.add_argument("--device", default="CPU", help="CPU or CUDA:N (mila_py and HF both)")
     args = parser.parse_args()
+    device = DeviceId.parse(args.device)
+    on_gpu = device.device_type is DeviceType.CUDA
+    torch_device = f"cuda:{device.index}" if on_gpu else "cpu"
     try:
         import torch
         import transformers
     except ImportError as exc:
         raise SystemExit(f"this benchmark compares with Hugging Face: {exc}") from None
     torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 GEMMs on both sides
     rows = []
     for name in args.sizes:
         hf_cfg = transformers.LlamaConfig(
@@ -112,11 +139,16 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             hf.save_pretrained(tmp, safe_serialization=True)
             model = Llama.from_pretrained(
-                tmp, runtime_mode=RuntimeMode.INFERENCE, batch_size=1, prefill_size=None
+                tmp,
+                device=str(device),
+                runtime_mode=RuntimeMode.INFERENCE,
+                batch_size=1,
+                prefill_size=None,
             )
+        hf = hf.to(torch_device)
 
         runs_m = [run_mila(model, prompt, args.new) for _ in range(args.repeat)]
-        runs_h = [run_hf(torch, hf, prompt, args.new) for _ in range(args.repeat)]
+        runs_h = [run_hf(torch, hf, prompt, args.new, torch_device) for _ in range(args.repeat)]
         mila_prefill = min(r[0] for r in runs_m)
         mila_decode = min(r[1] for r in runs_m)
         tokens = runs_m[0][2]
@@ -126,10 +158,12 @@ def main() -> None:
         floor = gemv_floor(model, 5)
         rows.append((name, params, mila_prefill, hf_prefill, mila_decode, hf_decode, same, floor))
 
-    print(f"\nfp32 CPU, prompt {args.prompt} tokens, {args.new} greedy new tokens")
+    where = f"{device} ({torch.cuda.get_device_name(device.index)})" if on_gpu else "CPU"
+    print(f"\nfp32 {where}, prompt {args.prompt} tokens, {args.new} greedy new tokens")
     header = (
         f"{'model':<7} {'params':>7} | {'prefill tok/s mila':>18} {'HF':>8} {'x':>6} | "
-        f"{'decode tok/s mila':>17} {'HF':>7} {'x':>6} {'floor':>7} | same tokens"
+        f"{'decode tok/s mila':>17} {'HF':>7} {'x':>6} {'floor':>7} | "
+        f"{'ms/token mila':>13} {'HF':>6} | same tokens"
     )
     print(header)
     print("-" * len(header))
@@ -138,7 +172,7 @@ def main() -> None:
         print(
             f"{name:<7} {params / 1e6:6.1f}M | {args.prompt / mp:18,.0f} {args.prompt / hp:8,.0f} "
             f"{hp / mp:6.2f} | {args.new / md:17,.0f} {args.new / hd:7,.0f} {hd / md:6.2f} "
-            f"{1 / floor:7,.0f} | {same}"
+            f"{1 / floor:7,.0f} | {md / args.new * 1e3:13.2f} {hd / args.new * 1e3:6.2f} | {same}"
         )
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from mila_py.component import Component
 from mila_py.memory import MemoryCategory, MemoryStats
+from mila_py.ops.registry import create_op, is_supported
 
 __all__ = ["AdamW", "clip_grad_norm"]
 
@@ -61,6 +62,12 @@ class AdamW:
         self._v = [xp.zeros_like(p) for _, p, _ in self._pairs]
         self._decays = [decay(name, p) for name, p, _ in self._pairs]
         self.step_count = 0
+        # A device with a fused update kernel (CUDA) runs it per parameter; the array code
+        # below is the reference and the CPU path.
+        ctx = model.execution_context
+        self._fused: Any = None
+        if is_supported("AdamWOp", ctx.device_type, model.precision):
+            self._fused = create_op("AdamWOp", ctx, None, model.precision)
 
     def step(self) -> None:
         """One update from the current gradients (they are left as they are)."""
@@ -70,9 +77,17 @@ class AdamW:
         correction2 = 1.0 - beta2**self.step_count
         step_size = self.lr / correction1
         xp = self.model.execution_context.xp
+        fused = self._fused
         for (_, p, g), m, v, decays in zip(
             self._pairs, self._m, self._v, self._decays, strict=True
         ):
+            if fused is not None and fused.accepts(p, g, m, v):
+                factor = 1.0 - self.lr * self.weight_decay if decays and self.weight_decay else None
+                fused.step(
+                    p, g, m, v, decay=factor, betas=self.betas, correction2=correction2,
+                    eps=self.eps, step_size=step_size,
+                )  # fmt: skip
+                continue
             if decays and self.weight_decay:
                 p *= 1.0 - self.lr * self.weight_decay
             m *= beta1
@@ -98,7 +113,8 @@ def clip_grad_norm(model: Component, max_norm: float) -> float:
     """Scale every gradient so their global L2 norm is at most ``max_norm``; returns the norm
     before clipping."""
     grads = [g for _, _, g in _pairs(model)]
-    total = math.sqrt(sum(float((g.astype("float64") ** 2).sum()) for g in grads))
+    # One device-to-host transfer: the per-gradient sums stay on the device until float().
+    total = math.sqrt(float(sum((g.astype("float64") ** 2).sum() for g in grads)))
     if total > max_norm > 0:
         scale = max_norm / (total + 1e-6)
         for g in grads:

@@ -248,7 +248,8 @@ class GroupedQueryAttention(CompositeComponent):
             raise RuntimeError(f"{self._describe()}: decode() needs an INFERENCE build")
         cfg = self.config
         n_b = x.shape[0]
-        pos = np.broadcast_to(np.asarray(positions, dtype=np.int64).reshape(-1), (n_b,))
+        host = self.execution_context.to_host(positions)  # an int, host or device ints
+        pos = np.broadcast_to(np.asarray(host, dtype=np.int64).reshape(-1), (n_b,))
         if pos.min() < 0 or pos.max() >= self.context_length:
             raise ValueError(
                 f"{self._describe()}: decode positions must be in [0, {self.context_length}), "
@@ -265,13 +266,15 @@ class GroupedQueryAttention(CompositeComponent):
             k_cache[:, p] = k[:, 0]
             v_cache[:, p] = v[:, 0]
             end, bias = p + 1, None
-        else:
-            rows = np.arange(n_b)
-            k_cache[rows, pos] = k[:, 0]
-            v_cache[rows, pos] = v[:, 0]
+        else:  # pos stays on the host (checks, RoPE); the device's copy indexes the cache
+            xp = self.execution_context.xp
+            pos_d = xp.asarray(pos)
+            rows = xp.arange(n_b)
+            k_cache[rows, pos_d] = k[:, 0]
+            v_cache[rows, pos_d] = v[:, 0]
             end = int(pos.max()) + 1
-            visible = np.arange(end)[None, :] <= pos[:, None]  # [B, Tk]
-            bias = np.where(visible, 0.0, -np.inf).astype(x.dtype)[:, None, None, None, :]
+            visible = xp.arange(end)[None, :] <= pos_d[:, None]  # [B, Tk]
+            bias = xp.where(visible, 0.0, -np.inf).astype(x.dtype)[:, None, None, None, :]
         out = self._state["attn_out"][:n_b, :1]
         self._op.forward(
             q,

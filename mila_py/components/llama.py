@@ -15,6 +15,7 @@ Tree (names follow the component tree, dotted in ``named_parameters`` and safete
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -269,10 +270,11 @@ class Llama(Network):
         """
         if not self.is_built:
             raise RuntimeError(f"{self._describe()}: forward() needs a built network")
-        h = self.embed_tokens.forward(tokens)
-        for block in self.layers:
-            h = block.forward(h, position_offset)
-        return self._head(h)
+        with _active(self.execution_context):
+            h = self.embed_tokens.forward(tokens)
+            for block in self.layers:
+                h = block.forward(h, position_offset)
+            return self._head(h)
 
     def _head(self, h: Any) -> Any:
         h = self.norm.forward(h)
@@ -306,10 +308,10 @@ class Llama(Network):
             position_offset: position of ``tokens[:, 0]``.
 
         Returns:
-            logits of the last position, ``[B, vocab]`` (a copy).
+            logits of the last position, ``[B, vocab]`` (a copy, on the model's device).
         """
         self._require_inference("prefill()")
-        tokens = self.execution_context.xp.asarray(tokens)
+        tokens = _on_device(self.execution_context, tokens)
         offset = _as_position(position_offset, self._describe())
         if tokens.ndim != 2 or not 0 < tokens.shape[1] <= self.context_length - offset:
             raise ValueError(
@@ -319,12 +321,13 @@ class Llama(Network):
             )
         n_t, chunk = tokens.shape[1], self.chunk_size
         h = None
-        for start in range(0, n_t, chunk):
-            h = self.embed_tokens.forward(tokens[:, start : start + chunk])
-            for block in self.layers:
-                h = block.forward(h, offset + start)
-        last = self.execution_context.xp.ascontiguousarray(h[:, -1:])  # type: ignore[index]
-        return self._head(last)[:, 0].copy()
+        with _active(self.execution_context):
+            for start in range(0, n_t, chunk):
+                h = self.embed_tokens.forward(tokens[:, start : start + chunk])
+                for block in self.layers:
+                    h = block.forward(h, offset + start)
+            last = self.execution_context.xp.ascontiguousarray(h[:, -1:])  # type: ignore[index]
+            return self._head(last)[:, 0].copy()
 
     def reset(self) -> None:
         """Forget every cached key and value (zero the KV caches of all layers).
@@ -344,15 +347,15 @@ class Llama(Network):
             position: its position, an int or one per sequence ``[B]`` (ragged batches).
 
         Returns:
-            next-token logits ``[B, vocab]`` (a copy).
+            next-token logits ``[B, vocab]`` (a copy, on the model's device).
         """
         self._require_inference("decode()")
-        xp = self.execution_context.xp
-        token = xp.asarray(token).reshape(-1, 1)
-        h = self.embed_tokens.forward(token)
-        for block in self.layers:
-            h = block.decode(h, position)
-        return self._head(h)[:, 0].copy()
+        token = _on_device(self.execution_context, token).reshape(-1, 1)
+        with _active(self.execution_context):
+            h = self.embed_tokens.forward(token)
+            for block in self.layers:
+                h = block.decode(h, position)
+            return self._head(h)[:, 0].copy()
 
     def stream(
         self,
@@ -370,7 +373,8 @@ class Llama(Network):
         reaches ``top_p``.
         """
         self._require_inference("generate()")
-        prompt = np.asarray(prompt)
+        ctx = self.execution_context
+        prompt = ctx.to_host(prompt)
         if prompt.ndim == 1:
             prompt = prompt[None]
         if max_new_tokens < 0 or temperature < 0:
@@ -384,7 +388,10 @@ class Llama(Network):
         rng = np.random.default_rng(seed)
         logits = self.prefill(prompt)
         for step in range(steps):
-            token = _sample(self.execution_context.to_host(logits), temperature, top_k, top_p, rng)
+            if temperature == 0:  # greedy: the argmax on the device, [B] ids to the host
+                token = ctx.to_host(logits.argmax(axis=-1))
+            else:
+                token = _sample(ctx.to_host(logits), temperature, top_k, top_p, rng)
             yield token
             if step + 1 < steps:
                 logits = self.decode(token, n_t + step)
@@ -399,8 +406,8 @@ class Llama(Network):
         seed: int | None = None,
     ) -> np.ndarray:
         """The prompt followed by up to ``max_new_tokens`` generated tokens, ``[B, T + n]``
-        (``[T + n]`` for a 1-D prompt). See :meth:`stream` for the sampling rules."""
-        prompt = np.asarray(prompt)
+        (``[T + n]`` for a 1-D prompt), on the host. See :meth:`stream` for the sampling rules."""
+        prompt = self.execution_context.to_host(prompt)
         new = list(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed))
         batch = prompt if prompt.ndim == 2 else prompt[None]
         out = np.concatenate([batch, *(t[:, None] for t in new)], axis=1) if new else batch
@@ -410,6 +417,10 @@ class Llama(Network):
         """Backpropagate ``dlogits [B, T, vocab]``; accumulates every parameter gradient."""
         if not self.is_built or not self.build_context.is_training:
             raise RuntimeError(f"{self._describe()}: backward() needs a TRAINING build")
+        with _active(self.execution_context):
+            self._backward(dlogits)
+
+    def _backward(self, dlogits: Any) -> None:
         xp = self.execution_context.xp
         if self.lm_head is not None:
             dh = self.lm_head.backward(dlogits)
@@ -476,6 +487,17 @@ class Llama(Network):
         )
         hf.load_hf_weights(model, tensors)
         return model
+
+
+def _active(ctx: Any) -> Any:
+    """``ctx.activate()`` where the context has one (CUDA: its device and stream), else a no-op."""
+    activate = getattr(ctx, "activate", None)
+    return activate() if activate is not None else contextlib.nullcontext()
+
+
+def _on_device(ctx: Any, array: Any) -> Any:
+    """``array`` itself if it lives on ``ctx``'s device, else a copy there (lists, host arrays)."""
+    return array if ctx.is_device_array(array) else ctx.to_device(np.asarray(array))
 
 
 def _as_position(value: Any, who: str) -> int:

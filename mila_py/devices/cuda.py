@@ -59,12 +59,15 @@ def cuda_device_count() -> int:
 class CudaExecutionContext(ExecutionContext):
     """Execution context for one NVIDIA GPU through CuPy.
 
-    The context selects its device and owns a ``cupy.cuda.Stream``; everything a component
+    The context selects its device and runs on a ``cupy.cuda.Stream``; everything a component
     launches runs on that stream (use :meth:`activate` as a context manager) and
-    :meth:`synchronize` waits on it. The stream is a *blocking* one: it is ordered both ways with
-    the legacy default stream, on which CuPy and PyTorch run by default, so arrays a user fills
-    and reads there need no extra synchronization. Work on other streams must be ordered by its
-    owner (see :meth:`as_device_array` for arrays of other libraries).
+    :meth:`synchronize` waits on it. Every context of one GPU shares that GPU's stream, so
+    components with contexts of their own (a model and its standalone loss) run in the order
+    they are called, as with PyTorch's per-device current stream. The stream is a *blocking*
+    one: it is ordered both ways with the legacy default stream, on which CuPy and PyTorch run by
+    default, so arrays a user fills and reads there need no extra synchronization. Work on other
+    streams must be ordered by its owner (see :meth:`as_device_array` for arrays of other
+    libraries).
 
     BF16 arrays are ``ml_dtypes.bfloat16`` where CuPy supports that dtype (CuPy >= 14); with an
     older CuPy they are carried as ``uint16`` arrays holding the same bits
@@ -93,9 +96,7 @@ class CudaExecutionContext(ExecutionContext):
         self.xp = cupy
         self._cupy = cupy
         self.device = cupy.cuda.Device(device.index)
-        with self.device:
-            # Blocking (the default): ordered with the legacy default stream that user code runs on.
-            self.stream = cupy.cuda.Stream(non_blocking=False)
+        self.stream = _device_stream(cupy, device.index)
         self.bfloat16_native = _cupy_has_bfloat16(cupy)
         self._foreign_streams: set[int] = set()
         self._foreign_unordered = False
@@ -254,6 +255,23 @@ def _cupy_has_bfloat16(cupy: ModuleType) -> bool:
     except Exception:
         return False
     return True
+
+
+_STREAMS: dict[int, Any] = {}
+
+
+def _device_stream(cupy: ModuleType, index: int) -> Any:
+    """The stream every context of GPU ``index`` runs on (created once).
+
+    Separate streams per context would leave a model on one stream and its loss on another
+    unordered: a blocking stream waits for the legacy default stream, not for other streams.
+    """
+    stream = _STREAMS.get(index)
+    if stream is None:
+        with cupy.cuda.Device(index):
+            # Blocking (the default): ordered with the legacy default stream user code runs on.
+            stream = _STREAMS.setdefault(index, cupy.cuda.Stream(non_blocking=False))
+    return stream
 
 
 class _Activation:

@@ -27,7 +27,7 @@ __all__ = ["CpuLinearOp", "linear_backward", "linear_forward"]
 
 
 def linear_forward(
-    x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, out: np.ndarray
+    x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, out: np.ndarray, xp: Any = np
 ) -> None:
     """``out = x W^T + b``.
 
@@ -36,9 +36,10 @@ def linear_forward(
         weight: ``[out, in]``.
         bias: ``[out]`` or None.
         out: ``[..., out]``, C-contiguous, written.
+        xp: the array module of the arrays (NumPy here; the CUDA op passes CuPy).
     """
     y = out_rows(out)  # [N, out]
-    np.matmul(as_rows(x), weight.T, out=y)  # BLAS reads W^T through strides: no copy
+    xp.matmul(as_rows(x), weight.T, out=y)  # BLAS reads W^T through strides: no copy
     if bias is not None:
         y += bias
 

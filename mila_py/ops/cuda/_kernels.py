@@ -1,0 +1,162 @@
+"""What the CUDA ops share: compiling and launching raw kernels, block reductions, row views.
+
+Kernel sources are module-level strings of ``extern "C"`` kernels over ``float`` (each op module
+holds its own), prefixed with :data:`CUDA_PRELUDE`, compiled lazily with CuPy (NVRTC) and cached
+per source and device. Every launch goes through :func:`launch`, on the execution context's
+stream, with scalars passed at explicit widths (``np.int32``, ``np.int64``, ``np.float32``):
+CuPy turns a Python int into 64 bits and checks nothing against the kernel's signature.
+
+The arithmetic that the CPU ops do in float32 is written with ``__fmul_rn``/``__fadd_rn``/
+``__fdiv_rn`` where the order of operations matters, so that the compiler does not contract it
+into FMAs and the elementwise results follow NumPy's roundings; reductions (sums over a row)
+differ from NumPy's pairwise order by a few ulps.
+
+This module never imports CuPy at import time. The helpers take the execution context and use
+``ctx.xp``, so that the ops' host-side logic also runs with NumPy arrays (the kernel emulator
+of the CPU test suite swaps :func:`launch`; see ``tests/kernel_emulator.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "CUDA_PRELUDE",
+    "ROW_THREADS",
+    "THREADS",
+    "contiguous_rows",
+    "gemm_accumulate",
+    "grid_1d",
+    "kernel",
+    "launch",
+]
+
+#: threads per block of the elementwise (grid-stride) kernels
+THREADS = 256
+#: threads per block of the one-block-per-row kernels (a multiple of 32, at most 1024)
+ROW_THREADS = 256
+#: blocks of a grid-stride launch at most (enough to fill any current GPU several times)
+MAX_BLOCKS = 8192
+
+CUDA_PRELUDE = r"""
+#define MILA_FULL_MASK 0xffffffffu
+#define MILA_NEG_INF __uint_as_float(0xff800000u)
+
+__device__ __forceinline__ float mila_warp_sum(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(MILA_FULL_MASK, v, offset);
+    }
+    return v;
+}
+
+__device__ __forceinline__ float mila_warp_max(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v = fmaxf(v, __shfl_xor_sync(MILA_FULL_MASK, v, offset));
+    }
+    return v;
+}
+
+// The sum of v over the block, returned to every thread. blockDim.x is a multiple of 32 (at
+// most 1024) and every thread of the block calls it; scratch is __shared__ float[32].
+__device__ __forceinline__ float mila_block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int n_warps = blockDim.x >> 5;
+    v = mila_warp_sum(v);
+    __syncthreads();  // an earlier reduction may still be reading scratch
+    if (lane == 0) {
+        scratch[warp] = v;
+    }
+    __syncthreads();
+    v = lane < n_warps ? scratch[lane] : 0.0f;
+    return mila_warp_sum(v);
+}
+
+// The maximum of v over the block, returned to every thread (same contract as mila_block_sum).
+__device__ __forceinline__ float mila_block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int n_warps = blockDim.x >> 5;
+    v = mila_warp_max(v);
+    __syncthreads();
+    if (lane == 0) {
+        scratch[warp] = v;
+    }
+    __syncthreads();
+    v = lane < n_warps ? scratch[lane] : MILA_NEG_INF;
+    return mila_warp_max(v);
+}
+"""
+
+_MODULES: dict[tuple[str, int], Any] = {}
+_FUNCTIONS: dict[tuple[str, int, str], Any] = {}
+
+
+def kernel(source: str, name: str, device_index: int) -> Any:
+    """The launchable kernel ``name`` of ``CUDA_PRELUDE + source`` on a device (compiled once).
+
+    Cached by source text and device: ``RawModule.get_function`` builds a new object per call.
+    """
+    key = (source, device_index, name)
+    function = _FUNCTIONS.get(key)
+    if function is None:
+        import cupy
+
+        module = _MODULES.get((source, device_index))
+        with cupy.cuda.Device(device_index):
+            if module is None:
+                module = cupy.RawModule(code=CUDA_PRELUDE + source, options=("--std=c++17",))
+                module.compile()
+                _MODULES[(source, device_index)] = module
+            raw = module.get_function(name)
+        # the driver-level Function: its __call__ takes shared_mem= and stream= directly
+        function = _FUNCTIONS.setdefault(key, getattr(raw, "kernel", raw))
+    return function
+
+
+def launch(
+    ctx: Any, source: str, name: str, grid: tuple[int, ...], block: int, args: tuple[Any, ...]
+) -> None:
+    """Launch kernel ``name`` of ``source`` on ``ctx``'s device and stream.
+
+    Args:
+        ctx: the op's CUDA execution context.
+        grid: blocks per grid dimension (every entry >= 1).
+        block: threads per block (1-D blocks).
+        args: device arrays and NumPy scalars of the kernel's exact types, in order.
+    """
+    function = kernel(source, name, ctx.device_id.index)
+    function(grid, (block,), args, stream=ctx.stream)
+
+
+def grid_1d(n: int, threads: int = THREADS) -> tuple[int]:
+    """Blocks for a grid-stride loop over ``n`` items (at least 1, at most :data:`MAX_BLOCKS`)."""
+    return (max(1, min(MAX_BLOCKS, math.ceil(n / threads))),)
+
+
+def contiguous_rows(xp: Any, x: Any) -> Any:
+    """``x [..., C]`` as a C-contiguous ``[N, C]`` array: a view when ``x`` allows, else a copy.
+
+    Raw kernels index rows as ``row * C``, so inputs must be C-contiguous (views of a fused
+    buffer or batch slices of a larger one are copied).
+    """
+    return xp.ascontiguousarray(x.reshape(-1, x.shape[-1]))
+
+
+def gemm_accumulate(xp: Any, a: Any, b: Any, out: Any) -> None:
+    """``out += a.T @ b`` for 2-D ``a [K, M]``, ``b [K, N]``, ``out [M, N]`` (C or F order).
+
+    On CuPy one cuBLAS GEMM with ``beta = 1`` (no temporary the size of ``out``); with NumPy
+    (the emulated path of the tests) the plain expression.
+    """
+    if xp is np:
+        out += a.T @ b
+        return
+    import cupy.cublas
+
+    cupy.cublas.gemm("T", "N", a, b, out=out, alpha=1.0, beta=1.0)

@@ -1,0 +1,106 @@
+"""CUDA AdamWOp: one fused kernel per parameter for :class:`mila_py.optim.AdamW`'s update.
+
+The generic array code of ``AdamW.step`` launches about a dozen CuPy kernels (and as many
+temporaries) per parameter; this kernel reads ``p, g, m, v`` once and writes ``p, m, v`` once,
+with NumPy's float32 roundings in the same order::
+
+    p = p * decay                              (parameters that decay)
+    m = m * beta1 + (1 - beta1) * g
+    v = v * beta2 + (1 - beta2) * (g * g)
+    p = p - step_size * (m / (sqrt(v / correction2) + eps))
+
+Every scalar arrives as the float32 that NumPy would round the Python float to.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mila_py.devices.device import DeviceType
+from mila_py.ops.cuda import _kernels
+from mila_py.ops.operation import Operation
+from mila_py.ops.registry import register_op
+from mila_py.precision import Precision
+
+__all__ = ["ADAMW_CUDA_SOURCE", "CudaAdamWOp"]
+
+ADAMW_CUDA_SOURCE = r"""
+extern "C" __global__ void adamw_step(
+    float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+    float* __restrict__ v, long long n, int decays, float decay, float beta1,
+    float one_minus_beta1, float beta2, float one_minus_beta2, float correction2, float eps,
+    float step_size)
+{
+    const long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float gi = g[i];
+        float pi = p[i];
+        if (decays) {
+            pi = __fmul_rn(pi, decay);
+        }
+        const float mi = __fadd_rn(__fmul_rn(m[i], beta1), __fmul_rn(one_minus_beta1, gi));
+        const float vi = __fadd_rn(
+            __fmul_rn(v[i], beta2), __fmul_rn(one_minus_beta2, __fmul_rn(gi, gi)));
+        const float denom = __fadd_rn(sqrtf(__fdiv_rn(vi, correction2)), eps);
+        p[i] = __fsub_rn(pi, __fmul_rn(step_size, __fdiv_rn(mi, denom)));
+        m[i] = mi;
+        v[i] = vi;
+    }
+}
+"""
+
+
+@register_op("AdamWOp", DeviceType.CUDA, precisions=(Precision.FP32,))
+class CudaAdamWOp(Operation):
+    """The fused AdamW update of one parameter (``config`` is unused: hyper-parameters per call)."""
+
+    @staticmethod
+    def accepts(p: Any, g: Any, m: Any, v: Any) -> bool:
+        """True if the kernel can update these arrays: dense, one shape, one layout."""
+        dense = bool(p.flags.c_contiguous or p.flags.f_contiguous)
+        return dense and all(a.shape == p.shape and a.strides == p.strides for a in (g, m, v))
+
+    def step(
+        self,
+        p: Any,
+        g: Any,
+        m: Any,
+        v: Any,
+        *,
+        decay: float | None,
+        betas: tuple[float, float],
+        correction2: float,
+        eps: float,
+        step_size: float,
+    ) -> None:
+        """Update ``p``, ``m``, ``v`` in place from ``g`` (all C- or all F-contiguous, one shape).
+
+        Args:
+            decay: the factor ``1 - lr * weight_decay`` for a decaying parameter, else None.
+            betas: ``(beta1, beta2)``.
+            correction2: ``1 - beta2 ** step``.
+            eps: denominator guard.
+            step_size: ``lr / (1 - beta1 ** step)``.
+        """
+        if not self.accepts(p, g, m, v):
+            raise ValueError(
+                "CUDA AdamWOp: p, g, m and v must be dense arrays of one layout, got strides "
+                f"{p.strides}, {g.strides}, {m.strides}, {v.strides} for shape {p.shape}"
+            )
+        n = int(p.size)
+        if n == 0:
+            return
+        beta1, beta2 = betas
+        f32 = np.float32
+        args = (
+            p, g, m, v, np.int64(n), np.int32(decay is not None),
+            f32(1.0 if decay is None else decay), f32(beta1), f32(1.0 - beta1), f32(beta2),
+            f32(1.0 - beta2), f32(correction2), f32(eps), f32(step_size),
+        )  # fmt: skip
+        ctx: Any = self.context
+        with ctx.activate():
+            _kernels.launch(
+                ctx, ADAMW_CUDA_SOURCE, "adamw_step", _kernels.grid_1d(n), _kernels.THREADS, args
+            )

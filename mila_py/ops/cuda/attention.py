@@ -1,0 +1,283 @@
+"""CUDA AttentionOp: causal grouped-query attention with cuBLAS batched GEMMs and fused softmaxes.
+
+Same contract and results as :mod:`mila_py.ops.cpu.attention` (``P [B, Hk, g, Tq, Tk]`` kept
+for backward, queries at ``q_offset`` into the keys, or an explicit additive ``bias``). The
+``g = Hq / Hk`` query heads that share a key/value head are stacked along the rows, so every
+product is a strided-batched GEMM over ``B * Hk`` matrices with no broadcast operand::
+
+    forward   S [B, Hk, g*Tq, Tk] = (Q * scale) [B, Hk, g*Tq, d] @ K^T [B, Hk, d, Tk]
+              P = causal softmax(S), in place               one block per row (kernel)
+              O [B, Hk, g*Tq, d]  = P @ V [B, Hk, Tk, d]
+    backward  dV = P^T @ dO                                 (the sum over g is inside the GEMM)
+              dP = dO @ V^T;  dS = (dP - rowsum(dO * O)) * P  elementwise kernel, in place
+              dQ = dS @ K * scale;  dK = dS^T @ Q * scale
+
+``[B, Hk, g, Tq, Tk]`` and ``[B, Hk, g*Tq, Tk]`` are the same memory, so ``P`` lives in the
+component's buffer. The host-side functions take the array module and the two kernels as
+arguments (:func:`attention_forward`, :func:`attention_backward`), so the CPU test suite runs
+this exact orchestration with NumPy and reference kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from mila_py.devices import DeviceType
+from mila_py.ops.cuda import _kernels
+from mila_py.ops.operation import Operation
+from mila_py.ops.registry import register_op
+from mila_py.precision import Precision
+
+__all__ = ["ATTENTION_CUDA_SOURCE", "CudaAttentionOp", "attention_backward", "attention_forward"]
+
+ATTENTION_CUDA_SOURCE = r"""
+// scores [n_rows, n_tk] C-contiguous, replaced by their softmax. Row r is query t = r % n_tq;
+// with causal != 0 it sees keys s <= q_offset + t (the others get probability 0), else all keys
+// (an additive bias with -inf entries was applied before). One block per row (grid-stride).
+extern "C" __global__ void attention_softmax(
+    float* __restrict__ scores, long long n_rows, int n_tq, int n_tk, long long q_offset,
+    int causal)
+{
+    __shared__ float scratch[32];
+    for (long long row = blockIdx.x; row < n_rows; row += gridDim.x) {
+        float* s = scores + row * n_tk;
+        const long long t = row % n_tq;
+        long long visible = n_tk;
+        if (causal && q_offset + t + 1 < visible) {
+            visible = q_offset + t + 1;
+        }
+        float m = MILA_NEG_INF;
+        for (long long i = threadIdx.x; i < visible; i += blockDim.x) {
+            m = fmaxf(m, s[i]);
+        }
+        m = mila_block_max(m, scratch);
+        float sum = 0.0f;
+        for (long long i = threadIdx.x; i < visible; i += blockDim.x) {
+            const float e = expf(__fsub_rn(s[i], m));
+            s[i] = e;
+            sum = __fadd_rn(sum, e);
+        }
+        sum = mila_block_sum(sum, scratch);
+        for (long long i = threadIdx.x; i < n_tk; i += blockDim.x) {
+            s[i] = i < visible ? __fdiv_rn(s[i], sum) : 0.0f;
+        }
+    }
+}
+
+// dp = (dp - row[r]) * p for the n elements of [n / n_cols, n_cols] (grid-stride).
+extern "C" __global__ void attention_softmax_backward(
+    float* __restrict__ dp, const float* __restrict__ p, const float* __restrict__ row,
+    long long n, int n_cols)
+{
+    const long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        dp[i] = __fmul_rn(__fsub_rn(dp[i], row[i / n_cols]), p[i]);
+    }
+}
+"""
+
+#: ``softmax(scores [R, Tk], n_tq, q_offset, causal)``: the in-place masked row softmax
+SoftmaxKernel = Callable[[Any, int, int, bool], None]
+#: ``softmax_backward(dp [R, Tk], probs [R, Tk], row [R])``: ``dp = (dp - row) * probs`` in place
+SoftmaxBackwardKernel = Callable[[Any, Any, Any], None]
+
+
+def _heads(x: Any, heads: int, head_dim: int) -> Any:
+    """``[B, T, H*d]`` -> ``[B, H, T, d]`` (a view, also of a non-contiguous ``x``)."""
+    n_b, n_t = x.shape[0], x.shape[1]
+    return x.reshape(n_b, n_t, heads, head_dim).transpose(0, 2, 1, 3)
+
+
+def _grouped(xp: Any, x: Any, n_kv_heads: int, groups: int, head_dim: int) -> Any:
+    """``[B, T, Hq*d]`` -> C-contiguous ``[B, Hk, g*T, d]`` (query heads of a group stacked)."""
+    n_b, n_t = x.shape[0], x.shape[1]
+    heads = xp.ascontiguousarray(_heads(x, n_kv_heads * groups, head_dim))  # [B, Hq, T, d]
+    return heads.reshape(n_b, n_kv_heads, groups * n_t, head_dim)
+
+
+def _write_heads(out: Any, o: Any, n_heads: int, head_dim: int) -> None:
+    """``out [B, T, H*d] = o [B, H, T, d]`` through a view of ``out`` (any row strides)."""
+    view = _heads(out, n_heads, head_dim)
+    view[...] = o
+
+
+def attention_forward(
+    q: Any,
+    k: Any,
+    v: Any,
+    n_heads: int,
+    n_kv_heads: int,
+    scale: float,
+    out: Any,
+    probs: Any = None,
+    q_offset: int = 0,
+    bias: Any = None,
+    causal: bool = True,
+    *,
+    xp: Any,
+    softmax: SoftmaxKernel,
+) -> Any:
+    """Causal attention; writes ``out [B, Tq, Hq*d]`` and returns ``P [B, Hk, g, Tq, Tk]``.
+
+    Args:
+        q: ``[B, Tq, Hq*d]``; k, v: ``[B, Tk, Hk*d]`` with ``Tk >= q_offset + Tq``.
+        probs: optional C-contiguous buffer for P (else allocated).
+        q_offset: position of the first query among the keys (ignored with ``bias``).
+        bias: additive bias broadcastable to ``[B, Hk, g, Tq, Tk]`` that replaces the causal mask.
+        causal: False when every query sees every key given (no mask, no bias).
+        xp: the array module of the arrays.
+        softmax: the masked row softmax (a kernel on CUDA).
+    """
+    n_b, n_tq = q.shape[0], q.shape[1]
+    n_tk = k.shape[1]
+    head_dim = q.shape[2] // n_heads
+    groups = n_heads // n_kv_heads
+    rows = groups * n_tq
+    shape5 = (n_b, n_kv_heads, groups, n_tq, n_tk)
+    # Scaling Q (T*d values) is cheaper than scaling the scores (T*T values); a new array, so
+    # q (a view of the caller's QKV buffer) is never modified.
+    qs = xp.empty((n_b, n_heads, n_tq, head_dim), dtype=q.dtype)
+    xp.multiply(_heads(q, n_heads, head_dim), q.dtype.type(scale), out=qs)
+    qs = qs.reshape(n_b, n_kv_heads, rows, head_dim)  # [B, Hk, g*Tq, d]
+    kt = _heads(k, n_kv_heads, head_dim).swapaxes(-1, -2)  # [B, Hk, d, Tk]
+    if probs is None:
+        probs = xp.empty(shape5, dtype=q.dtype)
+    scores = probs.reshape(n_b, n_kv_heads, rows, n_tk)  # a view of a C-contiguous probs
+    scores = xp.matmul(qs, kt, out=scores)
+    if bias is not None:
+        scores5 = scores.reshape(shape5)
+        scores5 += bias
+    softmax(scores.reshape(-1, n_tk), n_tq, q_offset, causal and bias is None)
+    o = xp.matmul(scores, _heads(v, n_kv_heads, head_dim))  # [B, Hk, g*Tq, d]
+    _write_heads(out, o.reshape(n_b, n_heads, n_tq, head_dim), n_heads, head_dim)
+    return scores.reshape(shape5)
+
+
+def attention_backward(
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    probs: Any,
+    n_heads: int,
+    n_kv_heads: int,
+    scale: float,
+    dq: Any,
+    dk: Any,
+    dv: Any,
+    out: Any = None,
+    *,
+    xp: Any,
+    softmax_backward: SoftmaxBackwardKernel,
+) -> None:
+    """Gradients of :func:`attention_forward` into ``dq [B, T, Hq*d]``, ``dk``, ``dv [B, T, Hk*d]``.
+
+    ``out`` (the forward output) gives ``rowsum(dP * P) = rowsum(dO * O)``, a ``[T, d]`` product
+    instead of a pass over the ``[T, T]`` scores.
+    """
+    n_b, n_t = q.shape[0], q.shape[1]
+    head_dim = q.shape[2] // n_heads
+    groups = n_heads // n_kv_heads
+    rows = groups * n_t
+    do = _grouped(xp, dout, n_kv_heads, groups, head_dim)  # [B, Hk, g*T, d]
+    p = xp.ascontiguousarray(probs).reshape(n_b, n_kv_heads, rows, n_t)  # [B, Hk, g*T, T]
+    kh = _heads(k, n_kv_heads, head_dim)  # [B, Hk, T, d]
+    vh = _heads(v, n_kv_heads, head_dim)
+    dv_h = xp.matmul(p.swapaxes(-1, -2), do)  # [B, Hk, T, d], summed over the group
+    dp = xp.matmul(do, vh.swapaxes(-1, -2))  # [B, Hk, g*T, T]
+    if out is not None:
+        o = _grouped(xp, out, n_kv_heads, groups, head_dim)
+        row = (do * o).sum(axis=-1)  # [B, Hk, g*T]
+    else:
+        row = (dp * p).sum(axis=-1)
+    softmax_backward(dp.reshape(-1, n_t), p.reshape(-1, n_t), xp.ascontiguousarray(row).reshape(-1))
+    dq_h = xp.matmul(dp, kh)  # [B, Hk, g*T, d]
+    dq_h *= q.dtype.type(scale)
+    dk_h = xp.matmul(dp.swapaxes(-1, -2), _grouped(xp, q, n_kv_heads, groups, head_dim))
+    dk_h *= q.dtype.type(scale)  # [B, Hk, T, d]
+    _write_heads(dq, dq_h.reshape(n_b, n_heads, n_t, head_dim), n_heads, head_dim)
+    _write_heads(dk, dk_h, n_kv_heads, head_dim)
+    _write_heads(dv, dv_h, n_kv_heads, head_dim)
+
+
+@register_op("AttentionOp", DeviceType.CUDA, precisions=(Precision.FP32,))
+class CudaAttentionOp(Operation):
+    """cuBLAS + fused-softmax causal GQA attention (same contract as the CPU op)."""
+
+    def forward(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        n_heads: int,
+        n_kv_heads: int,
+        scale: float,
+        out: Any,
+        probs: Any = None,
+        q_offset: int = 0,
+        bias: Any = None,
+        causal: bool = True,
+    ) -> Any:
+        """See :func:`mila_py.ops.cpu.attention.attention_forward`; returns ``P``."""
+        ctx: Any = self.context
+        with ctx.activate():
+            return attention_forward(
+                q, k, v, n_heads, n_kv_heads, scale, out, probs, q_offset, bias, causal,
+                xp=ctx.xp, softmax=self._softmax,
+            )  # fmt: skip
+
+    def backward(
+        self,
+        dout: Any,
+        q: Any,
+        k: Any,
+        v: Any,
+        probs: Any,
+        n_heads: int,
+        n_kv_heads: int,
+        scale: float,
+        dq: Any,
+        dk: Any,
+        dv: Any,
+        out: Any = None,
+    ) -> None:
+        """See :func:`mila_py.ops.cpu.attention.attention_backward`."""
+        ctx: Any = self.context
+        with ctx.activate():
+            attention_backward(
+                dout, q, k, v, probs, n_heads, n_kv_heads, scale, dq, dk, dv, out,
+                xp=ctx.xp, softmax_backward=self._softmax_backward,
+            )  # fmt: skip
+
+    def _softmax(self, scores: Any, n_tq: int, q_offset: int, causal: bool) -> None:
+        n_rows, n_tk = scores.shape
+        if n_rows == 0 or n_tk == 0:
+            return
+        args = (
+            scores, np.int64(n_rows), np.int32(n_tq), np.int32(n_tk), np.int64(q_offset),
+            np.int32(causal),
+        )  # fmt: skip
+        _kernels.launch(
+            self.context,
+            ATTENTION_CUDA_SOURCE,
+            "attention_softmax",
+            _kernels.grid_1d(n_rows, 1),
+            _kernels.ROW_THREADS,
+            args,
+        )
+
+    def _softmax_backward(self, dp: Any, p: Any, row: Any) -> None:
+        n = int(dp.size)
+        if n == 0:
+            return
+        _kernels.launch(
+            self.context,
+            ATTENTION_CUDA_SOURCE,
+            "attention_softmax_backward",
+            _kernels.grid_1d(n),
+            _kernels.THREADS,
+            (dp, p, row, np.int64(n), np.int32(dp.shape[1])),
+        )

@@ -1,0 +1,162 @@
+"""CUDA RmsNormOp: root-mean-square normalization over the last axis, as fused raw kernels.
+
+Same math and order of operations as :mod:`mila_py.ops.cpu.rms_norm`, per row ``x [D]``::
+
+    forward   r = 1 / sqrt(sum(x^2) / D + eps)         one block per row: a block sum, then
+              y = (x * r) * w                          the scaled row (x read twice, y once)
+    backward  n = x * r,  g = dy * w
+              dx = r * (g - n * (sum(g * n) / D))       one block per row
+              dw += sum_N dy * n                        column partial sums over row chunks,
+                                                        then one CuPy sum over the chunks
+
+The weight gradient is deterministic: no atomics, a fixed split of the rows into chunks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from mila_py.devices.device import DeviceType
+from mila_py.ops.cpu._rows import out_flat, out_rows
+from mila_py.ops.cuda import _kernels
+from mila_py.ops.operation import Operation
+from mila_py.ops.registry import register_op
+from mila_py.precision import Precision
+
+__all__ = ["RMS_NORM_CUDA_SOURCE", "CudaRmsNormOp"]
+
+RMS_NORM_CUDA_SOURCE = r"""
+// x, y [n_rows, dim] C-contiguous; one block per row.
+extern "C" __global__ void rms_norm_forward(
+    const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
+    float* __restrict__ rstd, int dim, float eps)
+{
+    __shared__ float scratch[32];
+    const long long row = blockIdx.x;
+    const float* xr = x + row * dim;
+    float* yr = y + row * dim;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float v = xr[i];
+        ss = __fadd_rn(ss, __fmul_rn(v, v));
+    }
+    ss = mila_block_sum(ss, scratch);
+    // the CPU op's order: mean, + eps, sqrt, reciprocal (IEEE sqrt and division)
+    const float r = __fdiv_rn(1.0f, sqrtf(__fadd_rn(__fdiv_rn(ss, (float)dim), eps)));
+    if (threadIdx.x == 0) {
+        rstd[row] = r;
+    }
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        yr[i] = __fmul_rn(__fmul_rn(xr[i], r), w[i]);
+    }
+}
+
+// dx = r * (g - n * mean(g * n)) with n = x * r, g = dy * w; one block per row.
+extern "C" __global__ void rms_norm_backward_dx(
+    const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ rstd,
+    const float* __restrict__ dy, float* __restrict__ dx, int dim)
+{
+    __shared__ float scratch[32];
+    const long long row = blockIdx.x;
+    const long long base = row * dim;
+    const float r = rstd[row];
+    float acc = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float n = __fmul_rn(x[base + i], r);
+        const float g = __fmul_rn(dy[base + i], w[i]);
+        acc = __fadd_rn(acc, __fmul_rn(g, n));
+    }
+    const float c = __fdiv_rn(mila_block_sum(acc, scratch), (float)dim);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float n = __fmul_rn(x[base + i], r);
+        const float g = __fmul_rn(dy[base + i], w[i]);
+        dx[base + i] = __fmul_rn(__fsub_rn(g, __fmul_rn(n, c)), r);
+    }
+}
+
+// partial[chunk, j] = sum over the chunk's rows i of dy[i, j] * (x[i, j] * r[i]).
+// grid (ceil(dim / blockDim.x), chunks); chunk c holds rows [c * rows_per_chunk, ...).
+extern "C" __global__ void rms_norm_backward_dw(
+    const float* __restrict__ x, const float* __restrict__ rstd, const float* __restrict__ dy,
+    float* __restrict__ partial, int n_rows, int dim, int rows_per_chunk)
+{
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= dim) {
+        return;
+    }
+    const int start = blockIdx.y * rows_per_chunk;
+    const int stop = n_rows < start + rows_per_chunk ? n_rows : start + rows_per_chunk;
+    float acc = 0.0f;
+    for (int i = start; i < stop; ++i) {
+        const long long o = (long long)i * dim + j;
+        acc = __fadd_rn(acc, __fmul_rn(dy[o], __fmul_rn(x[o], rstd[i])));
+    }
+    partial[(long long)blockIdx.y * dim + j] = acc;
+}
+"""
+
+#: rows each column thread of the weight-gradient kernel sums at least (then chunks <= 512)
+_MIN_ROWS_PER_CHUNK = 8
+_MAX_CHUNKS = 512
+
+
+def dweight_chunks(n_rows: int) -> tuple[int, int]:
+    """``(rows_per_chunk, chunks)`` of the weight-gradient kernel for ``n_rows`` rows."""
+    per = max(_MIN_ROWS_PER_CHUNK, math.ceil(n_rows / _MAX_CHUNKS))
+    return per, max(1, math.ceil(n_rows / per))
+
+
+@register_op("RmsNormOp", DeviceType.CUDA, precisions=(Precision.FP32,))
+class CudaRmsNormOp(Operation):
+    """Fused RMS normalization kernels (same contract as the CPU op)."""
+
+    def forward(self, x: Any, weight: Any, out: Any, rstd: Any) -> None:
+        """``out = x / sqrt(mean(x^2, -1) + eps) * weight``; ``rstd [...]`` gets ``r`` per row."""
+        ctx: Any = self.context
+        with ctx.activate():
+            x2 = _kernels.contiguous_rows(ctx.xp, x)  # [N, D]
+            y2, r = out_rows(out), out_flat(rstd)
+            n_rows, dim = x2.shape
+            if n_rows == 0:
+                return
+            w = ctx.xp.ascontiguousarray(weight)
+            args = (x2, w, y2, r, np.int32(dim), np.float32(self.config.eps))
+            _kernels.launch(
+                ctx, RMS_NORM_CUDA_SOURCE, "rms_norm_forward", (n_rows,), _kernels.ROW_THREADS, args
+            )
+
+    def backward(self, x: Any, weight: Any, rstd: Any, dy: Any, dweight: Any, dx: Any) -> None:
+        """Accumulate ``dweight [D]``; overwrite ``dx [..., D]`` (C-contiguous)."""
+        ctx: Any = self.context
+        xp = ctx.xp
+        with ctx.activate():
+            x2 = _kernels.contiguous_rows(xp, x)  # [N, D]
+            dy2 = _kernels.contiguous_rows(xp, dy)
+            dx2 = out_rows(dx)
+            r = xp.ascontiguousarray(rstd.reshape(-1))  # [N]
+            n_rows, dim = x2.shape
+            if n_rows == 0:
+                return
+            w = xp.ascontiguousarray(weight)
+            _kernels.launch(
+                ctx,
+                RMS_NORM_CUDA_SOURCE,
+                "rms_norm_backward_dx",
+                (n_rows,),
+                _kernels.ROW_THREADS,
+                (x2, w, r, dy2, dx2, np.int32(dim)),
+            )
+            per, chunks = dweight_chunks(n_rows)
+            partial = xp.empty((chunks, dim), dtype=np.float32)
+            _kernels.launch(
+                ctx,
+                RMS_NORM_CUDA_SOURCE,
+                "rms_norm_backward_dw",
+                (math.ceil(dim / _kernels.THREADS), chunks),
+                _kernels.THREADS,
+                (x2, r, dy2, partial, np.int32(n_rows), np.int32(dim), np.int32(per)),
+            )
+            dweight += partial.sum(axis=0)

@@ -1,0 +1,137 @@
+"""CUDA SoftmaxCrossEntropyOp: mean cross-entropy of logits against integer targets, fused kernels.
+
+Same math as :mod:`mila_py.ops.cpu.softmax_cross_entropy`, per row ``z [V]`` with target ``t``::
+
+    forward   m = max z,  lse = log(sum exp(z - m)) + m     one block per row; also writes the
+              row's loss lse - z_t (float64) and whether it counts; one CuPy sum over the rows
+              and one device-to-host copy of (total, count) per call
+    backward  dz = exp(z - lse) * scale - [v == t] * scale  one elementwise kernel; 0 on rows
+                                                            whose target is ignore_index
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from mila_py.devices.device import DeviceType
+from mila_py.ops.cpu._rows import out_flat, out_rows
+from mila_py.ops.cuda import _kernels
+from mila_py.ops.operation import Operation
+from mila_py.ops.registry import register_op
+from mila_py.precision import Precision
+
+__all__ = ["SOFTMAX_CROSS_ENTROPY_CUDA_SOURCE", "CudaSoftmaxCrossEntropyOp"]
+
+SOFTMAX_CROSS_ENTROPY_CUDA_SOURCE = r"""
+// logits [n_rows, vocab] C-contiguous; one block per row. stats[row] = (loss, counted).
+extern "C" __global__ void softmax_cross_entropy_forward(
+    const float* __restrict__ logits, const long long* __restrict__ targets,
+    float* __restrict__ lse, double* __restrict__ stats, int vocab, long long ignore_index)
+{
+    __shared__ float scratch[32];
+    const long long row = blockIdx.x;
+    const float* z = logits + row * vocab;
+    float m = MILA_NEG_INF;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        m = fmaxf(m, z[i]);
+    }
+    m = mila_block_max(m, scratch);
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        s = __fadd_rn(s, expf(__fsub_rn(z[i], m)));
+    }
+    s = mila_block_sum(s, scratch);
+    if (threadIdx.x == 0) {
+        const float l = __fadd_rn(logf(s), m);
+        lse[row] = l;
+        const long long t = targets[row];
+        const bool counted = t != ignore_index;
+        stats[2 * row] = counted ? (double)l - (double)z[t] : 0.0;
+        stats[2 * row + 1] = counted ? 1.0 : 0.0;
+    }
+}
+
+// dlogits = (softmax(logits) - onehot(target)) * scale, zero rows for ignored targets.
+extern "C" __global__ void softmax_cross_entropy_backward(
+    const float* __restrict__ logits, const long long* __restrict__ targets,
+    const float* __restrict__ lse, float* __restrict__ dlogits, long long n, int vocab,
+    long long ignore_index, float scale)
+{
+    const long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const long long row = i / vocab;
+        const long long t = targets[row];
+        float d = 0.0f;
+        if (t != ignore_index) {
+            d = __fmul_rn(expf(__fsub_rn(logits[i], lse[row])), scale);
+            if (i - row * vocab == t) {
+                d = __fsub_rn(d, scale);
+            }
+        }
+        dlogits[i] = d;
+    }
+}
+"""
+
+
+@register_op("SoftmaxCrossEntropyOp", DeviceType.CUDA, precisions=(Precision.FP32,))
+class CudaSoftmaxCrossEntropyOp(Operation):
+    """Fused softmax cross-entropy kernels (same contract as the CPU op)."""
+
+    def forward(self, logits: Any, targets: Any, lse: Any) -> tuple[float, int]:
+        """``(mean loss, count)`` over rows whose target is not ``ignore_index``; writes ``lse``.
+
+        Synchronizes with the host once (the loss is returned as a Python float).
+        """
+        ctx: Any = self.context
+        xp = ctx.xp
+        with ctx.activate():
+            z2 = _kernels.contiguous_rows(xp, logits)  # [N, V]
+            lse1 = out_flat(lse)  # [N]
+            n_rows, vocab = z2.shape
+            if n_rows == 0:
+                return math.nan, 0
+            t = xp.ascontiguousarray(targets.reshape(-1), dtype=np.int64)  # [N]
+            stats = xp.empty((n_rows, 2), dtype=np.float64)
+            args = (z2, t, lse1, stats, np.int32(vocab), np.int64(self.config.ignore_index))
+            _kernels.launch(
+                ctx,
+                SOFTMAX_CROSS_ENTROPY_CUDA_SOURCE,
+                "softmax_cross_entropy_forward",
+                (n_rows,),
+                _kernels.ROW_THREADS,
+                args,
+            )
+            totals = ctx.to_host(stats.sum(axis=0))  # [total loss, count]
+        count = int(totals[1])
+        if count == 0:
+            return math.nan, 0
+        return float(totals[0]) / count, count
+
+    def backward(self, logits: Any, targets: Any, lse: Any, dlogits: Any, scale: float) -> None:
+        """``dlogits = (softmax(logits) - onehot(targets)) * scale``; zero rows where ignored."""
+        ctx: Any = self.context
+        xp = ctx.xp
+        with ctx.activate():
+            z2 = _kernels.contiguous_rows(xp, logits)  # [N, V]
+            d2 = out_rows(dlogits)
+            n = int(d2.size)
+            if n == 0:
+                return
+            t = xp.ascontiguousarray(targets.reshape(-1), dtype=np.int64)
+            lse1 = xp.ascontiguousarray(lse.reshape(-1))
+            args = (
+                z2, t, lse1, d2, np.int64(n), np.int32(z2.shape[1]),
+                np.int64(self.config.ignore_index), np.float32(scale),
+            )  # fmt: skip
+            _kernels.launch(
+                ctx,
+                SOFTMAX_CROSS_ENTROPY_CUDA_SOURCE,
+                "softmax_cross_entropy_backward",
+                _kernels.grid_1d(n),
+                _kernels.THREADS,
+                args,
+            )

@@ -1,0 +1,75 @@
+"""CUDA TokenEmbeddingOp: a table lookup (CuPy ``take``) and its scatter-add gradient (a kernel).
+
+::
+
+    forward   y [N, D] = W [V, D] [tokens [N]]      cupy.take into the output buffer
+    backward  dW [tokens[i]] += dy [i]               one block per token, atomicAdd per element
+
+Repeated ids are added with float atomics, so their order (and the last bits of a row that many
+tokens share) may vary from run to run; the CPU op sums each id's rows in a fixed order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mila_py.devices.device import DeviceType
+from mila_py.ops.cuda import _kernels
+from mila_py.ops.operation import Operation
+from mila_py.ops.registry import register_op
+from mila_py.precision import Precision
+
+__all__ = ["TOKEN_EMBEDDING_CUDA_SOURCE", "CudaTokenEmbeddingOp"]
+
+TOKEN_EMBEDDING_CUDA_SOURCE = r"""
+// dweight[ids[row]] += dy[row] for every row (grid-stride over rows, threads over the width).
+extern "C" __global__ void token_embedding_backward(
+    const long long* __restrict__ ids, const float* __restrict__ dy, float* __restrict__ dweight,
+    long long n_rows, int dim)
+{
+    for (long long row = blockIdx.x; row < n_rows; row += gridDim.x) {
+        float* target = dweight + ids[row] * dim;
+        const float* source = dy + row * dim;
+        for (int j = threadIdx.x; j < dim; j += blockDim.x) {
+            atomicAdd(target + j, source[j]);
+        }
+    }
+}
+"""
+
+
+@register_op("TokenEmbeddingOp", DeviceType.CUDA, precisions=(Precision.FP32,))
+class CudaTokenEmbeddingOp(Operation):
+    """Embedding lookup and scatter-add gradient (same contract as the CPU op)."""
+
+    def forward(self, tokens: Any, weight: Any, out: Any) -> None:
+        """``out[...] = weight[tokens]`` (ids already validated to be in ``[0, V)``)."""
+        ctx: Any = self.context
+        with ctx.activate():
+            ctx.xp.take(weight, tokens, axis=0, out=out)
+
+    def backward(self, tokens: Any, dy: Any, dweight: Any) -> None:
+        """``dweight[tokens[i]] += dy[i]`` for every position ``i`` (repeated ids accumulate)."""
+        ctx: Any = self.context
+        xp = ctx.xp
+        with ctx.activate():
+            ids = xp.ascontiguousarray(tokens.reshape(-1), dtype=np.int64)  # [N]
+            n_rows = int(ids.shape[0])
+            if n_rows == 0:
+                return
+            dy2 = _kernels.contiguous_rows(xp, dy)  # [N, D]
+            if not dweight.flags.c_contiguous:
+                raise ValueError(
+                    f"CUDA TokenEmbeddingOp: dweight must be C-contiguous, got {dweight.strides}"
+                )
+            dim = int(dy2.shape[1])
+            _kernels.launch(
+                ctx,
+                TOKEN_EMBEDDING_CUDA_SOURCE,
+                "token_embedding_backward",
+                _kernels.grid_1d(n_rows, 1),
+                _kernels.ROW_THREADS,
+                (ids, dy2, dweight, np.int64(n_rows), np.int32(dim)),
+            )

@@ -1,0 +1,385 @@
+"""The CUDA ops of the Llama, run on the CPU: NumPy arrays, their raw kernels emulated in C++.
+
+Each CUDA op (host logic and kernels, see ``kernel_emulator.py``) is compared with its CPU op
+on random inputs, including the awkward ones: views of a fused buffer, batch slices of larger
+buffers, transposed weights, in-place gradients, ignored targets, repeated token ids, ragged
+decode masks. Float32 results agree with the CPU ops to within reduction-order roundings; where
+both sides do the same IEEE operations in the same order (AdamW) they agree bit for bit.
+
+The CUDA sources are also compiled for sm_90 by ``nvcc`` where it is installed. The same ops on
+a real GPU are compared in ``tests/cuda/test_llama_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from kernel_emulator import COMPILER, EmulatedContext, KernelLibrary, emulated_context
+
+from mila_py import BuildContext, Precision, RuntimeMode
+from mila_py.components import (
+    Linear,
+    LinearConfig,
+    RmsNormConfig,
+    SoftmaxCrossEntropyConfig,
+)
+from mila_py.ops.cpu.attention import attention_backward as cpu_attention_backward
+from mila_py.ops.cpu.attention import attention_forward as cpu_attention_forward
+from mila_py.ops.cpu.linear import linear_backward, linear_forward
+from mila_py.ops.cpu.rms_norm import rms_norm_backward, rms_norm_forward
+from mila_py.ops.cpu.softmax_cross_entropy import (
+    softmax_cross_entropy_backward,
+    softmax_cross_entropy_forward,
+)
+from mila_py.ops.cpu.swiglu import swiglu_backward, swiglu_forward
+from mila_py.ops.cpu.token_embedding import token_embedding_backward, token_embedding_forward
+from mila_py.ops.cuda import _kernels, adamw, attention, rms_norm, softmax_cross_entropy, swiglu
+from mila_py.ops.cuda import token_embedding as cuda_token_embedding
+from mila_py.ops.cuda.adamw import CudaAdamWOp
+from mila_py.ops.cuda.attention import CudaAttentionOp
+from mila_py.ops.cuda.linear import CudaLinearOp
+from mila_py.ops.cuda.rms_norm import CudaRmsNormOp
+from mila_py.ops.cuda.softmax_cross_entropy import CudaSoftmaxCrossEntropyOp
+from mila_py.ops.cuda.swiglu import CudaSwiGLUOp
+from mila_py.ops.cuda.token_embedding import CudaTokenEmbeddingOp
+from mila_py.optim import AdamW
+
+pytestmark = pytest.mark.skipif(COMPILER is None, reason="the kernel emulator needs g++")
+
+SOURCES = [
+    rms_norm.RMS_NORM_CUDA_SOURCE,
+    swiglu.SWIGLU_CUDA_SOURCE,
+    cuda_token_embedding.TOKEN_EMBEDDING_CUDA_SOURCE,
+    softmax_cross_entropy.SOFTMAX_CROSS_ENTROPY_CUDA_SOURCE,
+    attention.ATTENTION_CUDA_SOURCE,
+    adamw.ADAMW_CUDA_SOURCE,
+]
+FP32 = Precision.FP32
+#: float32 results of different summation orders (row sums of a few hundred terms)
+RTOL, ATOL = 2e-6, 2e-7
+
+
+@pytest.fixture(scope="module")
+def library() -> KernelLibrary:
+    return KernelLibrary(SOURCES)
+
+
+@pytest.fixture
+def ctx(library: KernelLibrary) -> Iterator[EmulatedContext]:
+    with emulated_context(library) as context:
+        yield context
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(1234)
+
+
+def f32(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def close(actual: Any, expected: Any, rtol: float = RTOL, atol: float = ATOL) -> None:
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol)
+
+
+# ------------------------------------------------------------------------------------- linear
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_linear_matches_cpu(ctx: EmulatedContext, rng, bias: bool, transposed: bool) -> None:
+    n_in, n_out = 12, 7
+    big = f32(rng, 3, 6, n_in)
+    x = big[:2, :5]  # a batch slice: not contiguous
+    w = np.ascontiguousarray(f32(rng, n_in, n_out).T) if not transposed else f32(rng, n_in, n_out).T
+    b = f32(rng, n_out) if bias else None
+    op = CudaLinearOp(ctx, LinearConfig(n_in, n_out, bias=bias), FP32)
+    out, ref = np.empty((2, 5, n_out), np.float32), np.empty((2, 5, n_out), np.float32)
+    op.forward(x, w, b, out)
+    linear_forward(x, w, b, ref)
+    close(out, ref)
+    dy = f32(rng, 2, 5, n_out)
+    dw0, db0 = f32(rng, n_out, n_in), f32(rng, n_out)  # gradients accumulate
+    dw, dw_ref = dw0.copy(), dw0.copy()
+    db, db_ref = (db0.copy(), db0.copy()) if bias else (None, None)
+    dx, dx_ref = np.empty((2, 5, n_in), np.float32), np.empty((2, 5, n_in), np.float32)
+    op.backward(x, w, dy, dw, db, dx)
+    linear_backward(x, w, dy, dw_ref, db_ref, dx_ref)
+    close(dw, dw_ref)
+    close(dx, dx_ref)
+    if bias:
+        close(db, db_ref)
+
+
+# ------------------------------------------------------------------------------------ rmsnorm
+@pytest.mark.parametrize(("n_rows", "dim"), [(1, 5), (7, 40), (37, 300), (2, 1000)])
+def test_rms_norm_matches_cpu(ctx: EmulatedContext, rng, n_rows: int, dim: int) -> None:
+    op = CudaRmsNormOp(ctx, RmsNormConfig(dim, eps=1e-5), FP32)
+    big = f32(rng, n_rows, 2, dim, scale=3.0)
+    x = big[:, 0]  # every other row: not contiguous
+    w = f32(rng, dim) + 1
+    y, r = np.empty((n_rows, dim), np.float32), np.empty(n_rows, np.float32)
+    y_ref, r_ref = np.empty_like(y), np.empty_like(r)
+    op.forward(x, w, y, r)
+    rms_norm_forward(x, w, 1e-5, y_ref, r_ref)
+    close(y, y_ref)
+    close(r, r_ref)
+    dy = f32(rng, n_rows, dim)
+    dw0 = f32(rng, dim)
+    dw, dw_ref = dw0.copy(), dw0.copy()
+    dx, dx_ref = np.empty_like(y), np.empty_like(y)
+    op.backward(x, w, r, dy, dw, dx)
+    rms_norm_backward(x, w, r_ref, dy, dw_ref, dx_ref)
+    close(dx, dx_ref, atol=1e-6)
+    close(dw, dw_ref, rtol=1e-5, atol=1e-5)  # column sums of n_rows terms of size ~1
+    assert ctx.launches == ["rms_norm_forward", "rms_norm_backward_dx", "rms_norm_backward_dw"]
+
+
+def test_rms_norm_weight_gradient_chunks_cover_every_row() -> None:
+    for n_rows in (1, 7, 8, 9, 4095, 4096, 4097, 100_000):
+        per, chunks = rms_norm.dweight_chunks(n_rows)
+        assert per * chunks >= n_rows > per * (chunks - 1)
+        assert chunks <= 512
+
+
+# ------------------------------------------------------------------------------------- swiglu
+def test_swiglu_matches_cpu_in_place_and_at_extremes(ctx: EmulatedContext, rng) -> None:
+    op = CudaSwiGLUOp(ctx, None, FP32)
+    g, u = f32(rng, 3, 4, 50, scale=4.0), f32(rng, 3, 4, 50)
+    g[0, 0, :4] = [-100.0, 100.0, -1e4, 1e4]  # exp overflows: the limits, no NaN
+    h, h_ref = np.empty_like(g), np.empty_like(g)
+    op.forward(g, u, h)
+    swiglu_forward(g, u, h_ref)
+    close(h, h_ref)
+    dh = f32(rng, 3, 4, 50)
+    dg, du = np.empty_like(g), np.empty_like(g)
+    dg_ref, du_ref = np.empty_like(g), np.empty_like(g)
+    with np.errstate(over="ignore"):
+        swiglu_backward(g, u, dh, dg_ref, du_ref)
+    op.backward(g, u, dh, dg, du)
+    close(dg, dg_ref)
+    close(du, du_ref)
+    in_place = dh.copy()  # dgate is dh itself, as the SwiGLU component calls it
+    op.backward(g, u, in_place, in_place, du)
+    close(in_place, dg_ref)
+    assert np.isfinite(h).all() and np.isfinite(dg).all()
+
+
+# -------------------------------------------------------------------------------- embedding
+def test_token_embedding_matches_cpu_with_repeated_ids(ctx: EmulatedContext, rng) -> None:
+    op = CudaTokenEmbeddingOp(ctx, None, FP32)
+    weight = f32(rng, 11, 300)
+    tokens = np.array([[3, 3, 0, 10], [3, 7, 7, 0]], dtype=np.int32)
+    out, ref = np.empty((2, 4, 300), np.float32), np.empty((2, 4, 300), np.float32)
+    op.forward(tokens, weight, out)
+    token_embedding_forward(tokens, weight, ref)
+    np.testing.assert_array_equal(out, ref)
+    dy = f32(rng, 2, 4, 300)
+    dw0 = f32(rng, 11, 300)
+    dw, dw_ref = dw0.copy(), dw0.copy()
+    op.backward(tokens, dy, dw)
+    token_embedding_backward(tokens, dy, dw_ref)
+    close(dw, dw_ref)
+
+
+# ------------------------------------------------------------------------------ cross-entropy
+@pytest.mark.parametrize("vocab", [5, 300, 1031])
+def test_softmax_cross_entropy_matches_cpu(ctx: EmulatedContext, rng, vocab: int) -> None:
+    op = CudaSoftmaxCrossEntropyOp(ctx, SoftmaxCrossEntropyConfig(vocab, ignore_index=-100), FP32)
+    logits = f32(rng, 2, 5, vocab, scale=5.0)
+    targets = rng.integers(0, vocab, size=(2, 5))
+    targets[0, 1] = targets[1, 4] = -100
+    lse, lse_ref = np.empty((2, 5), np.float32), np.empty((2, 5), np.float32)
+    loss, count = op.forward(logits, targets, lse)
+    loss_ref, count_ref = softmax_cross_entropy_forward(logits, targets, -100, lse_ref)
+    assert count == count_ref == 8
+    assert loss == pytest.approx(loss_ref, rel=1e-6)
+    close(lse, lse_ref)
+    d, d_ref = np.empty_like(logits), np.empty_like(logits)
+    op.backward(logits, targets, lse, d, 0.37 / count)
+    softmax_cross_entropy_backward(logits, targets, -100, lse_ref, d_ref, 0.37 / count)
+    close(d, d_ref, atol=1e-8)
+    assert not d[0, 1].any() and not d[1, 4].any()
+
+
+def test_softmax_cross_entropy_with_every_target_ignored(ctx: EmulatedContext, rng) -> None:
+    op = CudaSoftmaxCrossEntropyOp(ctx, SoftmaxCrossEntropyConfig(6, ignore_index=-1), FP32)
+    lse = np.empty((1, 3), np.float32)
+    loss, count = op.forward(f32(rng, 1, 3, 6), np.full((1, 3), -1), lse)
+    assert np.isnan(loss) and count == 0
+
+
+# ---------------------------------------------------------------------------------- attention
+def _qkv(rng, n_b: int, n_t: int, hq: int, hk: int, d: int) -> tuple[Any, Any, Any, Any]:
+    """Q, K, V as views of one fused [B, T, (Hq + 2 Hk) d] buffer, like the component's."""
+    qkv = f32(rng, n_b, n_t, (hq + 2 * hk) * d)
+    return qkv, qkv[..., : hq * d], qkv[..., hq * d : (hq + hk) * d], qkv[..., (hq + hk) * d :]
+
+
+@pytest.mark.parametrize(("hq", "hk", "d"), [(4, 2, 8), (3, 3, 5), (6, 1, 4)])
+def test_attention_training_matches_cpu(ctx: EmulatedContext, rng, hq: int, hk: int, d: int):
+    n_b, n_t, scale = 2, 9, 0.41
+    qkv, q, k, v = _qkv(rng, n_b, n_t, hq, hk, d)
+    before = qkv.copy()
+    op = CudaAttentionOp(ctx, None, FP32)
+    probs = np.empty((n_b, hk, hq // hk, n_t, n_t), np.float32)
+    out_buf = np.zeros((n_b + 1, n_t, hq * d), np.float32)
+    out = out_buf[:n_b]
+    p = op.forward(q, k, v, hq, hk, scale, out=out, probs=probs)
+    out_ref = np.empty((n_b, n_t, hq * d), np.float32)
+    p_ref = cpu_attention_forward(q, k, v, hq, hk, scale, out_ref)
+    assert p is not None and np.shares_memory(p, probs)
+    close(p, p_ref, atol=1e-6)
+    close(out, out_ref, atol=1e-6)
+    np.testing.assert_array_equal(qkv, before)  # inputs untouched
+    dout = f32(rng, n_b, n_t, hq * d)
+    dqkv, dqkv_ref = np.zeros_like(qkv), np.zeros_like(qkv)
+    for buf, fn in ((dqkv, op.backward), (dqkv_ref, cpu_attention_backward)):
+        dq, dk, dv = buf[..., : hq * d], buf[..., hq * d : (hq + hk) * d], buf[..., (hq + hk) * d :]
+        fn(dout, q, k, v, p_ref, hq, hk, scale, dq, dk, dv, out=out_ref)
+    close(dqkv, dqkv_ref, rtol=1e-5, atol=1e-6)
+    dqkv_rows = np.zeros_like(qkv)  # without the forward output: rowsum(dP * P)
+    dq, dk, dv = (
+        dqkv_rows[..., : hq * d],
+        dqkv_rows[..., hq * d : (hq + hk) * d],
+        dqkv_rows[..., (hq + hk) * d :],
+    )
+    op.backward(dout, q, k, v, p_ref, hq, hk, scale, dq, dk, dv)
+    close(dqkv_rows, dqkv_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_prefill_at_an_offset_matches_cpu(ctx: EmulatedContext, rng) -> None:
+    hq, hk, d, scale = 4, 2, 6, 0.3
+    _, q, _, _ = _qkv(rng, 2, 3, hq, hk, d)
+    cache = f32(rng, 2, 20, 2 * hk * d)
+    k, v = cache[:, :11, : hk * d], cache[:, :11, hk * d :]  # slices of a larger cache
+    out, out_ref = np.empty((2, 3, hq * d), np.float32), np.empty((2, 3, hq * d), np.float32)
+    p = CudaAttentionOp(ctx, None, FP32).forward(q, k, v, hq, hk, scale, out=out, q_offset=8)
+    p_ref = cpu_attention_forward(q, k, v, hq, hk, scale, out_ref, q_offset=8)
+    close(p, p_ref, atol=1e-6)
+    close(out, out_ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_attention_decode_matches_cpu(ctx: EmulatedContext, rng, ragged: bool) -> None:
+    hq, hk, d, scale, n_b = 6, 2, 4, 0.5, 3
+    _, q, _, _ = _qkv(rng, n_b, 1, hq, hk, d)
+    cache = f32(rng, n_b, 30, 2 * hk * d)
+    pos = np.array([4, 17, 9]) if ragged else np.array([12, 12, 12])
+    end = int(pos.max()) + 1
+    k, v = cache[:, :end, : hk * d], cache[:, :end, hk * d :]
+    if ragged:  # the component's bias: -inf past each sequence's position
+        visible = np.arange(end)[None, :] <= pos[:, None]
+        bias = np.where(visible, 0.0, -np.inf).astype(np.float32)[:, None, None, None, :]
+        kwargs: dict[str, Any] = {"bias": bias, "causal": False}
+    else:
+        kwargs = {"causal": False}
+    out_buf = np.zeros((n_b, 4, hq * d), np.float32)
+    out, out_ref = out_buf[:, :1], np.empty((n_b, 1, hq * d), np.float32)
+    q_before = q.copy()
+    p = CudaAttentionOp(ctx, None, FP32).forward(q, k, v, hq, hk, scale, out=out, **kwargs)
+    p_ref = cpu_attention_forward(q, k, v, hq, hk, scale, out_ref, **kwargs)
+    close(p, p_ref, atol=1e-6)
+    close(out, out_ref, atol=1e-6)
+    np.testing.assert_array_equal(q, q_before)  # a decode Q is contiguous per head: not scaled
+    assert not out_buf[:, 1:].any()
+
+
+def test_attention_orchestration_with_numpy_softmax(rng) -> None:
+    """The host-side functions with NumPy kernels written from their documented contracts."""
+
+    def softmax(scores: Any, n_tq: int, q_offset: int, causal: bool) -> None:
+        rows, n_tk = scores.shape
+        t = (np.arange(rows) % n_tq)[:, None]
+        if causal:
+            scores[np.arange(n_tk)[None, :] > q_offset + t] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+
+    def softmax_backward(dp: Any, p: Any, row: Any) -> None:
+        dp -= row[:, None]
+        dp *= p
+
+    hq, hk, d, scale = 4, 2, 3, 0.7
+    _, q, k, v = _qkv(rng, 2, 5, hq, hk, d)
+    out, out_ref = np.empty((2, 5, hq * d), np.float32), np.empty((2, 5, hq * d), np.float32)
+    p = attention.attention_forward(q, k, v, hq, hk, scale, out, xp=np, softmax=softmax)
+    p_ref = cpu_attention_forward(q, k, v, hq, hk, scale, out_ref)
+    close(p, p_ref, atol=1e-6)
+    close(out, out_ref, atol=1e-6)
+    dout = f32(rng, 2, 5, hq * d)
+    grads = [np.empty_like(a) for a in (q, k, v) for _ in range(2)]
+    attention.attention_backward(
+        dout, q, k, v, p_ref, hq, hk, scale, *grads[0::2], out=out_ref, xp=np,
+        softmax_backward=softmax_backward,
+    )  # fmt: skip
+    cpu_attention_backward(dout, q, k, v, p_ref, hq, hk, scale, *grads[1::2], out=out_ref)
+    for ours, ref in zip(grads[0::2], grads[1::2], strict=True):
+        close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+# -------------------------------------------------------------------------------------- AdamW
+def test_fused_adamw_equals_the_array_code_bit_for_bit(ctx: EmulatedContext, rng) -> None:
+    models = []
+    for _ in range(2):
+        lin = Linear("lin", LinearConfig(9, 5, bias=True), device="CPU")
+        lin.build(BuildContext((2, 9), RuntimeMode.TRAINING))
+        models.append(lin)
+    plain = AdamW(models[0], lr=3e-3, weight_decay=0.1)
+    fused = AdamW(models[1], lr=3e-3, weight_decay=0.1)
+    assert plain._fused is None  # the CPU has no AdamWOp: the array code runs
+    fused._fused = CudaAdamWOp(ctx, None, FP32)
+    for step in range(3):
+        for model in models:
+            for (_, g), seed in zip(model.named_gradients(), range(10), strict=False):
+                g[...] = f32(np.random.default_rng(step * 10 + seed), *g.shape)
+        plain.step()
+        fused.step()
+    for (name, a), (_, b) in zip(
+        models[0].named_parameters(), models[1].named_parameters(), strict=True
+    ):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    for m0, m1 in zip(plain._m + plain._v, fused._m + fused._v, strict=True):
+        np.testing.assert_array_equal(m0, m1)
+    assert ctx.launches == ["adamw_step"] * 6
+
+
+def test_launches_check_argument_types(ctx: EmulatedContext, rng) -> None:
+    """The emulator rejects what a raw kernel would misread (and so guards the ops' calls)."""
+    x = f32(rng, 2, 8)
+    good = (x, x.copy(), x.copy(), np.empty(2, np.float32), np.int32(8), np.float32(1e-5))
+    _kernels.launch(ctx, "", "rms_norm_forward", (2,), 32, good)
+    with pytest.raises(TypeError, match="int given int"):
+        _kernels.launch(ctx, "", "rms_norm_forward", (2,), 32, (*good[:4], 8, good[5]))
+    with pytest.raises(TypeError, match="float64 array"):
+        _kernels.launch(ctx, "", "rms_norm_forward", (2,), 32, (x.astype(np.float64), *good[1:]))
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        _kernels.launch(ctx, "", "rms_norm_forward", (2,), 32, (x.T.copy().T, *good[1:]))
+
+
+# --------------------------------------------------------------------------------- compiling
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
+def test_cuda_sources_compile_for_sm90(tmp_path) -> None:
+    """Every kernel source, with the prelude as NVRTC sees it, compiles for Hopper (one nvcc
+    run: each source in a namespace of its own, so none relies on another's helpers)."""
+    path = tmp_path / "sources.cu"
+    path.write_text(
+        "\n".join(
+            f"namespace source{i} {{\n{_kernels.CUDA_PRELUDE}{source}\n}}"
+            for i, source in enumerate(SOURCES)
+        )
+    )
+    result = subprocess.run(
+        [NVCC, "-std=c++17", "-arch=sm_90", "-c", str(path), "-o", str(tmp_path / "sources.o")],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,126 @@
+"""A whole Llama on an emulated ``CUDA:0``: the registry's CUDA ops, their kernels run on the CPU.
+
+The components pick their ops by device type, so a Llama built for ``"CUDA:0"`` under
+:func:`kernel_emulator.emulated_cuda_devices` runs every CUDA op of the Llama (NumPy arrays,
+kernels compiled as C++) through the unchanged components: training steps with AdamW's fused
+kernel, chunked prefill, uniform and ragged decode, greedy generation. Each is compared with
+the same model on the CPU. What it does not cover (CuPy itself, streams, RoPE's CUDA op) is
+checked on a GPU by ``tests/cuda/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from kernel_emulator import COMPILER, EmulatedContext, KernelLibrary, emulated_cuda_devices
+from test_cuda_ops_emulated import SOURCES
+
+from mila_py import BuildContext, RuntimeMode
+from mila_py.components import Llama, LlamaConfig, SoftmaxCrossEntropy, SoftmaxCrossEntropyConfig
+from mila_py.ops.cuda.adamw import CudaAdamWOp
+from mila_py.optim import AdamW, clip_grad_norm
+
+pytestmark = pytest.mark.skipif(COMPILER is None, reason="the kernel emulator needs g++")
+
+TRAINING, INFERENCE = RuntimeMode.TRAINING, RuntimeMode.INFERENCE
+CFG = LlamaConfig(
+    vocab_size=40, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48, max_seq_len=64
+)
+
+
+@pytest.fixture(scope="module")
+def library() -> KernelLibrary:
+    return KernelLibrary(SOURCES)
+
+
+@pytest.fixture
+def cuda(library: KernelLibrary) -> Iterator[None]:
+    with emulated_cuda_devices(library):
+        yield
+
+
+def rel_err(actual: Any, expected: Any) -> float:
+    a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    scale = max(np.linalg.norm(a), np.linalg.norm(e))
+    return 0.0 if scale == 0 else float(np.linalg.norm(a - e) / scale)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_training_steps_equal_cpu(cuda: None, tie: bool) -> None:
+    cfg = dataclasses.replace(CFG, tie_embeddings=tie)
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, cfg.vocab_size, size=(2, 12))
+    targets = rng.integers(0, cfg.vocab_size, size=(2, 12))
+    targets[1, :4] = -100
+    runs = []
+    for device in ("CPU", "CUDA:0"):
+        model = Llama("llama", cfg, device=device)
+        model.build(BuildContext((2, 12), TRAINING))  # the same seeded weights on both
+        assert isinstance(model.execution_context, EmulatedContext) == (device != "CPU")
+        loss_fn = SoftmaxCrossEntropy(
+            "loss", SoftmaxCrossEntropyConfig(cfg.vocab_size), device=device
+        )
+        loss_fn.build(BuildContext((2, 12, cfg.vocab_size), TRAINING))
+        opt = AdamW(model, lr=1e-3, eps=1e-4, weight_decay=0.1)
+        assert isinstance(opt._fused, CudaAdamWOp) == (device != "CPU")
+        record: dict[str, Any] = {"loss": []}
+        for step in range(3):
+            logits = model.forward(tokens)
+            if step == 0:
+                record["logits"] = logits.copy()
+            record["loss"].append(loss_fn.forward(logits, targets))
+            model.backward(loss_fn.backward())
+            if step == 0:
+                record["grads"] = {n: g.copy() for n, g in model.named_gradients()}
+                record["norm"] = clip_grad_norm(model, 1e9)
+            opt.step()
+            model.zero_gradients()
+        record["params"] = {n: p.copy() for n, p in model.named_parameters()}
+        record["stats"] = model.get_memory_stats()
+        runs.append(record)
+    ref, got = runs
+    assert rel_err(got["logits"], ref["logits"]) < 1e-5
+    np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
+    assert got["norm"] == pytest.approx(ref["norm"], rel=1e-5)
+    for name, g in ref["grads"].items():
+        assert rel_err(got["grads"][name], g) < 1e-5, name
+    for name, p in ref["params"].items():
+        np.testing.assert_allclose(got["params"][name], p, rtol=1e-5, atol=1e-6, err_msg=name)
+    # the same arrays (NumPy ones here, so counted as the emulated GPU's host memory)
+    assert got["stats"].total_bytes == ref["stats"].total_bytes
+
+
+def test_inference_equals_cpu(cuda: None, tmp_path) -> None:
+    rng = np.random.default_rng(6)
+    trained = Llama("llama", CFG, device="CPU")
+    trained.build(BuildContext((1, 8), TRAINING))
+    trained.save(tmp_path / "w.safetensors")
+    cpu, gpu = (Llama("llama", CFG, device=d) for d in ("CPU", "CUDA:0"))
+    for model in (cpu, gpu):
+        model.build(BuildContext((2, 48), INFERENCE, prefill_size=5))
+        model.load(tmp_path / "w.safetensors")
+    x = rng.integers(0, CFG.vocab_size, size=(2, 13))
+    np.testing.assert_allclose(gpu.prefill(x), cpu.prefill(x), rtol=1e-5, atol=1e-5)
+    for position in range(13, 20):
+        token = rng.integers(0, CFG.vocab_size, size=2)
+        np.testing.assert_allclose(
+            gpu.decode(token, position), cpu.decode(token, position), rtol=1e-5, atol=1e-5
+        )
+    more = rng.integers(0, CFG.vocab_size, size=(2, 4))
+    np.testing.assert_allclose(gpu.prefill(more, 20), cpu.prefill(more, 20), rtol=1e-5, atol=1e-5)
+    positions = np.array([24, 21])  # ragged: a -inf bias per sequence
+    for _ in range(4):
+        token = rng.integers(0, CFG.vocab_size, size=2)
+        np.testing.assert_allclose(
+            gpu.decode(token, positions), cpu.decode(token, positions), rtol=1e-5, atol=1e-5
+        )
+        positions = positions + 1
+    prompt = rng.integers(0, CFG.vocab_size, size=(2, 6))
+    np.testing.assert_array_equal(gpu.generate(prompt, 10), cpu.generate(prompt, 10))
+    ops = {type(c.op).__name__ for c in gpu._walk() if hasattr(c, "op")}
+    assert {"CudaLinearOp", "CudaRmsNormOp", "CudaTokenEmbeddingOp", "CudaSwiGLUOp"} <= ops
+    assert type(gpu.layers[0].self_attn._op).__name__ == "CudaAttentionOp"

@@ -87,9 +87,8 @@ def main() -> None:
         opt.lr = 3e-3 * min(1.0, (step + 1) / 30)
         opt.step()
         model.zero_gradients()
-        bar.set_postfix(
-            loss=f"{loss:.3f}", tok_s=f"{(step + 1) * x.size / (time.perf_counter() - start):,.0f}"
-        )
+        rate = (step + 1) * x.size / (time.perf_counter() - start)
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}", refresh=False)  # shown at 1 Hz
 
     # 2. evaluate in EVAL mode
     model.set_training_mode(TrainingMode.EVAL)

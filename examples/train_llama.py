@@ -104,7 +104,7 @@ def main() -> None:
     model.set_training_mode(TrainingMode.NORMAL)
 
     stream = batches(train_tokens, args.batch, args.seq, rng)
-    bar = tqdm(range(args.steps), desc="train", unit="step")
+    bar = tqdm(range(args.steps), desc="train", unit="step", mininterval=1.0)
     start = time.perf_counter()
     for step in bar:
         x, y = next(stream)
@@ -115,7 +115,7 @@ def main() -> None:
         opt.step()
         model.zero_gradients()
         rate = (step + 1) * x.size / (time.perf_counter() - start)
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}")
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}", refresh=False)
 
     model.set_training_mode(TrainingMode.EVAL)
     after = evaluate(model, loss_fn, eval_batches)

@@ -7,10 +7,21 @@ every block's threads run as fibers with real barriers and warp-shuffle exchange
 op's host logic (shapes, strides, launch geometry, argument types) and its kernels' indexing
 and arithmetic are checked against the CPU ops on a machine without a GPU.
 
-Every launch checks what CuPy would not: each array argument is C-contiguous with the dtype of
-its pointer parameter (``float*`` float32, ``long long*`` int64, ``double*`` float64), and each
-scalar has the exact NumPy type of its parameter (``int`` int32, ``long long`` int64, ``float``
-float32), as a raw kernel reads its arguments by position and width.
+Kernels are ``extern "C"`` functions, or templates whose instantiations are named as NVRTC name
+expressions (``rope_qk<float, 4, false>``), given to :class:`KernelLibrary` as CuPy's RawModule
+takes them. Three mechanical rewrites make a source C++: ``extern __shared__`` arrays become
+the launch's dynamic shared memory, the PTX instructions of :data:`PTX` (inline ``asm``) become
+calls to their bit-exact emulations (any other ``asm`` is refused), and ``reinterpret_cast``
+checks the alignment the GPU requires (a misaligned vector access raises).
+
+Every launch checks what CuPy would not: each array argument has a dtype of its pointer
+parameter (``float*`` float32, ``long long*`` int64, ``mila_bf16*`` bfloat16 or its uint16
+bits, ...), is C-contiguous unless the parameter is marked ``MILA_STRIDED`` (the kernel takes
+its strides), and is writeable unless the parameter is ``const``; a null pointer is
+``_kernels.NULL`` (CuPy does not pass ``None`` as NULL everywhere); each scalar has the exact
+NumPy type of its parameter (``int`` int32, ``long long`` int64, ``float`` float32), as a raw
+kernel reads its arguments by position and width. The block size must respect
+``__launch_bounds__`` and the dynamic shared memory the default 48 KiB limit.
 """
 
 from __future__ import annotations
@@ -22,10 +33,11 @@ import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from mila_py.devices.device import DeviceId, DeviceType
@@ -35,34 +47,110 @@ from mila_py.ops.cuda import _kernels
 HEADER = Path(__file__).with_name("kernel_emulator.h")
 COMPILER = shutil.which("g++")
 
-_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)', re.S)
-_POINTERS = {"float": np.float32, "double": np.float64, "long long": np.int64, "int": np.int32}
+_KERNEL = re.compile(
+    r"(?:template\s*<(?P<template>[^<>]*)>\s*)?(?P<extern>extern\s+\"C\"\s+)?__global__\s+void\s+"
+    r"(?:__launch_bounds__\s*\((?P<bounds>[^()]*)\)\s*)?(?P<name>\w+)\s*\((?P<params>[^)]*)\)",
+    re.S,
+)
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+#: dtypes an array may have for a pointer parameter (the raw 16-bit types of ops/cuda/rope.py:
+#: ``mila_bf16`` arrays are bfloat16, or their uint16 bits as CuPy < 14 carries them)
+_POINTERS: dict[str, tuple[np.dtype, ...]] = {
+    "float": (np.dtype(np.float32),),
+    "double": (np.dtype(np.float64),),
+    "long long": (np.dtype(np.int64),),
+    "int": (np.dtype(np.int32),),
+    "unsigned short": (np.dtype(np.uint16),),
+    "mila_half": (np.dtype(np.float16),),
+    "mila_bf16": (_BF16, np.dtype(np.uint16)),
+}
 _SCALARS = {
     "int": (np.int32, ctypes.c_int),
     "long long": (np.int64, ctypes.c_longlong),
     "float": (np.float32, ctypes.c_float),
     "double": (np.float64, ctypes.c_double),
 }
+#: inline PTX the emulator knows: ``asm("<op> %0, %1;" : "=<out>"(y) : "<in>"(x))`` becomes
+#: ``y = <function>(x)`` when the constraints match
+PTX = {
+    "cvt.f32.f16": ("f", "h", "mila_emu::ptx_cvt_f32_f16"),
+    "cvt.rn.f16.f32": ("h", "f", "mila_emu::ptx_cvt_rn_f16_f32"),
+}
+_ASM = re.compile(
+    r"\basm\s*(?:volatile\s*)?\(\s*\"\s*(?P<op>[\w.]+)\s+%0\s*,\s*%1\s*;?\s*\"\s*"
+    r":\s*\"=(?P<out_c>\w)\"\s*\((?P<out>[^()]*)\)\s*:\s*\"(?P<in_c>\w)\"\s*\((?P<in>[^()]*)\)\s*\)"
+)
+_EXTERN_SHARED = re.compile(
+    r"\bextern\s+__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s+)?(?P<type>\w[\w ]*?)\s+"
+    r"(?P<name>\w+)\s*\[\s*\]\s*;"
+)
+#: the default per-block limit of dynamic shared memory (more needs cudaFuncSetAttribute)
+MAX_DYNAMIC_SHARED = 48 * 1024
+MAX_THREADS = 1024
+#: strict aliasing off: kernels move T arrays as aligned structs of T, as CUDA code does
+FLAGS = (
+    "-std=c++17", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-shared",
+    "-U_FORTIFY_SOURCE", "-Wno-unknown-pragmas",
+)  # fmt: skip
+
+
+def emulable(source: str) -> str:
+    """``source`` with the rewrites the module docstring lists (ValueError for unknown asm)."""
+
+    def ptx(match: re.Match[str]) -> str:
+        op = match["op"]
+        if op not in PTX:
+            raise ValueError(f"kernel emulator: no emulation of the PTX instruction {op!r}")
+        out_c, in_c, function = PTX[op]
+        if (match["out_c"], match["in_c"]) != (out_c, in_c):
+            raise ValueError(
+                f"kernel emulator: {op} with constraints {match['out_c']!r}/{match['in_c']!r}, "
+                f"expected {out_c!r}/{in_c!r}"
+            )
+        return f"({match['out']}) = {function}({match['in']})"
+
+    source = _ASM.sub(ptx, source)
+    left = re.search(r"\basm\b.*", source)
+    if left is not None:
+        raise ValueError(f"kernel emulator: cannot emulate inline assembly {left.group(0)!r}")
+    source = _EXTERN_SHARED.sub(
+        lambda m: f"{m['type']}* {m['name']} = mila_emu::dynamic_shared<{m['type']}>();", source
+    )
+    return re.sub(r"\breinterpret_cast\s*<", "mila_emu::aligned_cast<", source)
 
 
 class _Param:
-    def __init__(self, text: str) -> None:
-        text = " ".join(text.replace("__restrict__", " ").split())
-        match = re.fullmatch(r"(?:const )?([a-z ]+?)\s*(\*?)\s*(\w+)", text)
+    def __init__(self, text: str, types: dict[str, str]) -> None:
+        words = text.replace("__restrict__", " ").replace("*", " * ").split()
+        self.strided = "MILA_STRIDED" in words
+        words = [types.get(w, w) for w in words if w != "MILA_STRIDED"]
+        match = re.fullmatch(r"(const )?([A-Za-z_][\w ]*?) ?(\*?) ?(\w+)", " ".join(words))
         if match is None:
             raise ValueError(f"kernel emulator: cannot parse parameter {text!r}")
-        self.base, self.pointer, self.name = match.group(1), bool(match.group(2)), match.group(3)
+        self.const = bool(match.group(1))
+        self.base, self.pointer, self.name = match.group(2), bool(match.group(3)), match.group(4)
+        if self.pointer and self.base not in _POINTERS:
+            raise ValueError(f"kernel emulator: no array dtype for {self.base}* ({text!r})")
+        if not self.pointer and self.base not in _SCALARS:
+            raise ValueError(f"kernel emulator: no scalar type for {self.base} ({text!r})")
+        if self.strided and not self.pointer:
+            raise ValueError(f"kernel emulator: MILA_STRIDED on a scalar ({text!r})")
 
 
 class _Kernel:
-    def __init__(self, name: str, params: list[_Param], function: Any) -> None:
+    def __init__(self, name: str, params: list[_Param], max_threads: int, function: Any) -> None:
         self.name, self.params, self.function = name, params, function
-        function.restype = None
-        function.argtypes = [ctypes.c_uint] * 4 + [
-            ctypes.c_void_p if p.pointer else _SCALARS[p.base][1] for p in params
-        ]
+        self.max_threads = max_threads  # __launch_bounds__, else the GPU's limit
+        function.restype = ctypes.c_char_p
+        function.argtypes = (
+            [ctypes.c_uint] * 4
+            + [ctypes.c_size_t]
+            + [ctypes.c_void_p if p.pointer else _SCALARS[p.base][1] for p in params]
+        )
 
-    def __call__(self, grid: tuple[int, ...], block: int, args: tuple[Any, ...]) -> None:
+    def __call__(
+        self, grid: tuple[int, ...], block: int, args: tuple[Any, ...], shared_mem: int = 0
+    ) -> None:
         if len(args) != len(self.params):
             raise TypeError(f"{self.name}: {len(args)} arguments for {len(self.params)} parameters")
         values: list[Any] = []
@@ -70,14 +158,18 @@ class _Kernel:
             where = f"{self.name}({param.name})"
             if param.pointer:
                 if arg is None:
+                    raise TypeError(f"{where}: None is not NULL for CuPy; pass _kernels.NULL")
+                if type(arg) is np.uint64 and arg == _kernels.NULL:
                     values.append(None)
                     continue
                 if not isinstance(arg, np.ndarray):
                     raise TypeError(f"{where}: expected an array, got {type(arg).__name__}")
-                if arg.dtype != _POINTERS[param.base]:
+                if arg.dtype not in _POINTERS[param.base]:
                     raise TypeError(f"{where}: {param.base}* given a {arg.dtype} array")
-                if not arg.flags.c_contiguous:
+                if not (param.strided or arg.flags.c_contiguous):
                     raise ValueError(f"{where}: array is not C-contiguous (strides {arg.strides})")
+                if not (param.const or arg.flags.writeable):
+                    raise ValueError(f"{where}: {param.base}* given a read-only array")
                 values.append(arg.ctypes.data)
             else:
                 expected = _SCALARS[param.base][0]
@@ -87,60 +179,144 @@ class _Kernel:
         grid3 = (*grid, 1, 1)[:3]
         if min(grid3) < 1 or block < 1:
             raise ValueError(f"{self.name}: empty launch grid={grid} block={block}")
-        self.function(*grid3, block, *values)
+        if grid3[0] >= 2**31 or max(grid3[1:]) > 65535:
+            raise ValueError(f"{self.name}: grid {grid} exceeds the GPU's limits")
+        if block > self.max_threads:
+            raise ValueError(
+                f"{self.name}: {block} threads per block, the kernel allows {self.max_threads}"
+            )
+        if not 0 <= shared_mem <= MAX_DYNAMIC_SHARED:
+            raise ValueError(
+                f"{self.name}: {shared_mem} bytes of dynamic shared memory (at most "
+                f"{MAX_DYNAMIC_SHARED} without opting in)"
+            )
+        fault = self.function(*grid3, block, shared_mem, *values)
+        if fault is not None:
+            raise RuntimeError(f"{self.name}: {fault.decode()}")
+
+
+def _template_args(expression: str) -> tuple[str, list[str]]:
+    """``"rope_qk<float, 4, false>"`` -> ``("rope_qk", ["float", "4", "false"])``."""
+    match = re.fullmatch(r"\s*(\w+)\s*<([^<>]*)>\s*", expression)
+    if match is None:
+        raise ValueError(f"kernel emulator: cannot parse the name expression {expression!r}")
+    return match.group(1), [a.strip() for a in match.group(2).split(",")]
 
 
 class KernelLibrary:
-    """Every ``extern "C"`` kernel of the given CUDA sources, compiled for the CPU."""
+    """The given CUDA sources' kernels, compiled for the CPU (one shared library, cached on disk).
 
-    def __init__(self, sources: list[str]) -> None:
+    Args:
+        sources: kernel sources (each is compiled after ``CUDA_PRELUDE``, as ``_kernels`` does).
+        name_expressions: the template instantiations to compile, as the ops name them at launch.
+    """
+
+    def __init__(self, sources: Sequence[str], name_expressions: Sequence[str] = ()) -> None:
         if COMPILER is None:
             raise RuntimeError("the kernel emulator needs g++")
-        kernels: list[tuple[str, list[_Param]]] = []
+        found: dict[str, tuple[re.Match[str], str | None]] = {}
+        kernels: list[tuple[str, str, list[_Param], int]] = []  # launch name, C++ callee, ...
         for source in sources:
             for match in _KERNEL.finditer(source):
-                params = [_Param(p) for p in match.group(2).split(",") if p.strip()]
-                kernels.append((match.group(1), params))
+                found[match["name"]] = (match, match["template"])
+                if match["extern"] and match["template"] is None:
+                    kernels.append((match["name"], match["name"], *self._signature(match, {})))
+                elif match["template"] is None:
+                    raise ValueError(
+                        f'kernel emulator: __global__ {match["name"]} is neither extern "C" nor '
+                        "a template"
+                    )
+        for expression in name_expressions:
+            base, args = _template_args(expression)
+            if base not in found or found[base][1] is None:
+                raise ValueError(f"kernel emulator: no template kernel {base!r} for {expression!r}")
+            match, template = found[base]
+            names = [p.split()[-1] for p in template.split(",")]  # type: ignore[union-attr]
+            kinds = [p.split()[0] for p in template.split(",")]  # type: ignore[union-attr]
+            typenames = ("typename", "class")
+            if len(args) != len(names):
+                raise ValueError(f"kernel emulator: {expression!r} for template <{template}>")
+            types = {n: a for n, a, k in zip(names, args, kinds, strict=True) if k in typenames}
+            callee = f"{base}<{', '.join(args)}>"
+            kernels.append((expression, callee, *self._signature(match, types)))
         wrappers = []
-        for name, params in kernels:
-            decl = ", ".join(
-                f"{'const ' if p.pointer else ''}{p.base}{'*' if p.pointer else ''} {p.name}"
+        for i, (_, callee, params, _) in enumerate(kernels):
+            decl = "".join(
+                f", {'const ' if p.pointer else ''}{p.base}{'*' if p.pointer else ''} {p.name}"
                 for p in params
             )
             call = ", ".join(
                 f"const_cast<{p.base}*>({p.name})" if p.pointer else p.name for p in params
             )
             wrappers.append(
-                f'extern "C" void emu_{name}(unsigned gx, unsigned gy, unsigned gz, '
-                f"unsigned bx{', ' if decl else ''}{decl}) {{\n"
-                f"    mila_emu::launch(dim3{{gx, gy, gz}}, dim3{{bx, 1, 1}}, "
-                f"[&] {{ {name}({call}); }});\n}}\n"
+                f'extern "C" const char* emu_{i}(unsigned gx, unsigned gy, unsigned gz, '
+                f"unsigned bx, std::size_t shared{decl}) {{\n"
+                f"    return mila_emu::launch(dim3{{gx, gy, gz}}, dim3{{bx, 1, 1}}, shared, "
+                f"[&] {{ {callee}({call}); }});\n}}\n"
             )
-        code = "\n".join([f'#include "{HEADER}"', _kernels.CUDA_PRELUDE, *sources, *wrappers])
-        digest = hashlib.sha256((code + HEADER.read_text()).encode()).hexdigest()[:16]
+        body = [emulable(_kernels.CUDA_PRELUDE), *(emulable(s) for s in sources)]
+        code = "\n".join([f'#include "{HEADER}"', *body, *wrappers])
+        library = self._compile(code)
+        handle = ctypes.CDLL(str(library))
+        self.kernels = {
+            name: _Kernel(name, params, bounds, getattr(handle, f"emu_{i}"))
+            for i, (name, _, params, bounds) in enumerate(kernels)
+        }
+
+    @staticmethod
+    def _signature(match: re.Match[str], types: dict[str, str]) -> tuple[list[_Param], int]:
+        params = [_Param(p, types) for p in match["params"].split(",") if p.strip()]
+        bounds = match["bounds"]
+        max_threads = MAX_THREADS if bounds is None else int(bounds.split(",")[0])
+        return params, max_threads
+
+    @staticmethod
+    def _compile(code: str) -> Path:
+        key = "\n".join([*FLAGS, HEADER.read_text(), code])
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
         build = Path(tempfile.gettempdir()) / "mila_py_kernel_emulator"
         build.mkdir(exist_ok=True)
         library = build / f"kernels_{digest}.so"
         if not library.exists():
             source_file = build / f"kernels_{digest}.cpp"
             source_file.write_text(code)
-            partial = build / f"kernels_{digest}.{id(self)}.tmp"
-            subprocess.run(
-                [COMPILER, "-std=c++17", "-O1", "-ffp-contract=off", "-fPIC", "-shared",
-                 "-U_FORTIFY_SOURCE", "-Wno-unknown-pragmas", "-o", str(partial), str(source_file)],
-                check=True, capture_output=True, text=True,
-            )  # fmt: skip
+            partial = build / f"kernels_{digest}.{id(code)}.tmp"
+            result = subprocess.run(
+                [COMPILER, *FLAGS, "-o", str(partial), str(source_file)],
+                capture_output=True,
+                text=True,
+            )
+            if result.returncode != 0:
+                raise RuntimeError(
+                    f"kernel emulator: g++ failed on {source_file}:\n{result.stderr}"
+                )
             partial.replace(library)
-        handle = ctypes.CDLL(str(library))
-        self.kernels = {
-            name: _Kernel(name, params, getattr(handle, f"emu_{name}")) for name, params in kernels
-        }
+        return library
 
     def launch(
-        self, ctx: Any, source: str, name: str, grid: tuple[int, ...], block: int, args: tuple
+        self,
+        ctx: Any,
+        source: str,
+        name: str,
+        grid: tuple[int, ...],
+        block: int,
+        args: tuple,
+        *,
+        shared_mem: int = 0,
+        name_expressions: tuple[str, ...] = (),
     ) -> None:
         """Drop-in for :func:`mila_py.ops.cuda._kernels.launch`."""
-        self.kernels[name](grid, block, args)
+        if "<" in name and name not in name_expressions:
+            raise ValueError(
+                f"{name}: a template instantiation must be among the launch's name_expressions "
+                f"{name_expressions} (NVRTC compiles only those)"
+            )
+        if name not in self.kernels:
+            raise KeyError(
+                f"kernel emulator: {name!r} is not compiled; give KernelLibrary its source "
+                "(and template instantiations as name_expressions)"
+            )
+        self.kernels[name](grid, block, args, shared_mem)
 
 
 class EmulatedContext(ExecutionContext):
@@ -174,10 +350,10 @@ def emulated_context(library: KernelLibrary) -> Iterator[EmulatedContext]:
     ctx = EmulatedContext()
     original = _kernels.launch
 
-    def launch(c: Any, source: str, name: str, grid: tuple[int, ...], block: int, args: tuple):
+    def launch(c: Any, source: str, name: str, grid: tuple, block: int, args: tuple, **kw: Any):
         assert c is ctx, "a CUDA op launched on another context"
         ctx.launches.append(name)
-        library.launch(c, source, name, grid, block, args)
+        library.launch(c, source, name, grid, block, args, **kw)
 
     _kernels.launch = launch  # type: ignore[assignment]
     try:
@@ -190,19 +366,16 @@ def emulated_context(library: KernelLibrary) -> Iterator[EmulatedContext]:
 def emulated_cuda_devices(library: KernelLibrary) -> Iterator[None]:
     """While active, ``"CUDA:0"`` components get :class:`EmulatedContext` s and the CUDA ops.
 
-    Every CUDA op of the registry runs (kernels emulated) except RoPE, whose CUDA op compiles
-    its own kernels with CuPy: the CPU RopeOp stands in for it (it is checked on GPUs by
-    ``tests/cuda/test_rope_cuda.py``). RoPE tables made meanwhile are dropped on exit.
+    Every CUDA op of the registry runs with its kernels emulated (``library`` must hold them;
+    each context records its launches). RoPE tables made meanwhile are NumPy arrays: they are
+    dropped on exit, as are any made before (which a CUDA Rope must not pick up).
     """
     from mila_py import component as component_module
     from mila_py.components import clear_rope_cache
     from mila_py.devices import cuda as cuda_module
     from mila_py.ops import registry
-    from mila_py.ops.cpu.rope import CpuRopeOp
 
-    registry.registered_ops()  # load every op module before patching the table
-    key = ("RopeOp", DeviceType.CUDA)
-    saved_rope = registry._REGISTRY[key]
+    registry.registered_ops()  # load every op module
     saved = (component_module.create_execution_context, cuda_module.shared_context, _kernels.launch)
     real_factory = saved[0]
 
@@ -212,17 +385,18 @@ def emulated_cuda_devices(library: KernelLibrary) -> Iterator[None]:
             EmulatedContext() if device_id.device_type is DeviceType.CUDA else real_factory(device)
         )
 
+    def launch(c: Any, source: str, name: str, grid: tuple, block: int, args: tuple, **kw: Any):
+        assert isinstance(c, EmulatedContext), "a CUDA op launched on a real CUDA context"
+        c.launches.append(name)
+        library.launch(c, source, name, grid, block, args, **kw)
+
     clear_rope_cache()
-    registry._REGISTRY[key] = registry.RegisteredOp(
-        "RopeOp", DeviceType.CUDA, saved_rope.precisions, CpuRopeOp
-    )
     component_module.create_execution_context = create  # type: ignore[assignment]
     cuda_module.shared_context = lambda device: EmulatedContext()  # type: ignore[assignment]
-    _kernels.launch = library.launch  # type: ignore[assignment]
+    _kernels.launch = launch  # type: ignore[assignment]
     try:
         yield
     finally:
-        registry._REGISTRY[key] = saved_rope
         (
             component_module.create_execution_context,
             cuda_module.shared_context,

@@ -7,7 +7,8 @@ decode masks. Float32 results agree with the CPU ops to within reduction-order r
 both sides do the same IEEE operations in the same order (AdamW) they agree bit for bit.
 
 The CUDA sources are also compiled for sm_90 by ``nvcc`` where it is installed. The same ops on
-a real GPU are compared in ``tests/cuda/test_llama_cuda.py``.
+a real GPU are compared in ``tests/cuda/test_llama_cuda.py``. RoPE's op, whose template kernel
+is in :data:`SOURCES` too, is checked in ``test_rope_cuda_emulated.py``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,15 @@ from mila_py.ops.cpu.softmax_cross_entropy import (
 )
 from mila_py.ops.cpu.swiglu import swiglu_backward, swiglu_forward
 from mila_py.ops.cpu.token_embedding import token_embedding_backward, token_embedding_forward
-from mila_py.ops.cuda import _kernels, adamw, attention, rms_norm, softmax_cross_entropy, swiglu
+from mila_py.ops.cuda import (
+    _kernels,
+    adamw,
+    attention,
+    rms_norm,
+    rope,
+    softmax_cross_entropy,
+    swiglu,
+)
 from mila_py.ops.cuda import token_embedding as cuda_token_embedding
 from mila_py.ops.cuda.adamw import CudaAdamWOp
 from mila_py.ops.cuda.attention import CudaAttentionOp
@@ -58,6 +67,13 @@ SOURCES = [
     softmax_cross_entropy.SOFTMAX_CROSS_ENTROPY_CUDA_SOURCE,
     attention.ATTENTION_CUDA_SOURCE,
     adamw.ADAMW_CUDA_SOURCE,
+    rope.ROPE_CUDA_SOURCE,
+]
+#: the template instantiations the ops launch (RoPE's, for every storage precision)
+NAME_EXPRESSIONS = [
+    name
+    for precision in (Precision.FP32, Precision.FP16, Precision.BF16)
+    for name in rope.kernel_names(precision)
 ]
 FP32 = Precision.FP32
 #: float32 results of different summation orders (row sums of a few hundred terms)
@@ -66,7 +82,7 @@ RTOL, ATOL = 2e-6, 2e-7
 
 @pytest.fixture(scope="module")
 def library() -> KernelLibrary:
-    return KernelLibrary(SOURCES)
+    return KernelLibrary(SOURCES, NAME_EXPRESSIONS)
 
 
 @pytest.fixture

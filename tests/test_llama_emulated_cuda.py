@@ -2,10 +2,10 @@
 
 The components pick their ops by device type, so a Llama built for ``"CUDA:0"`` under
 :func:`kernel_emulator.emulated_cuda_devices` runs every CUDA op of the Llama (NumPy arrays,
-kernels compiled as C++) through the unchanged components: training steps with AdamW's fused
-kernel, chunked prefill, uniform and ragged decode, greedy generation. Each is compared with
-the same model on the CPU. What it does not cover (CuPy itself, streams, RoPE's CUDA op) is
-checked on a GPU by ``tests/cuda/``.
+kernels compiled as C++) through the unchanged components, RoPE's fused Q/K kernel on the views
+of the QKV projection included: training steps with AdamW's fused kernel, chunked prefill,
+uniform and ragged decode, greedy generation. Each is compared with the same model on the CPU.
+What it does not cover (CuPy itself, NVRTC, streams) is checked on a GPU by ``tests/cuda/``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 from kernel_emulator import COMPILER, EmulatedContext, KernelLibrary, emulated_cuda_devices
-from test_cuda_ops_emulated import SOURCES
+from test_cuda_ops_emulated import NAME_EXPRESSIONS, SOURCES
 
 from mila_py import BuildContext, RuntimeMode
 from mila_py.components import Llama, LlamaConfig, SoftmaxCrossEntropy, SoftmaxCrossEntropyConfig
@@ -34,7 +34,7 @@ CFG = LlamaConfig(
 
 @pytest.fixture(scope="module")
 def library() -> KernelLibrary:
-    return KernelLibrary(SOURCES)
+    return KernelLibrary(SOURCES, NAME_EXPRESSIONS)
 
 
 @pytest.fixture
@@ -67,6 +67,8 @@ def test_training_steps_equal_cpu(cuda: None, tie: bool) -> None:
         loss_fn.build(BuildContext((2, 12, cfg.vocab_size), TRAINING))
         opt = AdamW(model, lr=1e-3, eps=1e-4, weight_decay=0.1)
         assert isinstance(opt._fused, CudaAdamWOp) == (device != "CPU")
+        if device != "CPU":
+            assert type(model.layers[0].self_attn.rope.op).__name__ == "CudaRopeOp"
         record: dict[str, Any] = {"loss": []}
         for step in range(3):
             logits = model.forward(tokens)
@@ -123,4 +125,7 @@ def test_inference_equals_cpu(cuda: None, tmp_path) -> None:
     np.testing.assert_array_equal(gpu.generate(prompt, 10), cpu.generate(prompt, 10))
     ops = {type(c.op).__name__ for c in gpu._walk() if hasattr(c, "op")}
     assert {"CudaLinearOp", "CudaRmsNormOp", "CudaTokenEmbeddingOp", "CudaSwiGLUOp"} <= ops
+    assert "CudaRopeOp" in ops
     assert type(gpu.layers[0].self_attn._op).__name__ == "CudaAttentionOp"
+    launches = gpu.execution_context.launches
+    assert any(name.startswith("rope_qk<float, ") for name in launches)

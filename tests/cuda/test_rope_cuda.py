@@ -43,6 +43,7 @@ from mila_py import BuildContext, Precision, RuntimeMode
 from mila_py.components import Rope, RopeConfig, clear_rope_cache, get_rope
 from mila_py.devices import DeviceId
 from mila_py.devices.cuda import shared_context
+from mila_py.ops.cuda import _kernels
 from mila_py.ops.cuda import rope as cuda_rope
 
 pytestmark = pytest.mark.cuda
@@ -166,12 +167,13 @@ def assert_rest_untouched(x, x0, n_heads: int, head_dim: int, rotary_dim: int) -
 
 @pytest.mark.parametrize("precision", PRECISIONS, ids=str)
 def test_every_kernel_instantiation_compiles_and_is_cached(precision: Precision) -> None:
-    module = cuda_rope._module(0, precision)
-    assert cuda_rope._module(0, precision) is module
-    for vec in cuda_rope.vector_widths(precision):
-        for interleaved in (False, True):
-            function = cuda_rope._function(0, precision, vec, interleaved)
-            assert cuda_rope._function(0, precision, vec, interleaved) is function
+    source, names = cuda_rope.ROPE_CUDA_SOURCE, tuple(cuda_rope.kernel_names(precision))
+    module = _kernels.module(source, 0, names)
+    assert _kernels.module(source, 0, names) is module
+    for name in names:
+        function = _kernels.kernel(source, name, 0, names)
+        assert _kernels.kernel(source, name, 0, names) is function
+    assert len(names) == 2 * len(cuda_rope.vector_widths(precision))
     assert cuda_rope.vector_widths(precision)[0] * precision.itemsize == 16
 
 

@@ -1,10 +1,12 @@
 """What the CUDA ops share: compiling and launching raw kernels, block reductions, row views.
 
-Kernel sources are module-level strings of ``extern "C"`` kernels over ``float`` (each op module
-holds its own), prefixed with :data:`CUDA_PRELUDE`, compiled lazily with CuPy (NVRTC) and cached
-per source and device. Every launch goes through :func:`launch`, on the execution context's
-stream, with scalars passed at explicit widths (``np.int32``, ``np.int64``, ``np.float32``):
-CuPy turns a Python int into 64 bits and checks nothing against the kernel's signature.
+Kernel sources are module-level strings of ``extern "C"`` kernels (each op module holds its own),
+or of templates launched by their instantiations' names (``rope_qk<float, 4, false>``, listed
+up front as NVRTC name expressions), prefixed with :data:`CUDA_PRELUDE`, compiled lazily with
+CuPy (NVRTC) and cached per source, name expressions and device. Every launch goes through
+:func:`launch`, on the execution context's stream, with scalars passed at explicit widths
+(``np.int32``, ``np.int64``, ``np.float32``): CuPy turns a Python int into 64 bits and checks
+nothing against the kernel's signature.
 
 The arithmetic that the CPU ops do in float32 is written with ``__fmul_rn``/``__fadd_rn``/
 ``__fdiv_rn`` where the order of operations matters, so that the compiler does not contract it
@@ -25,13 +27,17 @@ import numpy as np
 
 __all__ = [
     "CUDA_PRELUDE",
+    "NULL",
     "ROW_THREADS",
     "THREADS",
+    "address",
     "contiguous_rows",
+    "device_is_current",
     "gemm_accumulate",
     "grid_1d",
     "kernel",
     "launch",
+    "module",
 ]
 
 #: threads per block of the elementwise (grid-stride) kernels
@@ -40,10 +46,17 @@ THREADS = 256
 ROW_THREADS = 256
 #: blocks of a grid-stride launch at most (enough to fill any current GPU several times)
 MAX_BLOCKS = 8192
+#: a null pointer argument: 8 zero bytes. ``None`` is no substitute: CuPy 13.x passes it as an
+#: unspecified value, not as NULL (cupy/cupy#9046).
+NULL = np.uint64(0)
 
 CUDA_PRELUDE = r"""
 #define MILA_FULL_MASK 0xffffffffu
 #define MILA_NEG_INF __uint_as_float(0xff800000u)
+// Marks a pointer parameter addressed with strides the kernel is given: its array may be a view
+// that is not C-contiguous (the pointer is its first element). Expands to nothing; the kernel
+// emulator of the tests accepts such views for these parameters only.
+#define MILA_STRIDED
 
 __device__ __forceinline__ float mila_warp_sum(float v) {
 #pragma unroll
@@ -93,34 +106,64 @@ __device__ __forceinline__ float mila_block_max(float v, float* scratch) {
 }
 """
 
-_MODULES: dict[tuple[str, int], Any] = {}
+_MODULES: dict[tuple[str, tuple[str, ...], int], Any] = {}
 _FUNCTIONS: dict[tuple[str, int, str], Any] = {}
 
 
-def kernel(source: str, name: str, device_index: int) -> Any:
+def module(source: str, device_index: int, name_expressions: tuple[str, ...] = ()) -> Any:
+    """The compiled ``RawModule`` of ``CUDA_PRELUDE + source`` on a device (compiled once).
+
+    Args:
+        name_expressions: the template instantiations the module must contain (NVRTC
+            instantiates and names only these); empty for sources of ``extern "C"`` kernels.
+    """
+    key = (source, name_expressions, device_index)
+    compiled = _MODULES.get(key)
+    if compiled is None:
+        import cupy
+
+        compiled = cupy.RawModule(
+            code=CUDA_PRELUDE + source,
+            options=("--std=c++17",),
+            name_expressions=list(name_expressions) or None,
+        )
+        with cupy.cuda.Device(device_index):
+            compiled.compile()
+        compiled = _MODULES.setdefault(key, compiled)
+    return compiled
+
+
+def kernel(
+    source: str, name: str, device_index: int, name_expressions: tuple[str, ...] = ()
+) -> Any:
     """The launchable kernel ``name`` of ``CUDA_PRELUDE + source`` on a device (compiled once).
 
-    Cached by source text and device: ``RawModule.get_function`` builds a new object per call.
+    Cached by source text, device and name: ``RawModule.get_function`` builds a new object per
+    call. A template instantiation's ``name`` must be one of ``name_expressions``.
     """
     key = (source, device_index, name)
     function = _FUNCTIONS.get(key)
     if function is None:
         import cupy
 
-        module = _MODULES.get((source, device_index))
+        compiled = module(source, device_index, name_expressions)
         with cupy.cuda.Device(device_index):
-            if module is None:
-                module = cupy.RawModule(code=CUDA_PRELUDE + source, options=("--std=c++17",))
-                module.compile()
-                _MODULES[(source, device_index)] = module
-            raw = module.get_function(name)
+            raw = compiled.get_function(name)
         # the driver-level Function: its __call__ takes shared_mem= and stream= directly
         function = _FUNCTIONS.setdefault(key, getattr(raw, "kernel", raw))
     return function
 
 
 def launch(
-    ctx: Any, source: str, name: str, grid: tuple[int, ...], block: int, args: tuple[Any, ...]
+    ctx: Any,
+    source: str,
+    name: str,
+    grid: tuple[int, ...],
+    block: int,
+    args: tuple[Any, ...],
+    *,
+    shared_mem: int = 0,
+    name_expressions: tuple[str, ...] = (),
 ) -> None:
     """Launch kernel ``name`` of ``source`` on ``ctx``'s device and stream.
 
@@ -129,9 +172,29 @@ def launch(
         grid: blocks per grid dimension (every entry >= 1).
         block: threads per block (1-D blocks).
         args: device arrays and NumPy scalars of the kernel's exact types, in order.
+        shared_mem: bytes of dynamic shared memory per block (``extern __shared__``).
+        name_expressions: every template instantiation of ``source`` the ops launch (see
+            :func:`module`); ``name`` is one of them.
     """
-    function = kernel(source, name, ctx.device_id.index)
-    function(grid, (block,), args, stream=ctx.stream)
+    function = kernel(source, name, ctx.device_id.index, name_expressions)
+    function(grid, (block,), args, shared_mem=shared_mem, stream=ctx.stream)
+
+
+def device_is_current(ctx: Any) -> bool:
+    """True when ``ctx``'s GPU is CuPy's current device (always for NumPy arrays: the emulator).
+
+    A launch needs only that (it names its stream); ``ctx.activate()`` costs more per call.
+    """
+    if ctx.xp is np:
+        return True
+    return bool(ctx.xp.cuda.runtime.getDevice() == ctx.device_id.index)
+
+
+def address(x: Any) -> int:
+    """The address of ``x``'s first element: what a raw kernel receives for the array."""
+    if isinstance(x, np.ndarray):
+        return int(x.ctypes.data)
+    return int(x.data.ptr)
 
 
 def grid_1d(n: int, threads: int = THREADS) -> tuple[int]:

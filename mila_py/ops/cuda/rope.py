@@ -18,12 +18,16 @@ Positions are validated on the host by the Rope component before launch; the op 
 ``seq_len`` against the table in O(1), so a bad call never reads past the table and Q, K stay
 untouched.
 
-The source is a module-level string compiled lazily with CuPy (NVRTC) and cached per device and
-dtype; scalars are passed with explicit widths (CuPy turns a Python int into 64 bits).
+The source is a module-level string compiled and launched through :mod:`._kernels` like the other
+CUDA ops' (lazily, with CuPy/NVRTC, one module per device and storage precision holding that
+precision's instantiations, see :func:`kernel_names`); scalars are passed with explicit widths
+(CuPy turns a Python int into 64 bits). The CPU test suite runs this source in its kernel
+emulator (``tests/test_rope_cuda_emulated.py``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -32,6 +36,7 @@ from mila_py.build_context import BuildContext
 from mila_py.components.rope_config import RopeConfig, RopeLayout
 from mila_py.components.rope_table import RopeTable, get_rope
 from mila_py.devices import DeviceType
+from mila_py.ops.cuda import _kernels
 from mila_py.ops.operation import Operation
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
@@ -134,7 +139,8 @@ __device__ __forceinline__ void rotate_group(
 // x_in and x_out are the same array (so neither is __restrict__).
 template <typename T, int VEC, bool INTERLEAVED>
 __global__ void __launch_bounds__(128) rope_qk(
-    const T* q_in, T* q_out, const T* k_in, T* k_out,
+    MILA_STRIDED const T* q_in, MILA_STRIDED T* q_out,
+    MILA_STRIDED const T* k_in, MILA_STRIDED T* k_out,
     const float* __restrict__ cos_table, const float* __restrict__ sin_table,
     const long long* __restrict__ positions, int use_positions, long long offset,
     int n_t, int n_heads, int n_kv_heads, int head_dim, int n_freq,
@@ -189,8 +195,6 @@ __global__ void __launch_bounds__(128) rope_qk(
 _CTYPES = {Precision.FP32: "float", Precision.FP16: "mila_half", Precision.BF16: "mila_bf16"}
 _THREADS = 128
 _SIGNS = {False: np.float32(1.0), True: np.float32(-1.0)}  # forward, inverse (backward)
-_MODULES: dict[tuple[int, Precision], Any] = {}
-_FUNCTIONS: dict[tuple[int, Precision, int, bool], Any] = {}
 
 
 def vector_widths(precision: Precision) -> tuple[int, ...]:
@@ -212,40 +216,6 @@ def kernel_names(precision: Precision) -> list[str]:
     ]
 
 
-def _module(device_index: int, precision: Precision) -> Any:
-    """The compiled module for a device and storage precision (compiled once, lazily)."""
-    key = (device_index, precision)
-    module = _MODULES.get(key)
-    if module is None:
-        import cupy
-
-        module = cupy.RawModule(
-            code=ROPE_CUDA_SOURCE,
-            options=("--std=c++17",),
-            name_expressions=kernel_names(precision),
-        )
-        with cupy.cuda.Device(device_index):
-            module.compile()
-        _MODULES[key] = module
-    return module
-
-
-def _function(device_index: int, precision: Precision, vec: int, interleaved: bool) -> Any:
-    """The launchable kernel, cached: ``RawModule.get_function`` builds a new object per call."""
-    key = (device_index, precision, vec, interleaved)
-    function = _FUNCTIONS.get(key)
-    if function is None:
-        import cupy
-
-        module = _module(device_index, precision)
-        with cupy.cuda.Device(device_index):
-            raw = module.get_function(kernel_name(precision, vec, interleaved))
-            # the driver-level Function: its __call__ takes shared_mem= and stream= directly
-            function = getattr(raw, "kernel", raw)
-        _FUNCTIONS[key] = function
-    return function
-
-
 @register_op("RopeOp", DeviceType.CUDA, precisions=(Precision.FP32, Precision.FP16, Precision.BF16))
 class CudaRopeOp(Operation):
     """CuPy RoPE: a fused Q+K kernel on the execution context's stream."""
@@ -257,6 +227,11 @@ class CudaRopeOp(Operation):
         self.table: RopeTable | None = None
         self._interleaved = config.layout is RopeLayout.INTERLEAVED
         self._widths = vector_widths(precision)
+        # every instantiation of this precision (one module), and the one to launch per width
+        self._names = tuple(kernel_names(precision))
+        self._name_of = {
+            vec: kernel_name(precision, vec, self._interleaved) for vec in self._widths
+        }
         self._shape_args: tuple[np.int32, ...] = ()
 
     def build(self, build_context: BuildContext) -> None:
@@ -285,21 +260,31 @@ class CudaRopeOp(Operation):
         """The widest access (elements) that every array's base, row strides and the head allow.
 
         Strides of axes of length 1 are never stepped, so they do not count.
+
+        Raises:
+            ValueError: an array whose first element or row strides are not a whole number of
+                elements from an aligned address (no access width would be aligned).
         """
         assert self.table is not None, "CudaRopeOp used before build"
         n_freq = self.table.n_freq
         span = 2 * n_freq if self._interleaved else n_freq
         item = self.precision.itemsize
+        # the largest power of two (bytes, at most 16) dividing every address the kernel forms
+        aligned = 16
+        for a in arrays:
+            aligned = math.gcd(aligned, _kernels.address(a))
+            for ax in (0, 1):
+                if a.shape[ax] != 1:
+                    aligned = math.gcd(aligned, a.strides[ax])
+        if aligned % item:
+            raise ValueError(
+                f"CUDA RoPE needs Q and K at whole elements of {item} bytes from an aligned "
+                f"address, with row strides of whole elements; got strides "
+                f"{[a.strides for a in arrays]}"
+            )
         for vec in self._widths:
-            if vec == 1:
-                return 1
-            if span % vec or self.config.head_dim % vec:
-                continue
-            nbytes = vec * item
-            if all(
-                a.data.ptr % nbytes == 0
-                and all(a.shape[ax] == 1 or a.strides[ax] % nbytes == 0 for ax in (0, 1))
-                for a in arrays
+            if vec == 1 or (
+                aligned % (vec * item) == 0 and span % vec == 0 and self.config.head_dim % vec == 0
             ):
                 return vec
         return 1
@@ -319,8 +304,9 @@ class CudaRopeOp(Operation):
         """Same contract as :meth:`mila_py.ops.cpu.rope.CpuRopeOp.apply`, on CuPy arrays.
 
         Raises:
-            ValueError: a last axis that is not contiguous, or ``seq_len`` past the table (both
-                checked before anything is launched).
+            ValueError: a last axis that is not contiguous, ``seq_len`` past the table, or
+                arrays not at whole elements (see :meth:`vector_width`); all checked before
+                anything is launched.
         """
         assert self.table is not None, "CudaRopeOp used before build"
         q_out = q if q_out is None else q_out
@@ -343,14 +329,11 @@ class CudaRopeOp(Operation):
         ctx = self.context
         table = self.table
         tables = table.tables_for(seq_len)
-        if tables is not None and positions is None:
-            # the common case (forward, prefill, decode at one position) uploads nothing, so it
-            # needs only the right current device, not the stream context
-            import cupy
-
-            if cupy.cuda.runtime.getDevice() == ctx.device_id.index:
-                self._launch(q, k, q_out, k_out, *tables, None, offset, inverse)
-                return
+        # the common case (forward, prefill, decode at one position) uploads nothing, so it
+        # needs only the right current device, not the stream context
+        if tables is not None and positions is None and _kernels.device_is_current(ctx):
+            self._launch(q, k, q_out, k_out, *tables, None, offset, inverse)
+            return
         with ctx.activate():  # type: ignore[attr-defined]
             if tables is None:  # a length-dependent type past its original context: rows per call
                 if positions is None:
@@ -386,10 +369,9 @@ class CudaRopeOp(Operation):
         n_freq = self.table.n_freq  # type: ignore[union-attr]
         item = self.precision.itemsize
         vec = self.vector_width(q, k, q_out, k_out)
-        kernel = _function(ctx.device_id.index, self.precision, vec, self._interleaved)
         copy_rest = (q_out is not q or k_out is not k) and 2 * n_freq < self.config.head_dim
         args = (
-            q, q_out, k, k_out, cos, sin, pos,
+            q, q_out, k, k_out, cos, sin, _kernels.NULL if pos is None else pos,
             np.int32(pos is not None), np.int64(offset), np.int32(n_t),
             *self._shape_args,
             np.int64(q.strides[0] // item), np.int64(q.strides[1] // item),
@@ -398,10 +380,13 @@ class CudaRopeOp(Operation):
             np.int64(k_out.strides[0] // item), np.int64(k_out.strides[1] // item),
             _SIGNS[inverse], np.int32(copy_rest),
         )  # fmt: skip
-        kernel(
+        _kernels.launch(
+            ctx,
+            ROPE_CUDA_SOURCE,
+            self._name_of[vec],
             (n_b * n_t,),
-            (_THREADS,),
+            _THREADS,
             args,
             shared_mem=2 * n_freq * 4,
-            stream=ctx.stream,  # type: ignore[attr-defined]
+            name_expressions=self._names,
         )

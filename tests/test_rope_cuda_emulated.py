@@ -1,0 +1,737 @@
+"""RoPE's CUDA op on the CPU: the Rope component on an emulated ``CUDA:0``, its kernel run as C++.
+
+Under :func:`kernel_emulator.emulated_cuda_devices` a ``Rope(device="CUDA:0")`` runs
+:class:`~mila_py.ops.cuda.rope.CudaRopeOp` unchanged (host checks, table uploads, vector-width
+choice, launch arguments) on NumPy arrays, and the ``rope_qk`` instantiation it picks runs from
+its CUDA source: threads as fibers, the cos/sin row staged in dynamic shared memory, 16-bit
+values carried as raw bits and converted by the kernel's own code (BF16) or by the emulated PTX
+``cvt`` (FP16), every vector access checked for the alignment the GPU requires.
+
+Each case is compared with the CPU component on the same inputs. Both compute in fp32 with the
+same order of operations, so results agree to within one rounding of the storage format
+(:data:`PARITY`); with the CPU's fused (Numba) path they agree bit for bit. Memory next to Q and
+K (V, padding) is checked untouched. What this cannot check (NVRTC, CuPy, streams, the real
+``cvt`` instructions, timing) is left to ``tests/cuda/test_rope_cuda.py`` on a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+from kernel_emulator import (
+    COMPILER,
+    EmulatedContext,
+    KernelLibrary,
+    emulated_context,
+    emulated_cuda_devices,
+)
+from rope_helpers import (
+    BF16,
+    FP16,
+    FP32,
+    INFERENCE,
+    PRECISIONS,
+    TRAINING,
+    arange_positions,
+    assert_close,
+    dtype_of,
+    make_rope,
+    random_qk,
+    reference,
+)
+from test_cuda_ops_emulated import NAME_EXPRESSIONS, SOURCES
+
+from mila_py import BuildContext, Precision, RuntimeMode
+from mila_py.components import Rope, RopeConfig
+from mila_py.ops.cuda import _kernels
+from mila_py.ops.cuda import rope as cuda_rope
+from mila_py.ops.cuda.rope import CudaRopeOp
+
+pytestmark = pytest.mark.skipif(COMPILER is None, reason="the kernel emulator needs g++")
+
+DEVICE = "CUDA:0"
+#: (rtol, atol) between the CUDA and CPU ops: one rounding of the storage format apart at most
+#: (the CPU's NumPy path multiplies interleaved pairs as complex numbers, its own way)
+PARITY: dict[Precision, tuple[float, float]] = {
+    FP32: (2.0**-23, 1e-7),
+    FP16: (2.0**-10, 1e-7),
+    BF16: (2.0**-7, 1e-7),
+}
+BITS = {FP32: np.uint32, FP16: np.uint16, BF16: np.uint16}
+
+
+@pytest.fixture(scope="module")
+def library() -> KernelLibrary:
+    return KernelLibrary(SOURCES, NAME_EXPRESSIONS)
+
+
+@pytest.fixture
+def cuda(library: KernelLibrary) -> Iterator[None]:
+    with emulated_cuda_devices(library):
+        yield
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(20240607)
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def config_of(
+    heads: tuple[int, int], head_dim: int, *, rotary_dim: int = 0, max_seq_len: int = 2048, **kw
+) -> RopeConfig:
+    hq, hk = heads
+    return RopeConfig(
+        channels=hq * head_dim,
+        n_heads=hq,
+        n_kv_heads=hk,
+        max_seq_len=max_seq_len,
+        rotary_dim=rotary_dim,
+        **kw,
+    )
+
+
+def cuda_rope_of(
+    config: RopeConfig,
+    batch: int,
+    tokens: int,
+    precision: Precision = FP32,
+    mode: RuntimeMode = INFERENCE,
+) -> Rope:
+    rope = Rope("rope", config, device=DEVICE, precision=precision)
+    rope.build(BuildContext((batch, tokens, config.channels), mode))
+    assert isinstance(rope.op, CudaRopeOp)
+    assert isinstance(rope.execution_context, EmulatedContext)
+    return rope
+
+
+def launches(rope: Rope) -> list[str]:
+    return rope.execution_context.launches  # type: ignore[no-any-return]
+
+
+def assert_parity(actual: Any, expected: Any, precision: Precision) -> None:
+    rtol, atol = PARITY[precision]
+    np.testing.assert_allclose(
+        np.asarray(actual, np.float64), np.asarray(expected, np.float64), rtol=rtol, atol=atol
+    )
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+
+
+def aligned_empty(n: int, dtype: Any, align: int = 256) -> np.ndarray:
+    """``n`` elements starting at a multiple of ``align`` bytes (as CuPy allocates)."""
+    dt = np.dtype(dtype)
+    raw = np.empty(n * dt.itemsize + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start : start + n * dt.itemsize].view(dt)
+
+
+def expected_width(precision: Precision, layout: str, head_dim: int, n_freq: int, spans) -> int:
+    """The widest access the op documents: every byte offset and row stride in ``spans`` and the
+    rotated span (``n`` for "half", ``2n`` for "interleaved") and head a multiple of it."""
+    item = precision.itemsize
+    span = 2 * n_freq if layout == "interleaved" else n_freq
+    for nbytes in (16, 8, 4, 2):
+        vec = nbytes // item
+        if vec < 2:
+            break
+        if span % vec == 0 and head_dim % vec == 0 and all(s % nbytes == 0 for s in spans):
+            return vec
+    return 1
+
+
+def name_of(precision: Precision, vec: int, layout: str) -> str:
+    return cuda_rope.kernel_name(precision, vec, layout == "interleaved")
+
+
+# ---------------------------------------------------------------------------------- geometry
+
+#: (Hq, Hk), head_dim, rotary_dim, and the widths (elements) the op must pick for aligned,
+#: contiguous Q and K: (FP32 half, FP32 interleaved, 16-bit half, 16-bit interleaved)
+GEOMETRIES = {
+    "llama-d128": ((8, 2), 128, 0, (4, 4, 8, 8)),
+    "gqa32x8-partial64": ((32, 8), 128, 64, (4, 4, 8, 8)),  # 640 items > 128 threads
+    "partial8of16": ((6, 2), 16, 8, (4, 4, 4, 8)),
+    "d12": ((5, 1), 12, 0, (2, 4, 2, 4)),
+    "d10-partial4": ((8, 4), 10, 4, (2, 2, 2, 2)),  # the head, not the rows, limits the width
+    "mha-d6": ((3, 3), 6, 0, (1, 2, 1, 2)),
+    "d2": ((2, 1), 2, 0, (1, 2, 1, 2)),
+}
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+def test_forward_and_prefill_match_cpu(
+    cuda: None, geometry: str, layout: str, precision: Precision, rng
+) -> None:
+    heads, head_dim, rotary_dim, widths = GEOMETRIES[geometry]
+    cfg = config_of(heads, head_dim, rotary_dim=rotary_dim, layout=layout)
+    batch, tokens = 2, 5
+    rope = cuda_rope_of(cfg, batch, tokens, precision)
+    cpu = make_rope(cfg, batch, tokens, precision=precision)
+    vec = widths[(precision.itemsize == 2) * 2 + (layout == "interleaved")]
+    for offset in (0, 7, cfg.max_seq_len - tokens):
+        q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
+        q = aligned_empty(q0.size, q0.dtype).reshape(q0.shape)
+        k = aligned_empty(k0.size, k0.dtype).reshape(k0.shape)
+        q[...], k[...] = q0, k0
+        if offset == 0:
+            rope.forward(q, k)
+        else:
+            rope.prefill(q, k, offset)
+        assert launches(rope)[-1] == name_of(precision, vec, layout)
+        cpu_q, cpu_k = q0.copy(), k0.copy()
+        cpu.prefill(cpu_q, cpu_k, offset)
+        assert_parity(q, cpu_q, precision)
+        assert_parity(k, cpu_k, precision)
+        ref_q, ref_k = reference(cfg, q0, k0, arange_positions(batch, tokens, offset))
+        assert_close(q, ref_q, precision)
+        assert_close(k, ref_k, precision)
+        if rotary_dim:  # channels past the rotated ones: bit for bit the input
+            rest = np.s_[..., rotary_dim:]
+            for x, x0, h in ((q, q0, heads[0]), (k, k0, heads[1])):
+                shape = (batch, tokens, h, head_dim)
+                assert same_bits(x.reshape(shape)[rest], x0.reshape(shape)[rest])
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_bit_for_bit_with_the_cpu_fused_path(
+    cuda: None, layout: str, precision: Precision, rng
+) -> None:
+    """The kernels use the CPU kernels' order of operations and no FMA: identical bits."""
+    cfg = config_of((4, 2), 64, rotary_dim=48, layout=layout)
+    rope = cuda_rope_of(cfg, 3, 7, precision)
+    cpu = make_rope(cfg, 3, 7, precision=precision)
+    if not cpu.op.uses_fused:
+        pytest.skip("the CPU op's fused (Numba) path is not in use")
+    q0, k0 = random_qk(rng, cfg, 3, 7, precision)
+    q, k = q0.copy(), k0.copy()
+    rope.prefill(q, k, 1500)
+    cpu_q, cpu_k = q0.copy(), k0.copy()
+    cpu.prefill(cpu_q, cpu_k, 1500)
+    assert same_bits(q, cpu_q) and same_bits(k, cpu_k)
+
+
+# ---------------------------------------------------------------------------------- memory layouts
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("shift", [0, 1, 2, 3, 4, 8], ids=lambda s: f"shift{s}")
+def test_every_vector_width_gives_the_same_bits(
+    cuda: None, shift: int, layout: str, precision: Precision, rng
+) -> None:
+    """Q and K (or the upstream gradients of backward) ``shift`` elements past an aligned
+    address: each width down to one element is taken (and checked aligned by the emulator),
+    forward and inverse, all with the bits of the aligned call."""
+    cfg = config_of((4, 2), 128, layout=layout)
+    batch, tokens = 2, 3
+    rope = cuda_rope_of(cfg, batch, tokens, precision, mode=TRAINING)
+    q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
+    aligned_q, aligned_k = q0.copy(), k0.copy()
+    rope.prefill(aligned_q, aligned_k, 77)
+    aligned_dq, aligned_dk = (x.copy() for x in rope.backward(q0, k0))
+    q_buf, k_buf = (
+        aligned_empty(q0.size + shift, q0.dtype),
+        aligned_empty(k0.size + shift, q0.dtype),
+    )
+    q_buf[:shift] = k_buf[:shift] = np.nan
+    q, k = q_buf[shift:].reshape(q0.shape), k_buf[shift:].reshape(k0.shape)
+    q[...], k[...] = q0, k0
+    rope.prefill(q, k, 77)
+    vec = expected_width(precision, layout, 128, 64, [shift * precision.itemsize])
+    if shift == 1:
+        assert vec == 1
+    if shift in (0, 8):
+        assert vec * precision.itemsize == 16
+    assert launches(rope)[-1] == name_of(precision, vec, layout)
+    assert same_bits(q, aligned_q) and same_bits(k, aligned_k)
+    assert np.isnan(q_buf[:shift].astype(np.float32)).all()  # nothing written before Q
+    assert np.isnan(k_buf[:shift].astype(np.float32)).all()
+    q[...], k[...] = q0, k0
+    dq_in, dk_in = rope.backward(q, k)
+    assert launches(rope)[-1] == name_of(precision, vec, layout)
+    assert same_bits(dq_in, aligned_dq) and same_bits(dk_in, aligned_dk)
+
+
+#: fused QKV rows: (elements before Q, elements between Q and K, elements after V)
+FUSED = {
+    "plain": (0, 0, 0),
+    "k-at-odd-element": (0, 1, 0),
+    "q-and-k-shifted-2": (2, 0, 0),
+    "odd-row-stride": (0, 0, 1),
+    "shift4-row-pad4": (4, 0, 4),
+}
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("fused", list(FUSED))
+@pytest.mark.parametrize(
+    ("heads", "head_dim", "rotary_dim"),
+    [((4, 1), 12, 8), ((3, 3), 64, 0), ((6, 2), 16, 0)],
+    ids=["mqa-d12-partial", "mha-d64", "gqa-d16"],
+)
+def test_views_of_a_fused_qkv_buffer(
+    cuda: None,
+    heads: tuple[int, int],
+    head_dim: int,
+    rotary_dim: int,
+    fused: str,
+    layout: str,
+    precision: Precision,
+    rng,
+) -> None:
+    """Q and K as strided views of one QKV buffer: rotated through the views (row strides
+    passed to the kernel), the widest access their offsets allow, V and padding untouched."""
+    hq, hk = heads
+    d = head_dim
+    before, gap, after = FUSED[fused]
+    cfg = config_of(heads, d, rotary_dim=rotary_dim, layout=layout)
+    batch, tokens = 2, 5
+    rope = cuda_rope_of(cfg, batch, tokens, precision)
+    cpu = make_rope(cfg, batch, tokens, precision=precision)
+    q_at, k_at = before, before + hq * d + gap
+    width = k_at + 3 * hk * d + after  # K, V, padding
+    n_freq = rope.table.n_freq
+    item = precision.itemsize
+    for method in ("prefill", "decode", "rotate"):
+        n_t = 1 if method == "decode" else tokens
+        qkv = aligned_empty(batch * n_t * width, dtype_of(precision)).reshape(batch, n_t, width)
+        qkv[...] = rng.standard_normal(qkv.shape)
+        qkv[..., :before] = np.nan
+        qkv[..., q_at + hq * d : k_at] = np.nan
+        qkv[..., width - after :] = np.nan
+        qkv0 = qkv.copy()
+        q, k = qkv[..., q_at : q_at + hq * d], qkv[..., k_at : k_at + hk * d]
+        arg: Any = {
+            "prefill": 900,
+            "decode": np.array([7, 1999]),
+            "rotate": rng.integers(0, cfg.max_seq_len, size=(batch, tokens)),
+        }[method]
+        getattr(rope, method)(q, k, arg)
+        vec = expected_width(precision, layout, d, n_freq, [q_at * item, k_at * item, width * item])
+        assert launches(rope)[-1] == name_of(precision, vec, layout)
+        cpu_q = np.ascontiguousarray(qkv0[..., q_at : q_at + hq * d])
+        cpu_k = np.ascontiguousarray(qkv0[..., k_at : k_at + hk * d])
+        getattr(cpu, method)(cpu_q, cpu_k, arg)
+        assert_parity(q, cpu_q, precision)
+        assert_parity(k, cpu_k, precision)
+        untouched = np.ones(width, bool)
+        untouched[q_at : q_at + hq * d] = untouched[k_at : k_at + hk * d] = False
+        assert same_bits(qkv[..., untouched], qkv0[..., untouched])  # V, padding, NaN canaries
+
+
+def test_a_batch_slice_and_a_token_slice(cuda: None, rng) -> None:
+    """Views along B and T (strides of the larger buffer): only the slice is rotated."""
+    cfg = config_of((4, 2), 16)
+    rope = cuda_rope_of(cfg, 3, 8)
+    cpu = make_rope(cfg, 3, 8)
+    q_big, k_big = random_qk(rng, cfg, 4, 10)
+    q0, k0 = q_big.copy(), k_big.copy()
+    view = np.s_[1:4, 2:9]
+    rope.prefill(q_big[view], k_big[view], 40)
+    cpu_q, cpu_k = q0[view].copy(), k0[view].copy()
+    cpu.prefill(cpu_q, cpu_k, 40)
+    assert_parity(q_big[view], cpu_q, FP32)
+    assert_parity(k_big[view], cpu_k, FP32)
+    outside = np.ones(q_big.shape[:2], bool)
+    outside[view] = False
+    assert same_bits(q_big[outside], q0[outside]) and same_bits(k_big[outside], k0[outside])
+
+
+# ---------------------------------------------------------------------------------- positions
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_decode_per_sequence_positions_and_at_one_position(
+    cuda: None, layout: str, precision: Precision, rng
+) -> None:
+    cfg = config_of((5, 1), 12, layout=layout, max_seq_len=64)
+    batch = 4
+    rope = cuda_rope_of(cfg, batch, 64, precision)
+    cpu = make_rope(cfg, batch, 64, precision=precision)
+    q0, k0 = random_qk(rng, cfg, batch, 64, precision)
+    whole_q, whole_k = q0.copy(), k0.copy()
+    rope.forward(whole_q, whole_k)
+    for t in (0, 13, 63):  # one position for every sequence: the rows of forward
+        q, k = q0[:, t : t + 1].copy(), k0[:, t : t + 1].copy()
+        rope.decode(q, k, t if t % 2 else np.int64(t))
+        assert same_bits(q, whole_q[:, t : t + 1]) and same_bits(k, whole_k[:, t : t + 1])
+    positions = np.array([3, 63, 0, 17])
+    rows = np.arange(batch), positions  # token p of sequence b: forward rotated it at p
+    q, k = q0[rows][:, None], k0[rows][:, None]
+    rope.decode(q, k, positions)
+    cpu_q, cpu_k = q0[rows][:, None], k0[rows][:, None]
+    cpu.decode(cpu_q, cpu_k, positions)
+    assert_parity(q, cpu_q, precision)
+    assert_parity(k, cpu_k, precision)
+    for b, p in enumerate(positions):
+        assert same_bits(q[b, 0], whole_q[b, p]) and same_bits(k[b, 0], whole_k[b, p])
+
+
+@pytest.mark.parametrize(
+    "make_positions",
+    [
+        lambda rng, b, t: rng.integers(0, 2048, size=(b, t)),
+        lambda rng, b, t: rng.integers(1000, 2048, size=(t,)),
+        lambda rng, b, t: rng.integers(0, 2048, size=(b, 1)),
+        lambda rng, b, t: rng.integers(0, 2048, size=(b, t)).astype(np.int32),
+        lambda rng, b, t: np.full((b, t), 2047),
+    ],
+    ids=["BT", "T", "B1", "int32", "last-row"],
+)
+@pytest.mark.parametrize("precision", PRECISIONS, ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_rotate_at_explicit_positions(
+    cuda: None, layout: str, precision: Precision, make_positions, rng
+) -> None:
+    cfg = config_of((6, 2), 16, rotary_dim=12, layout=layout)
+    batch, tokens = 3, 5
+    rope = cuda_rope_of(cfg, batch, tokens, precision)
+    cpu = make_rope(cfg, batch, tokens, precision=precision)
+    positions = make_positions(rng, batch, tokens)
+    q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
+    q, k = q0.copy(), k0.copy()
+    rope.rotate(q, k, positions)
+    cpu_q, cpu_k = q0.copy(), k0.copy()
+    cpu.rotate(cpu_q, cpu_k, positions)
+    assert_parity(q, cpu_q, precision)
+    assert_parity(k, cpu_k, precision)
+    ref_q, ref_k = reference(cfg, q0, k0, positions)
+    assert_close(q, ref_q, precision)
+    assert_close(k, ref_k, precision)
+
+
+# ---------------------------------------------------------------------------------- backward
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("rotary_dim", [0, 8], ids=["full", "partial8of12"])
+@pytest.mark.parametrize("upstream", ["contiguous", "fused-views"])
+def test_backward_is_the_inverse_rotation_into_the_gradient_buffers(
+    cuda: None, upstream: str, rotary_dim: int, layout: str, precision: Precision, rng
+) -> None:
+    """``R^T dq`` into the component's buffers (views of them for a smaller call than the
+    build); the upstream gradients contiguous, or views of a fused dQKV buffer one element past
+    an aligned address (other strides than the outputs', element-by-element accesses)."""
+    hq, hk, d = 3, 1, 12
+    cfg = config_of((hq, hk), d, rotary_dim=rotary_dim, layout=layout)
+    batch, tokens = 2, 6
+    rope = cuda_rope_of(cfg, batch + 1, tokens + 2, precision, mode=TRAINING)
+    cpu = make_rope(cfg, batch, tokens, precision=precision, mode=TRAINING)
+    full = [x.copy() for x in rope.input_gradients]
+    for positions in (None, rng.integers(0, cfg.max_seq_len, size=(batch, tokens))):
+        dq0, dk0 = random_qk(rng, cfg, batch, tokens, precision)
+        if upstream == "contiguous":
+            dq, dk = dq0.copy(), dk0.copy()
+        else:
+            width = 1 + (hq + 2 * hk) * d
+            buf = aligned_empty(batch * tokens * width, dq0.dtype).reshape(batch, tokens, width)
+            buf[...] = np.nan
+            dq, dk = buf[..., 1 : 1 + hq * d], buf[..., 1 + hq * d : 1 + (hq + hk) * d]
+            dq[...], dk[...] = dq0, dk0
+        dq_in, dk_in = rope.backward(dq, dk, positions=positions)
+        if upstream != "contiguous":
+            assert launches(rope)[-1] == name_of(precision, 1, layout)
+        assert same_bits(dq, dq0) and same_bits(dk, dk0)  # upstream gradients not modified
+        assert np.shares_memory(dq_in, rope.input_gradients[0])
+        cpu_dq_in, cpu_dk_in = cpu.backward(dq0.copy(), dk0.copy(), positions=positions)
+        assert_parity(dq_in, cpu_dq_in, precision)
+        assert_parity(dk_in, cpu_dk_in, precision)
+        pos = arange_positions(batch, tokens) if positions is None else positions
+        ref_q, ref_k = reference(cfg, dq0, dk0, pos, inverse=True)
+        assert_close(dq_in, ref_q, precision)
+        assert_close(dk_in, ref_k, precision)
+        if rotary_dim:  # out of place: the kernel copies the channels it does not rotate
+            shape = (batch, tokens, hq, d)
+            assert same_bits(dq_in.reshape(shape)[..., 8:], dq0.reshape(shape)[..., 8:])
+        for grad, before in zip(rope.input_gradients, full, strict=True):  # the rest left alone
+            assert same_bits(grad[batch:], before[batch:])
+            assert same_bits(grad[:, tokens:], before[:, tokens:])
+
+
+def test_forward_then_backward_returns_the_input(cuda: None, rng) -> None:
+    cfg = config_of((4, 2), 32, layout="interleaved")
+    rope = cuda_rope_of(cfg, 2, 9, mode=TRAINING)
+    q0, k0 = random_qk(rng, cfg, 2, 9)
+    q, k = q0.copy(), k0.copy()
+    rope.prefill(q, k, 0)
+    dq_in, dk_in = rope.backward(q, k)
+    np.testing.assert_allclose(dq_in, q0, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dk_in, k0, rtol=1e-5, atol=1e-6)
+    assert launches(rope)[-2:] == [name_of(FP32, 4, "interleaved")] * 2
+
+
+# ---------------------------------------------------------------------------------- scaling
+
+
+def _scalings(n: int) -> dict[str, dict[str, Any]]:
+    """Scaling dicts (``n`` pairs, for LongRoPE's lists); original context 1024 of 4096."""
+    orig = 1024
+    return {
+        "llama3": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": orig,
+        },
+        "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": orig},
+        "dynamic": {
+            "rope_type": "dynamic",
+            "factor": 4.0,
+            "original_max_position_embeddings": orig,
+        },
+        "longrope": {
+            "rope_type": "longrope",
+            "short_factor": [1.0 + 0.05 * i for i in range(n)],
+            "long_factor": [1.0 + 1.7 * i for i in range(n)],
+            "original_max_position_embeddings": orig,
+        },
+    }
+
+
+@pytest.mark.parametrize("precision", [FP32, BF16], ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("rotary_dim", [0, 8], ids=["full", "partial"])
+@pytest.mark.parametrize("name", list(_scalings(1)))
+def test_scaling_types(
+    cuda: None, name: str, rotary_dim: int, layout: str, precision: Precision, rng
+) -> None:
+    """Fixed tables (llama3, yarn with its attention factor), LongRoPE's long table, and
+    dynamic NTK past the original context: rows computed per call and uploaded, read through
+    uploaded positions (or offset 0)."""
+    head_dim, max_seq = 16, 4096
+    n = (rotary_dim or head_dim) // 2
+    cfg = config_of(
+        (3, 1),
+        head_dim,
+        rotary_dim=rotary_dim,
+        max_seq_len=max_seq,
+        layout=layout,
+        scaling=_scalings(n)[name],
+    )
+    batch, tokens = 2, 4
+    rope = cuda_rope_of(cfg, batch, tokens, precision)
+    cpu = make_rope(cfg, batch, tokens, precision=precision)
+    calls: list[tuple[str, Any]] = [
+        ("prefill", 1000),
+        ("prefill", 1024 - 2),  # crosses the original context
+        ("prefill", max_seq - tokens),
+        ("rotate", rng.integers(1000, max_seq, size=(batch, tokens))),
+        ("rotate", rng.integers(0, 1024, size=(tokens,))),
+        ("decode", np.array([1000, 3999])),
+        ("decode", max_seq - 1),
+    ]
+    for method, arg in calls:
+        n_t = 1 if method == "decode" else tokens
+        q0, k0 = random_qk(rng, cfg, batch, n_t, precision)
+        q, k = q0.copy(), k0.copy()
+        getattr(rope, method)(q, k, arg)
+        cpu_q, cpu_k = q0.copy(), k0.copy()
+        getattr(cpu, method)(cpu_q, cpu_k, arg)
+        assert_parity(q, cpu_q, precision)
+        assert_parity(k, cpu_k, precision)
+    if name == "yarn":
+        assert rope.attention_scaling > 1.0
+
+
+# ---------------------------------------------------------------------------------- refusals
+
+
+def test_bad_calls_raise_before_any_launch(cuda: None, rng) -> None:
+    cfg = config_of((4, 2), 16, max_seq_len=64)
+    rope = cuda_rope_of(cfg, 2, 8, mode=TRAINING)
+    q0, k0 = random_qk(rng, cfg, 2, 8)
+    q, k = q0.copy(), k0.copy()
+    done = len(launches(rope))
+    bad: list[tuple[Any, type[Exception], str]] = [
+        (lambda: rope.prefill(q, k, 57), ValueError, "position 64"),
+        (lambda: rope.prefill(q, k, -1), ValueError, ">= 0"),
+        (lambda: rope.decode(q[:, :1], k[:, :1], 64), ValueError, "position 64"),
+        (lambda: rope.decode(q[:, :1], k[:, :1], np.array([3, 64])), ValueError, "position 64"),
+        (lambda: rope.decode(q[:, :1], k[:, :1], np.array([3, -2])), ValueError, ">= 0"),
+        (lambda: rope.rotate(q, k, np.full((2, 8), 64)), ValueError, "position 64"),
+        (lambda: rope.rotate(q, k, np.full((2, 8), 1.0)), TypeError, "integers"),
+        (lambda: rope.backward(q, k, positions=np.full((2, 8), 99)), ValueError, "position 99"),
+        (lambda: rope.op.apply(q, k, offset=60, seq_len=65), ValueError, "beyond the table"),
+        (lambda: rope.op.apply(q[:, :, ::-1], k, seq_len=8), ValueError, "contiguous"),
+    ]
+    for call, error, match in bad:
+        with pytest.raises(error, match=match):
+            call()
+        assert same_bits(q, q0) and same_bits(k, k0)
+    assert len(launches(rope)) == done
+
+
+def test_arrays_off_whole_elements_are_refused(cuda: None, rng) -> None:
+    """A float32 Q two bytes past an aligned address: no access width is aligned, so the op
+    raises instead of launching (a misaligned load would trap on the GPU)."""
+    cfg = config_of((2, 1), 8)
+    rope = cuda_rope_of(cfg, 1, 3)
+    q0, k0 = random_qk(rng, cfg, 1, 3)
+    raw = aligned_empty(q0.nbytes + 2, np.uint8)
+    q = raw[2:].view(np.float32).reshape(q0.shape)
+    q[...] = q0
+    k = k0.copy()
+    with pytest.raises(ValueError, match="whole elements"):
+        rope.prefill(q, k, 0)
+    assert same_bits(q, q0) and same_bits(k, k0)
+    assert not launches(rope)
+
+
+# ---------------------------------------------------------------------------------- the emulator
+
+
+def test_the_emulator_traps_what_the_gpu_would(cuda: None, monkeypatch, rng) -> None:
+    """Misaligned vector accesses, too many threads for ``__launch_bounds__``, too little
+    dynamic shared memory, and a template instantiation NVRTC was not asked for all raise."""
+    cfg = config_of((4, 2), 64)
+    rope = cuda_rope_of(cfg, 2, 3)
+    q0, k0 = random_qk(rng, cfg, 2, 3)
+    buf = aligned_empty(q0.size + 1, np.float32)
+    q, k = buf[1:].reshape(q0.shape), k0.copy()
+    q[...] = q0
+    with monkeypatch.context() as m:  # the widest access whatever the alignment
+        m.setattr(CudaRopeOp, "vector_width", lambda self, *arrays: 4)
+        with pytest.raises(RuntimeError, match="misaligned access"):
+            rope.prefill(q, k, 0)
+    with monkeypatch.context() as m:
+        m.setattr(cuda_rope, "_THREADS", 256)
+        with pytest.raises(ValueError, match="256 threads per block, the kernel allows 128"):
+            rope.prefill(q0.copy(), k0.copy(), 0)
+    real_launch = _kernels.launch
+
+    def short_shared(*args: Any, shared_mem: int = 0, **kw: Any) -> None:
+        real_launch(*args, shared_mem=shared_mem // 2, **kw)  # room for cos, not for sin
+
+    with monkeypatch.context() as m:
+        m.setattr(_kernels, "launch", short_shared)
+        with pytest.raises(RuntimeError, match="past the end of dynamic shared memory"):
+            rope.prefill(q0.copy(), k0.copy(), 0)
+    with monkeypatch.context() as m:
+        m.setattr(rope.op, "_names", rope.op._names[-1:])  # rope_qk<float, 1, true> only
+        with pytest.raises(ValueError, match="name_expressions"):
+            rope.prefill(q0.copy(), k0.copy(), 0)
+
+
+def test_strided_parameters_are_declared(library: KernelLibrary) -> None:
+    """Only ``MILA_STRIDED`` pointers take views, a read-only array never meets a non-const
+    pointer, and a null pointer is ``_kernels.NULL``, never ``None``."""
+    kernel = library.kernels[cuda_rope.kernel_name(FP32, 1, False)]
+    strided = {p.name for p in kernel.params if p.strided}
+    assert strided == {"q_in", "q_out", "k_in", "k_out"}
+    const = {p.name for p in kernel.params if p.pointer and p.const}
+    assert const == {"q_in", "k_in", "cos_table", "sin_table", "positions"}
+    x, y = np.zeros((1, 1, 4), np.float32), np.zeros((1, 1, 4), np.float32)
+    table = np.zeros((4, 2), np.float32)
+    shape = (np.int32(1), np.int32(1), np.int32(1), np.int32(4), np.int32(2))  # T, Hq, Hk, d, n
+    args = [x, x, y, y, table, table, _kernels.NULL, np.int32(0), np.int64(0), *shape]
+    args += [np.int64(4)] * 8 + [np.float32(1.0), np.int32(0)]
+    name = cuda_rope.kernel_name(FP32, 1, False)
+    with emulated_context(library) as ctx:
+        launch = _kernels.launch
+        launch(ctx, "", name, (1,), 128, tuple(args), shared_mem=16, name_expressions=(name,))
+        bad = list(args)
+        bad[4] = np.zeros((4, 4), np.float32)[:, :2]  # the table is not a MILA_STRIDED parameter
+        with pytest.raises(ValueError, match=r"cos_table.*not C-contiguous"):
+            launch(ctx, "", name, (1,), 128, tuple(bad), name_expressions=(name,))
+        bad = list(args)
+        bad[1] = np.broadcast_to(x, (1, 1, 4))  # read-only, for the written q_out
+        with pytest.raises(ValueError, match=r"q_out.*read-only"):
+            launch(ctx, "", name, (1,), 128, tuple(bad), name_expressions=(name,))
+        bad = list(args)
+        bad[6] = None  # CuPy 13 passes an unspecified value for None (cupy/cupy#9046)
+        with pytest.raises(TypeError, match="None is not NULL"):
+            launch(ctx, "", name, (1,), 128, tuple(bad), name_expressions=(name,))
+        bad = list(args)
+        bad[0] = x.astype(np.float16)
+        with pytest.raises(TypeError, match="float\\* given a float16 array"):
+            launch(ctx, "", name, (1,), 128, tuple(bad), name_expressions=(name,))
+
+
+CONVERT_SOURCE = r"""
+extern "C" __global__ void convert(
+    const float* x, unsigned short* half_bits, unsigned short* bf16_bits, int n)
+{
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        half_bits[i] = from_f32<mila_half>(x[i]).bits;
+        bf16_bits[i] = from_f32<mila_bf16>(x[i]).bits;
+    }
+}
+
+extern "C" __global__ void widen(
+    const unsigned short* bits, float* from_half, float* from_bf16, int n)
+{
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        mila_half h;
+        mila_bf16 b;
+        h.bits = b.bits = bits[i];
+        from_half[i] = to_f32(h);
+        from_bf16[i] = to_f32(b);
+    }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def converters() -> KernelLibrary:
+    """The RoPE source's own 16-bit conversions (PTX cvt for FP16, integer code for BF16)."""
+    return KernelLibrary([cuda_rope.ROPE_CUDA_SOURCE + CONVERT_SOURCE])
+
+
+def _floats_to_round(rng: np.random.Generator) -> np.ndarray:
+    """float32 values around every 16-bit value: exact ones, ties, one ulp either side of the
+    ties, overflow and underflow edges, infinities, NaNs, and random bit patterns."""
+    bits = np.arange(1 << 16, dtype=np.uint32)
+    values = [
+        bits.astype(np.uint16).view(np.float16).astype(np.float32),  # every fp16 value
+        (bits << 16).view(np.float32),  # every bf16 value
+    ]
+    for exact in list(values):
+        finite = np.sort(exact[np.isfinite(exact)])
+        ties = ((finite[:-1].astype(np.float64) + finite[1:]) / 2).astype(np.float32)
+        values += [ties, np.nextafter(ties, np.float32(np.inf)), np.nextafter(ties, -np.inf)]
+    edges = [65504, 65519.996, 65520, 65536, 3.4e38, 2.0**-24, 2.0**-25, 2.0**-26, 1e-45, 0.0]
+    values.append(np.array(edges + [-e for e in edges], np.float32))
+    values.append(rng.integers(0, 1 << 32, size=200_000, dtype=np.uint64).astype(np.uint32))
+    values[-1] = values[-1].view(np.float32)
+    return np.concatenate(values).astype(np.float32)
+
+
+def test_fp16_and_bf16_conversions_round_to_nearest_even(converters: KernelLibrary, rng) -> None:
+    """The kernel's storage conversions against NumPy (fp16) and ml_dtypes (bf16), bit for bit
+    on every non-NaN input; NaN stays NaN (PTX gives the canonical fp16 NaN 0x7fff)."""
+    x = _floats_to_round(rng)
+    half, bf16 = np.empty(x.size, np.uint16), np.empty(x.size, np.uint16)
+    ctx = EmulatedContext()
+    converters.launch(ctx, "", "convert", (1,), 256, (x, half, bf16, np.int32(x.size)))
+    nan = np.isnan(x)
+    with np.errstate(over="ignore", invalid="ignore"):  # the infinities and NaNs on purpose
+        want_half = x.astype(np.float16).view(np.uint16)
+        want_bf16 = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    np.testing.assert_array_equal(half[~nan], want_half[~nan])
+    np.testing.assert_array_equal(bf16[~nan], want_bf16[~nan])
+    assert (half[nan] == 0x7FFF).all()
+    assert np.isnan(bf16[nan].view(ml_dtypes.bfloat16).astype(np.float32)).all()
+    assert ((bf16[nan] & 0x8000) == (x[nan].view(np.uint32) >> 16 & 0x8000)).all()  # sign kept
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    from_half, from_bf16 = np.empty(every.size, np.float32), np.empty(every.size, np.float32)
+    converters.launch(
+        ctx, "", "widen", (1,), 256, (every, from_half, from_bf16, np.int32(every.size))
+    )
+    np.testing.assert_array_equal(from_half, every.view(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(from_bf16, every.view(ml_dtypes.bfloat16).astype(np.float32))

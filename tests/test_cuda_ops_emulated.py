@@ -13,6 +13,7 @@ is in :data:`SOURCES` too, is checked in ``test_rope_cuda_emulated.py``.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -385,17 +386,35 @@ NVCC = shutil.which("nvcc")
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
 def test_cuda_sources_compile_for_sm90(tmp_path) -> None:
     """Every kernel source, with the prelude as NVRTC sees it, compiles for Hopper (one nvcc
-    run: each source in a namespace of its own, so none relies on another's helpers)."""
+    run: each source in a namespace of its own, so none relies on another's helpers), every
+    template instantiation the ops launch included, and no kernel spills registers."""
+    rope_ns = f"source{SOURCES.index(rope.ROPE_CUDA_SOURCE)}"
+    qualified = [
+        re.sub(r"\b(mila_half|mila_bf16)\b", rf"{rope_ns}::\1", name) for name in NAME_EXPRESSIONS
+    ]
     path = tmp_path / "sources.cu"
     path.write_text(
         "\n".join(
             f"namespace source{i} {{\n{_kernels.CUDA_PRELUDE}{source}\n}}"
             for i, source in enumerate(SOURCES)
         )
+        # taking a template kernel's address instantiates it
+        + "\nvoid* const mila_instances[] = {\n"
+        + ",\n".join(f"    (void*)&{rope_ns}::{name}" for name in qualified)
+        + "\n};\n"
     )
+    command = [NVCC, "-std=c++17", "-arch=sm_90", "--resource-usage", "-c", str(path)]
     result = subprocess.run(
-        [NVCC, "-std=c++17", "-arch=sm_90", "-c", str(path), "-o", str(tmp_path / "sources.o")],
+        [*command, "-o", str(tmp_path / "sources.o")],
         capture_output=True,
         text=True,
     )
     assert result.returncode == 0, result.stderr
+    report = result.stdout + result.stderr
+    entries = re.findall(r"Compiling entry function '([^']+)'", report)
+    assert len(entries) == len(NAME_EXPRESSIONS) + sum(
+        source.count('extern "C" __global__') for source in SOURCES
+    ), report
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert len(spills) == len(entries), report
+    assert all(stores == "0" and loads == "0" for stores, loads in spills), report

@@ -25,15 +25,25 @@ from mila_py.components import Rope, RopeConfig
 from mila_py.ops.cpu import _rope_fused
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
+def _interleaved_seconds(
+    candidates: dict[str, Callable[[], object]], repeats: int, warmup: int = 2
+) -> dict[str, list[float]]:
+    """Seconds per call of every candidate, measured in rounds that run each candidate once.
+
+    Interleaving puts every candidate under the same background load (a shared VM's neighbours
+    come and go over seconds), so ratios taken round by round are steadier than ratios of
+    medians measured one candidate after another.
+    """
+    for fn in candidates.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 def _per_call_seconds(fn: Callable[[], object], calls: int, rounds: int = 5) -> float:
@@ -85,13 +95,11 @@ def main() -> None:
     rope = Rope("rope", cfg, device="CPU")
     rope.build(BuildContext((n_b, n_t, hq * d), RuntimeMode.INFERENCE))
 
-    rows: list[tuple[str, float]] = []
-
     def numpy_negate() -> None:
         np.negative(q, out=q)
         np.negative(k, out=k)
 
-    limits = [("limit: NumPy in-place pass, 1 thread", _median_seconds(numpy_negate, args.repeats))]
+    limits = {"limit: NumPy in-place pass, 1 thread": numpy_negate}
     negate = _numba_negate()
     if negate is not None:
 
@@ -99,20 +107,21 @@ def main() -> None:
             negate(q)
             negate(k)
 
-        limits.append(
-            ("limit: Numba in-place pass, all cores", _median_seconds(numba_negate, args.repeats))
-        )
-    limit = min(t for _, t in limits)
-    rows.extend(limits)
+        limits["limit: Numba in-place pass, all cores"] = numba_negate
 
     backends = ["fused", "numpy"] if _rope_fused.AVAILABLE else ["numpy"]
-    mila: dict[str, float] = {}
-    for backend in backends:
-        rope.op.backend = backend
-        mila[backend] = _median_seconds(lambda: rope.forward(q, k), args.repeats)
-        rows.append((f"mila_py Rope.forward ({backend})", mila[backend]))
 
-    hf_time = None
+    def forward(backend: str) -> Callable[[], object]:
+        def call() -> None:
+            rope.op.backend = backend
+            rope.forward(q, k)
+
+        return call
+
+    candidates: dict[str, Callable[[], object]] = dict(limits)
+    for backend in backends:
+        candidates[f"mila_py Rope.forward ({backend})"] = forward(backend)
+    hf = "HF apply_rotary_pos_emb (torch eager)"
     try:
         import torch
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -126,24 +135,35 @@ def main() -> None:
         freqs = torch.outer(torch.arange(n_t, dtype=torch.float32), inv)
         emb = torch.cat((freqs, freqs), dim=-1)[None]
         cos, sin = emb.cos(), emb.sin()
-        with torch.inference_mode():
-            hf_time = _median_seconds(lambda: apply_rotary_pos_emb(tq, tk, cos, sin), args.repeats)
-        rows.append(("HF apply_rotary_pos_emb (torch eager)", hf_time))
+
+        def hf_call() -> None:
+            with torch.inference_mode():
+                apply_rotary_pos_emb(tq, tk, cos, sin)
+
+        candidates[hf] = hf_call
     except ImportError as exc:
         print(f"(Hugging Face skipped: {exc})")
 
+    times = _interleaved_seconds(candidates, args.repeats)
+    # each round's limit is the faster of the limit passes in that round
+    round_limits = [min(rounds) for rounds in zip(*(times[name] for name in limits), strict=True)]
     print(
         f"\nRoPE fp32 prefill, B={n_b} T={n_t} heads={hq}/{hk} head_dim={d}; "
-        f"Q+K traffic {traffic / 2**20:.1f} MiB (read + write)"
+        f"Q+K traffic {traffic / 2**20:.1f} MiB (read + write); {args.repeats} interleaved rounds"
     )
     print(f"{'what':<42} {'ms':>9} {'GB/s':>8} {'x limit':>8}")
-    for name, seconds in rows:
-        print(
-            f"{name:<42} {seconds * 1e3:9.3f} {traffic / seconds / 1e9:8.2f} {seconds / limit:8.2f}"
-        )
-    if hf_time is not None:
-        for backend, seconds in mila.items():
-            print(f"speedup of mila_py ({backend}) over HF eager: {hf_time / seconds:.1f}x")
+    print(f"{'(median time; median of per-round ratios)':<42}")
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    for name, seconds in medians.items():
+        ratio = statistics.median(t / lim for t, lim in zip(times[name], round_limits, strict=True))
+        print(f"{name:<42} {seconds * 1e3:9.3f} {traffic / seconds / 1e9:8.2f} {ratio:8.2f}")
+    if hf in times:
+        for backend in backends:
+            speedup = statistics.median(
+                h / m
+                for h, m in zip(times[hf], times[f"mila_py Rope.forward ({backend})"], strict=True)
+            )
+            print(f"speedup of mila_py ({backend}) over HF eager: {speedup:.1f}x")
 
     # decode: the whole component call for B=1, T=1
     dq = rng.standard_normal((1, 1, hq * d), dtype=np.float32)

@@ -68,3 +68,26 @@ def test_components_agree_on_both_backends(backend: str, monkeypatch: pytest.Mon
     gate, up = x64 @ p["gate_proj"].T, x64 @ p["up_proj"].T
     ref = (gate / (1 + np.exp(-gate)) * up) @ p["down_proj"].T
     np.testing.assert_allclose(mlp.forward(x[:, 1:4]), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_every_cached_numba_kernel_has_a_cache_file_of_its_own() -> None:
+    """Numba names a cache file after the Python function and keys entries by signature alone.
+
+    Two cached dispatchers of one function (say parallel=True and parallel=False) would load each
+    other's machine code from disk: the parallel RoPE kernel once ran serially that way.
+    """
+    from numba.core.caching import NullCache
+    from numba.core.registry import CPUDispatcher
+
+    from mila_py.ops.cpu import _rope_fused
+
+    paths: dict[str, str] = {}
+    for module in (_rope_fused, _fused_layers):
+        for name, obj in vars(module).items():
+            if isinstance(obj, CPUDispatcher) and not isinstance(obj._cache, NullCache):
+                path = obj._cache._cache_file._index_path
+                assert path not in paths, (
+                    f"{module.__name__}.{name} shares {path} with {paths[path]}"
+                )
+                paths[path] = f"{module.__name__}.{name}"
+    assert len(paths) >= 4  # the RoPE kernels and the row-wise layers really were looked at

@@ -81,12 +81,27 @@ def _qk_inplace(
         _k_row_inplace(k[b, t], cos[p], sin[p], n_kv_heads, head_dim, n, interleaved, sign)
 
 
+def _qk_inplace_serial(
+    q, k, cos, sin, offset, pos, use_pos, n_heads, n_kv_heads, head_dim, n, interleaved, inverse
+):  # type: ignore[no-untyped-def]
+    # A function of its own, not a second jit of _qk_inplace: Numba names a function's on-disk
+    # cache after the Python function and keys its entries by signature only, so two dispatchers
+    # of one function with different flags load each other's machine code (the parallel kernel
+    # then ran serially, 1.6x slower, after any process had compiled the serial one first).
+    _k_qk_inplace(
+        q, k, cos, sin, offset, pos, use_pos, n_heads, n_kv_heads, head_dim, n, interleaved, inverse
+    )
+
+
 if AVAILABLE:
     _inline = numba.njit(inline="always", cache=True)
     _k_rotate_inplace = _inline(_rotate_inplace)
     _k_pairs_inplace = _inline(_rotate_pairs_inplace)
     _k_row_inplace = _inline(_row_inplace)
+    # prange is range outside a parallel kernel; not cached, since a cached dispatcher of
+    # _qk_inplace would share rope_inplace_parallel's cache file
+    _k_qk_inplace = numba.njit(inline="always")(_qk_inplace)
     rope_inplace_parallel: Any = numba.njit(parallel=True, cache=True)(_qk_inplace)
-    rope_inplace_serial: Any = numba.njit(cache=True)(_qk_inplace)
+    rope_inplace_serial: Any = numba.njit(cache=True)(_qk_inplace_serial)
 else:
     rope_inplace_parallel = rope_inplace_serial = None

@@ -3,7 +3,7 @@
 Measures, for Q ``[B, T, Hq*d]`` and K ``[B, T, Hk*d]`` in fp32:
 
 - the limit: an in-place pass that reads and writes every byte of Q and K once (NumPy, one
-  thread; and a Numba ``prange`` pass over both cores when Numba is installed) — the best of them;
+  thread; and a Numba pass split over every core when Numba is installed) — the best of them;
 - mila_py ``Rope.forward`` (whole component call) with the fused and the NumPy paths;
 - Hugging Face ``apply_rotary_pos_emb`` in torch eager, when torch and transformers are installed;
 - ``Rope.decode`` for B=1 (whole component call, checks included), in microseconds per call.
@@ -58,18 +58,30 @@ def _per_call_seconds(fn: Callable[[], object], calls: int, rounds: int = 5) -> 
     return best
 
 
-def _numba_negate() -> Callable[[np.ndarray], None] | None:
+def _threaded_negate() -> Callable[[np.ndarray], None] | None:
+    """An in-place pass over ``x`` split over every core (Numba ``nogil`` kernel, thread pool).
+
+    The same threading the fused RoPE kernel uses; Numba's ``parallel=True`` is not used here
+    either, because its OpenMP threads keep spinning after the call and slow the next candidate.
+    """
     if not _rope_fused.AVAILABLE:
         return None
     import numba
 
-    @numba.njit(parallel=True)
-    def negate(x: np.ndarray) -> None:  # reads and writes every element once
-        flat = x.reshape(-1)
-        for i in numba.prange(flat.size):
-            flat[i] = -flat[i]
+    from mila_py.ops.cpu.rope import _in_parallel, _row_ranges
 
-    return negate
+    @numba.njit(nogil=True)
+    def negate(part: np.ndarray) -> None:  # reads and writes every element once
+        for i in range(part.size):  # from 0: no wraparound checks, a vectorized loop
+            part[i] = -part[i]
+
+    def run(x: np.ndarray) -> None:
+        flat = x.reshape(-1)
+        ranges = _row_ranges(x.shape[0] * x.shape[1])
+        row = x.shape[2]
+        _in_parallel(lambda r: negate(flat[r[0] * row : r[1] * row]), ranges)
+
+    return run
 
 
 def main() -> None:
@@ -100,7 +112,7 @@ def main() -> None:
         np.negative(k, out=k)
 
     limits = {"limit: NumPy in-place pass, 1 thread": numpy_negate}
-    negate = _numba_negate()
+    negate = _threaded_negate()
     if negate is not None:
 
         def numba_negate() -> None:

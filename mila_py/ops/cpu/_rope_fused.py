@@ -1,8 +1,13 @@
 """Fused single-pass RoPE kernels for the CPU, compiled by Numba (the ``jit`` extra).
 
 One pass over Q and K together: each token's cos/sin row is read once and reused across all
-heads of both tensors. ``*_parallel`` splits tokens across cores (prefill); ``*_serial`` avoids
-the thread-pool hand-off for decode-sized calls. Arithmetic is float32 on float32 data.
+heads of both tensors. Arithmetic is float32 on float32 data (float64 on float64).
+
+``rope_rows_inplace`` rotates a range of tokens and releases the GIL, so the op splits large
+calls into ranges over its own thread pool and runs decode-sized calls inline. Not Numba's
+``parallel=True``: its default OpenMP layer leaves its threads spinning after each call, and the
+NumPy or BLAS work that follows (attention's matmuls) then ran up to 1.6x slower on 2 cores;
+pool threads wait on a lock instead.
 
 Two details keep the inner loop a straight vectorized body: the pair halves are passed as 1-D
 views indexed by ``range`` variables (known non-negative, so Numba emits no wraparound checks),
@@ -25,8 +30,7 @@ import numpy as np
 __all__ = [
     "AVAILABLE",
     "NO_POSITIONS",
-    "rope_inplace_parallel",
-    "rope_inplace_serial",
+    "rope_rows_inplace",
 ]
 
 try:
@@ -68,12 +72,27 @@ def _row_inplace(x, c, s, n_heads, head_dim, n, interleaved, sign):  # type: ign
             _k_rotate_inplace(x[lo : lo + n], x[lo + n : hi], c, s, n, sign)
 
 
-def _qk_inplace(
-    q, k, cos, sin, offset, pos, use_pos, n_heads, n_kv_heads, head_dim, n, interleaved, inverse
+def _qk_rows_inplace(
+    q,
+    k,
+    cos,
+    sin,
+    offset,
+    pos,
+    use_pos,
+    r0,
+    r1,
+    n_heads,
+    n_kv_heads,
+    head_dim,
+    n,
+    interleaved,
+    inverse,
 ):  # type: ignore[no-untyped-def]
+    # rows r0 .. r1 - 1 of the flattened [B * T] token axis
     n_t = q.shape[1]
     sign = np.float32(-1.0) if inverse else np.float32(1.0)
-    for r in numba.prange(q.shape[0] * n_t):
+    for r in range(r0, r1):
         b = r // n_t
         t = r - b * n_t
         p = pos[b, t] if use_pos else offset + t
@@ -81,27 +100,11 @@ def _qk_inplace(
         _k_row_inplace(k[b, t], cos[p], sin[p], n_kv_heads, head_dim, n, interleaved, sign)
 
 
-def _qk_inplace_serial(
-    q, k, cos, sin, offset, pos, use_pos, n_heads, n_kv_heads, head_dim, n, interleaved, inverse
-):  # type: ignore[no-untyped-def]
-    # A function of its own, not a second jit of _qk_inplace: Numba names a function's on-disk
-    # cache after the Python function and keys its entries by signature only, so two dispatchers
-    # of one function with different flags load each other's machine code (the parallel kernel
-    # then ran serially, 1.6x slower, after any process had compiled the serial one first).
-    _k_qk_inplace(
-        q, k, cos, sin, offset, pos, use_pos, n_heads, n_kv_heads, head_dim, n, interleaved, inverse
-    )
-
-
 if AVAILABLE:
     _inline = numba.njit(inline="always", cache=True)
     _k_rotate_inplace = _inline(_rotate_inplace)
     _k_pairs_inplace = _inline(_rotate_pairs_inplace)
     _k_row_inplace = _inline(_row_inplace)
-    # prange is range outside a parallel kernel; not cached, since a cached dispatcher of
-    # _qk_inplace would share rope_inplace_parallel's cache file
-    _k_qk_inplace = numba.njit(inline="always")(_qk_inplace)
-    rope_inplace_parallel: Any = numba.njit(parallel=True, cache=True)(_qk_inplace)
-    rope_inplace_serial: Any = numba.njit(cache=True)(_qk_inplace_serial)
+    rope_rows_inplace: Any = numba.njit(nogil=True, cache=True)(_qk_rows_inplace)
 else:
-    rope_inplace_parallel = rope_inplace_serial = None
+    rope_rows_inplace = None

@@ -21,7 +21,9 @@ validated shapes, dtypes and positions.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -189,30 +191,41 @@ class CpuRopeOp(Operation):
         else:
             pos = _rope_fused.NO_POSITIONS
         out_of_place = q_out is not q or k_out is not k
-        elements = q.shape[0] * q.shape[1] * (q.shape[2] + k.shape[2])
-        parallel = elements >= _PARALLEL_ELEMENTS
+        n_b, n_t = q.shape[0], q.shape[1]
+        parallel = n_b * n_t * (q.shape[2] + k.shape[2]) >= _PARALLEL_ELEMENTS
         args = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, n_freq, self._interleaved, inverse)
-        kernel = _rope_fused.rope_inplace_parallel if parallel else _rope_fused.rope_inplace_serial
+        kernel = _rope_fused.rope_rows_inplace
         if out_of_place:  # see _rope_fused: copy, then rotate the copy in place
             np.copyto(q_out, q)
             np.copyto(k_out, k)
             q, k = q_out, k_out
         if q.dtype in (np.float32, np.float64):  # FP64: same fp32 tables, float64 arithmetic
-            kernel(q, k, cos, sin, offset, pos, use_pos, *args)
+            if not parallel:
+                kernel(q, k, cos, sin, offset, pos, use_pos, 0, n_b * n_t, *args)
+                return
+            _in_parallel(
+                lambda rows: kernel(q, k, cos, sin, offset, pos, use_pos, *rows, *args),
+                _row_ranges(n_b * n_t),
+            )
             return
+
         # 16-bit storage: widen a cache-sized block of tokens to fp32, rotate it, round once back.
-        n_b, n_t = q.shape[0], q.shape[1]
-        row_bytes = 4 * (q.shape[2] + k.shape[2])
-        block = max(1, _BLOCK_BYTES // row_bytes)
-        for b in range(n_b):
-            for t0 in range(0, n_t, block):
-                t1 = min(n_t, t0 + block)
-                qf = q[b : b + 1, t0:t1].astype(np.float32)
-                kf = k[b : b + 1, t0:t1].astype(np.float32)
-                sub_pos = pos[b : b + 1, t0:t1] if use_pos else pos
-                kernel(qf, kf, cos, sin, offset + t0, sub_pos, use_pos, *args)
-                q_out[b : b + 1, t0:t1] = qf
-                k_out[b : b + 1, t0:t1] = kf
+        def widen_rotate_round(block: tuple[int, int, int]) -> None:
+            b, t0, t1 = block
+            qf = q[b : b + 1, t0:t1].astype(np.float32)
+            kf = k[b : b + 1, t0:t1].astype(np.float32)
+            sub_pos = pos[b : b + 1, t0:t1] if use_pos else pos
+            kernel(qf, kf, cos, sin, offset + t0, sub_pos, use_pos, 0, t1 - t0, *args)
+            q_out[b : b + 1, t0:t1] = qf
+            k_out[b : b + 1, t0:t1] = kf
+
+        step = max(1, _BLOCK_BYTES // (4 * (q.shape[2] + k.shape[2])))
+        blocks = [(b, t0, min(n_t, t0 + step)) for b in range(n_b) for t0 in range(0, n_t, step)]
+        if parallel:
+            _in_parallel(widen_rotate_round, blocks)
+        else:
+            for block in blocks:
+                widen_rotate_round(block)
 
     # ------------------------------------------------------------------ NumPy path
     def _numpy_blocks(
@@ -263,7 +276,20 @@ def _run_blocks(
         _rotate_blocks(jobs, n, interleaved, inverse)
         return
     parts = [jobs[i::workers] for i in range(workers)]
-    list(_pool().map(lambda part: _rotate_blocks(part, n, interleaved, inverse), parts))
+    _in_parallel(lambda part: _rotate_blocks(part, n, interleaved, inverse), parts)
+
+
+def _row_ranges(n_rows: int) -> list[tuple[int, int]]:
+    """``n_rows`` tokens as a few contiguous ranges per core (a slow core takes fewer)."""
+    parts = min(n_rows, 4 * _cpu_count())
+    bounds = [n_rows * i // parts for i in range(parts + 1)]
+    return list(itertools.pairwise(bounds))
+
+
+def _in_parallel(fn: Callable[[Any], None], items: Sequence[Any]) -> None:
+    """``fn(item)`` for every item on the op's thread pool; the first error is raised."""
+    for future in [_pool().submit(fn, item) for item in items]:
+        future.result()
 
 
 def _rotate_blocks(

@@ -122,7 +122,7 @@ def torch_step(n_b: int, n_t: int, tokens: np.ndarray, targets: np.ndarray) -> C
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
-        return float(loss)
+        return float(loss.detach())
 
     return step
 

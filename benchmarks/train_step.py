@@ -4,7 +4,8 @@ A step is forward + cross-entropy + backward + AdamW on a ~10M-parameter byte-le
 (dim 384, 6 layers, 6/2 heads, SwiGLU 1024, vocab 256), B=4, T=256, fp32 on the CPU. PyTorch
 runs when installed, with the same shapes and the same thread count.
 
-Run: ``python benchmarks/train_step.py [--steps 10]``.
+Run: ``python benchmarks/train_step.py [--steps 10]``. Prints ms/step, tokens/s and, per round,
+the throughput ratio of the two.
 """
 
 from __future__ import annotations
@@ -25,15 +26,22 @@ CFG = LlamaConfig(
 )
 
 
-def _time(step: Callable[[], object], steps: int) -> float:
-    step()
-    step()
-    times = []
+def _interleaved(candidates: dict[str, Callable[[], object]], steps: int) -> dict[str, list[float]]:
+    """Seconds per step of every candidate, in rounds that run each candidate's step once.
+
+    Alternating keeps both under the same background load (a shared VM drifts by 10-20% over a
+    minute), so the per-round ratios are steadier than a ratio of two separate medians.
+    """
+    for fn in candidates.values():
+        fn()
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 def mila_step(
@@ -139,25 +147,31 @@ def main() -> None:
     n_tokens = args.batch * args.seq
 
     step, params = mila_step(args.batch, args.seq, tokens, targets)
-    rows = [("mila_py (NumPy)", _time(step, args.steps))]
+    candidates: dict[str, Callable[[], object]] = {"mila_py (NumPy + Numba)": step}
     try:
         import torch
 
-        rows.append(
-            (
-                f"PyTorch {torch.__version__} eager",
-                _time(torch_step(args.batch, args.seq, tokens, targets), args.steps),
-            )
+        candidates[f"PyTorch {torch.__version__} eager"] = torch_step(
+            args.batch, args.seq, tokens, targets
         )
     except ImportError as exc:
         print(f"(PyTorch skipped: {exc})")
+    times = _interleaved(candidates, args.steps)
     print(
-        f"\nLlama training step, {params / 1e6:.1f}M parameters, B={args.batch} T={args.seq}, fp32 CPU"
+        f"\nLlama training step, {params / 1e6:.1f}M parameters, B={args.batch} T={args.seq}, "
+        f"fp32 CPU; {args.steps} interleaved rounds"
     )
-    print(f"{'what':<28} {'ms/step':>9} {'tokens/s':>10} {'vs first':>9}")
-    base = rows[0][1]
-    for name, seconds in rows:
-        print(f"{name:<28} {seconds * 1e3:9.1f} {n_tokens / seconds:10,.0f} {base / seconds:9.2f}")
+    print(f"{'what':<28} {'ms/step':>9} {'tokens/s':>10} {'x mila_py':>10}")
+    base = times["mila_py (NumPy + Numba)"]
+    for name, seconds in times.items():
+        median = statistics.median(seconds)
+        # median over rounds of this round's throughput relative to mila_py's
+        ratio = statistics.median(b / t for b, t in zip(base, seconds, strict=True))
+        print(f"{name:<28} {median * 1e3:9.1f} {n_tokens / median:10,.0f} {ratio:10.2f}")
+    for name, seconds in times.items():
+        if seconds is not base:
+            speed = statistics.median(t / b for b, t in zip(base, seconds, strict=True))
+            print(f"mila_py throughput / {name}: {speed:.2f}x")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from mila_py import BuildContext, RuntimeMode
 from mila_py.components import RmsNorm, RmsNormConfig, SwiGLU, SwiGLUConfig
 from mila_py.ops.cpu import _fused_layers
 from mila_py.ops.cpu.rms_norm import rms_norm_forward
-from mila_py.ops.cpu.swiglu import swiglu_forward
+from mila_py.ops.cpu.swiglu import swiglu_backward, swiglu_forward
 
 pytestmark = pytest.mark.skipif(not _fused_layers.AVAILABLE, reason="Numba is not installed")
 
@@ -47,6 +47,51 @@ def test_swiglu_rows_equals_the_numpy_forward_including_saturation(dtype) -> Non
     _fused_layers.swiglu_rows(g, u, got)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, ref, rtol=4 * TOL[dtype], atol=4 * TOL[dtype])
+
+
+def test_float32_exp_is_within_an_ulp_of_the_exact_value() -> None:
+    x = np.linspace(-110.0, 90.0, 2_000_001, dtype=np.float32).reshape(1, -1)
+    x = np.concatenate(
+        [x, np.float32(20) * np.random.default_rng(4).standard_normal(x.shape, np.float32)]
+    )
+    got = np.full_like(x, np.nan)
+    _fused_layers.exp_rows(x, got)
+    exact = np.exp(x.astype(np.float64))
+    tiny, big = np.finfo(np.float32).tiny, float(np.finfo(np.float32).max)
+    normal = (exact >= tiny) & (exact <= big)
+    spacing = np.spacing(exact[normal].astype(np.float32)).astype(np.float64)
+    assert (np.abs(got[normal] - exact[normal]) / spacing).max() < 1.05
+    low = exact < tiny  # subnormal results: within one unit of the smallest subnormal
+    rounded = exact[low].astype(np.float32)
+    assert np.abs(got[low].view(np.int32).astype(np.int64) - rounded.view(np.int32)).max() <= 1
+    assert (got[exact > big] == np.inf).all()
+    special = np.array([[np.nan, np.inf, -np.inf, 0.0, -0.0, 88.73, -104.5]], np.float32)
+    out = np.empty_like(special)
+    _fused_layers.exp_rows(special, out)
+    assert np.isnan(out[0, 0])
+    assert out[0, 1:].tolist() == [np.inf, 0.0, 1.0, 1.0, np.inf, 0.0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_backward_rows_equals_the_numpy_backward_in_place(dtype) -> None:  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(5)
+    g = (rng.standard_normal((11, 130)) * 8).astype(dtype)
+    g[0, :6] = [-1000.0, 1000.0, 0.0, -0.0, -90.0, 90.0]  # exp overflows both ways
+    u = rng.standard_normal((11, 130)).astype(dtype)
+    dh = rng.standard_normal((11, 130)).astype(dtype)
+    ref_dg, ref_du = np.empty_like(g), np.empty_like(g)
+    swiglu_backward(g, u, dh, ref_dg, ref_du)
+    got_dg, got_du = dh.copy(), np.full_like(g, np.nan)
+    _fused_layers.swiglu_backward_rows(g, u, got_dg, got_du)  # dh becomes dgate
+    assert np.isfinite(got_dg).all() and np.isfinite(got_du).all()
+    np.testing.assert_allclose(got_du, ref_du, rtol=4 * TOL[dtype], atol=4 * TOL[dtype])
+    np.testing.assert_allclose(got_dg, ref_dg, rtol=4 * TOL[dtype], atol=4 * TOL[dtype])
+    # and against the derivative in float64: d/dg silu(g) = s (1 + g (1 - s))
+    g64 = g.astype(np.float64)
+    with np.errstate(over="ignore"):
+        s = 1 / (1 + np.exp(-g64))
+    dsilu = s * (1 + g64 * (1 - s))
+    np.testing.assert_allclose(got_dg, dh * u * dsilu, rtol=8 * TOL[dtype], atol=8 * TOL[dtype])
 
 
 @pytest.mark.parametrize("backend", ["auto", "numpy"])

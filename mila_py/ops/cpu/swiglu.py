@@ -87,8 +87,8 @@ def swiglu_backward(
 
 @register_op("SwiGLUOp", DeviceType.CPU, precisions=(Precision.FP32, Precision.FP64))
 class CpuSwiGLUOp(Operation):
-    """``silu(g) * u`` (see :func:`swiglu_forward`, :func:`swiglu_backward`); the forward runs
-    the fused Numba kernel of :mod:`._fused_layers` when it is available."""
+    """``silu(g) * u`` (see :func:`swiglu_forward`, :func:`swiglu_backward`); forward and
+    backward run the fused Numba kernels of :mod:`._fused_layers` when they are available."""
 
     def forward(self, gate: Any, up: Any, out: Any) -> None:
         if _fused_layers.enabled(gate.dtype):
@@ -97,4 +97,10 @@ class CpuSwiGLUOp(Operation):
             swiglu_forward(gate, up, out)
 
     def backward(self, gate: Any, up: Any, dh: Any, dgate: Any, dup: Any) -> None:
-        swiglu_backward(gate, up, dh, dgate, dup)
+        if not _fused_layers.enabled(gate.dtype):
+            swiglu_backward(gate, up, dh, dgate, dup)
+            return
+        dg2 = out_rows(dgate)
+        if dgate is not dh:  # the kernel turns dh into dgate in place
+            np.copyto(dg2, as_rows(dh))
+        _fused_layers.swiglu_backward_rows(as_rows(gate), as_rows(up), dg2, out_rows(dup))

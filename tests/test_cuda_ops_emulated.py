@@ -349,7 +349,7 @@ def test_fused_adamw_equals_the_array_code_bit_for_bit(ctx: EmulatedContext, rng
         models.append(lin)
     plain = AdamW(models[0], lr=3e-3, weight_decay=0.1)
     fused = AdamW(models[1], lr=3e-3, weight_decay=0.1)
-    assert plain._fused is None  # the CPU has no AdamWOp: the array code runs
+    plain._fused = None  # the array code, the reference
     fused._fused = CudaAdamWOp(ctx, None, FP32)
     for step in range(3):
         for model in models:

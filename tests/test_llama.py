@@ -7,9 +7,12 @@ import pytest
 
 from mila_py import BuildContext, Precision, RuntimeMode, TrainingMode
 from mila_py.component import Component
-from mila_py.components import Llama, LlamaConfig
+from mila_py.components import Linear, LinearConfig, Llama, LlamaConfig
+from mila_py.devices import create_execution_context
 from mila_py.ops.operation import Operation
 from mila_py.optim import AdamW, clip_grad_norm
+
+PRECISION = {np.float32: Precision.FP32, np.float64: Precision.FP64}
 
 B, T = 2, 5
 
@@ -221,6 +224,59 @@ def test_adamw_step_matches_the_formula() -> None:
         v_hat = (0.01 * g * g) / 0.01
         expected = p0 * (1 - 0.01 * decay) - 0.01 * m_hat / (np.sqrt(v_hat) + 1e-8)
         np.testing.assert_allclose(p, expected, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_cpu_fused_adamw_equals_the_array_code_bit_for_bit(dtype) -> None:  # type: ignore[no-untyped-def]
+    from mila_py.ops.cpu import _fused_layers
+    from mila_py.ops.cpu.adamw import CpuAdamWOp
+
+    if not _fused_layers.AVAILABLE:
+        pytest.skip("Numba is not installed")
+    models = []
+    for _ in range(2):
+        lin = Linear("lin", LinearConfig(9, 5, bias=True), device="CPU", precision=PRECISION[dtype])
+        lin.build(BuildContext((2, 9), RuntimeMode.TRAINING))
+        models.append(lin)
+    plain = AdamW(models[0], lr=3e-3, weight_decay=0.1)
+    fused = AdamW(models[1], lr=3e-3, weight_decay=0.1)
+    assert isinstance(fused._fused, CpuAdamWOp)
+    plain._fused = None  # the array code, the reference
+    rng = np.random.default_rng(7)
+    for _ in range(3):
+        for g0, g1 in zip(models[0].get_gradients(), models[1].get_gradients(), strict=True):
+            g0[...] = g1[...] = (rng.standard_normal(g0.shape) * 1e-2).astype(dtype)
+        g0.flat[0] = g1.flat[0] = 0.0  # v = 0 on the first step: the eps guard
+        plain.step()
+        fused.step()
+    for (name, a), (_, b) in zip(
+        models[0].named_parameters(), models[1].named_parameters(), strict=True
+    ):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    for m0, m1 in zip(plain._m + plain._v, fused._m + fused._v, strict=True):
+        np.testing.assert_array_equal(m0, m1)
+
+
+def test_cpu_fused_adamw_takes_fortran_order_and_refuses_mixed_layouts() -> None:
+    from mila_py.ops.cpu import _fused_layers
+    from mila_py.ops.cpu.adamw import CpuAdamWOp
+
+    if not _fused_layers.AVAILABLE:
+        pytest.skip("Numba is not installed")
+    op = CpuAdamWOp(create_execution_context("CPU"), None, Precision.FP32)
+    rng = np.random.default_rng(8)
+    p, g = (np.asfortranarray(rng.standard_normal((4, 6)).astype(np.float32)) for _ in range(2))
+    m, v = np.zeros_like(p), np.zeros_like(p)
+    kw = {"decay": 0.99, "betas": (0.9, 0.999), "correction2": 0.001, "eps": 1e-8}
+    expected = p * np.float32(0.99) - np.float32(0.1) * (
+        (np.float32(0.1) * g) / (np.sqrt(np.float32(0.001) * (g * g) / np.float32(0.001)) + 1e-8)
+    )
+    op.step(p, g, m, v, step_size=0.1, **kw)
+    np.testing.assert_allclose(p, expected, rtol=1e-6)
+    before = p.copy()
+    with pytest.raises(ValueError, match="one layout"):
+        op.step(p, np.ascontiguousarray(g), m, v, step_size=0.1, **kw)
+    np.testing.assert_array_equal(p, before)  # nothing was updated
 
 
 def test_clip_grad_norm() -> None:

@@ -7,7 +7,19 @@ import math
 import numpy as np
 import pytest
 
-from mila_py.ops.cpu.attention import attention_backward, attention_forward
+from mila_py.ops.cpu import _fused_layers
+from mila_py.ops.cpu.attention import CpuAttentionOp, attention_backward, attention_forward
+
+needs_numba = pytest.mark.skipif(not _fused_layers.AVAILABLE, reason="Numba is not installed")
+KERNELS = ["numpy", pytest.param("fused", marks=needs_numba)]
+
+
+def forward_hooks(kernels: str) -> dict:  # type: ignore[type-arg]
+    return {"softmax": _fused_layers.causal_softmax} if kernels == "fused" else {}
+
+
+def backward_hooks(kernels: str) -> dict:  # type: ignore[type-arg]
+    return {"softmax_backward": _fused_layers.softmax_backward_rows} if kernels == "fused" else {}
 
 
 def naive_attention(q, k, v, hq, hk, scale, q_offset=0):  # type: ignore[no-untyped-def]
@@ -31,30 +43,79 @@ def naive_attention(q, k, v, hq, hk, scale, q_offset=0):  # type: ignore[no-unty
     return out
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize(("hq", "hk"), [(4, 4), (4, 2), (6, 1), (3, 3)])
-def test_forward_matches_naive_loop(hq: int, hk: int) -> None:
+def test_forward_matches_naive_loop(hq: int, hk: int, kernels: str) -> None:
     rng = np.random.default_rng(hq * 10 + hk)
     n_b, n_t, d = 2, 5, 4
     q = rng.standard_normal((n_b, n_t, hq * d))
     k = rng.standard_normal((n_b, n_t, hk * d))
     v = rng.standard_normal((n_b, n_t, hk * d))
     out = np.empty_like(q)
-    attention_forward(q, k, v, hq, hk, 0.37, out)
+    probs = attention_forward(q, k, v, hq, hk, 0.37, out, **forward_hooks(kernels))
     np.testing.assert_allclose(out, naive_attention(q, k, v, hq, hk, 0.37), rtol=1e-12, atol=1e-12)
+    assert probs.shape == (n_b, hk, hq // hk, n_t, n_t)
+    np.testing.assert_allclose(probs.sum(axis=-1), 1.0, rtol=1e-12)
+    assert (probs[..., np.triu_indices(n_t, 1)[0], np.triu_indices(n_t, 1)[1]] == 0).all()
 
 
-def test_query_offset_sees_the_cache() -> None:
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_query_offset_sees_the_cache(kernels: str) -> None:
     rng = np.random.default_rng(3)
     q = rng.standard_normal((1, 2, 8))
     k = rng.standard_normal((1, 6, 8))
     v = rng.standard_normal((1, 6, 8))
     out = np.empty_like(q)
-    attention_forward(q, k, v, 2, 2, 0.5, out, q_offset=3)
+    attention_forward(q, k, v, 2, 2, 0.5, out, q_offset=3, **forward_hooks(kernels))
     np.testing.assert_allclose(out, naive_attention(q, k, v, 2, 2, 0.5, q_offset=3), atol=1e-12)
+    # not causal: every query sees every key (decode, one token per sequence at the end)
+    attention_forward(q[:, :1], k, v, 2, 2, 0.5, out[:, :1], causal=False, **forward_hooks(kernels))
+    np.testing.assert_allclose(
+        out[:, :1], naive_attention(q[:, :1], k, v, 2, 2, 0.5, q_offset=5), atol=1e-12
+    )
 
 
+@needs_numba
+@pytest.mark.parametrize("q_offset", [0, 37])
+def test_fused_float32_attention_equals_the_numpy_passes(q_offset: int) -> None:
+    rng = np.random.default_rng(11)
+    n_b, n_t, hq, hk, d = 2, 70, 6, 2, 16
+    q = (rng.standard_normal((n_b, n_t, hq * d)) * 3).astype(np.float32)
+    k = (rng.standard_normal((n_b, q_offset + n_t, hk * d)) * 3).astype(np.float32)
+    v = rng.standard_normal((n_b, q_offset + n_t, hk * d)).astype(np.float32)
+    outs, probs = [np.empty_like(q), np.empty_like(q)], []
+    for out, hooks in zip(outs, (forward_hooks("numpy"), forward_hooks("fused")), strict=True):
+        probs.append(attention_forward(q, k, v, hq, hk, 0.25, out, q_offset=q_offset, **hooks))
+    np.testing.assert_allclose(probs[1], probs[0], rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(outs[1], outs[0], rtol=2e-5, atol=2e-6)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    if q_offset == 0:  # training: backward of both
+        grads = [[np.empty_like(q), np.empty_like(k), np.empty_like(v)] for _ in range(2)]
+        for g, hooks in zip(grads, (backward_hooks("numpy"), backward_hooks("fused")), strict=True):
+            attention_backward(dout, q, k, v, probs[0], hq, hk, 0.25, *g, out=outs[0], **hooks)
+        for a, b in zip(*grads, strict=True):
+            np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6)
+
+
+@needs_numba
+def test_the_cpu_op_uses_the_fused_kernels_unless_told_not_to(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import mila_py.ops.cpu.attention as cpu_attention
+
+    seen = []
+    monkeypatch.setattr(
+        cpu_attention, "attention_forward", lambda *a, **kw: seen.append(kw.get("softmax"))
+    )
+    op = CpuAttentionOp(None, None, None)  # type: ignore[arg-type]
+    q = np.zeros((1, 1, 4), np.float32)
+    op.forward(q)
+    monkeypatch.setenv("MILA_PY_CPU_BACKEND", "numpy")
+    op.forward(q)
+    assert seen == [_fused_layers.causal_softmax, None]
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize(("hq", "hk"), [(4, 2), (2, 2), (3, 1)])
-def test_backward_matches_finite_differences(hq: int, hk: int) -> None:
+def test_backward_matches_finite_differences(hq: int, hk: int, kernels: str) -> None:
     rng = np.random.default_rng(7 + hq)
     n_b, n_t, d, scale = 2, 4, 3, 0.6
     q = rng.standard_normal((n_b, n_t, hq * d))
@@ -64,15 +125,16 @@ def test_backward_matches_finite_differences(hq: int, hk: int) -> None:
 
     def loss(q_, k_, v_):  # type: ignore[no-untyped-def]
         out = np.empty_like(q_)
-        attention_forward(q_, k_, v_, hq, hk, scale, out)
+        attention_forward(q_, k_, v_, hq, hk, scale, out, **forward_hooks(kernels))
         return float((weight * out).sum())
 
     out = np.empty_like(q)
-    probs = attention_forward(q, k, v, hq, hk, scale, out)
+    probs = attention_forward(q, k, v, hq, hk, scale, out, **forward_hooks(kernels))
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
-    attention_backward(weight, q, k, v, probs, hq, hk, scale, dq, dk, dv)
+    hooks = backward_hooks(kernels)
+    attention_backward(weight, q, k, v, probs, hq, hk, scale, dq, dk, dv, **hooks)
     via_out = [np.empty_like(q), np.empty_like(k), np.empty_like(v)]
-    attention_backward(weight, q, k, v, probs, hq, hk, scale, *via_out, out=out)
+    attention_backward(weight, q, k, v, probs, hq, hk, scale, *via_out, out=out, **hooks)
     for a, b in zip((dq, dk, dv), via_out, strict=True):  # rowsum(dP*P) == dO.O
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
     eps = 1e-6

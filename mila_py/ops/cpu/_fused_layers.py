@@ -7,7 +7,10 @@ These kernels do the same math in one pass:
 - :func:`rms_norm_rows`: ``out = x * r * w`` with ``r = 1 / sqrt(mean(x^2) + eps)`` (the sum of
   squares accumulates in float64);
 - :func:`swiglu_rows`: ``out = g * sigmoid(g) * u``;
-- :func:`swiglu_backward_rows`: SwiGLU's backward in one pass, one ``exp`` per element.
+- :func:`swiglu_backward_rows`: SwiGLU's backward in one pass, one ``exp`` per element;
+- :func:`causal_softmax`: attention's softmax over each row's visible keys, in place (the masked
+  keys are never exponentiated: they are set to 0);
+- :func:`softmax_backward_rows`: ``dp = (dp - row) * p`` in one pass.
 
 ``exp`` in float32 is :func:`_exp32`, a polynomial that LLVM vectorizes (Numba's ``np.exp`` is a
 scalar libm call per element, 5x slower, and made the sigmoid dominate SwiGLU): Cephes' ``expf``
@@ -31,9 +34,11 @@ import numpy as np
 
 __all__ = [
     "AVAILABLE",
+    "causal_softmax",
     "enabled",
     "exp_rows",
     "rms_norm_rows",
+    "softmax_backward_rows",
     "swiglu_backward_rows",
     "swiglu_rows",
 ]
@@ -148,6 +153,58 @@ def _swiglu_backward_rows(g, u, dh, du):  # type: ignore[no-untyped-def]
             dr[i] = d * ur[i] * (s + silu * oms)
 
 
+def _row_max(x):  # type: ignore[no-untyped-def]
+    m = x[0]
+    for i in range(1, x.size):
+        m = max(m, x[i])
+    return m
+
+
+def _row_sum(x):  # type: ignore[no-untyped-def]
+    total = x.dtype.type(0.0)
+    for i in range(x.size):
+        total += x[i]
+    return total
+
+
+def _causal_softmax_rows(s, q_offset, causal):  # type: ignore[no-untyped-def]
+    # s [R, Tq, Tk] scores -> probabilities; query t sees keys 0 .. q_offset + t if causal
+    n_tq, n_tk = s.shape[1], s.shape[2]
+    one = s.dtype.type(1.0)
+    for r in range(s.shape[0]):
+        for t in range(n_tq):
+            row = s[r, t]
+            n = min(q_offset + t + 1, n_tk) if causal else n_tk
+            live = row[:n]
+            top = _k_row_max(live)
+            for i in range(n):
+                live[i] = _exp(live[i] - top)
+            inv = one / _k_row_sum(live)
+            for i in range(n):
+                live[i] *= inv
+            for i in range(n, n_tk):
+                row[i] = 0
+
+
+def causal_softmax(scores: np.ndarray, q_offset: int, causal: bool) -> None:
+    """Softmax of ``scores [R, Tq, Tk]`` in place over each row's visible keys.
+
+    Query ``t`` sees keys ``0 .. q_offset + t`` when ``causal`` (the rest become 0), else all.
+    """
+    _causal_softmax_kernel(scores, q_offset, causal)
+
+
+def _softmax_backward_rows(dp, p, row):  # type: ignore[no-untyped-def]
+    # dp, p [R, T, Tk]; row [R, T, 1]: dp = (dp - row) * p
+    for r in range(dp.shape[0]):
+        for t in range(dp.shape[1]):
+            d = dp[r, t]
+            q = p[r, t]
+            c = row[r, t, 0]
+            for i in range(d.size):
+                d[i] = (d[i] - c) * q[i]
+
+
 if AVAILABLE:
 
     @intrinsic
@@ -181,5 +238,13 @@ if AVAILABLE:
     exp_rows: Any = _jit_exp(_exp_rows)
     swiglu_rows: Any = _jit_exp(_swiglu_rows)
     swiglu_backward_rows: Any = _jit_exp(_swiglu_backward_rows)
+    # row reductions: reassociation (and no NaN ordering) lets them vectorize; called, not
+    # inlined, so the flags stay off the exp of their caller
+    _jit_reduce = numba.njit(cache=True, fastmath={"reassoc", "nnan"})
+    _k_row_max = _jit_reduce(_row_max)
+    _k_row_sum = _jit_reduce(_row_sum)
+    _causal_softmax_kernel: Any = _jit_exp(_causal_softmax_rows)
+    softmax_backward_rows: Any = _jit_exp(_softmax_backward_rows)
 else:
     rms_norm_rows = exp_rows = swiglu_rows = swiglu_backward_rows = None
+    _causal_softmax_kernel = softmax_backward_rows = None

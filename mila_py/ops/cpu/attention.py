@@ -12,11 +12,13 @@ Queries may start at a position offset into the keys (``q_offset``): query ``t``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from mila_py.devices import DeviceType
+from mila_py.ops.cpu import _fused_layers
 from mila_py.ops.operation import Operation
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
@@ -48,6 +50,7 @@ def attention_forward(
     q_offset: int = 0,
     bias: np.ndarray | None = None,
     causal: bool = True,
+    softmax: Callable[[np.ndarray, int, bool], None] | None = None,
 ) -> np.ndarray:
     """Causal attention; writes ``out [B, Tq, Hq*d]`` and returns ``P [B, Hk, g, Tq, Tk]``.
 
@@ -55,27 +58,38 @@ def attention_forward(
         q: ``[B, Tq, Hq*d]``; k, v: ``[B, Tk, Hk*d]`` with ``Tk >= q_offset + Tq``.
         probs: optional buffer for P (else allocated).
         q_offset: position of the first query among the keys.
-        bias: the causal bias of :func:`_causal_bias` for these sizes, if the caller caches it.
+        bias: the causal bias of :func:`_causal_bias` for these sizes, if the caller caches it,
+            or any additive bias broadcastable to P (ragged decode).
         causal: False when every query sees every key given (one decode token per sequence,
             all at the last position): no bias is added.
+        softmax: when given and ``bias`` is None, ``softmax(scores [R, Tq, Tk], q_offset,
+            causal)`` turns the scores into probabilities in place (the fused kernel of
+            :mod:`._fused_layers`) instead of the NumPy passes below.
     """
     n_b, n_tq = q.shape[0], q.shape[1]
     n_tk = k.shape[1]
     head_dim = q.shape[2] // n_heads
     groups = n_heads // n_kv_heads
-    # Scaling Q (T*d values) is cheaper than scaling the scores (T*T values).
-    qh = (_split(q, n_heads, head_dim) * scale).reshape(n_b, n_kv_heads, groups, n_tq, head_dim)
-    kh = _split(k, n_kv_heads, head_dim)[:, :, None]  # [B, Hk, 1, Tk, d]
-    vh = _split(v, n_kv_heads, head_dim)[:, :, None]
-    scores = np.matmul(qh, kh.swapaxes(-1, -2), out=probs)  # [B, Hk, g, Tq, Tk]
-    if bias is not None:
-        scores += bias
-    elif causal:
-        scores += _causal_bias(n_tq, n_tk, q_offset, scores.dtype)
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
-    o = np.matmul(scores, vh)  # [B, Hk, g, Tq, d]
+    # The g query heads that share a key/value head are stacked into one [g * Tq, d] matrix,
+    # so each (sequence, kv head) is one matmul. Scaling Q (T*d values) is cheaper than
+    # scaling the scores (T*T values).
+    qh = (_split(q, n_heads, head_dim) * scale).reshape(n_b, n_kv_heads, groups * n_tq, head_dim)
+    kh = _split(k, n_kv_heads, head_dim)  # [B, Hk, Tk, d]
+    vh = _split(v, n_kv_heads, head_dim)
+    shape5 = (n_b, n_kv_heads, groups, n_tq, n_tk)
+    merged = None if probs is None else probs.reshape(n_b, n_kv_heads, groups * n_tq, n_tk)
+    scores = np.matmul(qh, kh.swapaxes(-1, -2), out=merged).reshape(shape5)
+    if softmax is not None and bias is None:
+        softmax(scores.reshape(-1, n_tq, n_tk), q_offset, causal)
+    else:
+        if bias is not None:
+            scores += bias
+        elif causal:
+            scores += _causal_bias(n_tq, n_tk, q_offset, scores.dtype)
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+    o = np.matmul(scores.reshape(n_b, n_kv_heads, groups * n_tq, n_tk), vh)  # [B, Hk, g Tq, d]
     out[...] = o.reshape(n_b, n_heads, n_tq, head_dim).transpose(0, 2, 1, 3).reshape(out.shape)
     return scores
 
@@ -93,32 +107,39 @@ def attention_backward(
     dk: np.ndarray,
     dv: np.ndarray,
     out: np.ndarray | None = None,
+    softmax_backward: Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None = None,
 ) -> None:
     """Gradients of :func:`attention_forward` into ``dq [B, T, Hq*d]``, ``dk``, ``dv [B, T, Hk*d]``.
 
     ``out`` (the forward output) lets the softmax backward use ``rowsum(dP * P) = dO . O``,
-    a ``[T, d]`` product instead of a pass over the ``[T, T]`` scores.
+    a ``[T, d]`` product instead of a pass over the ``[T, T]`` scores. ``softmax_backward(dp,
+    probs, row)``, when given, computes ``dp = (dp - row) * probs`` in place in one pass
+    (arrays ``[R, T, T]`` and ``[R, T, 1]``).
     """
     n_b, n_t = q.shape[0], q.shape[1]
     head_dim = q.shape[2] // n_heads
     groups = n_heads // n_kv_heads
-    shape5 = (n_b, n_kv_heads, groups, n_t, head_dim)
-    do = _split(dout, n_heads, head_dim).reshape(shape5)
-    qh = _split(q, n_heads, head_dim).reshape(shape5)
-    kh = _split(k, n_kv_heads, head_dim)[:, :, None]
-    vh = _split(v, n_kv_heads, head_dim)[:, :, None]
-    dv_h = np.matmul(probs.swapaxes(-1, -2), do).sum(axis=2)  # [B, Hk, T, d]
-    dp = np.matmul(do, vh.swapaxes(-1, -2))  # [B, Hk, g, T, T]
+    stacked = (n_b, n_kv_heads, groups * n_t, head_dim)  # the g query heads of a kv head
+    do = _split(dout, n_heads, head_dim).reshape(stacked)
+    qh = _split(q, n_heads, head_dim).reshape(stacked)
+    kh = _split(k, n_kv_heads, head_dim)  # [B, Hk, T, d]
+    vh = _split(v, n_kv_heads, head_dim)
+    p = probs.reshape(n_b, n_kv_heads, groups * n_t, n_t)
+    dv_h = np.matmul(p.swapaxes(-1, -2), do)  # [B, Hk, T, d]: the sum over the g heads
+    dp = np.matmul(do, vh.swapaxes(-1, -2))  # [B, Hk, g T, T]
     if out is not None:
-        oh = _split(out, n_heads, head_dim).reshape(shape5)
+        oh = _split(out, n_heads, head_dim).reshape(stacked)
         row = np.einsum("...td,...td->...t", do, oh)[..., None]
     else:
-        row = np.einsum("...ts,...ts->...t", dp, probs)[..., None]
-    dp -= row
-    dp *= probs  # dS / scale; masked entries have P == 0
-    dq_h = np.matmul(dp, kh)  # [B, Hk, g, T, d]
+        row = np.einsum("...ts,...ts->...t", dp, p)[..., None]
+    if softmax_backward is not None:
+        softmax_backward(dp.reshape(-1, n_t, n_t), p.reshape(-1, n_t, n_t), row.reshape(-1, n_t, 1))
+    else:
+        dp -= row
+        dp *= p  # dS / scale; masked entries have P == 0
+    dq_h = np.matmul(dp, kh)  # [B, Hk, g T, d]
     dq_h *= scale
-    dk_h = np.matmul(dp.swapaxes(-1, -2), qh).sum(axis=2)  # [B, Hk, T, d]
+    dk_h = np.matmul(dp.swapaxes(-1, -2), qh)  # [B, Hk, T, d]: the sum over the g heads
     dk_h *= scale
     dq[...] = dq_h.reshape(n_b, n_heads, n_t, head_dim).transpose(0, 2, 1, 3).reshape(dq.shape)
     dk[...] = dk_h.transpose(0, 2, 1, 3).reshape(dk.shape)
@@ -127,10 +148,15 @@ def attention_backward(
 
 @register_op("AttentionOp", DeviceType.CPU, precisions=(Precision.FP32, Precision.FP64))
 class CpuAttentionOp(Operation):
-    """NumPy causal GQA attention (see :func:`attention_forward` / :func:`attention_backward`)."""
+    """NumPy causal GQA attention (see :func:`attention_forward` / :func:`attention_backward`);
+    the softmax and its backward run as fused Numba kernels when they are available."""
 
-    def forward(self, *args: Any, **kwargs: Any) -> np.ndarray:
-        return attention_forward(*args, **kwargs)
+    def forward(self, q: Any, *args: Any, **kwargs: Any) -> np.ndarray:
+        if _fused_layers.enabled(q.dtype):
+            kwargs.setdefault("softmax", _fused_layers.causal_softmax)
+        return attention_forward(q, *args, **kwargs)
 
-    def backward(self, *args: Any, **kwargs: Any) -> None:
-        attention_backward(*args, **kwargs)
+    def backward(self, dout: Any, *args: Any, **kwargs: Any) -> None:
+        if _fused_layers.enabled(dout.dtype):
+            kwargs.setdefault("softmax_backward", _fused_layers.softmax_backward_rows)
+        attention_backward(dout, *args, **kwargs)

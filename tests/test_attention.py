@@ -105,12 +105,58 @@ def test_the_cpu_op_uses_the_fused_kernels_unless_told_not_to(monkeypatch) -> No
     monkeypatch.setattr(
         cpu_attention, "attention_forward", lambda *a, **kw: seen.append(kw.get("softmax"))
     )
+    real_decode = _fused_layers.decode_attention
+    monkeypatch.setattr(
+        _fused_layers,
+        "decode_attention",
+        lambda *a, **kw: seen.append("decode") or real_decode(*a, **kw),
+    )
     op = CpuAttentionOp(None, None, None)  # type: ignore[arg-type]
-    q = np.zeros((1, 1, 4), np.float32)
-    op.forward(q)
+    rng = np.random.default_rng(12)
+    kv = rng.standard_normal((1, 3, 8)).astype(np.float32)
+    for n_t in (2, 1):
+        q = rng.standard_normal((1, n_t, 8)).astype(np.float32)
+        op.forward(q, kv, kv, 2, 2, 0.5, out=np.empty_like(q), q_offset=3 - n_t)
     monkeypatch.setenv("MILA_PY_CPU_BACKEND", "numpy")
-    op.forward(q)
-    assert seen == [_fused_layers.causal_softmax, None]
+    op.forward(q, kv, kv, 2, 2, 0.5, out=np.empty_like(q), q_offset=2)
+    assert seen == [_fused_layers.causal_softmax, "decode", None]
+
+
+@needs_numba
+@pytest.mark.parametrize("q_offset", [4, 9])
+def test_fused_decode_attention_equals_the_naive_loop(q_offset: int) -> None:
+    """One query per sequence against a cache view (the rows a decode step reads)."""
+    rng = np.random.default_rng(13)
+    hq, hk, d, cache = 6, 2, 8, 16
+    k_cache = rng.standard_normal((3, cache, hk * d))
+    v_cache = rng.standard_normal((3, cache, hk * d))
+    qkv = rng.standard_normal((3, 1, (hq + 2 * hk) * d))
+    q = qkv[..., : hq * d]  # a view into a fused projection
+    k, v = k_cache[:, : q_offset + 1], v_cache[:, : q_offset + 1]
+    for dtype, tol in ((np.float64, 1e-12), (np.float32, 2e-6)):
+        out = np.full((3, 1, hq * d), np.nan, dtype)
+        args = (q.astype(dtype), k.astype(dtype), v.astype(dtype), hq, hk, 0.3)
+        probs = CpuAttentionOp(None, None, None).forward(*args, out=out, q_offset=q_offset)  # type: ignore[arg-type]
+        ref = naive_attention(q, k, v, hq, hk, 0.3, q_offset=q_offset)
+        np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
+        assert probs.shape == (3, hk, hq // hk, 1, q_offset + 1)
+        np.testing.assert_allclose(probs.sum(axis=-1), 1.0, rtol=tol)
+    # fewer visible keys than the view holds: the rest get probability 0
+    visible = np.array([1, 3, 5])
+    out = np.empty((3, 1, hq * d))
+    probs = _fused_layers.decode_attention(q, k_cache, v_cache, visible, hq, hk, 0.3, out)
+    for b, n in enumerate(visible):
+        ref = naive_attention(
+            q[b : b + 1],
+            k_cache[b : b + 1, :n],
+            v_cache[b : b + 1, :n],
+            hq,
+            hk,
+            0.3,
+            q_offset=n - 1,
+        )
+        np.testing.assert_allclose(out[b : b + 1], ref, rtol=1e-12, atol=1e-12)
+        assert (probs[b, ..., n:] == 0).all()
 
 
 @pytest.mark.parametrize("kernels", KERNELS)

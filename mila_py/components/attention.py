@@ -248,31 +248,37 @@ class GroupedQueryAttention(CompositeComponent):
             raise RuntimeError(f"{self._describe()}: decode() needs an INFERENCE build")
         cfg = self.config
         n_b = x.shape[0]
-        host = self.execution_context.to_host(positions)  # an int, host or device ints
-        pos = np.broadcast_to(np.asarray(host, dtype=np.int64).reshape(-1), (n_b,))
-        if pos.min() < 0 or pos.max() >= self.context_length:
+        if isinstance(positions, int | np.integer):  # the common case: no array work
+            lowest = highest = int(positions)
+            pos = None
+        else:
+            host = self.execution_context.to_host(positions)  # host or device ints
+            pos = np.broadcast_to(np.asarray(host, dtype=np.int64).reshape(-1), (n_b,))
+            lowest, highest = int(pos.min()), int(pos.max())
+        if lowest < 0 or highest >= self.context_length:
             raise ValueError(
                 f"{self._describe()}: decode positions must be in [0, {self.context_length}), "
-                f"got {pos.min()}..{pos.max()}"
+                f"got {lowest}..{highest}"
             )
         qkv = self.qkv_proj.forward(x)
         q, k, v = self._split_qkv(qkv)
-        uniform = bool((pos == pos[0]).all())
-        self.rope.decode(q, k, int(pos[0]) if uniform else pos)
+        uniform = lowest == highest
+        self.rope.decode(q, k, lowest if uniform else pos)
         k_cache = self._state["k_cache"][:n_b]
         v_cache = self._state["v_cache"][:n_b]
         if uniform:  # one position for all: every cached key up to it is visible, no mask
-            p = int(pos[0])
+            p = lowest
             k_cache[:, p] = k[:, 0]
             v_cache[:, p] = v[:, 0]
             end, bias = p + 1, None
         else:  # pos stays on the host (checks, RoPE); the device's copy indexes the cache
+            assert pos is not None  # several positions came as an array
             xp = self.execution_context.xp
             pos_d = xp.asarray(pos)
             rows = xp.arange(n_b)
             k_cache[rows, pos_d] = k[:, 0]
             v_cache[rows, pos_d] = v[:, 0]
-            end = int(pos.max()) + 1
+            end = highest + 1
             visible = xp.arange(end)[None, :] <= pos_d[:, None]  # [B, Tk]
             bias = xp.where(visible, 0.0, -np.inf).astype(x.dtype)[:, None, None, None, :]
         out = self._state["attn_out"][:n_b, :1]

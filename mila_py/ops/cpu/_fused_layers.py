@@ -10,7 +10,9 @@ These kernels do the same math in one pass:
 - :func:`swiglu_backward_rows`: SwiGLU's backward in one pass, one ``exp`` per element;
 - :func:`causal_softmax`: attention's softmax over each row's visible keys, in place (the masked
   keys are never exponentiated: they are set to 0);
-- :func:`softmax_backward_rows`: ``dp = (dp - row) * p`` in one pass.
+- :func:`softmax_backward_rows`: ``dp = (dp - row) * p`` in one pass;
+- :func:`decode_attention`: attention of one query token per sequence over its cached keys
+  (scores, softmax and the weighted sum of values per head, no matmul calls).
 
 ``exp`` in float32 is :func:`_exp32`, a polynomial that LLVM vectorizes (Numba's ``np.exp`` is a
 scalar libm call per element, 5x slower, and made the sigmoid dominate SwiGLU): Cephes' ``expf``
@@ -35,6 +37,7 @@ import numpy as np
 __all__ = [
     "AVAILABLE",
     "causal_softmax",
+    "decode_attention",
     "enabled",
     "exp_rows",
     "rms_norm_rows",
@@ -205,6 +208,83 @@ def _softmax_backward_rows(dp, p, row):  # type: ignore[no-untyped-def]
                 d[i] = (d[i] - c) * q[i]
 
 
+def _exp_shifted(x, shift):  # type: ignore[no-untyped-def]
+    # x = exp(x - shift), in place; a function of its own so that its caller may reassociate
+    for i in range(x.size):
+        x[i] = _exp(x[i] - shift)
+
+
+def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs):  # type: ignore[no-untyped-def]
+    # one sequence: q [Hq*d]; k, v [Tk, Hk*d]; the first n keys are visible; out [Hq*d];
+    # probs [Hq, Tk] (0 past the visible keys)
+    d = q.size // n_heads
+    groups = n_heads // n_kv_heads
+    zero = q.dtype.type(0.0)
+    one = q.dtype.type(1.0)
+    for h in range(n_heads):
+        lo = (h // groups) * d
+        qv = q[h * d : (h + 1) * d]
+        p = probs[h]
+        for t in range(n):
+            kr = k[t, lo : lo + d]
+            acc = zero
+            for i in range(d):
+                acc += qv[i] * kr[i]
+            p[t] = acc * scale
+        live = p[:n]
+        top = live[0]
+        for t in range(1, n):
+            if live[t] > top:
+                top = live[t]
+        _k_exp_shifted(live, top)
+        total = zero
+        for t in range(n):
+            total += live[t]
+        inv = one / total
+        o = out[h * d : (h + 1) * d]
+        for i in range(d):
+            o[i] = zero
+        for t in range(n):
+            w = live[t] * inv
+            live[t] = w
+            vr = v[t, lo : lo + d]
+            for i in range(d):
+                o[i] += w * vr[i]
+        for t in range(n, p.size):
+            p[t] = zero
+
+
+def decode_attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    visible: Any,
+    n_heads: int,
+    n_kv_heads: int,
+    scale: float,
+    out: np.ndarray,
+) -> np.ndarray:
+    """Attention of one query per sequence over its first ``visible[b]`` keys.
+
+    Args:
+        q: ``[B, 1, Hq*d]``; k, v: ``[B, Tk, Hk*d]`` (cache views: each ``k[b]`` is a dense
+            ``[Tk, Hk*d]`` block, which keeps the kernel's inner loops on unit strides).
+        visible: ``[B]`` ints, ``1 <= visible[b] <= Tk``.
+        out: ``[B, 1, Hq*d]``, written (each ``out[b, 0]`` dense).
+
+    Returns:
+        the probabilities ``P [B, Hk, g, 1, Tk]`` (0 for keys a sequence does not see).
+    """
+    n_b, n_tk = q.shape[0], k.shape[1]
+    probs = np.empty((n_b, n_heads, n_tk), dtype=q.dtype)
+    scale = q.dtype.type(scale)
+    for b in range(n_b):
+        _decode_attention_kernel(
+            q[b, 0], k[b], v[b], int(visible[b]), n_heads, n_kv_heads, scale, out[b, 0], probs[b]
+        )
+    return probs.reshape(n_b, n_kv_heads, n_heads // n_kv_heads, 1, n_tk)
+
+
 if AVAILABLE:
 
     @intrinsic
@@ -245,6 +325,11 @@ if AVAILABLE:
     _k_row_sum = _jit_reduce(_row_sum)
     _causal_softmax_kernel: Any = _jit_exp(_causal_softmax_rows)
     softmax_backward_rows: Any = _jit_exp(_softmax_backward_rows)
+    _k_exp_shifted = _jit_exp(_exp_shifted)
+    # reassociation vectorizes its dot products and sums; its exp runs in _exp_shifted
+    _decode_attention_kernel: Any = numba.njit(
+        cache=True, fastmath={"reassoc", "contract"}, error_model="numpy"
+    )(_decode_attention)
 else:
     rms_norm_rows = exp_rows = swiglu_rows = swiglu_backward_rows = None
-    _causal_softmax_kernel = softmax_backward_rows = None
+    _causal_softmax_kernel = softmax_backward_rows = _decode_attention_kernel = None

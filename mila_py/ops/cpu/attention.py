@@ -153,6 +153,9 @@ class CpuAttentionOp(Operation):
 
     def forward(self, q: Any, *args: Any, **kwargs: Any) -> np.ndarray:
         if _fused_layers.enabled(q.dtype):
+            probs = _decode(q, *args, **kwargs)
+            if probs is not None:
+                return probs
             kwargs.setdefault("softmax", _fused_layers.causal_softmax)
         return attention_forward(q, *args, **kwargs)
 
@@ -160,3 +163,31 @@ class CpuAttentionOp(Operation):
         if _fused_layers.enabled(dout.dtype):
             kwargs.setdefault("softmax_backward", _fused_layers.softmax_backward_rows)
         attention_backward(dout, *args, **kwargs)
+
+
+def _decode(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    n_heads: int,
+    n_kv_heads: int,
+    scale: float,
+    out: np.ndarray,
+    probs: np.ndarray | None = None,
+    q_offset: int = 0,
+    bias: np.ndarray | None = None,
+    causal: bool = True,
+    softmax: Any = None,
+) -> np.ndarray | None:
+    """One query token per sequence through the fused decode kernel, or None where it does not
+    apply (several queries, an explicit bias, a probabilities buffer, or non-dense rows)."""
+    if q.shape[1] != 1 or bias is not None or probs is not None or softmax is not None:
+        return None
+    dense = all(x[b].flags.c_contiguous for x in (k, v) for b in range(k.shape[0]))
+    if not dense or not all(out[b, 0].flags.c_contiguous for b in range(out.shape[0])):
+        return None
+    n_tk = k.shape[1]
+    visible = min(q_offset + 1, n_tk) if causal else n_tk
+    return _fused_layers.decode_attention(
+        q, k, v, [visible] * q.shape[0], n_heads, n_kv_heads, scale, out
+    )

@@ -15,7 +15,7 @@ import numpy as np
 
 from mila_py.build_context import BuildContext
 from mila_py.component import Component
-from mila_py.components.rope_config import RopeConfig
+from mila_py.components.rope_config import RopeConfig, RopeLayout
 from mila_py.devices import DeviceLike
 from mila_py.ops.registry import create_op, find_op
 from mila_py.precision import Precision
@@ -315,7 +315,7 @@ class Rope(Component):
         cfg = self.config
         return (
             f"heads={cfg.n_heads}/{cfg.n_kv_heads}, head_dim={cfg.head_dim}, "
-            f"rotary_dim={cfg.rotated_dim}, layout={cfg.layout.value}, type={cfg.rope_type}"
+            f"rotary_dim={cfg.rotated_dim}, layout={RopeLayout(cfg.layout).value}, type={cfg.rope_type}"
         )
 
 

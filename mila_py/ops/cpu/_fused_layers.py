@@ -46,6 +46,7 @@ __all__ = [
     "swiglu_rows",
 ]
 
+numba: Any
 try:
     import numba
     from llvmlite import ir
@@ -66,7 +67,7 @@ def enabled(dtype: Any) -> bool:
     )
 
 
-def _rms_norm_rows(x, w, eps, out, rstd):  # type: ignore[no-untyped-def]
+def _rms_norm_rows(x, w, eps, out, rstd):
     # x, out [N, D]; w [D]; rstd [N]
     n_rows, dim = x.shape
     for r in range(n_rows):
@@ -83,12 +84,12 @@ def _rms_norm_rows(x, w, eps, out, rstd):  # type: ignore[no-untyped-def]
             dst[i] = row[i] * scale * w[i]
 
 
-def _exp(x):  # type: ignore[no-untyped-def]
+def _exp(x):
     """``exp`` inside the kernels: :func:`_exp32` for float32, ``np.exp`` otherwise."""
     return np.exp(x)
 
 
-def _exp32(x):  # type: ignore[no-untyped-def]
+def _exp32(x):
     xc = min(max(x, np.float32(-104.0)), np.float32(88.75))
     n = np.floor(xc * np.float32(1.4426950408889634) + np.float32(0.5))
     r = xc - n * np.float32(0.693359375)  # ln2 in two parts: n * 0.693359375 is exact
@@ -113,7 +114,7 @@ def _exp32(x):  # type: ignore[no-untyped-def]
     return y
 
 
-def _exp_rows(x, out):  # type: ignore[no-untyped-def]
+def _exp_rows(x, out):
     # x, out [N, C]; the kernels' exp on its own, for the tests
     for r in range(x.shape[0]):
         xr = x[r]
@@ -122,7 +123,7 @@ def _exp_rows(x, out):  # type: ignore[no-untyped-def]
             dst[i] = _exp(xr[i])
 
 
-def _swiglu_rows(g, u, out):  # type: ignore[no-untyped-def]
+def _swiglu_rows(g, u, out):
     # g, u, out [N, H]
     one = g.dtype.type(1.0)
     for r in range(g.shape[0]):
@@ -134,7 +135,7 @@ def _swiglu_rows(g, u, out):  # type: ignore[no-untyped-def]
             dst[i] = a / (one + _exp(-a)) * ur[i]
 
 
-def _swiglu_backward_rows(g, u, dh, du):  # type: ignore[no-untyped-def]
+def _swiglu_backward_rows(g, u, dh, du):
     # g, u [N, H]; dh [N, H] the upstream gradient, overwritten by dgate; du [N, H]
     # s = 1 / (1 + e), e = exp(-g); 1 - s = e s, or 1 where e overflows (s = 0 there)
     one = g.dtype.type(1.0)
@@ -156,21 +157,21 @@ def _swiglu_backward_rows(g, u, dh, du):  # type: ignore[no-untyped-def]
             dr[i] = d * ur[i] * (s + silu * oms)
 
 
-def _row_max(x):  # type: ignore[no-untyped-def]
+def _row_max(x):
     m = x[0]
     for i in range(1, x.size):
         m = max(m, x[i])
     return m
 
 
-def _row_sum(x):  # type: ignore[no-untyped-def]
+def _row_sum(x):
     total = x.dtype.type(0.0)
     for i in range(x.size):
         total += x[i]
     return total
 
 
-def _causal_softmax_rows(s, q_offset, causal):  # type: ignore[no-untyped-def]
+def _causal_softmax_rows(s, q_offset, causal):
     # s [R, Tq, Tk] scores -> probabilities; query t sees keys 0 .. q_offset + t if causal
     n_tq, n_tk = s.shape[1], s.shape[2]
     one = s.dtype.type(1.0)
@@ -197,7 +198,7 @@ def causal_softmax(scores: np.ndarray, q_offset: int, causal: bool) -> None:
     _causal_softmax_kernel(scores, q_offset, causal)
 
 
-def _softmax_backward_rows(dp, p, row):  # type: ignore[no-untyped-def]
+def _softmax_backward_rows(dp, p, row):
     # dp, p [R, T, Tk]; row [R, T, 1]: dp = (dp - row) * p
     for r in range(dp.shape[0]):
         for t in range(dp.shape[1]):
@@ -208,13 +209,13 @@ def _softmax_backward_rows(dp, p, row):  # type: ignore[no-untyped-def]
                 d[i] = (d[i] - c) * q[i]
 
 
-def _exp_shifted(x, shift):  # type: ignore[no-untyped-def]
+def _exp_shifted(x, shift):
     # x = exp(x - shift), in place; a function of its own so that its caller may reassociate
     for i in range(x.size):
         x[i] = _exp(x[i] - shift)
 
 
-def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs):  # type: ignore[no-untyped-def]
+def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs):
     # one sequence: q [Hq*d]; k, v [Tk, Hk*d]; the first n keys are visible; out [Hq*d];
     # probs [Hq, Tk] (0 past the visible keys)
     d = q.size // n_heads
@@ -288,12 +289,12 @@ def decode_attention(
 if AVAILABLE:
 
     @intrinsic
-    def _f32_from_bits(typingctx, bits):  # type: ignore[no-untyped-def]
+    def _f32_from_bits(typingctx, bits):
         """The float32 whose bit pattern is the low 32 bits of the integer ``bits``."""
         if not isinstance(bits, types.Integer):
             return None
 
-        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):
             value = args[0]
             if bits.bitwidth > 32:
                 value = builder.trunc(value, ir.IntType(32))
@@ -304,7 +305,7 @@ if AVAILABLE:
     _k_exp32 = numba.njit(inline="always", cache=True)(_exp32)
 
     @overload(_exp, inline="always")
-    def _exp_overload(x):  # type: ignore[no-untyped-def]
+    def _exp_overload(x):
         if x == types.float32:
             return lambda x: _k_exp32(x)
         return lambda x: np.exp(x)

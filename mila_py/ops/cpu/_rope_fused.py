@@ -33,6 +33,7 @@ __all__ = [
     "rope_rows_inplace",
 ]
 
+numba: Any
 try:
     import numba
 except ImportError:  # the NumPy path serves
@@ -42,7 +43,7 @@ AVAILABLE = numba is not None
 NO_POSITIONS = np.zeros((1, 1), dtype=np.int64)
 
 
-def _rotate_inplace(x1, x2, c, s, n, sign):  # type: ignore[no-untyped-def]
+def _rotate_inplace(x1, x2, c, s, n, sign):
     for i in range(n):
         a = x1[i]
         b = x2[i]
@@ -51,7 +52,7 @@ def _rotate_inplace(x1, x2, c, s, n, sign):  # type: ignore[no-untyped-def]
         x2[i] = b * c[i] + a * si
 
 
-def _rotate_pairs_inplace(x, c, s, n, sign):  # type: ignore[no-untyped-def]
+def _rotate_pairs_inplace(x, c, s, n, sign):
     # Interleaved pairs (2i, 2i + 1) of one contiguous head; unsigned indices skip wraparound.
     for i in range(n):
         j = np.uint64(2 * i)
@@ -62,7 +63,7 @@ def _rotate_pairs_inplace(x, c, s, n, sign):  # type: ignore[no-untyped-def]
         x[j + np.uint64(1)] = b * c[i] + a * si
 
 
-def _row_inplace(x, c, s, n_heads, head_dim, n, interleaved, sign):  # type: ignore[no-untyped-def]
+def _row_inplace(x, c, s, n_heads, head_dim, n, interleaved, sign):
     for h in range(n_heads):
         lo = h * head_dim
         hi = lo + 2 * n
@@ -88,7 +89,7 @@ def _qk_rows_inplace(
     n,
     interleaved,
     inverse,
-):  # type: ignore[no-untyped-def]
+):
     # rows r0 .. r1 - 1 of the flattened [B * T] token axis
     n_t = q.shape[1]
     sign = np.float32(-1.0) if inverse else np.float32(1.0)

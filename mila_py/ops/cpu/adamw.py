@@ -36,7 +36,7 @@ def _adamw(
     correction2,
     eps,
     step_size,
-):  # type: ignore[no-untyped-def]
+):
     # p, g, m, v: 1-D views of one dtype; the scalars arrive in that dtype
     for i in range(p.size):
         gi = g[i]

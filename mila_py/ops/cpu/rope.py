@@ -186,7 +186,7 @@ class CpuRopeOp(Operation):
         cfg = self.config
         n_freq = self.table.n_freq  # type: ignore[union-attr]
         use_pos = positions is not None
-        if use_pos:
+        if positions is not None:
             pos = np.ascontiguousarray(np.broadcast_to(positions, q.shape[:2]), dtype=np.int64)
         else:
             pos = _rope_fused.NO_POSITIONS
@@ -358,7 +358,9 @@ def _rotate_block(
     per inner loop (one head row, as cos/sin broadcast over heads), so fewer, wider passes win.
     """
     if interleaved and x.strides[-1] == x.itemsize:
-        z = x.view(np.complex64 if x.dtype == np.float32 else np.complex128)  # x[2i] + i x[2i+1]
+        z: Any = x.view(
+            np.complex64 if x.dtype == np.float32 else np.complex128
+        )  # x[2i] + i x[2i+1]
         z *= c + 1j * s
         return
     if interleaved:

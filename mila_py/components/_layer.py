@@ -167,7 +167,7 @@ class Layer(Component):
             raise ValueError(
                 f"{self._describe()}: {name} must be {self._expected(last)}, got {tuple(shape)}"
             )
-        lead = tuple(int(n) for n in shape[:-1])
+        lead = tuple(shape[:-1])  # NumPy and CuPy shapes are tuples of ints already
         for n, m in zip(lead, max_lead, strict=True):
             if n > m:
                 self._check_lead(x, name, self._expected(last), lead)

@@ -72,30 +72,34 @@ class AdamW:
     def step(self) -> None:
         """One update from the current gradients (they are left as they are)."""
         self.step_count += 1
-        beta1, beta2 = self.betas
+        # Python floats: NumPy rounds them to the parameters' dtype in every operation, as the
+        # fused kernels do (a np.float64 lr from a schedule would make the array code compute
+        # in float64 and round once, and the two paths would differ in the last bit)
+        lr, eps, weight_decay = float(self.lr), float(self.eps), float(self.weight_decay)
+        beta1, beta2 = (float(b) for b in self.betas)
         correction1 = 1.0 - beta1**self.step_count
         correction2 = 1.0 - beta2**self.step_count
-        step_size = self.lr / correction1
+        step_size = lr / correction1
         xp = self.model.execution_context.xp
         fused = self._fused
         for (_, p, g), m, v, decays in zip(
             self._pairs, self._m, self._v, self._decays, strict=True
         ):
             if fused is not None and fused.accepts(p, g, m, v):
-                factor = 1.0 - self.lr * self.weight_decay if decays and self.weight_decay else None
+                factor = 1.0 - lr * weight_decay if decays and weight_decay else None
                 fused.step(
-                    p, g, m, v, decay=factor, betas=self.betas, correction2=correction2,
-                    eps=self.eps, step_size=step_size,
+                    p, g, m, v, decay=factor, betas=(beta1, beta2), correction2=correction2,
+                    eps=eps, step_size=step_size,
                 )  # fmt: skip
                 continue
-            if decays and self.weight_decay:
-                p *= 1.0 - self.lr * self.weight_decay
+            if decays and weight_decay:
+                p *= 1.0 - lr * weight_decay
             m *= beta1
             m += (1.0 - beta1) * g
             v *= beta2
             v += (1.0 - beta2) * (g * g)
             denom = xp.sqrt(v / correction2)
-            denom += self.eps
+            denom += eps
             p -= step_size * (m / denom)
 
     def zero_grad(self) -> None:

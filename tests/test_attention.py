@@ -10,7 +10,10 @@ import pytest
 from mila_py.ops.cpu import _fused_layers
 from mila_py.ops.cpu.attention import CpuAttentionOp, attention_backward, attention_forward
 
-needs_numba = pytest.mark.skipif(not _fused_layers.AVAILABLE, reason="Numba is not installed")
+needs_numba = pytest.mark.skipif(
+    not _fused_layers.enabled(np.float32),
+    reason="Numba is not installed or MILA_PY_CPU_BACKEND=numpy",
+)
 KERNELS = ["numpy", pytest.param("fused", marks=needs_numba)]
 
 

@@ -136,3 +136,36 @@ def test_every_cached_numba_kernel_has_a_cache_file_of_its_own() -> None:
                 )
                 paths[path] = f"{module.__name__}.{name}"
     assert len(paths) >= 4  # the RoPE kernels and the row-wise layers really were looked at
+
+
+def test_swiglu_backward_into_a_buffer_that_overlaps_an_input_takes_the_numpy_path() -> None:
+    from mila_py.ops.cpu.swiglu import CpuSwiGLUOp
+
+    rng = np.random.default_rng(9)
+    g, u, dh = (rng.standard_normal((4, 24)).astype(np.float32) for _ in range(3))
+    ref_dg, ref_du = np.empty_like(g), np.empty_like(g)
+    swiglu_backward(g, u, dh, ref_dg, ref_du)
+    op = CpuSwiGLUOp(None, None, None)  # type: ignore[arg-type]
+    up = u.copy()
+    du = np.empty_like(g)
+    op.backward(g, up, dh, up, du)  # dgate overwrites up, which the kernel would still read
+    np.testing.assert_allclose(up, ref_dg, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(du, ref_du, rtol=1e-5, atol=1e-6)
+
+
+def test_parallel_tasks_all_finish_before_an_error_is_raised() -> None:
+    import time
+
+    from mila_py.ops.cpu.rope import _in_parallel
+
+    done: list[int] = []
+
+    def task(i: int) -> None:
+        if i == 0:
+            raise RuntimeError("task 0 failed")
+        time.sleep(0.05)
+        done.append(i)
+
+    with pytest.raises(RuntimeError, match="task 0 failed"):
+        _in_parallel(task, range(4))
+    assert sorted(done) == [1, 2, 3]  # nobody still writes after the call returned

@@ -298,6 +298,8 @@ if AVAILABLE:
             value = args[0]
             if bits.bitwidth > 32:
                 value = builder.trunc(value, ir.IntType(32))
+            elif bits.bitwidth < 32:
+                value = builder.sext(value, ir.IntType(32))
             return builder.bitcast(value, ir.FloatType())
 
         return types.float32(bits), codegen

@@ -24,7 +24,7 @@ import functools
 import itertools
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -287,8 +287,14 @@ def _row_ranges(n_rows: int) -> list[tuple[int, int]]:
 
 
 def _in_parallel(fn: Callable[[Any], None], items: Sequence[Any]) -> None:
-    """``fn(item)`` for every item on the op's thread pool; the first error is raised."""
-    for future in [_pool().submit(fn, item) for item in items]:
+    """``fn(item)`` for every item on the op's thread pool.
+
+    Returns once every task has finished, also when one raised (no task keeps writing into the
+    caller's arrays after the call); then the first error is raised.
+    """
+    futures = [_pool().submit(fn, item) for item in items]
+    wait(futures)
+    for future in futures:
         future.result()
 
 

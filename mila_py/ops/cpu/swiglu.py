@@ -97,7 +97,9 @@ class CpuSwiGLUOp(Operation):
             swiglu_forward(gate, up, out)
 
     def backward(self, gate: Any, up: Any, dh: Any, dgate: Any, dup: Any) -> None:
-        if not _fused_layers.enabled(gate.dtype):
+        overlaps = dgate is not dh and any(np.may_share_memory(dgate, a) for a in (gate, up))
+        if overlaps or not _fused_layers.enabled(gate.dtype):
+            # the kernel copies dh into dgate first, which must not clobber its inputs
             swiglu_backward(gate, up, dh, dgate, dup)
             return
         dg2 = out_rows(dgate)

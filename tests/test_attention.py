@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from mila_py.ops.cpu import _fused_layers
+from mila_py.ops.cpu import _fused_attention, _fused_layers
 from mila_py.ops.cpu.attention import CpuAttentionOp, attention_backward, attention_forward
 
 needs_numba = pytest.mark.skipif(
@@ -18,11 +18,13 @@ KERNELS = ["numpy", pytest.param("fused", marks=needs_numba)]
 
 
 def forward_hooks(kernels: str) -> dict:  # type: ignore[type-arg]
-    return {"softmax": _fused_layers.causal_softmax} if kernels == "fused" else {}
+    return {"softmax": _fused_attention.causal_softmax} if kernels == "fused" else {}
 
 
 def backward_hooks(kernels: str) -> dict:  # type: ignore[type-arg]
-    return {"softmax_backward": _fused_layers.softmax_backward_rows} if kernels == "fused" else {}
+    return (
+        {"softmax_backward": _fused_attention.softmax_backward_rows} if kernels == "fused" else {}
+    )
 
 
 def naive_attention(q, k, v, hq, hk, scale, q_offset=0):  # type: ignore[no-untyped-def]
@@ -108,9 +110,9 @@ def test_the_cpu_op_uses_the_fused_kernels_unless_told_not_to(monkeypatch) -> No
     monkeypatch.setattr(
         cpu_attention, "attention_forward", lambda *a, **kw: seen.append(kw.get("softmax"))
     )
-    real_decode = _fused_layers.decode_attention
+    real_decode = _fused_attention.decode_attention
     monkeypatch.setattr(
-        _fused_layers,
+        _fused_attention,
         "decode_attention",
         lambda *a, **kw: seen.append("decode") or real_decode(*a, **kw),
     )
@@ -122,7 +124,7 @@ def test_the_cpu_op_uses_the_fused_kernels_unless_told_not_to(monkeypatch) -> No
         op.forward(q, kv, kv, 2, 2, 0.5, out=np.empty_like(q), q_offset=3 - n_t)
     monkeypatch.setenv("MILA_PY_CPU_BACKEND", "numpy")
     op.forward(q, kv, kv, 2, 2, 0.5, out=np.empty_like(q), q_offset=2)
-    assert seen == [_fused_layers.causal_softmax, "decode", None]
+    assert seen == [_fused_attention.causal_softmax, "decode", None]
 
 
 @needs_numba
@@ -147,7 +149,7 @@ def test_fused_decode_attention_equals_the_naive_loop(q_offset: int) -> None:
     # fewer visible keys than the view holds: the rest get probability 0
     visible = np.array([1, 3, 5])
     out = np.empty((3, 1, hq * d))
-    probs = _fused_layers.decode_attention(q, k_cache, v_cache, visible, hq, hk, 0.3, out)
+    probs = _fused_attention.decode_attention(q, k_cache, v_cache, visible, hq, hk, 0.3, out)
     for b, n in enumerate(visible):
         ref = naive_attention(
             q[b : b + 1],

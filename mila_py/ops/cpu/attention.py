@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from mila_py.devices import DeviceType
-from mila_py.ops.cpu import _fused_layers
+from mila_py.ops.cpu import _fused_attention, _fused_layers
 from mila_py.ops.operation import Operation
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
@@ -64,7 +64,7 @@ def attention_forward(
             all at the last position): no bias is added.
         softmax: when given and ``bias`` is None, ``softmax(scores [R, Tq, Tk], q_offset,
             causal)`` turns the scores into probabilities in place (the fused kernel of
-            :mod:`._fused_layers`) instead of the NumPy passes below.
+            :mod:`._fused_attention`) instead of the NumPy passes below.
     """
     n_b, n_tq = q.shape[0], q.shape[1]
     n_tk = k.shape[1]
@@ -156,12 +156,12 @@ class CpuAttentionOp(Operation):
             probs = _decode(q, *args, **kwargs)
             if probs is not None:
                 return probs
-            kwargs.setdefault("softmax", _fused_layers.causal_softmax)
+            kwargs.setdefault("softmax", _fused_attention.causal_softmax)
         return attention_forward(q, *args, **kwargs)
 
     def backward(self, dout: Any, *args: Any, **kwargs: Any) -> None:
         if _fused_layers.enabled(dout.dtype):
-            kwargs.setdefault("softmax_backward", _fused_layers.softmax_backward_rows)
+            kwargs.setdefault("softmax_backward", _fused_attention.softmax_backward_rows)
         attention_backward(dout, *args, **kwargs)
 
 
@@ -188,6 +188,6 @@ def _decode(
         return None
     n_tk = k.shape[1]
     visible = min(q_offset + 1, n_tk) if causal else n_tk
-    return _fused_layers.decode_attention(
+    return _fused_attention.decode_attention(
         q, k, v, [visible] * q.shape[0], n_heads, n_kv_heads, scale, out
     )

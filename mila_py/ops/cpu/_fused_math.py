@@ -11,6 +11,10 @@ A kernel that inlines ``kernel_exp`` must not be compiled with ``fastmath`` reas
 fold the two-part ln2 reduction); reductions that want it (row max, row sum) are separate,
 called functions here, so their flags stay off their caller's ``exp``.
 
+Numba's on-disk cache of a kernel is keyed on its own source file, not on the files of what it
+inlines: after editing this module, delete the ``*.nbi`` / ``*.nbc`` files in
+``mila_py/ops/cpu/__pycache__`` (installed copies are rewritten whole, so they are not affected).
+
 Also: :func:`enabled`, the switch every fused op consults. Importing this module never fails:
 ``AVAILABLE`` says whether Numba is installed.
 """

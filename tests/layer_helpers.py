@@ -103,3 +103,13 @@ def assert_gradients(
         numeric = numerical_gradient(objective, array)
         err = rel_err(analytic, numeric)
         assert err < FD_RTOL, f"{name}: relative error {err:.2e} against finite differences"
+
+
+def assert_same_optimizer_state(models: list[Any], plain: Any, fused: Any) -> None:
+    """Two models updated by two AdamW instances hold bit-identical parameters and moments."""
+    for (name, a), (_, b) in zip(
+        models[0].named_parameters(), models[1].named_parameters(), strict=True
+    ):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    for m0, m1 in zip(plain._m + plain._v, fused._m + fused._v, strict=True):
+        np.testing.assert_array_equal(m0, m1)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 from kernel_emulator import COMPILER, EmulatedContext, KernelLibrary, emulated_context
+from layer_helpers import assert_same_optimizer_state
 
 from mila_py import BuildContext, Precision, RuntimeMode
 from mila_py.components import (
@@ -357,12 +358,7 @@ def test_fused_adamw_equals_the_array_code_bit_for_bit(ctx: EmulatedContext, rng
                 g[...] = f32(np.random.default_rng(step * 10 + seed), *g.shape)
         plain.step()
         fused.step()
-    for (name, a), (_, b) in zip(
-        models[0].named_parameters(), models[1].named_parameters(), strict=True
-    ):
-        np.testing.assert_array_equal(a, b, err_msg=name)
-    for m0, m1 in zip(plain._m + plain._v, fused._m + fused._v, strict=True):
-        np.testing.assert_array_equal(m0, m1)
+    assert_same_optimizer_state(models, plain, fused)
     assert ctx.launches == ["adamw_step"] * 6
 
 

@@ -1,4 +1,5 @@
-"""Operation base class and the protocol for ops that take explicit positions."""
+"""Operation base class, the protocol for ops that take explicit positions, and the base of
+the fused AdamW update ops."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from mila_py.build_context import BuildContext
 from mila_py.devices.execution_context import ExecutionContext
 from mila_py.precision import Precision
 
-__all__ = ["Operation", "PositionalPairedOp"]
+__all__ = ["FusedAdamW", "Operation", "PositionalPairedOp"]
 
 
 class Operation:
@@ -51,3 +52,76 @@ class PositionalPairedOp(Protocol):
     def prefill(self, q: Any, k: Any, position_offset: int) -> None: ...
 
     def decode(self, q: Any, k: Any, position: Any) -> None: ...
+
+
+class FusedAdamW(Operation):
+    """The fused AdamW update of one parameter, ``AdamWOp`` on every device that has one.
+
+    ``config`` is unused: the hyper-parameters come with each call. The update does NumPy's
+    operations of :meth:`mila_py.optim.AdamW.step` in the same order, each rounded to the
+    parameter's dtype::
+
+        p = p * decay                              (parameters that decay)
+        m = m * beta1 + (1 - beta1) * g
+        v = v * beta2 + (1 - beta2) * (g * g)
+        p = p - step_size * (m / (sqrt(v / correction2) + eps))
+
+    Subclasses implement :meth:`_update` and may narrow :meth:`accepts`.
+    """
+
+    #: what :meth:`accepts` asks for, in the error message
+    requirement = "dense arrays of one shape and one layout"
+
+    def accepts(self, p: Any, g: Any, m: Any, v: Any) -> bool:
+        """True if the kernel can update these arrays: dense, one shape, one layout."""
+        dense = bool(p.flags.c_contiguous or p.flags.f_contiguous)
+        return dense and all(a.shape == p.shape and a.strides == p.strides for a in (g, m, v))
+
+    def step(
+        self,
+        p: Any,
+        g: Any,
+        m: Any,
+        v: Any,
+        *,
+        decay: float | None,
+        betas: tuple[float, float],
+        correction2: float,
+        eps: float,
+        step_size: float,
+    ) -> None:
+        """Update ``p``, ``m``, ``v`` in place from ``g`` (all C- or all F-contiguous, one shape).
+
+        Args:
+            decay: the factor ``1 - lr * weight_decay`` for a decaying parameter, else None.
+            betas: ``(beta1, beta2)``.
+            correction2: ``1 - beta2 ** step``.
+            eps: denominator guard.
+            step_size: ``lr / (1 - beta1 ** step)``.
+
+        Raises:
+            ValueError: the arrays are not ones :meth:`accepts` (nothing is updated).
+        """
+        if not self.accepts(p, g, m, v):
+            raise ValueError(
+                f"{type(self).__name__}: p, g, m and v must be {self.requirement}, got dtypes "
+                f"{p.dtype}, {g.dtype}, {m.dtype}, {v.dtype}, shapes {p.shape}, {g.shape}, "
+                f"{m.shape}, {v.shape} and strides {p.strides}, {g.strides}, {m.strides}, "
+                f"{v.strides}"
+            )
+        if int(p.size) == 0:
+            return
+        beta1, beta2 = betas
+        t = p.dtype.type  # NumPy rounds each Python float to the parameter's dtype
+        scalars = (
+            t(1.0 if decay is None else decay), t(beta1), t(1.0 - beta1), t(beta2), t(1.0 - beta2),
+            t(correction2), t(eps), t(step_size),
+        )  # fmt: skip
+        self._update(p, g, m, v, decay is not None, scalars)
+
+    def _update(
+        self, p: Any, g: Any, m: Any, v: Any, decays: bool, scalars: tuple[Any, ...]
+    ) -> None:
+        """Run the kernel: ``scalars`` are ``(decay, beta1, 1 - beta1, beta2, 1 - beta2,
+        correction2, eps, step_size)`` in the parameter's dtype."""
+        raise NotImplementedError

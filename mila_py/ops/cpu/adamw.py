@@ -15,7 +15,7 @@ import numpy as np
 
 from mila_py.devices.device import DeviceType
 from mila_py.ops.cpu import _fused_layers
-from mila_py.ops.operation import Operation
+from mila_py.ops.operation import FusedAdamW
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
@@ -62,54 +62,19 @@ else:
 
 
 @register_op("AdamWOp", DeviceType.CPU, precisions=(Precision.FP32, Precision.FP64))
-class CpuAdamWOp(Operation):
-    """The fused AdamW update of one parameter (``config`` is unused: hyper-parameters per call)."""
+class CpuAdamWOp(FusedAdamW):
+    """The fused AdamW update of one parameter: one Numba pass (see :class:`FusedAdamW`)."""
 
-    @staticmethod
-    def accepts(p: Any, g: Any, m: Any, v: Any) -> bool:
-        """True if the kernel can update these arrays: Numba on, float32/64, dense, one layout."""
-        if not _fused_layers.enabled(p.dtype):
+    requirement = "dense float32/float64 arrays of one shape and one layout, with Numba enabled"
+
+    def accepts(self, p: Any, g: Any, m: Any, v: Any) -> bool:
+        """True if Numba is on, the arrays are float32/64 of one dtype, dense, one layout."""
+        if not _fused_layers.enabled(p.dtype) or any(a.dtype != p.dtype for a in (g, m, v)):
             return False
-        dense = bool(p.flags.c_contiguous or p.flags.f_contiguous)
-        return dense and all(
-            a.dtype == p.dtype and a.shape == p.shape and a.strides == p.strides for a in (g, m, v)
-        )
+        return super().accepts(p, g, m, v)
 
-    def step(
-        self,
-        p: Any,
-        g: Any,
-        m: Any,
-        v: Any,
-        *,
-        decay: float | None,
-        betas: tuple[float, float],
-        correction2: float,
-        eps: float,
-        step_size: float,
+    def _update(
+        self, p: Any, g: Any, m: Any, v: Any, decays: bool, scalars: tuple[Any, ...]
     ) -> None:
-        """Update ``p``, ``m``, ``v`` in place from ``g`` (all C- or all F-contiguous, one shape).
-
-        Args:
-            decay: the factor ``1 - lr * weight_decay`` for a decaying parameter, else None.
-            betas: ``(beta1, beta2)``.
-            correction2: ``1 - beta2 ** step``.
-            eps: denominator guard.
-            step_size: ``lr / (1 - beta1 ** step)``.
-
-        Raises:
-            ValueError: the arrays are not ones :meth:`accepts` (nothing is updated).
-        """
-        if not self.accepts(p, g, m, v):
-            raise ValueError(
-                "CPU AdamWOp: p, g, m and v must be dense float32/float64 arrays of one layout "
-                f"with Numba enabled, got dtypes {p.dtype}, {g.dtype}, {m.dtype}, {v.dtype} and "
-                f"strides {p.strides}, {g.strides}, {m.strides}, {v.strides}"
-            )
-        beta1, beta2 = betas
-        t = p.dtype.type
         flat = [a.ravel(order="K") for a in (p, g, m, v)]  # views: dense, one layout
-        _adamw_kernel(
-            *flat, decay is not None, t(1.0 if decay is None else decay), t(beta1), t(1.0 - beta1),
-            t(beta2), t(1.0 - beta2), t(correction2), t(eps), t(step_size),
-        )  # fmt: skip
+        _adamw_kernel(*flat, decays, *scalars)

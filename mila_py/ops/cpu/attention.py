@@ -173,21 +173,22 @@ def _decode(
     n_kv_heads: int,
     scale: float,
     out: np.ndarray,
-    probs: np.ndarray | None = None,
-    q_offset: int = 0,
-    bias: np.ndarray | None = None,
-    causal: bool = True,
-    softmax: Any = None,
+    *positional: Any,
+    **options: Any,
 ) -> np.ndarray | None:
     """One query token per sequence through the fused decode kernel, or None where it does not
-    apply (several queries, an explicit bias, a probabilities buffer, or non-dense rows)."""
-    if q.shape[1] != 1 or bias is not None or probs is not None or softmax is not None:
+    apply (several queries, an explicit bias or softmax, a probabilities buffer, non-dense rows).
+
+    Takes the arguments of :func:`attention_forward`."""
+    if q.shape[1] != 1 or any(
+        options.get(name) is not None for name in ("bias", "probs", "softmax")
+    ):
         return None
     dense = all(x[b].flags.c_contiguous for x in (k, v) for b in range(k.shape[0]))
     if not dense or not all(out[b, 0].flags.c_contiguous for b in range(out.shape[0])):
         return None
     n_tk = k.shape[1]
-    visible = min(q_offset + 1, n_tk) if causal else n_tk
+    visible = min(options.get("q_offset", 0) + 1, n_tk) if options.get("causal", True) else n_tk
     return _fused_attention.decode_attention(
         q, k, v, [visible] * q.shape[0], n_heads, n_kv_heads, scale, out
     )

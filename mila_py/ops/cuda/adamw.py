@@ -20,7 +20,7 @@ import numpy as np
 
 from mila_py.devices.device import DeviceType
 from mila_py.ops.cuda import _kernels
-from mila_py.ops.operation import Operation
+from mila_py.ops.operation import FusedAdamW
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
@@ -53,52 +53,14 @@ extern "C" __global__ void adamw_step(
 
 
 @register_op("AdamWOp", DeviceType.CUDA, precisions=(Precision.FP32,))
-class CudaAdamWOp(Operation):
-    """The fused AdamW update of one parameter (``config`` is unused: hyper-parameters per call)."""
+class CudaAdamWOp(FusedAdamW):
+    """The fused AdamW update of one parameter: one kernel launch (see :class:`FusedAdamW`)."""
 
-    @staticmethod
-    def accepts(p: Any, g: Any, m: Any, v: Any) -> bool:
-        """True if the kernel can update these arrays: dense, one shape, one layout."""
-        dense = bool(p.flags.c_contiguous or p.flags.f_contiguous)
-        return dense and all(a.shape == p.shape and a.strides == p.strides for a in (g, m, v))
-
-    def step(
-        self,
-        p: Any,
-        g: Any,
-        m: Any,
-        v: Any,
-        *,
-        decay: float | None,
-        betas: tuple[float, float],
-        correction2: float,
-        eps: float,
-        step_size: float,
+    def _update(
+        self, p: Any, g: Any, m: Any, v: Any, decays: bool, scalars: tuple[Any, ...]
     ) -> None:
-        """Update ``p``, ``m``, ``v`` in place from ``g`` (all C- or all F-contiguous, one shape).
-
-        Args:
-            decay: the factor ``1 - lr * weight_decay`` for a decaying parameter, else None.
-            betas: ``(beta1, beta2)``.
-            correction2: ``1 - beta2 ** step``.
-            eps: denominator guard.
-            step_size: ``lr / (1 - beta1 ** step)``.
-        """
-        if not self.accepts(p, g, m, v):
-            raise ValueError(
-                "CUDA AdamWOp: p, g, m and v must be dense arrays of one layout, got strides "
-                f"{p.strides}, {g.strides}, {m.strides}, {v.strides} for shape {p.shape}"
-            )
         n = int(p.size)
-        if n == 0:
-            return
-        beta1, beta2 = betas
-        f32 = np.float32
-        args = (
-            p, g, m, v, np.int64(n), np.int32(decay is not None),
-            f32(1.0 if decay is None else decay), f32(beta1), f32(1.0 - beta1), f32(beta2),
-            f32(1.0 - beta2), f32(correction2), f32(eps), f32(step_size),
-        )  # fmt: skip
+        args = (p, g, m, v, np.int64(n), np.int32(decays), *scalars)
         ctx: Any = self.context
         with ctx.activate():
             _kernels.launch(

@@ -165,6 +165,40 @@ def test_fused_decode_attention_equals_the_naive_loop(q_offset: int) -> None:
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
+def test_visible_keys_per_sequence_equal_the_naive_loop(kernels: str) -> None:
+    """Ragged decode: sequence b sees its first visible[b] keys (a -inf bias on the rest)."""
+    rng = np.random.default_rng(14)
+    hq, hk, d = 4, 2, 8
+    k = rng.standard_normal((3, 9, hk * d))
+    v = rng.standard_normal((3, 9, hk * d))
+    q = rng.standard_normal((3, 1, hq * d))
+    visible = np.array([9, 2, 5])
+    out = np.full_like(q, np.nan)
+    if kernels == "fused":
+        probs = CpuAttentionOp(None, None, None).forward(  # type: ignore[arg-type]
+            q, k, v, hq, hk, 0.4, out=out, causal=False, visible=visible
+        )
+    else:
+        probs = attention_forward(q, k, v, hq, hk, 0.4, out, causal=False, visible=visible)
+    for b, n in enumerate(visible):
+        ref = naive_attention(q[b : b + 1], k[b : b + 1, :n], v[b : b + 1, :n], hq, hk, 0.4, n - 1)
+        np.testing.assert_allclose(out[b : b + 1], ref, rtol=1e-12, atol=1e-12)
+        assert (probs[b, ..., n:] == 0).all()
+
+
+@needs_numba
+def test_the_decode_fast_path_leaves_positional_options_to_the_general_path() -> None:
+    rng = np.random.default_rng(15)
+    q = rng.standard_normal((1, 1, 8)).astype(np.float32)
+    kv = rng.standard_normal((1, 3, 8)).astype(np.float32)
+    probs = np.full((1, 2, 1, 1, 3), np.nan, np.float32)
+    out = np.empty_like(q)
+    returned = CpuAttentionOp(None, None, None).forward(q, kv, kv, 2, 2, 0.5, out, probs)  # type: ignore[arg-type]
+    assert returned is not None and np.shares_memory(returned, probs)  # written into the buffer
+    np.testing.assert_allclose(probs.sum(axis=-1), 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize(("hq", "hk"), [(4, 2), (2, 2), (3, 1)])
 def test_backward_matches_finite_differences(hq: int, hk: int, kernels: str) -> None:
     rng = np.random.default_rng(7 + hq)

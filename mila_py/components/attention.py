@@ -270,7 +270,7 @@ class GroupedQueryAttention(CompositeComponent):
             p = lowest
             k_cache[:, p] = k[:, 0]
             v_cache[:, p] = v[:, 0]
-            end, bias = p + 1, None
+            end, visible = p + 1, None
         else:  # pos stays on the host (checks, RoPE); the device's copy indexes the cache
             assert pos is not None  # several positions came as an array
             xp = self.execution_context.xp
@@ -279,8 +279,7 @@ class GroupedQueryAttention(CompositeComponent):
             k_cache[rows, pos_d] = k[:, 0]
             v_cache[rows, pos_d] = v[:, 0]
             end = highest + 1
-            visible = xp.arange(end)[None, :] <= pos_d[:, None]  # [B, Tk]
-            bias = xp.where(visible, 0.0, -np.inf).astype(x.dtype)[:, None, None, None, :]
+            visible = pos + 1  # host ints: sequence b sees its keys 0 .. pos[b]
         out = self._state["attn_out"][:n_b, :1]
         self._op.forward(
             q,
@@ -290,8 +289,8 @@ class GroupedQueryAttention(CompositeComponent):
             cfg.n_kv_heads,
             self.scale,
             out=out,
-            bias=bias,
             causal=False,
+            visible=visible,
         )
         return self.o_proj.forward(out)
 

@@ -38,6 +38,12 @@ def _causal_bias(n_tq: int, n_tk: int, q_offset: int, dtype: np.dtype) -> np.nda
     return np.where(future, -np.inf, 0.0).astype(dtype)
 
 
+def _visible_bias(visible: Any, n_tk: int, dtype: Any, xp: Any = np) -> Any:
+    """``[B, 1, 1, 1, Tk]``: 0 for the first ``visible[b]`` keys of sequence ``b``, else -inf."""
+    seen = xp.arange(n_tk)[None, :] < xp.asarray(visible)[:, None]
+    return xp.where(seen, 0.0, -np.inf).astype(dtype)[:, None, None, None, :]
+
+
 def attention_forward(
     q: np.ndarray,
     k: np.ndarray,
@@ -51,6 +57,7 @@ def attention_forward(
     bias: np.ndarray | None = None,
     causal: bool = True,
     softmax: Callable[[np.ndarray, int, bool], None] | None = None,
+    visible: Any = None,
 ) -> np.ndarray:
     """Causal attention; writes ``out [B, Tq, Hq*d]`` and returns ``P [B, Hk, g, Tq, Tk]``.
 
@@ -65,9 +72,13 @@ def attention_forward(
         softmax: when given and ``bias`` is None, ``softmax(scores [R, Tq, Tk], q_offset,
             causal)`` turns the scores into probabilities in place (the fused kernel of
             :mod:`._fused_attention`) instead of the NumPy passes below.
+        visible: host ints ``[B]``: sequence ``b`` sees keys ``0 .. visible[b] - 1`` (ragged
+            decode, one query per sequence); replaces ``bias`` and ``causal``.
     """
     n_b, n_tq = q.shape[0], q.shape[1]
     n_tk = k.shape[1]
+    if visible is not None:
+        bias = _visible_bias(visible, n_tk, q.dtype)
     head_dim = q.shape[2] // n_heads
     groups = n_heads // n_kv_heads
     # The g query heads that share a key/value head are stacked into one [g * Tq, d] matrix,
@@ -180,15 +191,16 @@ def _decode(
     apply (several queries, an explicit bias or softmax, a probabilities buffer, non-dense rows).
 
     Takes the arguments of :func:`attention_forward`."""
-    if q.shape[1] != 1 or any(
-        options.get(name) is not None for name in ("bias", "probs", "softmax")
-    ):
+    if positional or q.shape[1] != 1:  # options given by position: the general path reads them
+        return None
+    if any(options.get(name) is not None for name in ("bias", "probs", "softmax")):
         return None
     dense = all(x[b].flags.c_contiguous for x in (k, v) for b in range(k.shape[0]))
     if not dense or not all(out[b, 0].flags.c_contiguous for b in range(out.shape[0])):
         return None
     n_tk = k.shape[1]
-    visible = min(options.get("q_offset", 0) + 1, n_tk) if options.get("causal", True) else n_tk
-    return _fused_attention.decode_attention(
-        q, k, v, [visible] * q.shape[0], n_heads, n_kv_heads, scale, out
-    )
+    visible = options.get("visible")
+    if visible is None:
+        seen = min(options.get("q_offset", 0) + 1, n_tk) if options.get("causal", True) else n_tk
+        visible = [seen] * q.shape[0]
+    return _fused_attention.decode_attention(q, k, v, visible, n_heads, n_kv_heads, scale, out)

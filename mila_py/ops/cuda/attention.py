@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from mila_py.devices import DeviceType
+from mila_py.ops.cpu.attention import _visible_bias
 from mila_py.ops.cuda import _kernels
 from mila_py.ops.operation import Operation
 from mila_py.ops.registry import register_op
@@ -220,10 +221,13 @@ class CudaAttentionOp(Operation):
         q_offset: int = 0,
         bias: Any = None,
         causal: bool = True,
+        visible: Any = None,
     ) -> Any:
         """See :func:`mila_py.ops.cpu.attention.attention_forward`; returns ``P``."""
         ctx: Any = self.context
         with ctx.activate():
+            if visible is not None:  # host ints [B]: the -inf bias of the keys not seen
+                bias = _visible_bias(visible, k.shape[1], q.dtype, ctx.xp)
             return attention_forward(
                 q, k, v, n_heads, n_kv_heads, scale, out, probs, q_offset, bias, causal,
                 xp=ctx.xp, softmax=self._softmax,

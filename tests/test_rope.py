@@ -6,6 +6,9 @@ Scaling types are covered in ``test_rope_scaling.py``.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -1039,3 +1042,29 @@ def test_property_scores_depend_only_on_relative_position(cfg, seed, m, n, shift
     base = scores(m, n)
     shifted = scores(m + shift, n + shift)
     np.testing.assert_allclose(shifted, base, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("backend", BACKEND_PARAMS)
+def test_a_forked_child_rotates_large_calls(backend: str) -> None:
+    """The op's thread pool does not survive fork; the child must start its own, not hang."""
+    code = f"""
+import os, signal, numpy as np
+from mila_py import BuildContext, RuntimeMode
+from mila_py.components import Rope, RopeConfig
+rope = Rope("r", RopeConfig(4096, 32, 8, 2048), device="CPU")
+rope.build(BuildContext((1, 1024, 4096), RuntimeMode.INFERENCE))
+rope.op.backend = {backend!r}
+q, k = np.ones((1, 1024, 4096), np.float32), np.ones((1, 1024, 1024), np.float32)
+rope.forward(q, k)  # large enough for the pool: the parent starts it
+pid = os.fork()
+if pid == 0:
+    signal.alarm(30)  # a hang ends the child with SIGALRM
+    rope.forward(q, k)
+    os._exit(0)
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert result.stdout.strip() == "0", result.stderr

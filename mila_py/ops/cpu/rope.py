@@ -326,7 +326,13 @@ def _cpu_count() -> int:
 
 @functools.cache
 def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=_cpu_count(), thread_name_prefix="mila_py-rope")
+    return ThreadPoolExecutor(max_workers=_cpu_count(), thread_name_prefix="mila_py-cpu")
+
+
+# A forked child inherits the pool object but not its threads: its tasks would wait forever.
+# The child starts a pool of its own on first use instead.
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_pool.cache_clear)
 
 
 def _heads_view(x: np.ndarray, n_heads: int, head_dim: int) -> np.ndarray:

@@ -1,7 +1,9 @@
-"""Shared fixtures: the ``device`` every device-generic case runs on."""
+"""Shared fixtures: the ``device`` every device-generic case runs on, and the kernel emulator's
+library and emulated ``CUDA:0`` for the ``*_emulated`` modules."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -38,3 +40,20 @@ def to_numpy(array: Any) -> np.ndarray:
 def host():
     """``host(array)`` -> NumPy array, whichever device the array lives on."""
     return to_numpy
+
+
+@pytest.fixture(scope="session")
+def library() -> Any:
+    """The kernel emulator's library of every CUDA op's kernels (see ``kernel_emulator.py``)."""
+    from kernel_emulator import ops_library
+
+    return ops_library()
+
+
+@pytest.fixture
+def cuda(library: Any) -> Iterator[None]:
+    """``CUDA:0`` emulated on the CPU for the duration of a test (NumPy arrays, C++ kernels)."""
+    from kernel_emulator import emulated_cuda_devices
+
+    with emulated_cuda_devices(library):
+        yield

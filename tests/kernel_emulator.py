@@ -403,3 +403,48 @@ def emulated_cuda_devices(library: KernelLibrary) -> Iterator[None]:
             _kernels.launch,
         ) = saved  # type: ignore[assignment]
         clear_rope_cache()
+
+
+def _ops_sources() -> tuple[list[str], list[str]]:
+    from mila_py.ops.cuda import (
+        adamw,
+        attention,
+        rms_norm,
+        rope,
+        softmax_cross_entropy,
+        swiglu,
+        token_embedding,
+    )
+    from mila_py.precision import Precision
+
+    sources = [
+        rms_norm.RMS_NORM_CUDA_SOURCE,
+        swiglu.SWIGLU_CUDA_SOURCE,
+        token_embedding.TOKEN_EMBEDDING_CUDA_SOURCE,
+        softmax_cross_entropy.SOFTMAX_CROSS_ENTROPY_CUDA_SOURCE,
+        attention.ATTENTION_CUDA_SOURCE,
+        adamw.ADAMW_CUDA_SOURCE,
+        rope.ROPE_CUDA_SOURCE,
+    ]
+    # the template instantiations the ops launch (RoPE's, for every storage precision)
+    names = [
+        name
+        for precision in (Precision.FP32, Precision.FP16, Precision.BF16)
+        for name in rope.kernel_names(precision)
+    ]
+    return sources, names
+
+
+#: every CUDA op's kernel source, and the template instantiations the ops launch
+SOURCES, NAME_EXPRESSIONS = _ops_sources()
+
+
+def ops_library() -> KernelLibrary:
+    """All the CUDA ops' kernels in one library (built once per process, cached on disk)."""
+    global _OPS_LIBRARY
+    if _OPS_LIBRARY is None:
+        _OPS_LIBRARY = KernelLibrary(SOURCES, NAME_EXPRESSIONS)
+    return _OPS_LIBRARY
+
+
+_OPS_LIBRARY: KernelLibrary | None = None

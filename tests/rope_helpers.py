@@ -43,6 +43,21 @@ def dtype_of(precision: Precision) -> np.dtype:
     }[precision]
 
 
+def rope_config(
+    heads: tuple[int, int] = (3, 1),
+    head_dim: int = 12,
+    *,
+    max_seq_len: int = 2048,
+    **kwargs: Any,
+) -> RopeConfig:
+    """A RopeConfig from ``(n_heads, n_kv_heads)`` and ``head_dim`` (12 by default: not a power
+    of two, n_freq = 6); other fields as keywords."""
+    hq, hk = heads
+    return RopeConfig(
+        channels=hq * head_dim, n_heads=hq, n_kv_heads=hk, max_seq_len=max_seq_len, **kwargs
+    )
+
+
 def make_rope(
     config: RopeConfig,
     batch: int,

@@ -21,7 +21,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kernel_emulator import COMPILER, EmulatedContext, KernelLibrary, emulated_context
+from kernel_emulator import (
+    COMPILER,
+    NAME_EXPRESSIONS,
+    SOURCES,
+    EmulatedContext,
+    KernelLibrary,
+    emulated_context,
+)
 from layer_helpers import assert_same_optimizer_state
 
 from mila_py import BuildContext, Precision, RuntimeMode
@@ -43,14 +50,10 @@ from mila_py.ops.cpu.swiglu import swiglu_backward, swiglu_forward
 from mila_py.ops.cpu.token_embedding import token_embedding_backward, token_embedding_forward
 from mila_py.ops.cuda import (
     _kernels,
-    adamw,
     attention,
     rms_norm,
     rope,
-    softmax_cross_entropy,
-    swiglu,
 )
-from mila_py.ops.cuda import token_embedding as cuda_token_embedding
 from mila_py.ops.cuda.adamw import CudaAdamWOp
 from mila_py.ops.cuda.attention import CudaAttentionOp
 from mila_py.ops.cuda.linear import CudaLinearOp
@@ -62,29 +65,9 @@ from mila_py.optim import AdamW
 
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="the kernel emulator needs g++")
 
-SOURCES = [
-    rms_norm.RMS_NORM_CUDA_SOURCE,
-    swiglu.SWIGLU_CUDA_SOURCE,
-    cuda_token_embedding.TOKEN_EMBEDDING_CUDA_SOURCE,
-    softmax_cross_entropy.SOFTMAX_CROSS_ENTROPY_CUDA_SOURCE,
-    attention.ATTENTION_CUDA_SOURCE,
-    adamw.ADAMW_CUDA_SOURCE,
-    rope.ROPE_CUDA_SOURCE,
-]
-#: the template instantiations the ops launch (RoPE's, for every storage precision)
-NAME_EXPRESSIONS = [
-    name
-    for precision in (Precision.FP32, Precision.FP16, Precision.BF16)
-    for name in rope.kernel_names(precision)
-]
 FP32 = Precision.FP32
 #: float32 results of different summation orders (row sums of a few hundred terms)
 RTOL, ATOL = 2e-6, 2e-7
-
-
-@pytest.fixture(scope="module")
-def library() -> KernelLibrary:
-    return KernelLibrary(SOURCES, NAME_EXPRESSIONS)
 
 
 @pytest.fixture

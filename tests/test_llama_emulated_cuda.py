@@ -11,13 +11,11 @@ What it does not cover (CuPy itself, NVRTC, streams) is checked on a GPU by ``te
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from kernel_emulator import COMPILER, EmulatedContext, KernelLibrary, emulated_cuda_devices
-from test_cuda_ops_emulated import NAME_EXPRESSIONS, SOURCES
+from kernel_emulator import COMPILER, EmulatedContext
 
 from mila_py import BuildContext, RuntimeMode
 from mila_py.components import Llama, LlamaConfig, SoftmaxCrossEntropy, SoftmaxCrossEntropyConfig
@@ -30,17 +28,6 @@ TRAINING, INFERENCE = RuntimeMode.TRAINING, RuntimeMode.INFERENCE
 CFG = LlamaConfig(
     vocab_size=40, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48, max_seq_len=64
 )
-
-
-@pytest.fixture(scope="module")
-def library() -> KernelLibrary:
-    return KernelLibrary(SOURCES, NAME_EXPRESSIONS)
-
-
-@pytest.fixture
-def cuda(library: KernelLibrary) -> Iterator[None]:
-    with emulated_cuda_devices(library):
-        yield
 
 
 def rel_err(actual: Any, expected: Any) -> float:

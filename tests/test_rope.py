@@ -31,6 +31,7 @@ from rope_helpers import (
     make_rope,
     random_qk,
     reference,
+    rope_config,
 )
 
 from mila_py import BuildContext, Network, Precision
@@ -50,19 +51,6 @@ def backend(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(20240531)
-
-
-def _config(
-    heads: tuple[int, int] = (3, 1),
-    *,
-    head_dim: int = HEAD_DIM,
-    max_seq_len: int = 2048,
-    **kwargs: Any,
-) -> RopeConfig:
-    hq, hk = heads
-    return RopeConfig(
-        channels=hq * head_dim, n_heads=hq, n_kv_heads=hk, max_seq_len=max_seq_len, **kwargs
-    )
 
 
 def _bits(x: Any) -> bytes:
@@ -89,7 +77,7 @@ def test_forward_and_prefill_match_reference(
     precision: Precision,
     rng: np.random.Generator,
 ) -> None:
-    cfg = _config(heads, rotary_dim=rotary_dim, layout=layout)
+    cfg = rope_config(heads, rotary_dim=rotary_dim, layout=layout)
     batch, tokens = 2, 6
     rope = make_rope(cfg, batch, tokens, precision=precision, backend=backend)
     for offset in (0, 5, 1000, cfg.max_seq_len - tokens):
@@ -110,7 +98,7 @@ def test_forward_and_prefill_match_reference(
 
 
 def test_position_zero_is_identity_and_position_changes_values(backend: str, rng) -> None:
-    cfg = _config()
+    cfg = rope_config()
     rope = make_rope(cfg, 1, 1, backend=backend)
     q, k = random_qk(rng, cfg, 1, 1)
     q0, k0 = q.copy(), k.copy()
@@ -141,7 +129,7 @@ def test_large_calls_cross_block_boundaries(
 
     monkeypatch.setattr(cpu_rope, "_NUMPY_BLOCK_BYTES", 64 * 1024)  # 64 tokens: 10 blocks
     monkeypatch.setattr(cpu_rope, "_PARALLEL_ELEMENTS", 1)  # blocks spread over the cores
-    cfg = _config((4, 1), head_dim=64, max_seq_len=2048, layout=layout)
+    cfg = rope_config((4, 1), head_dim=64, max_seq_len=2048, layout=layout)
     batch, tokens = shape
     rope = make_rope(cfg, batch, tokens, precision=precision, backend=backend)
     q, k = random_qk(rng, cfg, batch, tokens, precision)
@@ -175,7 +163,7 @@ def test_large_calls_cross_block_boundaries(
 def test_rotate_explicit_positions(
     backend: str, precision: Precision, make_positions: Callable[..., Any], rng
 ) -> None:
-    cfg = _config((5, 1), layout="interleaved")
+    cfg = rope_config((5, 1), layout="interleaved")
     batch, tokens = 3, 5
     rope = make_rope(cfg, batch, tokens, precision=precision, backend=backend)
     positions = make_positions(rng, batch, tokens)
@@ -189,7 +177,7 @@ def test_rotate_explicit_positions(
 
 @pytest.mark.parametrize("precision", PRECISIONS, ids=str)
 def test_smaller_calls_than_the_build(backend: str, precision: Precision, rng) -> None:
-    cfg = _config((4, 2))
+    cfg = rope_config((4, 2))
     rope = make_rope(cfg, 4, 16, precision=precision, backend=backend)
     for batch, tokens in ((1, 1), (4, 3), (2, 16)):
         q, k = random_qk(rng, cfg, batch, tokens, precision)
@@ -209,7 +197,7 @@ def test_smaller_calls_than_the_build(backend: str, precision: Precision, rng) -
 def test_prefill_in_chunks_equals_one_call(
     backend: str, layout: str, precision: Precision, start: int, rng
 ) -> None:
-    cfg = _config((4, 1), layout=layout, rotary_dim=8)
+    cfg = rope_config((4, 1), layout=layout, rotary_dim=8)
     batch, tokens = 2, 20
     rope = make_rope(cfg, batch, tokens, precision=precision, backend=backend)
     q, k = random_qk(rng, cfg, batch, tokens, precision)
@@ -231,7 +219,7 @@ def test_prefill_in_chunks_equals_one_call(
 def test_decode_at_each_position_equals_forward(
     backend: str, layout: str, precision: Precision, rng
 ) -> None:
-    cfg = _config((3, 3), layout=layout, max_seq_len=64)
+    cfg = rope_config((3, 3), layout=layout, max_seq_len=64)
     batch, tokens = 2, 64
     rope = make_rope(cfg, batch, tokens, precision=precision, backend=backend)
     q, k = random_qk(rng, cfg, batch, tokens, precision)
@@ -246,7 +234,7 @@ def test_decode_at_each_position_equals_forward(
 
 @pytest.mark.parametrize("precision", PRECISIONS, ids=str)
 def test_decode_per_sequence_positions(backend: str, precision: Precision, rng) -> None:
-    cfg = _config((4, 1))
+    cfg = rope_config((4, 1))
     batch = 4
     rope = make_rope(cfg, batch, 8, precision=precision, backend=backend)
     positions = np.array([3, 1500, 2047, 0])
@@ -279,7 +267,7 @@ def test_fused_qkv_views_rotate_through_the_view(
     backend: str, heads: tuple[int, int], layout: str, precision: Precision, rng
 ) -> None:
     hq, hk = heads
-    cfg = _config(heads, layout=layout, rotary_dim=8)
+    cfg = rope_config(heads, layout=layout, rotary_dim=8)
     d = HEAD_DIM
     batch, tokens = 2, 5
     rope = make_rope(cfg, batch, tokens, precision=precision, backend=backend)
@@ -323,7 +311,7 @@ def test_fused_qkv_views_rotate_through_the_view(
 @pytest.mark.parametrize("precision", [FP32, FP16], ids=str)
 def test_empty_calls_are_no_ops(backend: str, shape, precision: Precision, call) -> None:
     """Like PyTorch on empty tensors: B == 0 or T == 0 rotates nothing and does not fail."""
-    cfg = _config((3, 1))
+    cfg = rope_config((3, 1))
     rope = make_rope(cfg, 2, 4, mode=TRAINING, precision=precision, backend=backend)
     q = np.zeros((*shape, cfg.channels), dtype_of(precision))
     k = np.zeros((*shape, cfg.kv_channels), dtype_of(precision))
@@ -333,7 +321,7 @@ def test_empty_calls_are_no_ops(backend: str, shape, precision: Precision, call)
 
 def test_backends_agree(rng) -> None:
     pytest.importorskip("numba")
-    cfg = _config((5, 1), layout="interleaved", rotary_dim=10)
+    cfg = rope_config((5, 1), layout="interleaved", rotary_dim=10)
     for precision in PRECISIONS:
         results = []
         q, k = random_qk(rng, cfg, 2, 9, precision)
@@ -347,7 +335,7 @@ def test_backends_agree(rng) -> None:
 
 
 def test_backend_setting() -> None:
-    rope = make_rope(_config(), 1, 1)
+    rope = make_rope(rope_config(), 1, 1)
     assert rope.op.backend in ("numpy", "fused", "auto")
     with pytest.raises(ValueError, match="backend"):
         rope.op.backend = "cuda"
@@ -370,7 +358,7 @@ def test_backward_matches_reference(
     precision: Precision,
     rng,
 ) -> None:
-    cfg = _config(heads, rotary_dim=rotary_dim, layout=layout)
+    cfg = rope_config(heads, rotary_dim=rotary_dim, layout=layout)
     batch, tokens = 2, 6
     rope = make_rope(cfg, batch, tokens, mode=TRAINING, precision=precision, backend=backend)
     dq, dk = random_qk(rng, cfg, batch, tokens, precision)
@@ -395,7 +383,7 @@ def test_backward_matches_reference(
 
 
 def test_backward_returns_component_owned_buffers(backend: str, rng) -> None:
-    cfg = _config((4, 2))
+    cfg = rope_config((4, 2))
     rope = make_rope(cfg, 2, 4, mode=TRAINING, backend=backend)
     assert rope.get_gradients() == []  # no parameters: nothing aligned with get_parameters
     grads = rope.input_gradients
@@ -460,7 +448,7 @@ def test_backward_against_finite_differences(
 
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_forward_after_backward_is_identity(backend: str, layout: str, rng) -> None:
-    cfg = _config((3, 1), layout=layout, rotary_dim=8)
+    cfg = rope_config((3, 1), layout=layout, rotary_dim=8)
     batch, tokens = 2, 5
     rope = make_rope(cfg, batch, tokens, mode=TRAINING, backend=backend)
     dq, dk = random_qk(rng, cfg, batch, tokens)
@@ -487,7 +475,7 @@ def test_forward_after_backward_is_identity(backend: str, layout: str, rng) -> N
 
 @pytest.mark.parametrize("precision", [FP16, BF16], ids=str)
 def test_backward_rounds_once_in_reduced_precision(backend: str, precision: Precision, rng) -> None:
-    cfg = _config((4, 1))
+    cfg = rope_config((4, 1))
     rope = make_rope(cfg, 2, 4, mode=TRAINING, precision=precision, backend=backend)
     dq, dk = random_qk(rng, cfg, 2, 4, precision)
     dq_in, dk_in = rope.backward(dq, dk, positions=np.array([2000, 1, 1024, 77]))
@@ -498,7 +486,7 @@ def test_backward_rounds_once_in_reduced_precision(backend: str, precision: Prec
 
 
 def test_inference_build_has_no_gradients_and_no_backward(rng) -> None:
-    cfg = _config((4, 1))
+    cfg = rope_config((4, 1))
     rope = make_rope(cfg, 2, 4, mode=INFERENCE)
     assert rope.get_gradients() == []
     stats = rope.get_memory_stats()
@@ -511,7 +499,7 @@ def test_inference_build_has_no_gradients_and_no_backward(rng) -> None:
 
 @pytest.mark.parametrize("precision", PRECISIONS, ids=str)
 def test_training_build_memory(precision: Precision) -> None:
-    cfg = _config((4, 2), rotary_dim=8)
+    cfg = rope_config((4, 2), rotary_dim=8)
     rope = make_rope(cfg, 3, 5, mode=TRAINING, precision=precision)
     stats = rope.get_memory_stats()
     item = dtype_of(precision).itemsize
@@ -880,18 +868,18 @@ def test_rope_config_accepts_edges_and_is_frozen() -> None:
 
 
 def test_get_rope_shares_one_table_per_table_configuration() -> None:
-    cfg = _config((4, 1), max_seq_len=512)
+    cfg = rope_config((4, 1), max_seq_len=512)
     table = get_rope(cfg, "CPU")
-    assert get_rope(_config((4, 1), max_seq_len=512), "cpu") is table
+    assert get_rope(rope_config((4, 1), max_seq_len=512), "cpu") is table
     # head counts and layout do not change the table
-    assert get_rope(_config((8, 8), max_seq_len=512, layout="interleaved")) is table
-    assert get_rope(_config((1, 1), max_seq_len=512)) is table
+    assert get_rope(rope_config((8, 8), max_seq_len=512, layout="interleaved")) is table
+    assert get_rope(rope_config((1, 1), max_seq_len=512)) is table
     for other in (
-        _config((4, 1), max_seq_len=256),
-        _config((4, 1), max_seq_len=512, base=500000.0),
-        _config((4, 1), max_seq_len=512, rotary_dim=8),
-        _config((4, 1), max_seq_len=512, head_dim=16),
-        _config((4, 1), max_seq_len=512, scaling={"rope_type": "linear", "factor": 2.0}),
+        rope_config((4, 1), max_seq_len=256),
+        rope_config((4, 1), max_seq_len=512, base=500000.0),
+        rope_config((4, 1), max_seq_len=512, rotary_dim=8),
+        rope_config((4, 1), max_seq_len=512, head_dim=16),
+        rope_config((4, 1), max_seq_len=512, scaling={"rope_type": "linear", "factor": 2.0}),
     ):
         assert get_rope(other) is not table
     assert table.cos.dtype == np.float32 and table.sin.dtype == np.float32
@@ -901,8 +889,8 @@ def test_get_rope_shares_one_table_per_table_configuration() -> None:
 
 
 def test_ropes_share_the_table_and_a_network_counts_it_once() -> None:
-    cfg = _config((4, 1), max_seq_len=256)
-    other_heads = _config((4, 4), max_seq_len=256, layout="interleaved")
+    cfg = rope_config((4, 1), max_seq_len=256)
+    other_heads = rope_config((4, 4), max_seq_len=256, layout="interleaved")
     net = Network("n", device="CPU")
     net.add_component(Rope("a", cfg)).add_component(Rope("b", cfg))
     net.add_component(Rope("c", other_heads))
@@ -922,7 +910,7 @@ def test_ropes_share_the_table_and_a_network_counts_it_once() -> None:
 
 
 def test_network_of_ropes_inference_has_no_gradients() -> None:
-    cfg = _config((4, 1), max_seq_len=128)
+    cfg = rope_config((4, 1), max_seq_len=128)
     net = Network("n", device="CPU", precision=Precision.BF16)
     net.add_component(Rope("a", cfg, precision=Precision.BF16))
     net.add_component(Rope("b", cfg, precision=Precision.BF16))

@@ -16,7 +16,6 @@ K (V, padding) is checked untouched. What this cannot check (NVRTC, CuPy, stream
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import ml_dtypes
@@ -27,7 +26,6 @@ from kernel_emulator import (
     EmulatedContext,
     KernelLibrary,
     emulated_context,
-    emulated_cuda_devices,
 )
 from rope_helpers import (
     BF16,
@@ -42,8 +40,8 @@ from rope_helpers import (
     make_rope,
     random_qk,
     reference,
+    rope_config,
 )
-from test_cuda_ops_emulated import NAME_EXPRESSIONS, SOURCES
 
 from mila_py import BuildContext, Precision, RuntimeMode
 from mila_py.components import Rope, RopeConfig
@@ -64,37 +62,12 @@ PARITY: dict[Precision, tuple[float, float]] = {
 BITS = {FP32: np.uint32, FP16: np.uint16, BF16: np.uint16}
 
 
-@pytest.fixture(scope="module")
-def library() -> KernelLibrary:
-    return KernelLibrary(SOURCES, NAME_EXPRESSIONS)
-
-
-@pytest.fixture
-def cuda(library: KernelLibrary) -> Iterator[None]:
-    with emulated_cuda_devices(library):
-        yield
-
-
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(20240607)
 
 
 # ---------------------------------------------------------------------------------- helpers
-
-
-def config_of(
-    heads: tuple[int, int], head_dim: int, *, rotary_dim: int = 0, max_seq_len: int = 2048, **kw
-) -> RopeConfig:
-    hq, hk = heads
-    return RopeConfig(
-        channels=hq * head_dim,
-        n_heads=hq,
-        n_kv_heads=hk,
-        max_seq_len=max_seq_len,
-        rotary_dim=rotary_dim,
-        **kw,
-    )
 
 
 def cuda_rope_of(
@@ -174,7 +147,7 @@ def test_forward_and_prefill_match_cpu(
     cuda: None, geometry: str, layout: str, precision: Precision, rng
 ) -> None:
     heads, head_dim, rotary_dim, widths = GEOMETRIES[geometry]
-    cfg = config_of(heads, head_dim, rotary_dim=rotary_dim, layout=layout)
+    cfg = rope_config(heads, head_dim, rotary_dim=rotary_dim, layout=layout)
     batch, tokens = 2, 5
     rope = cuda_rope_of(cfg, batch, tokens, precision)
     cpu = make_rope(cfg, batch, tokens, precision=precision)
@@ -209,7 +182,7 @@ def test_bit_for_bit_with_the_cpu_fused_path(
     cuda: None, layout: str, precision: Precision, rng
 ) -> None:
     """The kernels use the CPU kernels' order of operations and no FMA: identical bits."""
-    cfg = config_of((4, 2), 64, rotary_dim=48, layout=layout)
+    cfg = rope_config((4, 2), 64, rotary_dim=48, layout=layout)
     rope = cuda_rope_of(cfg, 3, 7, precision)
     cpu = make_rope(cfg, 3, 7, precision=precision)
     if not cpu.op.uses_fused:
@@ -234,7 +207,7 @@ def test_every_vector_width_gives_the_same_bits(
     """Q and K (or the upstream gradients of backward) ``shift`` elements past an aligned
     address: each width down to one element is taken (and checked aligned by the emulator),
     forward and inverse, all with the bits of the aligned call."""
-    cfg = config_of((4, 2), 128, layout=layout)
+    cfg = rope_config((4, 2), 128, layout=layout)
     batch, tokens = 2, 3
     rope = cuda_rope_of(cfg, batch, tokens, precision, mode=TRAINING)
     q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
@@ -297,7 +270,7 @@ def test_views_of_a_fused_qkv_buffer(
     hq, hk = heads
     d = head_dim
     before, gap, after = FUSED[fused]
-    cfg = config_of(heads, d, rotary_dim=rotary_dim, layout=layout)
+    cfg = rope_config(heads, d, rotary_dim=rotary_dim, layout=layout)
     batch, tokens = 2, 5
     rope = cuda_rope_of(cfg, batch, tokens, precision)
     cpu = make_rope(cfg, batch, tokens, precision=precision)
@@ -334,7 +307,7 @@ def test_views_of_a_fused_qkv_buffer(
 
 def test_a_batch_slice_and_a_token_slice(cuda: None, rng) -> None:
     """Views along B and T (strides of the larger buffer): only the slice is rotated."""
-    cfg = config_of((4, 2), 16)
+    cfg = rope_config((4, 2), 16)
     rope = cuda_rope_of(cfg, 3, 8)
     cpu = make_rope(cfg, 3, 8)
     q_big, k_big = random_qk(rng, cfg, 4, 10)
@@ -358,7 +331,7 @@ def test_a_batch_slice_and_a_token_slice(cuda: None, rng) -> None:
 def test_decode_per_sequence_positions_and_at_one_position(
     cuda: None, layout: str, precision: Precision, rng
 ) -> None:
-    cfg = config_of((5, 1), 12, layout=layout, max_seq_len=64)
+    cfg = rope_config((5, 1), 12, layout=layout, max_seq_len=64)
     batch = 4
     rope = cuda_rope_of(cfg, batch, 64, precision)
     cpu = make_rope(cfg, batch, 64, precision=precision)
@@ -397,7 +370,7 @@ def test_decode_per_sequence_positions_and_at_one_position(
 def test_rotate_at_explicit_positions(
     cuda: None, layout: str, precision: Precision, make_positions, rng
 ) -> None:
-    cfg = config_of((6, 2), 16, rotary_dim=12, layout=layout)
+    cfg = rope_config((6, 2), 16, rotary_dim=12, layout=layout)
     batch, tokens = 3, 5
     rope = cuda_rope_of(cfg, batch, tokens, precision)
     cpu = make_rope(cfg, batch, tokens, precision=precision)
@@ -428,7 +401,7 @@ def test_backward_is_the_inverse_rotation_into_the_gradient_buffers(
     build); the upstream gradients contiguous, or views of a fused dQKV buffer one element past
     an aligned address (other strides than the outputs', element-by-element accesses)."""
     hq, hk, d = 3, 1, 12
-    cfg = config_of((hq, hk), d, rotary_dim=rotary_dim, layout=layout)
+    cfg = rope_config((hq, hk), d, rotary_dim=rotary_dim, layout=layout)
     batch, tokens = 2, 6
     rope = cuda_rope_of(cfg, batch + 1, tokens + 2, precision, mode=TRAINING)
     cpu = make_rope(cfg, batch, tokens, precision=precision, mode=TRAINING)
@@ -464,7 +437,7 @@ def test_backward_is_the_inverse_rotation_into_the_gradient_buffers(
 
 
 def test_forward_then_backward_returns_the_input(cuda: None, rng) -> None:
-    cfg = config_of((4, 2), 32, layout="interleaved")
+    cfg = rope_config((4, 2), 32, layout="interleaved")
     rope = cuda_rope_of(cfg, 2, 9, mode=TRAINING)
     q0, k0 = random_qk(rng, cfg, 2, 9)
     q, k = q0.copy(), k0.copy()
@@ -516,7 +489,7 @@ def test_scaling_types(
     uploaded positions (or offset 0)."""
     head_dim, max_seq = 16, 4096
     n = (rotary_dim or head_dim) // 2
-    cfg = config_of(
+    cfg = rope_config(
         (3, 1),
         head_dim,
         rotary_dim=rotary_dim,
@@ -553,7 +526,7 @@ def test_scaling_types(
 
 
 def test_bad_calls_raise_before_any_launch(cuda: None, rng) -> None:
-    cfg = config_of((4, 2), 16, max_seq_len=64)
+    cfg = rope_config((4, 2), 16, max_seq_len=64)
     rope = cuda_rope_of(cfg, 2, 8, mode=TRAINING)
     q0, k0 = random_qk(rng, cfg, 2, 8)
     q, k = q0.copy(), k0.copy()
@@ -580,7 +553,7 @@ def test_bad_calls_raise_before_any_launch(cuda: None, rng) -> None:
 def test_arrays_off_whole_elements_are_refused(cuda: None, rng) -> None:
     """A float32 Q two bytes past an aligned address: no access width is aligned, so the op
     raises instead of launching (a misaligned load would trap on the GPU)."""
-    cfg = config_of((2, 1), 8)
+    cfg = rope_config((2, 1), 8)
     rope = cuda_rope_of(cfg, 1, 3)
     q0, k0 = random_qk(rng, cfg, 1, 3)
     raw = aligned_empty(q0.nbytes + 2, np.uint8)
@@ -599,7 +572,7 @@ def test_arrays_off_whole_elements_are_refused(cuda: None, rng) -> None:
 def test_the_emulator_traps_what_the_gpu_would(cuda: None, monkeypatch, rng) -> None:
     """Misaligned vector accesses, too many threads for ``__launch_bounds__``, too little
     dynamic shared memory, and a template instantiation NVRTC was not asked for all raise."""
-    cfg = config_of((4, 2), 64)
+    cfg = rope_config((4, 2), 64)
     rope = cuda_rope_of(cfg, 2, 3)
     q0, k0 = random_qk(rng, cfg, 2, 3)
     buf = aligned_empty(q0.size + 1, np.float32)

@@ -37,6 +37,7 @@ from rope_helpers import (
     make_rope,
     random_qk,
     reference,
+    rope_config,
 )
 
 from mila_py import BuildContext, Precision, RuntimeMode
@@ -136,19 +137,6 @@ def cuda_rope_of(
     return rope
 
 
-def config_of(
-    heads: tuple[int, int] = (3, 1),
-    *,
-    head_dim: int = HEAD_DIM,
-    max_seq_len: int = 2048,
-    **kwargs: Any,
-) -> RopeConfig:
-    hq, hk = heads
-    return RopeConfig(
-        channels=hq * head_dim, n_heads=hq, n_kv_heads=hk, max_seq_len=max_seq_len, **kwargs
-    )
-
-
 def assert_parity(actual: np.ndarray, expected: np.ndarray, precision: Precision) -> None:
     rtol, atol = PARITY[precision]
     np.testing.assert_allclose(f64(actual), f64(expected), rtol=rtol, atol=atol)
@@ -187,7 +175,7 @@ def test_every_kernel_instantiation_compiles_and_is_cached(precision: Precision)
 def test_forward_and_prefill_match_reference_and_cpu(
     heads: tuple[int, int], rotary_dim: int, layout: str, precision: Precision, rng
 ) -> None:
-    cfg = config_of(heads, rotary_dim=rotary_dim, layout=layout)
+    cfg = rope_config(heads, rotary_dim=rotary_dim, layout=layout)
     batch, tokens = 2, 6
     rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
     cpu = make_rope(cfg, batch, tokens, precision=precision)
@@ -218,7 +206,7 @@ def test_forward_and_prefill_match_reference_and_cpu(
 def test_llama_head_dim_takes_16_byte_accesses(
     heads: tuple[int, int], layout: str, rotary_dim: int, precision: Precision, rng
 ) -> None:
-    cfg = config_of(heads, head_dim=128, max_seq_len=4096, layout=layout, rotary_dim=rotary_dim)
+    cfg = rope_config(heads, head_dim=128, max_seq_len=4096, layout=layout, rotary_dim=rotary_dim)
     batch, tokens = 2, 33
     rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
     q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
@@ -234,7 +222,7 @@ def test_llama_head_dim_takes_16_byte_accesses(
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_large_calls(precision: Precision, layout: str, rng) -> None:
     """Many blocks (one per token) and a grid well past one wave of the GPU."""
-    cfg = config_of((8, 2), head_dim=64, max_seq_len=8192, layout=layout)
+    cfg = rope_config((8, 2), head_dim=64, max_seq_len=8192, layout=layout)
     batch, tokens = 3, 2000
     rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
     q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
@@ -349,7 +337,7 @@ def test_scaling_types_far_from_zero(
 def test_prefill_in_chunks_equals_one_call(
     layout: str, precision: Precision, start: int, rng
 ) -> None:
-    cfg = config_of((4, 1), layout=layout, rotary_dim=8)
+    cfg = rope_config((4, 1), layout=layout, rotary_dim=8)
     batch, tokens = 2, 20
     rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
     q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
@@ -365,7 +353,7 @@ def test_prefill_in_chunks_equals_one_call(
 @pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_decode_at_each_position_equals_forward(layout: str, precision: Precision, rng) -> None:
-    cfg = config_of((3, 3), layout=layout, max_seq_len=64)
+    cfg = rope_config((3, 3), layout=layout, max_seq_len=64)
     batch, tokens = 2, 64
     rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
     q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
@@ -381,7 +369,7 @@ def test_decode_at_each_position_equals_forward(layout: str, precision: Precisio
 
 @pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
 def test_decode_per_sequence_positions(precision: Precision, rng) -> None:
-    cfg = config_of((4, 1))
+    cfg = rope_config((4, 1))
     batch = 4
     rope = cuda_rope_of(cfg, batch, 8, precision=precision)
     positions = np.array([3, 1500, 2047, 0])
@@ -420,7 +408,7 @@ def test_decode_per_sequence_positions(precision: Precision, rng) -> None:
 @pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_rotate_explicit_positions(layout: str, precision: Precision, make_positions, rng) -> None:
-    cfg = config_of((5, 1), layout=layout)
+    cfg = rope_config((5, 1), layout=layout)
     batch, tokens = 3, 5
     rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
     positions = make_positions(rng, batch, tokens)
@@ -435,7 +423,7 @@ def test_rotate_explicit_positions(layout: str, precision: Precision, make_posit
 
 @pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
 def test_smaller_calls_than_the_build(precision: Precision, rng) -> None:
-    cfg = config_of((4, 2))
+    cfg = rope_config((4, 2))
     rope = cuda_rope_of(cfg, 4, 16, precision=precision)
     for batch, tokens in ((1, 1), (4, 3), (2, 16)):
         q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
@@ -458,7 +446,7 @@ def test_fused_qkv_views_rotate_through_the_view(
 ) -> None:
     hq, hk = heads
     d = head_dim
-    cfg = config_of(heads, head_dim=d, layout=layout, rotary_dim=8)
+    cfg = rope_config(heads, head_dim=d, layout=layout, rotary_dim=8)
     batch, tokens = 2, 5
     rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
     qkv0 = rng.standard_normal((batch, tokens, (hq + 2 * hk) * d)).astype(dtype_of(precision))
@@ -493,7 +481,7 @@ def test_odd_alignments_take_narrower_accesses(
 ) -> None:
     """Q and K starting a few elements past an aligned address: correct, with narrower accesses
     (a one-element shift forces the element-by-element kernel)."""
-    cfg = config_of((4, 2), head_dim=128, layout=layout)
+    cfg = rope_config((4, 2), head_dim=128, layout=layout)
     batch, tokens = 2, 9
     rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
     cpu = make_rope(cfg, batch, tokens, precision=precision)
@@ -523,7 +511,7 @@ def test_odd_alignments_take_narrower_accesses(
 @pytest.mark.parametrize("precision", PRECISIONS, ids=str)
 def test_vector_width_choice(precision: Precision) -> None:
     widest = 16 // precision.itemsize
-    rope = Rope("r", config_of((4, 2), head_dim=128), device=DEVICE, precision=precision)
+    rope = Rope("r", rope_config((4, 2), head_dim=128), device=DEVICE, precision=precision)
     rope.build(BuildContext((2, 8, 512), INFERENCE))
     dt = cupy.uint16 if precision.itemsize == 2 else cupy.float32  # only addresses matter here
     q, k = cupy.zeros((2, 8, 512), dt), cupy.zeros((2, 8, 256), dt)
@@ -533,7 +521,7 @@ def test_vector_width_choice(precision: Precision) -> None:
     assert rope.op.vector_width(wide[:, :1, :512], k[:, :1]) == widest  # T == 1: no T stride
     assert rope.op.vector_width(wide[:1, :1, :512], k[:1, :1]) == widest
     assert rope.op.vector_width(wide[:1, :, :512], k[:1]) == 1
-    small = Rope("s", config_of((3, 1), head_dim=12), device=DEVICE, precision=precision)
+    small = Rope("s", rope_config((3, 1), head_dim=12), device=DEVICE, precision=precision)
     small.build(BuildContext((1, 1, 36), INFERENCE))
     q, k = cupy.zeros((1, 1, 36), dt), cupy.zeros((1, 1, 12), dt)
     # n_freq = 6 pairs, head_dim = 12: 2-element accesses divide both, 4 do not
@@ -541,7 +529,7 @@ def test_vector_width_choice(precision: Precision) -> None:
 
 
 def test_non_contiguous_last_axis_is_refused_before_launch(rng) -> None:
-    cfg = config_of((2, 1), head_dim=8)
+    cfg = rope_config((2, 1), head_dim=8)
     rope = cuda_rope_of(cfg, 2, 3)
     q0, k0 = random_qk(rng, cfg, 2, 3)
     q = cupy.asfortranarray(up(q0))
@@ -561,7 +549,7 @@ def test_non_contiguous_last_axis_is_refused_before_launch(rng) -> None:
 def test_backward_matches_reference(
     heads: tuple[int, int], rotary_dim: int, layout: str, precision: Precision, rng
 ) -> None:
-    cfg = config_of(heads, rotary_dim=rotary_dim, layout=layout)
+    cfg = rope_config(heads, rotary_dim=rotary_dim, layout=layout)
     batch, tokens = 2, 6
     rope = cuda_rope_of(cfg, batch, tokens, mode=TRAINING, precision=precision)
     dq0, dk0 = random_qk(rng, cfg, batch, tokens, precision)
@@ -589,7 +577,7 @@ def test_backward_matches_reference(
 
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_forward_after_backward_is_identity(layout: str, rng) -> None:
-    cfg = config_of((3, 1), layout=layout, rotary_dim=8)
+    cfg = rope_config((3, 1), layout=layout, rotary_dim=8)
     batch, tokens = 2, 5
     rope = cuda_rope_of(cfg, batch, tokens, mode=TRAINING)
     dq0, dk0 = random_qk(rng, cfg, batch, tokens)
@@ -613,7 +601,7 @@ def test_forward_after_backward_is_identity(layout: str, rng) -> None:
 
 @pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
 def test_backward_parity_with_cpu(precision: Precision, rng) -> None:
-    cfg = config_of((4, 2), head_dim=64, layout="interleaved", rotary_dim=32)
+    cfg = rope_config((4, 2), head_dim=64, layout="interleaved", rotary_dim=32)
     batch, tokens = 3, 7
     rope = cuda_rope_of(cfg, batch, tokens, mode=TRAINING, precision=precision)
     cpu = make_rope(cfg, batch, tokens, mode=TRAINING, precision=precision)
@@ -644,7 +632,7 @@ def test_backward_parity_with_cpu(precision: Precision, rng) -> None:
 def test_positions_past_the_table_raise_and_leave_qk_untouched(
     precision: Precision, call, rng
 ) -> None:
-    cfg = config_of((3, 1), head_dim=8, max_seq_len=64)
+    cfg = rope_config((3, 1), head_dim=8, max_seq_len=64)
     rope = cuda_rope_of(cfg, 2, 4, mode=TRAINING, precision=precision)
     q0, k0 = random_qk(rng, cfg, 2, 4, precision)
     q, k = up(q0), up(k0)
@@ -656,7 +644,7 @@ def test_positions_past_the_table_raise_and_leave_qk_untouched(
 
 
 def test_the_op_itself_refuses_positions_past_the_table(rng) -> None:
-    cfg = config_of((3, 1), head_dim=8, max_seq_len=64)
+    cfg = rope_config((3, 1), head_dim=8, max_seq_len=64)
     rope = cuda_rope_of(cfg, 2, 4)
     q0, k0 = random_qk(rng, cfg, 2, 4)
     q, k = up(q0), up(k0)
@@ -666,7 +654,7 @@ def test_the_op_itself_refuses_positions_past_the_table(rng) -> None:
 
 
 def test_host_arrays_are_refused_with_the_device_in_the_message(rng) -> None:
-    cfg = config_of((3, 1), head_dim=8)
+    cfg = rope_config((3, 1), head_dim=8)
     rope = cuda_rope_of(cfg, 2, 4)
     q, k = random_qk(rng, cfg, 2, 4)
     with pytest.raises(TypeError, match="CUDA:0"):
@@ -684,7 +672,7 @@ def test_host_arrays_are_refused_with_the_device_in_the_message(rng) -> None:
 )
 @pytest.mark.parametrize("shape", [(0, 4), (2, 0)], ids=["B0", "T0"])
 def test_empty_calls_are_no_ops(shape, call) -> None:
-    cfg = config_of((3, 1))
+    cfg = rope_config((3, 1))
     rope = cuda_rope_of(cfg, 2, 4, mode=TRAINING)
     q = cupy.zeros((*shape, cfg.channels), cupy.float32)
     k = cupy.zeros((*shape, cfg.kv_channels), cupy.float32)
@@ -696,9 +684,9 @@ def test_empty_calls_are_no_ops(shape, call) -> None:
 
 
 def test_shared_table_per_configuration_and_device() -> None:
-    cfg = config_of((4, 2), head_dim=64, max_seq_len=3000)
+    cfg = rope_config((4, 2), head_dim=64, max_seq_len=3000)
     a = cuda_rope_of(cfg, 1, 1, name="a")
-    b = cuda_rope_of(config_of((8, 8), head_dim=64, max_seq_len=3000), 1, 1, name="b")
+    b = cuda_rope_of(rope_config((8, 8), head_dim=64, max_seq_len=3000), 1, 1, name="b")
     assert a.table is b.table  # head counts do not matter to the table
     assert get_rope(cfg, DEVICE) is a.table
     assert get_rope(cfg, DeviceId.parse("cuda:0")) is a.table
@@ -717,7 +705,7 @@ def test_memory_stats_equal_the_pool_delta_of_the_build(precision: Precision) ->
 
     Every size is a multiple of the pool's 512-byte rounding, so the two must agree to the byte.
     """
-    cfg = config_of((4, 2), head_dim=64, max_seq_len=1536, base=12345.0)
+    cfg = rope_config((4, 2), head_dim=64, max_seq_len=1536, base=12345.0)
     clear_rope_cache()
     shared_context(DeviceId.parse(DEVICE))  # exists before the measurement (it allocates nothing)
     pool = cupy.get_default_memory_pool()
@@ -752,7 +740,7 @@ def test_memory_stats_equal_the_pool_delta_of_the_build(precision: Precision) ->
 
 def test_user_code_on_the_default_stream_needs_no_synchronize(rng) -> None:
     """The context's stream is ordered with the legacy default stream both ways."""
-    cfg = config_of((8, 2), head_dim=128, max_seq_len=8192)
+    cfg = rope_config((8, 2), head_dim=128, max_seq_len=8192)
     batch, tokens = 4, 2048
     rope = cuda_rope_of(cfg, batch, tokens)
     q0, k0 = random_qk(rng, cfg, batch, tokens)
@@ -794,7 +782,7 @@ class _DLPackOnly:
 
 @pytest.mark.parametrize("wrap", [_CudaArrayInterfaceOnly, _DLPackOnly], ids=["cai", "dlpack"])
 def test_as_device_array_views_foreign_arrays_without_a_copy(wrap, rng) -> None:
-    cfg = config_of((4, 2), head_dim=64)
+    cfg = rope_config((4, 2), head_dim=64)
     rope = cuda_rope_of(cfg, 2, 3)
     ctx = rope.execution_context
     q0, k0 = random_qk(rng, cfg, 2, 3)
@@ -814,7 +802,7 @@ def test_as_device_array_views_foreign_arrays_without_a_copy(wrap, rng) -> None:
 @pytest.mark.skipif(not COMPONENT_ADOPTS, reason=NO_ADOPT_REASON)
 @pytest.mark.parametrize("wrap", [_CudaArrayInterfaceOnly, _DLPackOnly], ids=["cai", "dlpack"])
 def test_rope_component_takes_foreign_arrays_directly(wrap, rng) -> None:
-    cfg = config_of((4, 2), head_dim=64)
+    cfg = rope_config((4, 2), head_dim=64)
     batch, tokens = 2, 5
     rope = cuda_rope_of(cfg, batch, tokens, mode=TRAINING)
     q0, k0 = random_qk(rng, cfg, batch, tokens)
@@ -863,7 +851,7 @@ TORCH_DTYPES = {FP32: "float32", FP16: "float16", BF16: "bfloat16"}
 def test_torch_tensors_are_rotated_in_place_through_dlpack(precision: Precision, rng) -> None:
     torch = _torch_cuda()
     _torch_precision_ok(precision)
-    cfg = config_of((32, 8), head_dim=128, max_seq_len=4096)
+    cfg = rope_config((32, 8), head_dim=128, max_seq_len=4096)
     batch, tokens = 2, 16
     rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
     ctx = rope.execution_context
@@ -885,7 +873,7 @@ def test_torch_side_stream_is_ordered_both_ways(rng) -> None:
     """Tensors produced on a torch side stream: the kernel waits for them, and torch's later
     work on that stream waits for the kernel (release_foreign), with no host synchronization."""
     torch = _torch_cuda()
-    cfg = config_of((8, 2), head_dim=128, max_seq_len=8192)
+    cfg = rope_config((8, 2), head_dim=128, max_seq_len=8192)
     batch, tokens = 4, 2048
     rope = cuda_rope_of(cfg, batch, tokens)
     ctx = rope.execution_context
@@ -908,7 +896,7 @@ def test_torch_side_stream_is_ordered_both_ways(rng) -> None:
 def test_torch_fused_qkv_view_through_the_cuda_array_interface(rng) -> None:
     torch = _torch_cuda()
     hq, hk, d = 4, 2, 64
-    cfg = config_of((hq, hk), head_dim=d)
+    cfg = rope_config((hq, hk), head_dim=d)
     rope = cuda_rope_of(cfg, 2, 5)
     ctx = rope.execution_context
     qkv = torch.randn(2, 5, (hq + 2 * hk) * d, device="cuda")
@@ -934,7 +922,7 @@ def test_torch_fused_qkv_view_through_the_cuda_array_interface(rng) -> None:
 def test_rope_component_takes_torch_tensors_directly(precision: Precision, rng) -> None:
     torch = _torch_cuda()
     _torch_precision_ok(precision)
-    cfg = config_of((4, 2), head_dim=64)
+    cfg = rope_config((4, 2), head_dim=64)
     rope = cuda_rope_of(cfg, 2, 5, mode=TRAINING, precision=precision)
     dtype = getattr(torch, TORCH_DTYPES[precision])
     tq = torch.randn(2, 5, cfg.channels, device="cuda").to(dtype)

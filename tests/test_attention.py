@@ -187,6 +187,20 @@ def test_visible_keys_per_sequence_equal_the_naive_loop(kernels: str) -> None:
 
 
 @needs_numba
+def test_decode_over_key_rows_that_are_not_dense_takes_the_general_path() -> None:
+    rng = np.random.default_rng(16)
+    hq, hk, d = 4, 2, 8
+    kv = rng.standard_normal((2, 7, 3 * hk * d))  # keys and values side by side, plus padding
+    k, v = kv[..., : hk * d], kv[..., hk * d : 2 * hk * d]  # rows with a gap between them
+    q = rng.standard_normal((2, 1, hq * d))
+    out = np.full_like(q, np.nan)
+    CpuAttentionOp(None, None, None).forward(q, k, v, hq, hk, 0.4, out=out, causal=False)  # type: ignore[arg-type]
+    np.testing.assert_allclose(
+        out, naive_attention(q, k, v, hq, hk, 0.4, 6), rtol=1e-12, atol=1e-12
+    )
+
+
+@needs_numba
 def test_the_decode_fast_path_leaves_positional_options_to_the_general_path() -> None:
     rng = np.random.default_rng(15)
     q = rng.standard_normal((1, 1, 8)).astype(np.float32)

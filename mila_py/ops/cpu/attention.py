@@ -195,8 +195,7 @@ def _decode(
         return None
     if any(options.get(name) is not None for name in ("bias", "probs", "softmax")):
         return None
-    dense = all(x[b].flags.c_contiguous for x in (k, v) for b in range(k.shape[0]))
-    if not dense or not all(out[b, 0].flags.c_contiguous for b in range(out.shape[0])):
+    if not (_dense_rows(k) and _dense_rows(v) and _dense_rows(out)):
         return None
     n_tk = k.shape[1]
     visible = options.get("visible")
@@ -204,3 +203,9 @@ def _decode(
         seen = min(options.get("q_offset", 0) + 1, n_tk) if options.get("causal", True) else n_tk
         visible = [seen] * q.shape[0]
     return _fused_attention.decode_attention(q, k, v, visible, n_heads, n_kv_heads, scale, out)
+
+
+def _dense_rows(x: np.ndarray) -> bool:
+    """Whether every ``x[b]`` of ``x [B, T, C]`` is C-contiguous (the batch stride is free)."""
+    item = x.itemsize
+    return x.strides[2] == item and (x.shape[1] <= 1 or x.strides[1] == x.shape[2] * item)

@@ -67,9 +67,10 @@ def make_rope(
     precision: Precision = FP32,
     backend: str | None = None,
     name: str = "rope",
+    device: str = "CPU",
 ) -> Rope:
-    """A standalone CPU Rope built for ``[batch, tokens, channels]``."""
-    rope = Rope(name, config, device="CPU", precision=precision)
+    """A standalone Rope built for ``[batch, tokens, channels]`` (on the CPU by default)."""
+    rope = Rope(name, config, device=device, precision=precision)
     if backend is not None:
         rope.op.backend = backend
     rope.build(BuildContext((batch, tokens, config.channels), mode))

@@ -43,7 +43,7 @@ from rope_helpers import (
     rope_config,
 )
 
-from mila_py import BuildContext, Precision, RuntimeMode
+from mila_py import Precision, RuntimeMode
 from mila_py.components import Rope, RopeConfig
 from mila_py.ops.cuda import _kernels
 from mila_py.ops.cuda import rope as cuda_rope
@@ -77,8 +77,7 @@ def cuda_rope_of(
     precision: Precision = FP32,
     mode: RuntimeMode = INFERENCE,
 ) -> Rope:
-    rope = Rope("rope", config, device=DEVICE, precision=precision)
-    rope.build(BuildContext((batch, tokens, config.channels), mode))
+    rope = make_rope(config, batch, tokens, mode=mode, precision=precision, device=DEVICE)
     assert isinstance(rope.op, CudaRopeOp)
     assert isinstance(rope.execution_context, EmulatedContext)
     return rope

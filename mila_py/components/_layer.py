@@ -24,6 +24,9 @@ __all__ = ["INIT_STD", "Layer", "is_int"]
 #: standard deviation of the normal initialization (Hugging Face ``initializer_range``)
 INIT_STD = 0.02
 
+#: views of owned buffers a layer keeps (see :meth:`Layer._view`)
+_MAX_VIEWS = 64
+
 
 def is_int(value: Any) -> bool:
     """True for ints (and NumPy integers), False for bools."""
@@ -70,6 +73,8 @@ class Layer(Component):
         self._max_lead: tuple[int, ...] = ()
         #: what the last forward of a TRAINING build kept for backward (None before any)
         self._saved: Any = None
+        #: ``(state key, shape) -> (buffer, view)``, see :meth:`_view`
+        self._views: dict[tuple[str, tuple[int, ...]], tuple[Any, Any]] = {}
 
     # ------------------------------------------------------------------ lifecycle hooks
     def _on_execution_context_set(self) -> None:
@@ -109,9 +114,20 @@ class Layer(Component):
         return shape[:-1]
 
     def _view(self, key: str, shape: tuple[int, ...]) -> Any:
-        """The first ``prod(shape)`` elements of the state buffer ``key`` as a ``shape`` view."""
+        """The first ``prod(shape)`` elements of the state buffer ``key`` as a ``shape`` view.
+
+        Views are kept per ``(key, shape)`` (decode asks for the same few hundreds of times per
+        token); an entry serves only while ``key`` still names the buffer it was cut from.
+        """
         buffer = self._state[key]
-        return buffer.reshape(-1)[: math.prod(shape)].reshape(shape)
+        entry = self._views.get((key, shape))
+        if entry is not None and entry[0] is buffer:
+            return entry[1]
+        view = buffer.reshape(-1)[: math.prod(shape)].reshape(shape)
+        if len(self._views) >= _MAX_VIEWS:  # many distinct call shapes: start over
+            self._views.clear()
+        self._views[(key, shape)] = (buffer, view)
+        return view
 
     def _require_built(self, what: str) -> None:
         if self._build_context is None:

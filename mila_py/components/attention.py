@@ -227,7 +227,7 @@ class GroupedQueryAttention(CompositeComponent):
                 out=out,
                 q_offset=position_offset,
             )
-            return self.o_proj.forward(out)
+            return self.o_proj._forward(out)  # its own buffer
         if position_offset:
             raise ValueError(f"{self._describe()}: TRAINING builds run from position 0")
         self.rope.forward(q, k)
@@ -237,7 +237,7 @@ class GroupedQueryAttention(CompositeComponent):
             q, k, v, cfg.n_heads, cfg.n_kv_heads, self.scale, out=out, probs=probs_buf
         )
         self._saved = (q, k, v, probs, out)
-        return self.o_proj.forward(out)
+        return self.o_proj._forward(out)  # its own buffer
 
     def decode(self, x: Any, positions: Any) -> Any:
         """One new token per sequence: ``x [B, 1, dim]`` at ``positions`` (int or ``[B]``).
@@ -292,7 +292,7 @@ class GroupedQueryAttention(CompositeComponent):
             causal=False,
             visible=visible,
         )
-        return self.o_proj.forward(out)
+        return self.o_proj._forward(out)  # its own buffer
 
     def backward(self, dy: Any) -> Any:
         """``dy [B, T, dim] -> dx [B, T, dim]``; accumulates every child's parameter gradients."""

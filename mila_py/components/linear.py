@@ -118,10 +118,15 @@ class Linear(Layer):
             RuntimeError: before build.
         """
         self._require_built("forward()")
-        lead = self._check_floats(x, "x", self.config.in_features)
-        y = self._view("output", (*lead, self.config.out_features))
+        self._check_floats(x, "x", self.config.in_features)
+        return self._forward(x)
+
+    def _forward(self, x: Any) -> Any:
+        """:meth:`forward` without the input checks, for a parent passing a buffer it owns (or
+        one it has checked): this device and dtype, ``[*lead, in_features]`` within the build."""
+        y = self._view("output", (*x.shape[:-1], self.config.out_features))
         self._op.forward(x, self._parameters["weight"], self._parameters.get("bias"), y)
-        if self.build_context.is_training:
+        if self._build_context.is_training:  # type: ignore[union-attr]
             self._saved = x
         return y
 

@@ -157,9 +157,10 @@ class LlamaBlock(CompositeComponent):
         xp = self.execution_context.xp
         n_b, n_t = x.shape[0], x.shape[1]
         h = self._state["hidden"][:n_b, :n_t]
-        xp.add(x, attend(self.input_layernorm.forward(x)), out=h)
+        xp.add(x, attend(self.input_layernorm.forward(x)), out=h)  # the one check of x
         out = self._state["output"][:n_b, :n_t]
-        xp.add(h, self.mlp.forward(self.post_attention_layernorm.forward(h)), out=out)
+        # h and the norm's output are this block's own buffers: the children skip their checks
+        xp.add(h, self.mlp._forward(self.post_attention_layernorm._forward(h)), out=out)
         return out
 
     def backward(self, dy: Any) -> Any:
@@ -277,9 +278,9 @@ class Llama(Network):
             return self._head(h)
 
     def _head(self, h: Any) -> Any:
-        h = self.norm.forward(h)
+        h = self.norm._forward(h)  # h: a block's output (or a contiguous copy of its last row)
         if self.lm_head is not None:
-            return self.lm_head.forward(h)
+            return self.lm_head._forward(h)
         self._hidden = h
         n_b, n_t = h.shape[0], h.shape[1]
         logits = self._state["logits"][:n_b, :n_t]

@@ -102,10 +102,16 @@ class RmsNorm(Layer):
             RuntimeError: before build.
         """
         self._require_built("forward()")
-        lead = self._check_floats(x, "x", self.config.dim)
-        y = self._view("output", tuple(x.shape))
-        self._op.forward(x, self._parameters["weight"], y, self._view("rstd", lead))
-        if self.build_context.is_training:
+        self._check_floats(x, "x", self.config.dim)
+        return self._forward(x)
+
+    def _forward(self, x: Any) -> Any:
+        """:meth:`forward` without the input checks, for a parent passing a buffer it owns (or
+        one it has checked): this device and dtype, ``[*lead, dim]`` within the build."""
+        shape = x.shape
+        y = self._view("output", shape)
+        self._op.forward(x, self._parameters["weight"], y, self._view("rstd", shape[:-1]))
+        if self._build_context.is_training:  # type: ignore[union-attr]
             self._saved = x
         return y
 

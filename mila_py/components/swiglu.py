@@ -116,14 +116,27 @@ class SwiGLU(Layer, CompositeComponent):
             RuntimeError: before build.
         """
         self._require_built("forward()")
-        lead = self._check_floats(x, "x", self.config.dim)
-        gate = self.gate_proj.forward(x)
-        up = self.up_proj.forward(x)
-        hidden = self._view("hidden", (*lead, self.config.hidden_dim))
+        self._check_floats(x, "x", self.config.dim)
+        xp = self.execution_context.xp
+        for proj in (self.gate_proj, self.up_proj):  # what the projections would refuse
+            if xp.may_share_memory(x, proj._state["output"]):
+                raise ValueError(
+                    f"{self._describe()}: x overlaps {proj.name}'s output buffer, which the call "
+                    "overwrites; pass a copy"
+                )
+        return self._forward(x)
+
+    def _forward(self, x: Any) -> Any:
+        """:meth:`forward` without the input checks, for a parent passing a buffer it owns (or
+        one it has checked): this device and dtype, ``[*lead, dim]`` within the build. The
+        projections get buffers this block checked or owns, so they skip their checks too."""
+        gate = self.gate_proj._forward(x)
+        up = self.up_proj._forward(x)
+        hidden = self._view("hidden", (*x.shape[:-1], self.config.hidden_dim))
         self._op.forward(gate, up, hidden)
-        if self.build_context.is_training:
+        if self._build_context.is_training:  # type: ignore[union-attr]
             self._saved = (x, gate, up)
-        return self.down_proj.forward(hidden)
+        return self.down_proj._forward(hidden)
 
     def backward(self, dy: Any) -> Any:
         """Accumulate the three weight gradients; return ``dx``.

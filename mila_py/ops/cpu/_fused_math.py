@@ -15,7 +15,8 @@ Numba's on-disk cache of a kernel is keyed on its own source file, not on the fi
 inlines: after editing this module, delete the ``*.nbi`` / ``*.nbc`` files in
 ``mila_py/ops/cpu/__pycache__`` (installed copies are rewritten whole, so they are not affected).
 
-Also: :func:`enabled`, the switch every fused op consults. Importing this module never fails:
+Also: :func:`backend_allows` / :func:`enabled`, the switch of the fused ops (see
+:class:`mila_py.ops.cpu._fused_op.FusedCpuOp`). Importing this module never fails:
 ``AVAILABLE`` says whether Numba is installed.
 """
 
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["AVAILABLE", "enabled", "exp_rows", "kernel_exp"]
+__all__ = ["AVAILABLE", "FUSED_DTYPES", "backend_allows", "enabled", "exp_rows", "kernel_exp"]
 
 numba: Any
 try:
@@ -40,13 +41,18 @@ except ImportError:  # the NumPy paths serve
 AVAILABLE = numba is not None
 
 
+#: the dtypes the fused kernels take
+FUSED_DTYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
+
+
+def backend_allows() -> bool:
+    """Numba is installed and ``MILA_PY_CPU_BACKEND`` (read now) is not ``numpy``."""
+    return AVAILABLE and os.environ.get("MILA_PY_CPU_BACKEND", "auto").lower() != "numpy"
+
+
 def enabled(dtype: Any) -> bool:
-    """Whether an op should call these kernels for arrays of ``dtype`` (float32/float64 only)."""
-    return (
-        AVAILABLE
-        and os.environ.get("MILA_PY_CPU_BACKEND", "auto").lower() != "numpy"
-        and np.dtype(dtype) in (np.float32, np.float64)
-    )
+    """Whether kernels may run now for arrays of ``dtype`` (float32/float64 only)."""
+    return backend_allows() and np.dtype(dtype) in FUSED_DTYPES
 
 
 def kernel_exp(x):

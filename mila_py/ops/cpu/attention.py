@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from mila_py.devices import DeviceType
-from mila_py.ops.cpu import _fused_attention, _fused_layers
-from mila_py.ops.operation import Operation
+from mila_py.ops.cpu import _fused_attention
+from mila_py.ops.cpu._fused_op import FusedCpuOp
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
@@ -158,12 +158,12 @@ def attention_backward(
 
 
 @register_op("AttentionOp", DeviceType.CPU, precisions=(Precision.FP32, Precision.FP64))
-class CpuAttentionOp(Operation):
+class CpuAttentionOp(FusedCpuOp):
     """NumPy causal GQA attention (see :func:`attention_forward` / :func:`attention_backward`);
     the softmax and its backward run as fused Numba kernels when they are available."""
 
     def forward(self, q: Any, *args: Any, **kwargs: Any) -> np.ndarray:
-        if _fused_layers.enabled(q.dtype):
+        if self.fuses(q.dtype):
             probs = _decode(q, *args, **kwargs)
             if probs is not None:
                 return probs
@@ -171,7 +171,7 @@ class CpuAttentionOp(Operation):
         return attention_forward(q, *args, **kwargs)
 
     def backward(self, dout: Any, *args: Any, **kwargs: Any) -> None:
-        if _fused_layers.enabled(dout.dtype):
+        if self.fuses(dout.dtype):
             kwargs.setdefault("softmax_backward", _fused_attention.softmax_backward_rows)
         attention_backward(dout, *args, **kwargs)
 

@@ -20,8 +20,8 @@ import numpy as np
 
 from mila_py.devices.device import DeviceType
 from mila_py.ops.cpu import _fused_layers
+from mila_py.ops.cpu._fused_op import FusedCpuOp
 from mila_py.ops.cpu._rows import as_rows, out_flat, out_rows, row_blocks
-from mila_py.ops.operation import Operation
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
@@ -88,12 +88,12 @@ def rms_norm_backward(
 
 
 @register_op("RmsNormOp", DeviceType.CPU, precisions=(Precision.FP32, Precision.FP64))
-class CpuRmsNormOp(Operation):
+class CpuRmsNormOp(FusedCpuOp):
     """RMS normalization (see :func:`rms_norm_forward`, :func:`rms_norm_backward`); the forward
     runs the fused Numba kernel of :mod:`._fused_layers` when it is available."""
 
     def forward(self, x: Any, weight: Any, out: Any, rstd: Any) -> None:
-        if _fused_layers.enabled(x.dtype):  # one pass (Numba), see _fused_layers
+        if self.fuses(x.dtype):  # one pass (Numba), see _fused_layers
             _fused_layers.rms_norm_rows(
                 as_rows(x), weight, self.config.eps, out_rows(out), out_flat(rstd)
             )

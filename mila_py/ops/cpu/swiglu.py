@@ -21,8 +21,8 @@ import numpy as np
 
 from mila_py.devices.device import DeviceType
 from mila_py.ops.cpu import _fused_layers
+from mila_py.ops.cpu._fused_op import FusedCpuOp
 from mila_py.ops.cpu._rows import as_rows, out_rows, row_blocks
-from mila_py.ops.operation import Operation
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
@@ -86,19 +86,19 @@ def swiglu_backward(
 
 
 @register_op("SwiGLUOp", DeviceType.CPU, precisions=(Precision.FP32, Precision.FP64))
-class CpuSwiGLUOp(Operation):
+class CpuSwiGLUOp(FusedCpuOp):
     """``silu(g) * u`` (see :func:`swiglu_forward`, :func:`swiglu_backward`); forward and
     backward run the fused Numba kernels of :mod:`._fused_layers` when they are available."""
 
     def forward(self, gate: Any, up: Any, out: Any) -> None:
-        if _fused_layers.enabled(gate.dtype):
+        if self.fuses(gate.dtype):
             _fused_layers.swiglu_rows(as_rows(gate), as_rows(up), out_rows(out))
         else:
             swiglu_forward(gate, up, out)
 
     def backward(self, gate: Any, up: Any, dh: Any, dgate: Any, dup: Any) -> None:
         overlaps = dgate is not dh and any(np.may_share_memory(dgate, a) for a in (gate, up))
-        if overlaps or not _fused_layers.enabled(gate.dtype):
+        if overlaps or not self.fuses(gate.dtype):
             # the kernel copies dh into dgate first, which must not clobber its inputs
             swiglu_backward(gate, up, dh, dgate, dup)
             return

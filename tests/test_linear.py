@@ -296,3 +296,22 @@ def test_inference_builds_store_the_weight_transposed_with_the_same_values(rng) 
     serve.weight[...] = new  # loading writes through the view
     np.testing.assert_array_equal(serve.weight, new)
     assert serve.get_memory_stats().device_parameter_bytes == new.nbytes + OUT * 4
+
+
+def test_call_shapes_in_any_order_reuse_correct_views_of_the_output_buffer(rng) -> None:
+    """Views of the output buffer are kept per call shape (decode asks for the same one per
+    token): shapes in any order, many more than are kept, and a replaced buffer all give the
+    right result in the right memory."""
+    lin = make(False)
+    leads = [(1, 1), (B, T), (1, 3), (1, 1), (B, 1)] + [(1, t) for t in range(1, T + 1)] * 20
+    for lead in leads:
+        x = rng.standard_normal((*lead, IN)).astype(np.float32)
+        y = lin.forward(x)
+        assert y.shape == (*lead, OUT)
+        assert np.shares_memory(y, lin._state["output"])
+        np.testing.assert_allclose(y, reference(x, lin.weight, None), rtol=RTOL32, atol=ATOL32)
+    assert len(lin._views) <= 64
+    fresh = np.zeros_like(lin._state["output"])
+    lin._state["output"] = fresh  # a buffer swapped under a kept view: the view is not reused
+    y = lin.forward(np.ones((1, 1, IN), np.float32))
+    assert np.shares_memory(y, fresh)

@@ -144,6 +144,17 @@ def test_positions_outside_the_context_are_refused(weights: str) -> None:
         training.decode(np.array([1]), 3)
 
 
+def test_attention_decode_takes_one_token_per_sequence(weights: str) -> None:
+    model = make(weights, RuntimeMode.INFERENCE, (1, 8))
+    model.prefill(tokens(1, 3))
+    attn = model.layers[0].self_attn
+    cache = attn._state["k_cache"].copy()
+    x = np.ones((1, 2, CFG.dim), np.float32)
+    with pytest.raises(ValueError, match=r"decode takes x \[B, 1, dim\]"):
+        attn.decode(x, 3)
+    np.testing.assert_array_equal(attn._state["k_cache"], cache)  # nothing written
+
+
 def test_prefill_at_an_offset_continues_and_rewinds_the_conversation(weights: str) -> None:
     x = tokens(2, 26, seed=6)
     full = reference_logits(weights, x)

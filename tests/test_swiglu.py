@@ -279,3 +279,22 @@ def test_inside_a_network(rng) -> None:
     x = rng.standard_normal((B, T, D)).astype(np.float32)
     np.testing.assert_allclose(mlp.forward(x), reference(x, weights(mlp)), rtol=RTOL32, atol=ATOL32)
     assert [n for n, _ in net.named_parameters()] == [f"mlp.{n}" for n in NAMES]
+
+
+def test_input_in_a_projection_output_buffer_is_refused(rng) -> None:
+    """The projections run unchecked inside the block, so the block refuses an ``x`` that lies
+    in the buffer gate_proj or up_proj writes (it would be overwritten while still needed)."""
+    mlp = make()
+    x = rng.standard_normal((B, T, D)).astype(np.float32)
+    mlp.forward(x)
+    for proj in (mlp.gate_proj, mlp.up_proj):
+        inside = proj._state["output"].reshape(-1)[: B * T * D].reshape(B, T, D)
+        inside[...] = x
+        saved = snapshot(mlp)
+        with pytest.raises(ValueError, match=f"overlaps {proj.name}"):
+            mlp.forward(inside)
+        assert_unchanged(mlp, saved)
+    y = mlp.forward(x)  # the chained case stays allowed: the block's own output as its input
+    np.testing.assert_allclose(
+        mlp.forward(y), reference(y.copy(), weights(mlp)), rtol=RTOL32, atol=ATOL32
+    )

@@ -260,10 +260,15 @@ class GroupedQueryAttention(CompositeComponent):
                 f"{self._describe()}: decode positions must be in [0, {self.context_length}), "
                 f"got {lowest}..{highest}"
             )
-        qkv = self.qkv_proj.forward(x)
+        qkv = self.qkv_proj.forward(x)  # checks x
+        if x.shape[1] != 1:
+            raise ValueError(f"{self._describe()}: decode takes x [B, 1, dim], got {x.shape}")
         q, k, v = self._split_qkv(qkv)
         uniform = lowest == highest
-        self.rope.decode(q, k, lowest if uniform else pos)
+        if uniform:  # checked above: 0 <= lowest < context_length <= max_seq_len
+            self.rope._decode_at(q, k, lowest)
+        else:
+            self.rope.decode(q, k, pos)
         k_cache = self._state["k_cache"][:n_b]
         v_cache = self._state["v_cache"][:n_b]
         if uniform:  # one position for all: every cached key up to it is visible, no mask

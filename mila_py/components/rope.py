@@ -160,6 +160,11 @@ class Rope(Component):
         positions = self._check_positions(position, (q.shape[0],), "position")
         self._apply_positions(q, k, positions.reshape(-1, 1))
 
+    def _decode_at(self, q: Any, k: Any, position: int) -> None:
+        """:meth:`decode` at one int position, for a parent that checked what it passes: ``q``
+        and ``k`` ``[B, 1, width]`` of this device and dtype, ``0 <= position < max_seq_len``."""
+        self._op.apply(q, k, offset=position, seq_len=position + 1)
+
     def rotate(self, q: Any, k: Any, positions: Any) -> None:
         """Rotate Q and K in place at explicit positions (packed or ragged batches).
 

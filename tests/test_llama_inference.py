@@ -187,3 +187,57 @@ def test_reset_zeroes_every_cache(weights: str) -> None:
     training = make(weights, RuntimeMode.TRAINING, (1, 8))
     with pytest.raises(RuntimeError, match="INFERENCE"):
         training.reset()
+
+
+DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 12}
+
+
+@pytest.mark.parametrize("backend", ["auto", "numpy"])
+@pytest.mark.parametrize("scaling", ["llama3", "dynamic"])
+def test_decode_plan_equals_the_component_path(
+    weights: str, backend: str, scaling: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An int position runs the CPU decode plan; per-sequence positions run the components.
+    Both see the same prompt and tokens. "dynamic" recomputes RoPE rows past its original
+    context (no table covers them); halfway, one layer's RoPE backend switches under the plan."""
+    monkeypatch.setenv("MILA_PY_CPU_BACKEND", backend)  # read when the ops are created
+    import dataclasses
+
+    cfg = CFG if scaling == "llama3" else dataclasses.replace(CFG, rope_scaling=DYNAMIC)
+    models = []
+    for _ in range(2):
+        model = Llama("llama", cfg, device="CPU")
+        model.build(BuildContext((2, 32), RuntimeMode.INFERENCE, prefill_size=4))
+        model.load(weights)
+        models.append(model)
+    planned, components = models
+    x = tokens(2, 24, seed=7)
+    for model in models:
+        model.prefill(x[:, :5])
+    for position in range(5, 24):  # past both scalings' original context
+        if position == 14:
+            planned.layers[0].self_attn.rope.op.backend = "numpy"
+            components.layers[0].self_attn.rope.op.backend = "numpy"
+        got = planned.decode(x[:, position], position)
+        want = components.decode(x[:, position], np.array([position, position]))
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert planned._plans is not None and list(planned._plans) == [2]
+
+
+def test_decode_plan_serves_each_batch_size_and_refuses_bad_input(weights: str) -> None:
+    model = make(weights, RuntimeMode.INFERENCE, (2, 16), prefill=4)
+    x = tokens(2, 8, seed=8)
+    model.prefill(x[:, :6])
+    one = model.decode(x[:1, 6], 6)  # B = 1 inside a B = 2 build: its own plan
+    np.testing.assert_allclose(one[0], reference_logits(weights, x[:1, :7])[0, 6], atol=1e-5)
+    caches = [b.self_attn._state["k_cache"].copy() for b in model.layers]
+    with pytest.raises(ValueError, match="decode positions"):
+        model.decode(x[:, 6], 16)
+    with pytest.raises(ValueError, match="out of range"):
+        model.decode(np.array([1, CFG.vocab_size]), 6)
+    with pytest.raises(ValueError, match="decode positions"):
+        model.decode(x[:, 6], -1)
+    for block, cache in zip(model.layers, caches, strict=True):
+        np.testing.assert_array_equal(block.self_attn._state["k_cache"], cache)
+    both = model.decode(x[:, 6], 6)
+    np.testing.assert_allclose(both, reference_logits(weights, x[:, :7])[:, 6], atol=1e-5)

@@ -19,7 +19,7 @@ from mila_py.init import init_name, rng_for
 from mila_py.ops.registry import create_op
 from mila_py.precision import Precision
 
-__all__ = ["INIT_STD", "Layer", "is_int"]
+__all__ = ["INIT_STD", "Layer", "is_int", "leading_view"]
 
 #: standard deviation of the normal initialization (Hugging Face ``initializer_range``)
 INIT_STD = 0.02
@@ -31,6 +31,12 @@ _MAX_VIEWS = 64
 def is_int(value: Any) -> bool:
     """True for ints (and NumPy integers), False for bools."""
     return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
+def leading_view(buffer: Any, shape: tuple[int, ...]) -> Any:
+    """The first ``prod(shape)`` elements of a C-contiguous ``buffer`` as a ``shape`` view (C-contiguous
+    itself, unlike a slice ``buffer[:b, :t]`` of a larger build shape)."""
+    return buffer.reshape(-1)[: math.prod(shape)].reshape(shape)
 
 
 class Layer(Component):
@@ -123,7 +129,7 @@ class Layer(Component):
         entry = self._views.get((key, shape))
         if entry is not None and entry[0] is buffer:
             return entry[1]
-        view = buffer.reshape(-1)[: math.prod(shape)].reshape(shape)
+        view = leading_view(buffer, shape)
         if len(self._views) >= _MAX_VIEWS:  # many distinct call shapes: start over
             self._views.clear()
         self._views[(key, shape)] = (buffer, view)

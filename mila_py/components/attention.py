@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from mila_py.build_context import BuildContext
+from mila_py.components._layer import leading_view
 from mila_py.components.linear import Linear, LinearConfig
 from mila_py.components.rope import Rope
 from mila_py.components.rope_config import RopeConfig, RopeLayout
@@ -298,6 +299,30 @@ class GroupedQueryAttention(CompositeComponent):
             visible=visible,
         )
         return self.o_proj._forward(out)  # its own buffer
+
+    def _bind_decode(self, x: Any, position: list[int]) -> tuple[list[Any], Any]:
+        """``(steps, y)``: callables that run :meth:`decode` of the buffer ``x [B, 1, dim]`` (its
+        values at call time) at the position ``position[0]`` (read at call time, checked by the
+        caller) into ``y``, for a decode plan of a CPU INFERENCE build."""
+        cfg = self.config
+        n_b = x.shape[0]
+        steps, qkv = self.qkv_proj._bind_forward(x)
+        q, k, v = self._split_qkv(qkv)
+        k_cache = self._state["k_cache"][:n_b]
+        v_cache = self._state["v_cache"][:n_b]
+        k_new, v_new = k[:, 0], v[:, 0]
+
+        def write_cache() -> None:
+            p = position[0]
+            k_cache[:, p] = k_new
+            v_cache[:, p] = v_new
+
+        out = leading_view(self._state["attn_out"], (n_b, 1, cfg.q_width))
+        attend = self._op.bind_decode(
+            q, k_cache, v_cache, cfg.n_heads, cfg.n_kv_heads, self.scale, out, position
+        )
+        o_steps, y = self.o_proj._bind_forward(out)
+        return [*steps, self.rope._op.bind_decode(q, k, position), write_cache, attend, *o_steps], y
 
     def backward(self, dy: Any) -> Any:
         """``dy [B, T, dim] -> dx [B, T, dim]``; accumulates every child's parameter gradients."""

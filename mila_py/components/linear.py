@@ -130,6 +130,13 @@ class Linear(Layer):
             self._saved = x
         return y
 
+    def _bind_forward(self, x: Any) -> tuple[list[Any], Any]:
+        """``(steps, y)``: callables that compute :meth:`forward` of the buffer ``x`` (its values
+        at call time) into the output view ``y``, for a decode plan (INFERENCE builds)."""
+        y = self._view("output", (*x.shape[:-1], self.config.out_features))
+        weight, bias = self._parameters["weight"], self._parameters.get("bias")
+        return [self._op.bind_forward(x, weight, bias, y)], y
+
     def backward(self, dy: Any) -> Any:
         """Accumulate ``dW += dy^T x`` (and ``db += sum(dy)``); return ``dx = dy W``.
 

@@ -16,6 +16,7 @@ Tree (names follow the component tree, dotted in ``named_parameters`` and safete
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,13 +24,14 @@ from typing import Any
 import numpy as np
 
 from mila_py.build_context import BuildContext
+from mila_py.components._layer import is_int, leading_view
 from mila_py.components.attention import AttentionConfig, GroupedQueryAttention
 from mila_py.components.linear import Linear, LinearConfig
 from mila_py.components.rms_norm import RmsNorm, RmsNormConfig
 from mila_py.components.swiglu import SwiGLU, SwiGLUConfig
 from mila_py.components.token_embedding import TokenEmbedding, TokenEmbeddingConfig
 from mila_py.composite import CompositeComponent, Network
-from mila_py.devices import DeviceLike
+from mila_py.devices import DeviceLike, DeviceType
 from mila_py.precision import Precision
 
 __all__ = ["Llama", "LlamaBlock", "LlamaConfig"]
@@ -153,6 +155,28 @@ class LlamaBlock(CompositeComponent):
         """One token per sequence, ``x [B, 1, dim]`` at ``positions`` (INFERENCE builds)."""
         return self._run(x, lambda a: self.self_attn.decode(a, positions))
 
+    def _bind_decode(self, x: Any, position: list[int]) -> tuple[list[Any], Any]:
+        """``(steps, y)``: callables that run :meth:`decode` of the buffer ``x [B, 1, dim]`` (its
+        values at call time) at ``position[0]`` (read at call time, checked by the caller) into
+        ``y``, for a decode plan of a CPU INFERENCE build."""
+        n_b, dim = x.shape[0], x.shape[2]
+        add = self.execution_context.xp.add
+        norm_steps, normed = self.input_layernorm._bind_forward(x)
+        attn_steps, attended = self.self_attn._bind_decode(normed, position)
+        h = leading_view(self._state["hidden"], (n_b, 1, dim))
+        post_steps, post = self.post_attention_layernorm._bind_forward(h)
+        mlp_steps, mlp_out = self.mlp._bind_forward(post)
+        out = leading_view(self._state["output"], (n_b, 1, dim))
+        steps = [
+            *norm_steps,
+            *attn_steps,
+            functools.partial(add, x, attended, out=h),
+            *post_steps,
+            *mlp_steps,
+            functools.partial(add, h, mlp_out, out=out),
+        ]
+        return steps, out
+
     def _run(self, x: Any, attend: Any) -> Any:
         xp = self.execution_context.xp
         n_b, n_t = x.shape[0], x.shape[1]
@@ -212,6 +236,8 @@ class Llama(Network):
             )
             self.add_component(self.lm_head)
         self._hidden: Any = None
+        #: decode plans per batch size on CPU INFERENCE builds (None elsewhere)
+        self._plans: dict[int, tuple[list[int], list[Any], Any]] | None = None
 
     def _on_building(self, build_context: BuildContext) -> None:
         shape = build_context.input_shape
@@ -235,6 +261,9 @@ class Llama(Network):
             if build_context.is_training:
                 self._add_state("dnorm", self._allocate((n_b, n_t, self.config.dim)))
         self._hidden = None
+        # decode plans per batch size (CPU INFERENCE builds), see _decode_plan
+        cpu = self.device_id.device_type is DeviceType.CPU
+        self._plans = {} if build_context.is_inference and cpu else None
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -352,11 +381,54 @@ class Llama(Network):
         """
         self._require_inference("decode()")
         token = _on_device(self.execution_context, token).reshape(-1, 1)
+        if self._plans is not None and is_int(position):  # CPU, one position for all
+            p = int(position)
+            if not 0 <= p < self.context_length:
+                raise ValueError(
+                    f"{self._describe()}: decode positions must be in "
+                    f"[0, {self.context_length}), got {p}"
+                )
+            self.embed_tokens.forward(token)  # checks the ids; writes the plan's input buffer
+            cell, steps, logits = self._decode_plan(token.shape[0])
+            cell[0] = p
+            for step in steps:
+                step()
+            return logits[:, 0].copy()
         with _active(self.execution_context):
             h = self.embed_tokens.forward(token)
             for block in self.layers:
                 h = block.decode(h, position)
             return self._head(h)[:, 0].copy()
+
+    def _decode_plan(self, n_b: int) -> tuple[list[int], list[Any], Any]:
+        """``(position cell, steps, logits view)`` of one decode step for ``n_b`` sequences.
+
+        Every layer's work bound once to the buffers it reads and writes (the embedding's
+        output in, the head's logits out): a token runs the steps in order, without the checks
+        and view-making of the component calls, which cost ~60 us per layer, as much as the
+        kernels of a small model. Decode sets ``cell[0]`` to the position first.
+        """
+        plans = self._plans
+        assert plans is not None
+        plan = plans.get(n_b)
+        if plan is None:
+            cell = [0]
+            h = self.embed_tokens._view("output", (n_b, 1, self.config.dim))
+            steps: list[Any] = []
+            for block in self.layers:
+                block_steps, h = block._bind_decode(h, cell)
+                steps += block_steps
+            norm_steps, h = self.norm._bind_forward(h)
+            steps += norm_steps
+            if self.lm_head is not None:
+                head_steps, logits = self.lm_head._bind_forward(h)
+                steps += head_steps
+            else:
+                logits = leading_view(self._state["logits"], (n_b, 1, self.config.vocab_size))
+                weight = self.embed_tokens._parameters["weight"]  # [vocab, dim]
+                steps.append(functools.partial(np.matmul, h, weight.T, out=logits))
+            plan = plans[n_b] = (cell, steps, logits)
+        return plan
 
     def stream(
         self,

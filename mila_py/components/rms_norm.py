@@ -115,6 +115,13 @@ class RmsNorm(Layer):
             self._saved = x
         return y
 
+    def _bind_forward(self, x: Any) -> tuple[list[Any], Any]:
+        """``(steps, y)``: callables that compute :meth:`forward` of the buffer ``x`` (its values
+        at call time) into the output view ``y``, for a decode plan (INFERENCE builds)."""
+        y = self._view("output", x.shape)
+        rstd = self._view("rstd", x.shape[:-1])
+        return [self._op.bind_forward(x, self._parameters["weight"], y, rstd)], y
+
     def backward(self, dy: Any) -> Any:
         """Accumulate ``dweight``; return ``dx``.
 

@@ -138,6 +138,15 @@ class SwiGLU(Layer, CompositeComponent):
             self._saved = (x, gate, up)
         return self.down_proj._forward(hidden)
 
+    def _bind_forward(self, x: Any) -> tuple[list[Any], Any]:
+        """``(steps, y)``: callables that compute :meth:`forward` of the buffer ``x`` (its values
+        at call time) into the output view ``y``, for a decode plan (INFERENCE builds)."""
+        gate_steps, gate = self.gate_proj._bind_forward(x)
+        up_steps, up = self.up_proj._bind_forward(x)
+        hidden = self._view("hidden", (*x.shape[:-1], self.config.hidden_dim))
+        down_steps, y = self.down_proj._bind_forward(hidden)
+        return [*gate_steps, *up_steps, self._op.bind_forward(gate, up, hidden), *down_steps], y
+
     def backward(self, dy: Any) -> Any:
         """Accumulate the three weight gradients; return ``dx``.
 

@@ -3,6 +3,8 @@ the fused AdamW update ops."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from mila_py.build_context import BuildContext
@@ -37,6 +39,13 @@ class Operation:
     def state_arrays(self) -> list[Any]:
         """Arrays of state this op owns or shares (counted once each in memory stats)."""
         return []
+
+    def bind_forward(self, *args: Any) -> Callable[[], Any]:
+        """``forward(*args)`` as a callable of no arguments, for arrays that stay the same from
+        call to call (a decode plan: fixed buffers, new values). Ops override it with a cheaper
+        call where the arrays allow one; the result must track the arrays' contents, never copy
+        them at bind time."""
+        return functools.partial(self.forward, *args)  # type: ignore[attr-defined]
 
     def state_nbytes(self) -> int:
         return sum(int(a.nbytes) for a in self.state_arrays())

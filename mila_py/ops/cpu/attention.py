@@ -170,6 +170,46 @@ class CpuAttentionOp(FusedCpuOp):
             kwargs.setdefault("softmax", _fused_attention.causal_softmax)
         return attention_forward(q, *args, **kwargs)
 
+    def bind_decode(
+        self,
+        q: np.ndarray,
+        k_cache: np.ndarray,
+        v_cache: np.ndarray,
+        n_heads: int,
+        n_kv_heads: int,
+        scale: float,
+        out: np.ndarray,
+        position: list[int],
+    ) -> Callable[[], None]:
+        """Decode attention of ``q [B, 1, Hq*d]`` over the cached keys ``0 .. position[0]``
+        (read at each call) into ``out``, as a callable of no arguments (a decode plan).
+
+        ``k_cache``, ``v_cache``: ``[B, T_max, Hk*d]``. The fused kernel runs once per
+        sequence on bound rows and a scratch for the probabilities; otherwise :meth:`forward`.
+        """
+        n_b, n_tk = q.shape[0], k_cache.shape[1]
+        dense = all(_dense_rows(a) for a in (k_cache, v_cache, out))
+        if self.fuses(q.dtype) and dense:
+            kernel = _fused_attention._decode_attention_kernel
+            s = q.dtype.type(scale)
+            rows = [(q[b, 0], k_cache[b], v_cache[b], out[b, 0]) for b in range(n_b)]
+            scratch = np.empty(n_heads * n_tk, dtype=q.dtype)
+
+            def attend() -> None:
+                n = position[0] + 1
+                probs = scratch[: n_heads * n].reshape(n_heads, n)
+                for qb, kb, vb, ob in rows:
+                    kernel(qb, kb, vb, n, n_heads, n_kv_heads, s, ob, probs)
+
+            return attend
+
+        def attend_general() -> None:
+            n = position[0] + 1
+            keys, values = k_cache[:, :n], v_cache[:, :n]
+            self.forward(q, keys, values, n_heads, n_kv_heads, scale, out=out, causal=False)
+
+        return attend_general
+
     def backward(self, dout: Any, *args: Any, **kwargs: Any) -> None:
         if self.fuses(dout.dtype):
             kwargs.setdefault("softmax_backward", _fused_attention.softmax_backward_rows)

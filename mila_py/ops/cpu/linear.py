@@ -13,6 +13,8 @@ is dtype-generic (the tests run it in float64); the op trusts its caller to have
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -78,6 +80,12 @@ class CpuLinearOp(Operation):
 
     def forward(self, x: Any, weight: Any, bias: Any, out: Any) -> None:
         linear_forward(x, weight, bias, out)
+
+    def bind_forward(self, x: Any, weight: Any, bias: Any, out: Any) -> Callable[[], Any]:
+        """One BLAS call on 2-D views of ``x`` and ``out`` (C-contiguous, no bias)."""
+        if bias is None and x.flags.c_contiguous and out.flags.c_contiguous:
+            return functools.partial(np.matmul, as_rows(x), weight.T, out=out_rows(out))
+        return super().bind_forward(x, weight, bias, out)
 
     def backward(self, x: Any, weight: Any, dy: Any, dweight: Any, dbias: Any, dx: Any) -> None:
         linear_backward(x, weight, dy, dweight, dbias, dx)

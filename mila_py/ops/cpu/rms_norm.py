@@ -14,6 +14,8 @@ The math is dtype-generic (the tests run it in float64); the op trusts its calle
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -99,6 +101,19 @@ class CpuRmsNormOp(FusedCpuOp):
             )
         else:
             rms_norm_forward(x, weight, self.config.eps, out, rstd)
+
+    def bind_forward(self, x: Any, weight: Any, out: Any, rstd: Any) -> Callable[[], Any]:
+        """The fused kernel on 2-D views (C-contiguous ``x``), else :meth:`forward`."""
+        if self.fuses(x.dtype) and x.flags.c_contiguous:
+            return functools.partial(
+                _fused_layers.rms_norm_rows,
+                as_rows(x),
+                weight,
+                self.config.eps,
+                out_rows(out),
+                out_flat(rstd),
+            )
+        return super().bind_forward(x, weight, out, rstd)
 
     def backward(self, x: Any, weight: Any, rstd: Any, dy: Any, dweight: Any, dx: Any) -> None:
         rms_norm_backward(x, weight, rstd, dy, dweight, dx)

@@ -120,6 +120,31 @@ class CpuRopeOp(Operation):
             positions = np.asarray(position, dtype=np.int64).reshape(-1, 1)
             self.apply(q, k, positions=positions, seq_len=int(positions.max()) + 1)
 
+    def bind_decode(self, q: np.ndarray, k: np.ndarray, position: list[int]) -> Callable[[], None]:
+        """:meth:`decode` of ``q``, ``k`` ``[B, 1, width]`` at ``position[0]``, read at each call,
+        as a callable of no arguments (a decode plan: fixed buffers, a position that moves).
+
+        The fused kernel is called directly while it applies (fp32/fp64 data, a table that
+        covers the position); anything else goes through :meth:`prefill`."""
+        table = self.table
+        assert table is not None, "CpuRopeOp used before build"
+        cfg = self.config
+        n_rows = q.shape[0]
+        args = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, table.n_freq, self._interleaved, False)
+        kernel = _rope_fused.rope_rows_inplace
+        no_positions = _rope_fused.NO_POSITIONS
+        direct = q.shape[1] == 1 and q.dtype in (np.float32, np.float64)
+
+        def rotate() -> None:
+            p = position[0]
+            tables = table.tables_for(p + 1) if direct and self.uses_fused else None
+            if tables is None:
+                self.prefill(q, k, p)
+            else:
+                kernel(q, k, tables[0], tables[1], p, no_positions, False, 0, n_rows, *args)
+
+        return rotate
+
     def apply(
         self,
         q: np.ndarray,

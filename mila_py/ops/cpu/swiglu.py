@@ -15,6 +15,8 @@ small. The math is dtype-generic (the tests run it in float64).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -95,6 +97,14 @@ class CpuSwiGLUOp(FusedCpuOp):
             _fused_layers.swiglu_rows(as_rows(gate), as_rows(up), out_rows(out))
         else:
             swiglu_forward(gate, up, out)
+
+    def bind_forward(self, gate: Any, up: Any, out: Any) -> Callable[[], Any]:
+        """The fused kernel on 2-D views (C-contiguous ``gate`` and ``up``), else :meth:`forward`."""
+        if self.fuses(gate.dtype) and gate.flags.c_contiguous and up.flags.c_contiguous:
+            return functools.partial(
+                _fused_layers.swiglu_rows, as_rows(gate), as_rows(up), out_rows(out)
+            )
+        return super().bind_forward(gate, up, out)
 
     def backward(self, gate: Any, up: Any, dh: Any, dgate: Any, dup: Any) -> None:
         overlaps = dgate is not dh and any(np.may_share_memory(dgate, a) for a in (gate, up))

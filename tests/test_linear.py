@@ -282,20 +282,30 @@ def test_inside_a_network(rng) -> None:
     assert [n for n, _ in net.named_parameters()] == ["proj.weight"]
 
 
-def test_inference_builds_store_the_weight_transposed_with_the_same_values(rng) -> None:
-    """INFERENCE keeps ``weight [out, in]`` as a view of ``[in, out]`` rows (fast decode GEMV);
+@pytest.mark.parametrize(("n_in", "n_out"), [(IN, OUT), (OUT, IN), (IN, IN)])
+def test_inference_builds_store_a_widening_weight_transposed_with_the_same_values(
+    n_in: int, n_out: int, rng
+) -> None:
+    """INFERENCE keeps ``weight [out, in]`` of a layer with ``in <= out`` as a view of
+    ``[in, out]`` rows (the faster decode GEMV for it), of a narrowing one as ``[out, in]`` rows;
     initialization, loading and the forward result are those of a TRAINING build."""
-    train = make(name="w")
-    serve = make(name="w", mode=INFERENCE, initialize=True)
-    assert serve.weight.shape == train.weight.shape == (OUT, IN)
-    assert serve.weight.T.flags.c_contiguous and not serve.weight.flags.c_contiguous
+
+    def build(mode) -> Linear:  # type: ignore[no-untyped-def]
+        lin = Linear("w", LinearConfig(n_in, n_out), device="CPU")
+        return built(lin, (B, T, n_in), mode, initialize=True)
+
+    train, serve = build(TRAINING), build(INFERENCE)
+    assert serve.weight.shape == train.weight.shape == (n_out, n_in)
+    assert train.weight.flags.c_contiguous
+    assert serve.weight.T.flags.c_contiguous is (n_in <= n_out)
+    assert serve.weight.flags.c_contiguous is (n_in > n_out)
     np.testing.assert_array_equal(serve.weight, train.weight)  # the same seeded draws
-    x = rng.standard_normal((B, T, IN)).astype(np.float32)
+    x = rng.standard_normal((B, T, n_in)).astype(np.float32)
     np.testing.assert_allclose(serve.forward(x), train.forward(x), rtol=1e-6, atol=1e-6)
-    new = rng.standard_normal((OUT, IN)).astype(np.float32)
+    new = rng.standard_normal((n_out, n_in)).astype(np.float32)
     serve.weight[...] = new  # loading writes through the view
     np.testing.assert_array_equal(serve.weight, new)
-    assert serve.get_memory_stats().device_parameter_bytes == new.nbytes + OUT * 4
+    assert serve.get_memory_stats().device_parameter_bytes == new.nbytes  # no bias
 
 
 def test_call_shapes_in_any_order_reuse_correct_views_of_the_output_buffer(rng) -> None:

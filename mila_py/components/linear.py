@@ -49,9 +49,10 @@ class Linear(Layer):
 
     Parameters: ``weight [out_features, in_features]`` ~ Normal(0, 0.02) and, with
     ``config.bias``, ``bias [out_features]`` = 0 (when the build initializes parameters).
-    INFERENCE builds store the weight as ``[in_features, out_features]`` and expose ``weight``
-    as its transposed view (same shape and values, Fortran order): a decode step's
-    matrix-vector product then streams contiguous rows, about 30% faster on the CPU.
+    INFERENCE builds of a layer that widens (``in_features <= out_features``) store the weight
+    as ``[in_features, out_features]`` and expose ``weight`` as its transposed view (same shape
+    and values, Fortran order): a decode step's matrix-vector product then streams it up to 15%
+    faster on the CPU; narrowing layers keep ``[out, in]`` rows, faster for them.
 
     The build shape is the input's, ``[B, T, in_features]`` (any number of leading dimensions);
     calls may use smaller leading dimensions. TRAINING builds own ``dinput``, which
@@ -71,9 +72,10 @@ class Linear(Layer):
     def _on_building(self, build_context: BuildContext) -> None:
         cfg = self.config
         lead = self._build_lead(build_context, cfg.in_features, "[B, T, in_features]")
-        if build_context.is_inference:
-            # Decode multiplies one row by W^T: reading W^T row by row ([in, out] storage) is
-            # the faster matrix-vector product. ``weight`` stays [out, in], a transposed view.
+        if build_context.is_inference and cfg.in_features <= cfg.out_features:
+            # Decode multiplies one row by W^T. BLAS streams a wide W^T faster from [in, out]
+            # rows (up to 15% here, the output head most), a tall one from [out, in] rows
+            # (down_proj: 15%). ``weight`` stays [out, in], a transposed view.
             storage = self._allocate((cfg.in_features, cfg.out_features))
             weight = self._add_parameter("weight", storage.T)
         else:

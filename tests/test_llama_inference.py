@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mila_py import BuildContext, RuntimeMode
+from mila_py import BuildContext, Precision, RuntimeMode
 from mila_py.components import Llama, LlamaConfig
 
 CFG = LlamaConfig(
@@ -192,10 +192,11 @@ def test_reset_zeroes_every_cache(weights: str) -> None:
 DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 12}
 
 
+@pytest.mark.parametrize("precision", [Precision.FP32, Precision.FP64])
 @pytest.mark.parametrize("backend", ["auto", "numpy"])
 @pytest.mark.parametrize("scaling", ["llama3", "dynamic"])
 def test_decode_plan_equals_the_component_path(
-    weights: str, backend: str, scaling: str, monkeypatch: pytest.MonkeyPatch
+    weights: str, backend: str, scaling: str, precision: Precision, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An int position runs the CPU decode plan; per-sequence positions run the components.
     Both see the same prompt and tokens. "dynamic" recomputes RoPE rows past its original
@@ -206,7 +207,7 @@ def test_decode_plan_equals_the_component_path(
     cfg = CFG if scaling == "llama3" else dataclasses.replace(CFG, rope_scaling=DYNAMIC)
     models = []
     for _ in range(2):
-        model = Llama("llama", cfg, device="CPU")
+        model = Llama("llama", cfg, device="CPU", precision=precision)
         model.build(BuildContext((2, 32), RuntimeMode.INFERENCE, prefill_size=4))
         model.load(weights)
         models.append(model)
@@ -220,6 +221,7 @@ def test_decode_plan_equals_the_component_path(
             components.layers[0].self_attn.rope.op.backend = "numpy"
         got = planned.decode(x[:, position], position)
         want = components.decode(x[:, position], np.array([position, position]))
+        assert got.dtype == precision.numpy_dtype
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     assert planned._plans is not None and list(planned._plans) == [2]
 

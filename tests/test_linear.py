@@ -325,3 +325,14 @@ def test_call_shapes_in_any_order_reuse_correct_views_of_the_output_buffer(rng) 
     lin._state["output"] = fresh  # a buffer swapped under a kept view: the view is not reused
     y = lin.forward(np.ones((1, 1, IN), np.float32))
     assert np.shares_memory(y, fresh)
+
+
+def test_a_caller_changing_its_output_view_changes_nothing_for_the_next_call(rng) -> None:
+    lin = make(False)
+    x = rng.standard_normal((B, T, IN)).astype(np.float32)
+    y = lin.forward(x)
+    y.flags.writeable = False  # a caller's own business
+    y.shape = (B * T, OUT)
+    again = lin.forward(x)
+    assert again.shape == (B, T, OUT) and again.flags.writeable
+    np.testing.assert_allclose(again, reference(x, lin.weight, None), rtol=RTOL32, atol=ATOL32)

@@ -239,6 +239,9 @@ def test_decode_plan_serves_each_batch_size_and_refuses_bad_input(weights: str) 
         model.decode(np.array([1, CFG.vocab_size]), 6)
     with pytest.raises(ValueError, match="decode positions"):
         model.decode(x[:, 6], -1)
+    for bad in (True, 5.7, np.array([5.0, 6.0]), np.array([], dtype=np.int64), [1, 2, 3]):
+        with pytest.raises(TypeError, match="decode positions must be an int or 2 ints"):
+            model.decode(x[:, 6], bad)
     for block, cache in zip(model.layers, caches, strict=True):
         np.testing.assert_array_equal(block.self_attn._state["k_cache"], cache)
     both = model.decode(x[:, 6], 6)

@@ -123,17 +123,19 @@ class Layer(Component):
         """The first ``prod(shape)`` elements of the state buffer ``key`` as a ``shape`` view.
 
         Views are kept per ``(key, shape)`` (decode asks for the same few hundreds of times per
-        token); an entry serves only while ``key`` still names the buffer it was cut from.
+        token); an entry serves only while ``key`` still names the buffer it was cut from. Each
+        call returns a new view object of the kept one (``[...]``, cheaper than the reshapes), so
+        a caller that changes its view's shape or flags changes nothing for the next caller.
         """
         buffer = self._state[key]
         entry = self._views.get((key, shape))
         if entry is not None and entry[0] is buffer:
-            return entry[1]
+            return entry[1][...]
         view = leading_view(buffer, shape)
         if len(self._views) >= _MAX_VIEWS:  # many distinct call shapes: start over
             self._views.clear()
         self._views[(key, shape)] = (buffer, view)
-        return view
+        return view[...]
 
     def _require_built(self, what: str) -> None:
         if self._build_context is None:

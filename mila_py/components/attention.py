@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from mila_py.build_context import BuildContext
-from mila_py.components._layer import leading_view
+from mila_py.components._layer import is_int, leading_view
 from mila_py.components.linear import Linear, LinearConfig
 from mila_py.components.rope import Rope
 from mila_py.components.rope_config import RopeConfig, RopeLayout
@@ -249,12 +249,17 @@ class GroupedQueryAttention(CompositeComponent):
             raise RuntimeError(f"{self._describe()}: decode() needs an INFERENCE build")
         cfg = self.config
         n_b = x.shape[0]
-        if isinstance(positions, int | np.integer):  # the common case: no array work
+        if is_int(positions):  # the common case: no array work
             lowest = highest = int(positions)
             pos = None
         else:
-            host = self.execution_context.to_host(positions)  # host or device ints
-            pos = np.broadcast_to(np.asarray(host, dtype=np.int64).reshape(-1), (n_b,))
+            host = np.asarray(self.execution_context.to_host(positions))  # host or device ints
+            if host.dtype.kind not in "iu" or host.size not in (1, n_b):
+                raise TypeError(
+                    f"{self._describe()}: decode positions must be an int or {n_b} ints, got "
+                    f"{host.dtype} of shape {host.shape}"
+                )
+            pos = np.broadcast_to(host.astype(np.int64).reshape(-1), (n_b,))
             lowest, highest = int(pos.min()), int(pos.max())
         if lowest < 0 or highest >= self.context_length:
             raise ValueError(
@@ -300,10 +305,11 @@ class GroupedQueryAttention(CompositeComponent):
         )
         return self.o_proj._forward(out)  # its own buffer
 
-    def _bind_decode(self, x: Any, position: list[int]) -> tuple[list[Any], Any]:
+    def _bind_decode(self, x: Any, position: list[int], scores: Any) -> tuple[list[Any], Any]:
         """``(steps, y)``: callables that run :meth:`decode` of the buffer ``x [B, 1, dim]`` (its
         values at call time) at the position ``position[0]`` (read at call time, checked by the
-        caller) into ``y``, for a decode plan of a CPU INFERENCE build."""
+        caller) into ``y``, for a decode plan of a CPU INFERENCE build. ``scores``: scratch of
+        ``>= n_heads * context`` elements for the attention probabilities."""
         cfg = self.config
         n_b = x.shape[0]
         steps, qkv = self.qkv_proj._bind_forward(x)
@@ -319,7 +325,7 @@ class GroupedQueryAttention(CompositeComponent):
 
         out = leading_view(self._state["attn_out"], (n_b, 1, cfg.q_width))
         attend = self._op.bind_decode(
-            q, k_cache, v_cache, cfg.n_heads, cfg.n_kv_heads, self.scale, out, position
+            q, k_cache, v_cache, cfg.n_heads, cfg.n_kv_heads, self.scale, out, position, scores
         )
         o_steps, y = self.o_proj._bind_forward(out)
         return [*steps, self.rope._op.bind_decode(q, k, position), write_cache, attend, *o_steps], y

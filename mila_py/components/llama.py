@@ -155,14 +155,15 @@ class LlamaBlock(CompositeComponent):
         """One token per sequence, ``x [B, 1, dim]`` at ``positions`` (INFERENCE builds)."""
         return self._run(x, lambda a: self.self_attn.decode(a, positions))
 
-    def _bind_decode(self, x: Any, position: list[int]) -> tuple[list[Any], Any]:
+    def _bind_decode(self, x: Any, position: list[int], scores: Any) -> tuple[list[Any], Any]:
         """``(steps, y)``: callables that run :meth:`decode` of the buffer ``x [B, 1, dim]`` (its
         values at call time) at ``position[0]`` (read at call time, checked by the caller) into
-        ``y``, for a decode plan of a CPU INFERENCE build."""
+        ``y``, for a decode plan of a CPU INFERENCE build. ``scores``: the attention's scratch,
+        ``>= n_heads * context`` elements."""
         n_b, dim = x.shape[0], x.shape[2]
         add = self.execution_context.xp.add
         norm_steps, normed = self.input_layernorm._bind_forward(x)
-        attn_steps, attended = self.self_attn._bind_decode(normed, position)
+        attn_steps, attended = self.self_attn._bind_decode(normed, position, scores)
         h = leading_view(self._state["hidden"], (n_b, 1, dim))
         post_steps, post = self.post_attention_layernorm._bind_forward(h)
         mlp_steps, mlp_out = self.mlp._bind_forward(post)
@@ -261,9 +262,12 @@ class Llama(Network):
             if build_context.is_training:
                 self._add_state("dnorm", self._allocate((n_b, n_t, self.config.dim)))
         self._hidden = None
-        # decode plans per batch size (CPU INFERENCE builds), see _decode_plan
+        # decode plans per batch size (CPU INFERENCE builds), see _decode_plan, and the attention
+        # scores of one sequence, which every layer's decode step uses in turn
         cpu = self.device_id.device_type is DeviceType.CPU
         self._plans = {} if build_context.is_inference and cpu else None
+        if self._plans is not None:
+            self._add_state("decode_scores", self._allocate((self.config.n_heads * n_t,)))
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -406,7 +410,8 @@ class Llama(Network):
         Every layer's work bound once to the buffers it reads and writes (the embedding's
         output in, the head's logits out): a token runs the steps in order, without the checks
         and view-making of the component calls, which cost ~60 us per layer, as much as the
-        kernels of a small model. Decode sets ``cell[0]`` to the position first.
+        kernels of a small model. Decode sets ``cell[0]`` to the position first. Plans hold
+        views and bound calls only: every buffer they use is a state buffer of the build.
         """
         plans = self._plans
         assert plans is not None
@@ -414,9 +419,10 @@ class Llama(Network):
         if plan is None:
             cell = [0]
             h = self.embed_tokens._view("output", (n_b, 1, self.config.dim))
+            scores = self._state["decode_scores"]
             steps: list[Any] = []
             for block in self.layers:
-                block_steps, h = block._bind_decode(h, cell)
+                block_steps, h = block._bind_decode(h, cell, scores)
                 steps += block_steps
             norm_steps, h = self.norm._bind_forward(h)
             steps += norm_steps

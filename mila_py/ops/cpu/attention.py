@@ -180,12 +180,15 @@ class CpuAttentionOp(FusedCpuOp):
         scale: float,
         out: np.ndarray,
         position: list[int],
+        scratch: np.ndarray | None = None,
     ) -> Callable[[], None]:
         """Decode attention of ``q [B, 1, Hq*d]`` over the cached keys ``0 .. position[0]``
         (read at each call) into ``out``, as a callable of no arguments (a decode plan).
 
         ``k_cache``, ``v_cache``: ``[B, T_max, Hk*d]``. The fused kernel runs once per
-        sequence on bound rows and a scratch for the probabilities; otherwise :meth:`forward`.
+        sequence on bound rows, with the probabilities in ``scratch`` (1-D, ``>= Hq * T_max``
+        elements of q's dtype, which plans that run one after another may share; allocated
+        here when None); otherwise :meth:`forward`.
         """
         n_b, n_tk = q.shape[0], k_cache.shape[1]
         dense = all(_dense_rows(a) for a in (k_cache, v_cache, out))
@@ -193,11 +196,18 @@ class CpuAttentionOp(FusedCpuOp):
             kernel = _fused_attention._decode_attention_kernel
             s = q.dtype.type(scale)
             rows = [(q[b, 0], k_cache[b], v_cache[b], out[b, 0]) for b in range(n_b)]
-            scratch = np.empty(n_heads * n_tk, dtype=q.dtype)
+            if scratch is None:
+                scratch = np.empty(n_heads * n_tk, dtype=q.dtype)
+            if scratch.dtype != q.dtype or scratch.size < n_heads * n_tk:
+                raise ValueError(
+                    f"decode scratch must hold {n_heads * n_tk} {q.dtype} values, got "
+                    f"{scratch.size} {scratch.dtype}"
+                )
+            scores = scratch.reshape(-1)
 
             def attend() -> None:
                 n = position[0] + 1
-                probs = scratch[: n_heads * n].reshape(n_heads, n)
+                probs = scores[: n_heads * n].reshape(n_heads, n)
                 for qb, kb, vb, ob in rows:
                     kernel(qb, kb, vb, n, n_heads, n_kv_heads, s, ob, probs)
 

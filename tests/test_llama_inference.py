@@ -198,9 +198,10 @@ DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddi
 def test_decode_plan_equals_the_component_path(
     weights: str, backend: str, scaling: str, precision: Precision, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An int position runs the CPU decode plan; per-sequence positions run the components.
-    Both see the same prompt and tokens. "dynamic" recomputes RoPE rows past its original
-    context (no table covers them); halfway, one layer's RoPE backend switches under the plan."""
+    """The CPU decode plan against the components' own calls (CUDA's path), on the same prompt
+    and tokens, with one position for all and, later, ragged positions. "dynamic" recomputes
+    RoPE rows past its original context (no table covers them); halfway, one layer's RoPE
+    backend switches under the plan."""
     monkeypatch.setenv("MILA_PY_CPU_BACKEND", backend)  # read when the ops are created
     import dataclasses
 
@@ -219,8 +220,10 @@ def test_decode_plan_equals_the_component_path(
         if position == 14:
             planned.layers[0].self_attn.rope.op.backend = "numpy"
             components.layers[0].self_attn.rope.op.backend = "numpy"
-        got = planned.decode(x[:, position], position)
-        want = components.decode(x[:, position], np.array([position, position]))
+        # one position for all until 16, then sequence 1 falls back by 3 (ragged)
+        where = position if position < 16 else np.array([position, position - 3])
+        got = planned.decode(x[:, position], where)
+        want = components._decode_components(x[:, position, None], where)
         assert got.dtype == precision.numpy_dtype
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     assert planned._plans is not None and list(planned._plans) == [2]

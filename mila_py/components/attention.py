@@ -16,6 +16,7 @@ from mila_py.components.rope import Rope
 from mila_py.components.rope_config import RopeConfig, RopeLayout
 from mila_py.composite import CompositeComponent
 from mila_py.devices import DeviceLike
+from mila_py.ops.operation import DecodePositions
 from mila_py.ops.registry import create_op
 from mila_py.precision import Precision
 
@@ -305,10 +306,12 @@ class GroupedQueryAttention(CompositeComponent):
         )
         return self.o_proj._forward(out)  # its own buffer
 
-    def _bind_decode(self, x: Any, position: list[int], scores: Any) -> tuple[list[Any], Any]:
+    def _bind_decode(
+        self, x: Any, positions: DecodePositions, scores: Any
+    ) -> tuple[list[Any], Any]:
         """``(steps, y)``: callables that run :meth:`decode` of the buffer ``x [B, 1, dim]`` (its
-        values at call time) at the position ``position[0]`` (read at call time, checked by the
-        caller) into ``y``, for a decode plan of a CPU INFERENCE build. ``scores``: scratch of
+        values at call time) at ``positions`` (read at call time, checked by the caller) into
+        ``y``, for a decode plan of a CPU INFERENCE build. ``scores``: scratch of
         ``>= n_heads * context`` elements for the attention probabilities."""
         cfg = self.config
         n_b = x.shape[0]
@@ -317,18 +320,23 @@ class GroupedQueryAttention(CompositeComponent):
         k_cache = self._state["k_cache"][:n_b]
         v_cache = self._state["v_cache"][:n_b]
         k_new, v_new = k[:, 0], v[:, 0]
+        rows, each = np.arange(n_b), positions.each
 
         def write_cache() -> None:
-            p = position[0]
-            k_cache[:, p] = k_new
-            v_cache[:, p] = v_new
+            if positions.uniform:
+                k_cache[:, positions.highest] = k_new
+                v_cache[:, positions.highest] = v_new
+            else:
+                k_cache[rows, each] = k_new
+                v_cache[rows, each] = v_new
 
         out = leading_view(self._state["attn_out"], (n_b, 1, cfg.q_width))
         attend = self._op.bind_decode(
-            q, k_cache, v_cache, cfg.n_heads, cfg.n_kv_heads, self.scale, out, position, scores
+            q, k_cache, v_cache, cfg.n_heads, cfg.n_kv_heads, self.scale, out, positions, scores
         )
         o_steps, y = self.o_proj._bind_forward(out)
-        return [*steps, self.rope._op.bind_decode(q, k, position), write_cache, attend, *o_steps], y
+        rotate = self.rope._op.bind_decode(q, k, positions)
+        return [*steps, rotate, write_cache, attend, *o_steps], y
 
     def backward(self, dy: Any) -> Any:
         """``dy [B, T, dim] -> dx [B, T, dim]``; accumulates every child's parameter gradients."""

@@ -32,6 +32,7 @@ from mila_py.components.swiglu import SwiGLU, SwiGLUConfig
 from mila_py.components.token_embedding import TokenEmbedding, TokenEmbeddingConfig
 from mila_py.composite import CompositeComponent, Network
 from mila_py.devices import DeviceLike, DeviceType
+from mila_py.ops.operation import DecodePositions
 from mila_py.precision import Precision
 
 __all__ = ["Llama", "LlamaBlock", "LlamaConfig"]
@@ -155,15 +156,17 @@ class LlamaBlock(CompositeComponent):
         """One token per sequence, ``x [B, 1, dim]`` at ``positions`` (INFERENCE builds)."""
         return self._run(x, lambda a: self.self_attn.decode(a, positions))
 
-    def _bind_decode(self, x: Any, position: list[int], scores: Any) -> tuple[list[Any], Any]:
+    def _bind_decode(
+        self, x: Any, positions: DecodePositions, scores: Any
+    ) -> tuple[list[Any], Any]:
         """``(steps, y)``: callables that run :meth:`decode` of the buffer ``x [B, 1, dim]`` (its
-        values at call time) at ``position[0]`` (read at call time, checked by the caller) into
+        values at call time) at ``positions`` (read at call time, checked by the caller) into
         ``y``, for a decode plan of a CPU INFERENCE build. ``scores``: the attention's scratch,
         ``>= n_heads * context`` elements."""
         n_b, dim = x.shape[0], x.shape[2]
         add = self.execution_context.xp.add
         norm_steps, normed = self.input_layernorm._bind_forward(x)
-        attn_steps, attended = self.self_attn._bind_decode(normed, position, scores)
+        attn_steps, attended = self.self_attn._bind_decode(normed, positions, scores)
         h = leading_view(self._state["hidden"], (n_b, 1, dim))
         post_steps, post = self.post_attention_layernorm._bind_forward(h)
         mlp_steps, mlp_out = self.mlp._bind_forward(post)
@@ -238,7 +241,7 @@ class Llama(Network):
             self.add_component(self.lm_head)
         self._hidden: Any = None
         #: decode plans per batch size on CPU INFERENCE builds (None elsewhere)
-        self._plans: dict[int, tuple[list[int], list[Any], Any]] | None = None
+        self._plans: dict[int, tuple[DecodePositions, list[Any], Any]] | None = None
 
     def _on_building(self, build_context: BuildContext) -> None:
         shape = build_context.input_shape
@@ -385,39 +388,40 @@ class Llama(Network):
         """
         self._require_inference("decode()")
         token = _on_device(self.execution_context, token).reshape(-1, 1)
-        if self._plans is not None and is_int(position):  # CPU, one position for all
-            p = int(position)
-            if not 0 <= p < self.context_length:
-                raise ValueError(
-                    f"{self._describe()}: decode positions must be in "
-                    f"[0, {self.context_length}), got {p}"
-                )
+        if self._plans is not None:  # CPU: the decode plan of this batch size
+            n_b = token.shape[0]
+            positions = _decode_positions(position, n_b, self.context_length, self._describe())
             self.embed_tokens.forward(token)  # checks the ids; writes the plan's input buffer
-            cell, steps, logits = self._decode_plan(token.shape[0])
-            cell[0] = p
+            cell, steps, logits = self._decode_plan(n_b)
+            cell.set(positions)
             for step in steps:
                 step()
             return logits[:, 0].copy()
+        return self._decode_components(token, position)
+
+    def _decode_components(self, token: Any, position: Any) -> Any:
+        """:meth:`decode` through the components' own calls (``token [B, 1]`` on the device):
+        the path of CUDA builds, and the reference the CPU decode plan is tested against."""
         with _active(self.execution_context):
             h = self.embed_tokens.forward(token)
             for block in self.layers:
                 h = block.decode(h, position)
             return self._head(h)[:, 0].copy()
 
-    def _decode_plan(self, n_b: int) -> tuple[list[int], list[Any], Any]:
-        """``(position cell, steps, logits view)`` of one decode step for ``n_b`` sequences.
+    def _decode_plan(self, n_b: int) -> tuple[DecodePositions, list[Any], Any]:
+        """``(positions, steps, logits view)`` of one decode step for ``n_b`` sequences.
 
         Every layer's work bound once to the buffers it reads and writes (the embedding's
         output in, the head's logits out): a token runs the steps in order, without the checks
         and view-making of the component calls, which cost ~60 us per layer, as much as the
-        kernels of a small model. Decode sets ``cell[0]`` to the position first. Plans hold
+        kernels of a small model. Decode sets the positions first. Plans hold
         views and bound calls only: every buffer they use is a state buffer of the build.
         """
         plans = self._plans
         assert plans is not None
         plan = plans.get(n_b)
         if plan is None:
-            cell = [0]
+            cell = DecodePositions(n_b)
             h = self.embed_tokens._view("output", (n_b, 1, self.config.dim))
             scores = self._state["decode_scores"]
             steps: list[Any] = []
@@ -577,6 +581,27 @@ def _active(ctx: Any) -> Any:
 def _on_device(ctx: Any, array: Any) -> Any:
     """``array`` itself if it lives on ``ctx``'s device, else a copy there (lists, host arrays)."""
     return array if ctx.is_device_array(array) else ctx.to_device(np.asarray(array))
+
+
+def _decode_positions(position: Any, n_b: int, context: int, who: str) -> Any:
+    """``position`` of :meth:`Llama.decode` checked: an int, or ``[n_b]`` int64 on the host."""
+    if is_int(position):
+        lowest = highest = int(position)
+        value: Any = lowest
+    else:
+        host = np.asarray(position.get() if hasattr(position, "get") else position)
+        if host.dtype.kind not in "iu" or host.size not in (1, n_b):
+            raise TypeError(
+                f"{who}: decode positions must be an int or {n_b} ints, got {host.dtype} of "
+                f"shape {host.shape}"
+            )
+        value = np.broadcast_to(host.astype(np.int64).reshape(-1), (n_b,))
+        lowest, highest = int(value.min()), int(value.max())
+    if lowest < 0 or highest >= context:
+        raise ValueError(
+            f"{who}: decode positions must be in [0, {context}), got {lowest}..{highest}"
+        )
+    return value
 
 
 def _as_position(value: Any, who: str) -> int:

@@ -7,11 +7,40 @@ import functools
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
 from mila_py.build_context import BuildContext
 from mila_py.devices.execution_context import ExecutionContext
 from mila_py.precision import Precision
 
-__all__ = ["FusedAdamW", "Operation", "PositionalPairedOp"]
+__all__ = ["DecodePositions", "FusedAdamW", "Operation", "PositionalPairedOp"]
+
+
+class DecodePositions:
+    """The positions of one decode step, which the bound calls of a decode plan read per call.
+
+    Attributes:
+        each: int64 ``[B]``, the position of every sequence (written in place per step).
+        highest: ``max(each)``.
+        uniform: every sequence is at ``highest`` (no per-sequence work needed).
+    """
+
+    __slots__ = ("each", "highest", "uniform")
+
+    def __init__(self, n_sequences: int) -> None:
+        self.each = np.zeros(n_sequences, dtype=np.int64)
+        self.highest = 0
+        self.uniform = True
+
+    def set(self, positions: Any) -> None:
+        """Take an int (every sequence) or ``[B]`` ints, already checked by the caller."""
+        if isinstance(positions, int):
+            self.each[...] = positions
+            self.highest, self.uniform = positions, True
+        else:
+            self.each[...] = positions
+            self.highest = int(self.each.max())
+            self.uniform = bool((self.each == self.highest).all())
 
 
 class Operation:

@@ -20,6 +20,7 @@ import numpy as np
 from mila_py.devices import DeviceType
 from mila_py.ops.cpu import _fused_attention
 from mila_py.ops.cpu._fused_op import FusedCpuOp
+from mila_py.ops.operation import DecodePositions
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
@@ -179,11 +180,12 @@ class CpuAttentionOp(FusedCpuOp):
         n_kv_heads: int,
         scale: float,
         out: np.ndarray,
-        position: list[int],
+        positions: DecodePositions,
         scratch: np.ndarray | None = None,
     ) -> Callable[[], None]:
-        """Decode attention of ``q [B, 1, Hq*d]`` over the cached keys ``0 .. position[0]``
-        (read at each call) into ``out``, as a callable of no arguments (a decode plan).
+        """Decode attention of ``q [B, 1, Hq*d]``, sequence ``b`` over its cached keys
+        ``0 .. positions.each[b]`` (read at each call), into ``out``, as a callable of no
+        arguments (a decode plan).
 
         ``k_cache``, ``v_cache``: ``[B, T_max, Hk*d]``. The fused kernel runs once per
         sequence on bound rows, with the probabilities in ``scratch`` (1-D, ``>= Hq * T_max``
@@ -191,11 +193,12 @@ class CpuAttentionOp(FusedCpuOp):
         here when None); otherwise :meth:`forward`.
         """
         n_b, n_tk = q.shape[0], k_cache.shape[1]
+        each = positions.each
         dense = all(_dense_rows(a) for a in (k_cache, v_cache, out))
         if self.fuses(q.dtype) and dense:
             kernel = _fused_attention._decode_attention_kernel
             s = q.dtype.type(scale)
-            rows = [(q[b, 0], k_cache[b], v_cache[b], out[b, 0]) for b in range(n_b)]
+            rows = [(b, q[b, 0], k_cache[b], v_cache[b], out[b, 0]) for b in range(n_b)]
             if scratch is None:
                 scratch = np.empty(n_heads * n_tk, dtype=q.dtype)
             if scratch.dtype != q.dtype or scratch.size < n_heads * n_tk:
@@ -206,17 +209,20 @@ class CpuAttentionOp(FusedCpuOp):
             scores = scratch.reshape(-1)
 
             def attend() -> None:
-                n = position[0] + 1
-                probs = scores[: n_heads * n].reshape(n_heads, n)
-                for qb, kb, vb, ob in rows:
+                for b, qb, kb, vb, ob in rows:
+                    n = int(each[b]) + 1
+                    probs = scores[: n_heads * n].reshape(n_heads, n)
                     kernel(qb, kb, vb, n, n_heads, n_kv_heads, s, ob, probs)
 
             return attend
 
         def attend_general() -> None:
-            n = position[0] + 1
+            n = positions.highest + 1
+            visible = None if positions.uniform else each + 1
             keys, values = k_cache[:, :n], v_cache[:, :n]
-            self.forward(q, keys, values, n_heads, n_kv_heads, scale, out=out, causal=False)
+            self.forward(
+                q, keys, values, n_heads, n_kv_heads, scale, out=out, causal=False, visible=visible
+            )
 
         return attend_general
 

@@ -35,7 +35,7 @@ from mila_py.components.rope_config import RopeConfig, RopeLayout
 from mila_py.components.rope_table import RopeTable, get_rope
 from mila_py.devices import DeviceType
 from mila_py.ops.cpu import _rope_fused
-from mila_py.ops.operation import Operation
+from mila_py.ops.operation import DecodePositions, Operation
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
@@ -120,12 +120,14 @@ class CpuRopeOp(Operation):
             positions = np.asarray(position, dtype=np.int64).reshape(-1, 1)
             self.apply(q, k, positions=positions, seq_len=int(positions.max()) + 1)
 
-    def bind_decode(self, q: np.ndarray, k: np.ndarray, position: list[int]) -> Callable[[], None]:
-        """:meth:`decode` of ``q``, ``k`` ``[B, 1, width]`` at ``position[0]``, read at each call,
-        as a callable of no arguments (a decode plan: fixed buffers, a position that moves).
+    def bind_decode(
+        self, q: np.ndarray, k: np.ndarray, positions: DecodePositions
+    ) -> Callable[[], None]:
+        """:meth:`decode` of ``q``, ``k`` ``[B, 1, width]`` at ``positions`` (read at each call),
+        as a callable of no arguments (a decode plan: fixed buffers, positions that move).
 
         The fused kernel is called directly while it applies (fp32/fp64 data, a table that
-        covers the position); anything else goes through :meth:`prefill`."""
+        covers the positions); anything else goes through :meth:`apply`."""
         table = self.table
         assert table is not None, "CpuRopeOp used before build"
         cfg = self.config
@@ -133,15 +135,21 @@ class CpuRopeOp(Operation):
         args = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, table.n_freq, self._interleaved, False)
         kernel = _rope_fused.rope_rows_inplace
         no_positions = _rope_fused.NO_POSITIONS
+        each = positions.each.reshape(n_rows, 1)  # a view: the values of the step
         direct = q.shape[1] == 1 and q.dtype in (np.float32, np.float64)
 
         def rotate() -> None:
-            p = position[0]
-            tables = table.tables_for(p + 1) if direct and self.uses_fused else None
-            if tables is None:
-                self.prefill(q, k, p)
+            top = positions.highest
+            tables = table.tables_for(top + 1) if direct and self.uses_fused else None
+            if positions.uniform:
+                if tables is None:
+                    self.apply(q, k, offset=top, seq_len=top + 1)
+                else:
+                    kernel(q, k, tables[0], tables[1], top, no_positions, False, 0, n_rows, *args)
+            elif tables is None:
+                self.apply(q, k, positions=each, seq_len=top + 1)
             else:
-                kernel(q, k, tables[0], tables[1], p, no_positions, False, 0, n_rows, *args)
+                kernel(q, k, tables[0], tables[1], 0, each, True, 0, n_rows, *args)
 
         return rotate
 

@@ -96,6 +96,35 @@ class AttentionConfig:
         )
 
 
+def check_decode_positions(
+    positions: Any, n_b: int, context: int, who: str, to_host: Any
+) -> tuple[Any, int, int]:
+    """Positions of a decode call of ``n_b`` sequences, checked against a ``context``-token KV
+    cache: ``(an int, or [n_b] int64 on the host, lowest, highest)``.
+
+    Raises:
+        TypeError: not an int, nor 1 or ``n_b`` integers (``to_host`` brings device arrays over).
+        ValueError: a position outside ``[0, context)``.
+    """
+    if is_int(positions):  # the common case: no array work
+        lowest = highest = int(positions)
+        checked: Any = lowest
+    else:
+        host = np.asarray(to_host(positions))
+        if host.dtype.kind not in "iu" or host.size not in (1, n_b):
+            raise TypeError(
+                f"{who}: decode positions must be an int or {n_b} ints, got {host.dtype} of "
+                f"shape {host.shape}"
+            )
+        checked = np.broadcast_to(host.astype(np.int64).reshape(-1), (n_b,))
+        lowest, highest = int(checked.min()), int(checked.max())
+    if lowest < 0 or highest >= context:
+        raise ValueError(
+            f"{who}: decode positions must be in [0, {context}), got {lowest}..{highest}"
+        )
+    return checked, lowest, highest
+
+
 class GroupedQueryAttention(CompositeComponent):
     """Causal self-attention: ``o_proj(softmax(QK^T * scale + causal) V)`` with RoPE on Q and K.
 
@@ -250,23 +279,10 @@ class GroupedQueryAttention(CompositeComponent):
             raise RuntimeError(f"{self._describe()}: decode() needs an INFERENCE build")
         cfg = self.config
         n_b = x.shape[0]
-        if is_int(positions):  # the common case: no array work
-            lowest = highest = int(positions)
-            pos = None
-        else:
-            host = np.asarray(self.execution_context.to_host(positions))  # host or device ints
-            if host.dtype.kind not in "iu" or host.size not in (1, n_b):
-                raise TypeError(
-                    f"{self._describe()}: decode positions must be an int or {n_b} ints, got "
-                    f"{host.dtype} of shape {host.shape}"
-                )
-            pos = np.broadcast_to(host.astype(np.int64).reshape(-1), (n_b,))
-            lowest, highest = int(pos.min()), int(pos.max())
-        if lowest < 0 or highest >= self.context_length:
-            raise ValueError(
-                f"{self._describe()}: decode positions must be in [0, {self.context_length}), "
-                f"got {lowest}..{highest}"
-            )
+        checked, lowest, highest = check_decode_positions(
+            positions, n_b, self.context_length, self._describe(), self.execution_context.to_host
+        )
+        pos = None if isinstance(checked, int) else checked
         qkv = self.qkv_proj.forward(x)  # checks x
         if x.shape[1] != 1:
             raise ValueError(f"{self._describe()}: decode takes x [B, 1, dim], got {x.shape}")

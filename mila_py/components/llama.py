@@ -24,8 +24,12 @@ from typing import Any
 import numpy as np
 
 from mila_py.build_context import BuildContext
-from mila_py.components._layer import is_int, leading_view
-from mila_py.components.attention import AttentionConfig, GroupedQueryAttention
+from mila_py.components._layer import leading_view
+from mila_py.components.attention import (
+    AttentionConfig,
+    GroupedQueryAttention,
+    check_decode_positions,
+)
 from mila_py.components.linear import Linear, LinearConfig
 from mila_py.components.rms_norm import RmsNorm, RmsNormConfig
 from mila_py.components.swiglu import SwiGLU, SwiGLUConfig
@@ -390,7 +394,9 @@ class Llama(Network):
         token = _on_device(self.execution_context, token).reshape(-1, 1)
         if self._plans is not None:  # CPU: the decode plan of this batch size
             n_b = token.shape[0]
-            positions = _decode_positions(position, n_b, self.context_length, self._describe())
+            positions, _, _ = check_decode_positions(
+                position, n_b, self.context_length, self._describe(), self.execution_context.to_host
+            )
             self.embed_tokens.forward(token)  # checks the ids; writes the plan's input buffer
             cell, steps, logits = self._decode_plan(n_b)
             cell.set(positions)
@@ -581,27 +587,6 @@ def _active(ctx: Any) -> Any:
 def _on_device(ctx: Any, array: Any) -> Any:
     """``array`` itself if it lives on ``ctx``'s device, else a copy there (lists, host arrays)."""
     return array if ctx.is_device_array(array) else ctx.to_device(np.asarray(array))
-
-
-def _decode_positions(position: Any, n_b: int, context: int, who: str) -> Any:
-    """``position`` of :meth:`Llama.decode` checked: an int, or ``[n_b]`` int64 on the host."""
-    if is_int(position):
-        lowest = highest = int(position)
-        value: Any = lowest
-    else:
-        host = np.asarray(position.get() if hasattr(position, "get") else position)
-        if host.dtype.kind not in "iu" or host.size not in (1, n_b):
-            raise TypeError(
-                f"{who}: decode positions must be an int or {n_b} ints, got {host.dtype} of "
-                f"shape {host.shape}"
-            )
-        value = np.broadcast_to(host.astype(np.int64).reshape(-1), (n_b,))
-        lowest, highest = int(value.min()), int(value.max())
-    if lowest < 0 or highest >= context:
-        raise ValueError(
-            f"{who}: decode positions must be in [0, {context}), got {lowest}..{highest}"
-        )
-    return value
 
 
 def _as_position(value: Any, who: str) -> int:

@@ -389,6 +389,9 @@ class Llama(Network):
 
         Returns:
             next-token logits ``[B, vocab]`` (a copy, on the model's device).
+
+        CPU builds run a decode plan (see :meth:`_decode_plan`), made per batch size on first
+        use; CUDA builds run the components' own calls.
         """
         self._require_inference("decode()")
         token = _on_device(self.execution_context, token).reshape(-1, 1)

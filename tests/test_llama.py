@@ -277,6 +277,21 @@ def test_cpu_fused_adamw_takes_fortran_order_and_refuses_mixed_layouts() -> None
     np.testing.assert_array_equal(p, before)  # nothing was updated
 
 
+def test_cpu_adamw_op_settles_the_backend_when_created(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mila_py.ops.cpu import _fused_layers
+    from mila_py.ops.cpu.adamw import CpuAdamWOp
+
+    def op() -> CpuAdamWOp:
+        return CpuAdamWOp(create_execution_context("CPU"), None, Precision.FP32)
+
+    p = np.zeros(8, np.float32)
+    fused = op()
+    assert fused.accepts(p, p, p, p) is _fused_layers.AVAILABLE
+    monkeypatch.setenv("MILA_PY_CPU_BACKEND", "numpy")
+    assert fused.accepts(p, p, p, p) is _fused_layers.AVAILABLE  # read at creation, not per call
+    assert not op().accepts(p, p, p, p)  # an op created now takes the array code
+
+
 def test_clip_grad_norm() -> None:
     model = built()
     for g in model.get_gradients():

@@ -397,12 +397,12 @@ class Llama(Network):
         token = _on_device(self.execution_context, token).reshape(-1, 1)
         if self._plans is not None:  # CPU: the decode plan of this batch size
             n_b = token.shape[0]
-            positions, _, _ = check_decode_positions(
+            positions, lowest, highest = check_decode_positions(
                 position, n_b, self.context_length, self._describe(), self.execution_context.to_host
             )
             self.embed_tokens.forward(token)  # checks the ids; writes the plan's input buffer
             cell, steps, logits = self._decode_plan(n_b)
-            cell.set(positions)
+            cell.set(positions, lowest, highest)
             for step in steps:
                 step()
             return logits[:, 0].copy()

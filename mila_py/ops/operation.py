@@ -32,15 +32,10 @@ class DecodePositions:
         self.highest = 0
         self.uniform = True
 
-    def set(self, positions: Any) -> None:
-        """Take an int (every sequence) or ``[B]`` ints, already checked by the caller."""
-        if isinstance(positions, int):
-            self.each[...] = positions
-            self.highest, self.uniform = positions, True
-        else:
-            self.each[...] = positions
-            self.highest = int(self.each.max())
-            self.uniform = bool((self.each == self.highest).all())
+    def set(self, positions: Any, lowest: int, highest: int) -> None:
+        """Take an int (every sequence) or ``[B]`` ints and their range, checked by the caller."""
+        self.each[...] = positions
+        self.highest, self.uniform = highest, lowest == highest
 
 
 class Operation:

@@ -4,7 +4,8 @@
 and ``v`` per parameter; this kernel reads each once and writes ``p``, ``m``, ``v`` once. It does
 the same float operations in the same order, each rounded to the parameter's dtype (no fused
 multiply-add), so it is bit-identical to the array code, which stays the reference and the path
-without Numba (``accepts`` is False there, and under ``MILA_PY_CPU_BACKEND=numpy``).
+without Numba (``accepts`` is False there, and under ``MILA_PY_CPU_BACKEND=numpy`` set
+before the optimizer is created).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 
 from mila_py.devices.device import DeviceType
 from mila_py.ops.cpu import _fused_layers
+from mila_py.ops.cpu._fused_op import FusedCpuOp
 from mila_py.ops.operation import FusedAdamW
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
@@ -62,14 +64,14 @@ else:
 
 
 @register_op("AdamWOp", DeviceType.CPU, precisions=(Precision.FP32, Precision.FP64))
-class CpuAdamWOp(FusedAdamW):
+class CpuAdamWOp(FusedCpuOp, FusedAdamW):
     """The fused AdamW update of one parameter: one Numba pass (see :class:`FusedAdamW`)."""
 
     requirement = "dense float32/float64 arrays of one shape and one layout, with Numba enabled"
 
     def accepts(self, p: Any, g: Any, m: Any, v: Any) -> bool:
         """True if Numba is on, the arrays are float32/64 of one dtype, dense, one layout."""
-        if not _fused_layers.enabled(p.dtype) or any(a.dtype != p.dtype for a in (g, m, v)):
+        if not self.fuses(p.dtype) or any(a.dtype != p.dtype for a in (g, m, v)):
             return False
         return super().accepts(p, g, m, v)
 

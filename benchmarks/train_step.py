@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from _torch_llama import torch_train_step
 
 from mila_py import BuildContext, RuntimeMode
 from mila_py.components import Llama, LlamaConfig, SoftmaxCrossEntropy, SoftmaxCrossEntropyConfig
@@ -63,78 +64,6 @@ def mila_step(
     return step, model.parameter_count()
 
 
-def torch_step(n_b: int, n_t: int, tokens: np.ndarray, targets: np.ndarray) -> Callable[[], object]:
-    import torch
-    import torch.nn.functional as F
-
-    torch.manual_seed(0)
-    d, hq, hk = CFG.dim, CFG.n_heads, CFG.n_kv_heads
-    hd = d // hq
-
-    class Block(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.n1 = torch.nn.RMSNorm(d, eps=CFG.norm_eps)
-            self.n2 = torch.nn.RMSNorm(d, eps=CFG.norm_eps)
-            self.qkv = torch.nn.Linear(d, (hq + 2 * hk) * hd, bias=False)
-            self.o = torch.nn.Linear(hq * hd, d, bias=False)
-            self.gate = torch.nn.Linear(d, CFG.hidden_dim, bias=False)
-            self.up = torch.nn.Linear(d, CFG.hidden_dim, bias=False)
-            self.down = torch.nn.Linear(CFG.hidden_dim, d, bias=False)
-
-        def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-            b, t, _ = x.shape
-            q, k, v = self.qkv(self.n1(x)).split([hq * hd, hk * hd, hk * hd], dim=-1)
-            q = q.view(b, t, hq, hd).transpose(1, 2)
-            k = k.view(b, t, hk, hd).transpose(1, 2)
-            v = v.view(b, t, hk, hd).transpose(1, 2)
-
-            def rot(x: torch.Tensor) -> torch.Tensor:
-                x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
-                return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-            q, k = rot(q), rot(k)
-            k = k.repeat_interleave(hq // hk, dim=1)
-            v = v.repeat_interleave(hq // hk, dim=1)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            h = x + self.o(a.transpose(1, 2).reshape(b, t, hq * hd))
-            m = self.n2(h)
-            return h + self.down(F.silu(self.gate(m)) * self.up(m))
-
-    class Model(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.emb = torch.nn.Embedding(CFG.vocab_size, d)
-            self.blocks = torch.nn.ModuleList(Block() for _ in range(CFG.n_layers))
-            self.norm = torch.nn.RMSNorm(d, eps=CFG.norm_eps)
-            self.head = torch.nn.Linear(d, CFG.vocab_size, bias=False)
-            inv = 1.0 / (CFG.rope_base ** (torch.arange(0, hd, 2).float() / hd))
-            ang = torch.outer(torch.arange(n_t).float(), inv)
-            emb = torch.cat((ang, ang), dim=-1)
-            self.cos, self.sin = emb.cos(), emb.sin()
-
-        def forward(self, tok: torch.Tensor) -> torch.Tensor:
-            x = self.emb(tok)
-            for block in self.blocks:
-                x = block(x, self.cos, self.sin)
-            return self.head(self.norm(x))
-
-    model = Model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    tok = torch.from_numpy(tokens)
-    tgt = torch.from_numpy(targets)
-
-    def step() -> float:
-        logits = model(tok)
-        loss = F.cross_entropy(logits.reshape(-1, CFG.vocab_size), tgt.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        return float(loss.detach())
-
-    return step
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, default=4)
@@ -151,9 +80,7 @@ def main() -> None:
     try:
         import torch
 
-        candidates[f"PyTorch {torch.__version__} eager"] = torch_step(
-            args.batch, args.seq, tokens, targets
-        )
+        candidates[f"PyTorch {torch.__version__} eager"] = torch_train_step(CFG, tokens, targets)
     except ImportError as exc:
         print(f"(PyTorch skipped: {exc})")
     times = _interleaved(candidates, args.steps)

@@ -6,7 +6,8 @@ buffers, transposed weights, in-place gradients, ignored targets, repeated token
 decode masks. Float32 results agree with the CPU ops to within reduction-order roundings; where
 both sides do the same IEEE operations in the same order (AdamW) they agree bit for bit.
 
-The CUDA sources are also compiled for sm_90 by ``nvcc`` where it is installed. The same ops on
+The CUDA sources are also compiled for sm_90 by ``nvcc`` where it is installed, and by NVRTC
+through CuPy where CuPy and NVRTC load (no GPU needed). The same ops on
 a real GPU are compared in ``tests/cuda/test_llama_cuda.py``. RoPE's op, whose template kernel
 is in :data:`SOURCES` too, is checked in ``test_rope_cuda_emulated.py``.
 """
@@ -397,3 +398,45 @@ def test_cuda_sources_compile_for_sm90(tmp_path) -> None:
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert len(spills) == len(entries), report
     assert all(stores == "0" and loads == "0" for stores, loads in spills), report
+
+
+def _nvrtc() -> Any:
+    """CuPy's NVRTC bindings when they load (no GPU needed), else None."""
+    try:
+        from cupy.cuda import nvrtc
+
+        nvrtc.getVersion()
+    except Exception:  # no CuPy, or no NVRTC library beside it
+        return None
+    return nvrtc
+
+
+NVRTC = _nvrtc()
+
+
+@pytest.mark.skipif(NVRTC is None, reason="CuPy's NVRTC is not loadable")
+@pytest.mark.parametrize("index", range(len(SOURCES)))
+def test_cuda_sources_compile_with_nvrtc(index: int) -> None:
+    """Each source compiles as :func:`_kernels.module` hands it to CuPy (prelude, options, the
+    name expressions), with NVRTC and no warning, and every instantiation the ops launch gets a
+    lowered name. NVRTC has no host headers, unlike nvcc; this needs no GPU, only CuPy and
+    NVRTC (``pip install cupy-cuda13x nvidia-cuda-nvrtc``)."""
+    source = SOURCES[index]
+    names = list(NAME_EXPRESSIONS) if source is rope.ROPE_CUDA_SOURCE else []
+    program = NVRTC.createProgram(_kernels.CUDA_PRELUDE + source, "kernels.cu", [], [])
+    for name in names:
+        NVRTC.addNameExpression(program, name)
+    try:
+        NVRTC.compileProgram(program, [*_kernels.NVRTC_OPTIONS, "-arch=sm_90"])
+    except NVRTC.NVRTCError as exc:
+        pytest.fail(f"{exc}\n{NVRTC.getProgramLog(program)}")
+    assert NVRTC.getProgramLog(program).strip() == ""
+    lowered = [NVRTC.getLoweredName(program, name) for name in names]
+    assert len(set(lowered)) == len(names)
+    cubin = NVRTC.getCUBIN(program)
+    kernels = re.findall(
+        r'extern "C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)', source
+    )
+    assert names or kernels
+    for symbol in [*kernels, *lowered]:
+        assert symbol.encode() in cubin, symbol

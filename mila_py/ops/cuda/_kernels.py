@@ -28,6 +28,7 @@ import numpy as np
 __all__ = [
     "CUDA_PRELUDE",
     "NULL",
+    "NVRTC_OPTIONS",
     "ROW_THREADS",
     "THREADS",
     "address",
@@ -49,6 +50,8 @@ MAX_BLOCKS = 8192
 #: a null pointer argument: 8 zero bytes. ``None`` is no substitute: CuPy 13.x passes it as an
 #: unspecified value, not as NULL (cupy/cupy#9046).
 NULL = np.uint64(0)
+#: NVRTC options of every kernel source (CuPy adds the device's ``-arch``)
+NVRTC_OPTIONS = ("--std=c++17",)
 
 CUDA_PRELUDE = r"""
 #define MILA_FULL_MASK 0xffffffffu
@@ -124,7 +127,7 @@ def module(source: str, device_index: int, name_expressions: tuple[str, ...] = (
 
         compiled = cupy.RawModule(
             code=CUDA_PRELUDE + source,
-            options=("--std=c++17",),
+            options=NVRTC_OPTIONS,
             name_expressions=list(name_expressions) or None,
         )
         with cupy.cuda.Device(device_index):

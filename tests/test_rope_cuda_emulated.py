@@ -565,6 +565,46 @@ def test_arrays_off_whole_elements_are_refused(cuda: None, rng) -> None:
     assert not launches(rope)
 
 
+def test_one_op_through_changing_layouts(cuda: None, rng) -> None:
+    """The op keeps the width of each alignment and the stride arguments of each stride pattern
+    it has seen: one op, called on aligned, shifted, fused-QKV and sliced views in turn (and
+    again), launches each time the width and strides of that call, not of an earlier one."""
+    cfg = rope_config((4, 2), 16)
+    hq, hk, d = 4, 2, 16
+    rope = cuda_rope_of(cfg, 2, 4)
+    cpu = make_rope(cfg, 2, 4)
+    item = FP32.itemsize
+
+    def plain(shift: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        q = aligned_empty(2 * 4 * hq * d + shift, np.float32)[shift:].reshape(2, 4, hq * d)
+        k = aligned_empty(2 * 4 * hk * d + shift, np.float32)[shift:].reshape(2, 4, hk * d)
+        return q, k, [shift * item]
+
+    def fused(before: int, after: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        width = before + (hq + 2 * hk) * d + after
+        qkv = aligned_empty(2 * 4 * width, np.float32).reshape(2, 4, width)
+        k_at = before + hq * d
+        q, k = qkv[..., before:k_at], qkv[..., k_at : k_at + hk * d]
+        return q, k, [before * item, k_at * item, width * item]
+
+    def sliced() -> tuple[np.ndarray, np.ndarray, list[int]]:
+        q = aligned_empty(3 * 6 * hq * d, np.float32).reshape(3, 6, hq * d)[1:, 2:]
+        k = aligned_empty(3 * 6 * hk * d, np.float32).reshape(3, 6, hk * d)[1:, 2:]
+        return q, k, [(6 + 2) * hq * d * item, (6 + 2) * hk * d * item]
+
+    cases = [plain(0), plain(1), fused(0, 0), plain(2), fused(2, 1), sliced(), plain(0)]
+    for q, k, spans in [*cases, cases[1], cases[4]]:
+        q[...] = rng.standard_normal(q.shape)
+        k[...] = rng.standard_normal(k.shape)
+        cpu_q, cpu_k = q.copy(), k.copy()
+        rope.prefill(q, k, 33)
+        cpu.prefill(cpu_q, cpu_k, 33)
+        vec = expected_width(FP32, "half", d, d // 2, spans)
+        assert launches(rope)[-1] == name_of(FP32, vec, "half")
+        assert_parity(q, cpu_q, FP32)
+        assert_parity(k, cpu_k, FP32)
+
+
 # ---------------------------------------------------------------------------------- the emulator
 
 

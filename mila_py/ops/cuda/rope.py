@@ -233,6 +233,11 @@ class CudaRopeOp(Operation):
             vec: kernel_name(precision, vec, self._interleaved) for vec in self._widths
         }
         self._shape_args: tuple[np.int32, ...] = ()
+        self._item = precision.itemsize
+        # host work per launch, kept small (a B=1 decode is a few microseconds of it): the width
+        # each address alignment allows, and the stride arguments of each stride pattern
+        self._width_of: dict[int, int] = {}
+        self._stride_args: dict[tuple[tuple[int, ...], ...], tuple[np.int64, ...]] = {}
 
     def build(self, build_context: BuildContext) -> None:
         super().build(build_context)
@@ -265,23 +270,31 @@ class CudaRopeOp(Operation):
             ValueError: an array whose first element or row strides are not a whole number of
                 elements from an aligned address (no access width would be aligned).
         """
-        assert self.table is not None, "CudaRopeOp used before build"
-        n_freq = self.table.n_freq
-        span = 2 * n_freq if self._interleaved else n_freq
-        item = self.precision.itemsize
-        # the largest power of two (bytes, at most 16) dividing every address the kernel forms
-        aligned = 16
+        aligned = 16  # the largest power of two (bytes, at most 16) dividing every address
         for a in arrays:
             aligned = math.gcd(aligned, _kernels.address(a))
-            for ax in (0, 1):
-                if a.shape[ax] != 1:
-                    aligned = math.gcd(aligned, a.strides[ax])
+            if a.shape[0] != 1:
+                aligned = math.gcd(aligned, a.strides[0])
+            if a.shape[1] != 1:
+                aligned = math.gcd(aligned, a.strides[1])
+        vec = self._width_of.get(aligned)
+        if vec is None:
+            vec = self._width_of.setdefault(aligned, self._width_for(aligned, arrays))
+        return vec
+
+    def _width_for(self, aligned: int, arrays: tuple[Any, ...]) -> int:
+        """The widest access of :data:`vector_widths` that ``aligned`` bytes, the rotated span
+        and the head size allow."""
+        assert self.table is not None, "CudaRopeOp used before build"
+        item = self._item
         if aligned % item:
             raise ValueError(
                 f"CUDA RoPE needs Q and K at whole elements of {item} bytes from an aligned "
                 f"address, with row strides of whole elements; got strides "
                 f"{[a.strides for a in arrays]}"
             )
+        n_freq = self.table.n_freq
+        span = 2 * n_freq if self._interleaved else n_freq
         for vec in self._widths:
             if vec == 1 or (
                 aligned % (vec * item) == 0 and span % vec == 0 and self.config.head_dim % vec == 0
@@ -367,17 +380,25 @@ class CudaRopeOp(Operation):
         ctx = self.context
         n_b, n_t = q.shape[0], q.shape[1]
         n_freq = self.table.n_freq  # type: ignore[union-attr]
-        item = self.precision.itemsize
-        vec = self.vector_width(q, k, q_out, k_out)
-        copy_rest = (q_out is not q or k_out is not k) and 2 * n_freq < self.config.head_dim
+        in_place = q_out is q and k_out is k
+        arrays = (q, k) if in_place else (q, k, q_out, k_out)
+        vec = self.vector_width(*arrays)
+        copy_rest = not in_place and 2 * n_freq < self.config.head_dim
+        key = (q.strides, k.strides, q_out.strides, k_out.strides)
+        strides = self._stride_args.get(key)
+        if strides is None:
+            item = self._item
+            strides = tuple(
+                np.int64(st // item) for a in (q, k, q_out, k_out) for st in a.strides[:2]
+            )
+            if len(self._stride_args) < 64:  # a model has a handful; odd callers, any number
+                self._stride_args[key] = strides
+        q_sb, q_st, k_sb, k_st, qo_sb, qo_st, ko_sb, ko_st = strides
         args = (
             q, q_out, k, k_out, cos, sin, _kernels.NULL if pos is None else pos,
             np.int32(pos is not None), np.int64(offset), np.int32(n_t),
             *self._shape_args,
-            np.int64(q.strides[0] // item), np.int64(q.strides[1] // item),
-            np.int64(k.strides[0] // item), np.int64(k.strides[1] // item),
-            np.int64(q_out.strides[0] // item), np.int64(q_out.strides[1] // item),
-            np.int64(k_out.strides[0] // item), np.int64(k_out.strides[1] // item),
+            q_sb, q_st, k_sb, k_st, qo_sb, qo_st, ko_sb, ko_st,
             _SIGNS[inverse], np.int32(copy_rest),
         )  # fmt: skip
         _kernels.launch(

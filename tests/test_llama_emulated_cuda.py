@@ -116,3 +116,43 @@ def test_inference_equals_cpu(cuda: None, tmp_path) -> None:
     assert type(gpu.layers[0].self_attn._op).__name__ == "CudaAttentionOp"
     launches = gpu.execution_context.launches
     assert any(name.startswith("rope_qk<float, ") for name in launches)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_decode_plan_equals_the_component_path(cuda: None, tie: bool, tmp_path) -> None:
+    """CUDA decode runs a plan (the ops bound once to the build's buffers, as on the CPU): its
+    logits and caches equal those of the components' own calls, for one position for all, for
+    ragged positions (cache rows written through a device index) and for B=1 in a B=2 build."""
+    cfg = dataclasses.replace(CFG, tie_embeddings=tie)
+    rng = np.random.default_rng(9)
+    trained = Llama("llama", cfg, device="CPU")
+    trained.build(BuildContext((1, 8), TRAINING))
+    trained.save(tmp_path / "w.safetensors")
+    models = []
+    for _ in range(2):
+        model = Llama("llama", cfg, device="CUDA:0")
+        model.build(BuildContext((2, 40), INFERENCE, prefill_size=6))
+        model.load(tmp_path / "w.safetensors")
+        models.append(model)
+    planned, components = models
+    x = rng.integers(0, cfg.vocab_size, size=(2, 30))
+    for model in models:
+        model.prefill(x[:, :7])
+    for position in range(7, 30):
+        # one position for all until 15, then sequence 0 falls back by 4 (ragged); B=1 at 20
+        if position < 15:
+            n_b, where = 2, position
+        elif position == 20:
+            n_b, where = 1, position
+        else:
+            n_b, where = 2, np.array([position - 4, position])
+        got = planned.decode(x[:n_b, position], where)
+        want = components._decode_components(x[:n_b, position, None], where)
+        assert np.abs(want).max() > 0.1  # real logits, not those of zero weights
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert planned._plans is not None and sorted(planned._plans) == [1, 2]
+    assert components._plans == {}  # the reference never made one
+    for a, b in zip(planned.layers, components.layers, strict=True):
+        for cache in ("k_cache", "v_cache"):
+            np.testing.assert_allclose(a.self_attn._state[cache], b.self_attn._state[cache])
+    assert "decode_scores" not in planned._state  # the CPU attention kernel's scratch only

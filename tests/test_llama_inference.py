@@ -198,7 +198,7 @@ DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddi
 def test_decode_plan_equals_the_component_path(
     weights: str, backend: str, scaling: str, precision: Precision, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The CPU decode plan against the components' own calls (CUDA's path), on the same prompt
+    """The CPU decode plan against the components' own calls, on the same prompt
     and tokens, with one position for all and, later, ragged positions. "dynamic" recomputes
     RoPE rows past its original context (no table covers them); halfway, one layer's RoPE
     backend switches under the plan."""

@@ -327,8 +327,8 @@ class GroupedQueryAttention(CompositeComponent):
     ) -> tuple[list[Any], Any]:
         """``(steps, y)``: callables that run :meth:`decode` of the buffer ``x [B, 1, dim]`` (its
         values at call time) at ``positions`` (read at call time, checked by the caller) into
-        ``y``, for a decode plan of a CPU INFERENCE build. ``scores``: scratch of
-        ``>= n_heads * context`` elements for the attention probabilities."""
+        ``y``, for a decode plan of an INFERENCE build. ``scores``: the CPU op's scratch of
+        ``>= n_heads * context`` elements for the attention probabilities (None on CUDA)."""
         cfg = self.config
         n_b = x.shape[0]
         steps, qkv = self.qkv_proj._bind_forward(x)
@@ -336,15 +336,23 @@ class GroupedQueryAttention(CompositeComponent):
         k_cache = self._state["k_cache"][:n_b]
         v_cache = self._state["v_cache"][:n_b]
         k_new, v_new = k[:, 0], v[:, 0]
-        rows, each = np.arange(n_b), positions.each
+        xp = self.execution_context.xp
+        # ragged steps write row b * T_max + each[b] of the caches seen as [B * T_max, Hk*d]
+        # (views of the C-contiguous state buffers), indexed from the host
+        k_rows = k_cache.reshape(-1, k_cache.shape[-1])
+        v_rows = v_cache.reshape(-1, v_cache.shape[-1])
+        starts, each = np.arange(n_b) * k_cache.shape[1], positions.each
 
         def write_cache() -> None:
             if positions.uniform:
                 k_cache[:, positions.highest] = k_new
                 v_cache[:, positions.highest] = v_new
             else:
-                k_cache[rows, each] = k_new
-                v_cache[rows, each] = v_new
+                at = starts + each
+                if xp is not np:  # a device's cache takes a device index (8 bytes a sequence)
+                    at = xp.asarray(at)
+                k_rows[at] = k_new
+                v_rows[at] = v_new
 
         out = leading_view(self._state["attn_out"], (n_b, 1, cfg.q_width))
         attend = self._op.bind_decode(

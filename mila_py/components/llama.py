@@ -269,11 +269,10 @@ class Llama(Network):
             if build_context.is_training:
                 self._add_state("dnorm", self._allocate((n_b, n_t, self.config.dim)))
         self._hidden = None
-        # decode plans per batch size (CPU INFERENCE builds), see _decode_plan, and the attention
-        # scores of one sequence, which every layer's decode step uses in turn
-        cpu = self.device_id.device_type is DeviceType.CPU
-        self._plans = {} if build_context.is_inference and cpu else None
-        if self._plans is not None:
+        # decode plans per batch size (INFERENCE builds), see _decode_plan, and on the CPU the
+        # attention scores of one sequence, which every layer's decode step uses in turn
+        self._plans = {} if build_context.is_inference else None
+        if self._plans is not None and self.device_id.device_type is DeviceType.CPU:
             self._add_state("decode_scores", self._allocate((self.config.n_heads * n_t,)))
 
     # ------------------------------------------------------------------ sizes
@@ -390,27 +389,26 @@ class Llama(Network):
         Returns:
             next-token logits ``[B, vocab]`` (a copy, on the model's device).
 
-        CPU builds run a decode plan (see :meth:`_decode_plan`), made per batch size on first
-        use; CUDA builds run the components' own calls.
+        Runs a decode plan (see :meth:`_decode_plan`), made per batch size on first use.
         """
         self._require_inference("decode()")
-        token = _on_device(self.execution_context, token).reshape(-1, 1)
-        if self._plans is not None:  # CPU: the decode plan of this batch size
-            n_b = token.shape[0]
-            positions, lowest, highest = check_decode_positions(
-                position, n_b, self.context_length, self._describe(), self.execution_context.to_host
-            )
+        ctx = self.execution_context
+        token = _on_device(ctx, token).reshape(-1, 1)
+        n_b = token.shape[0]
+        positions, lowest, highest = check_decode_positions(
+            position, n_b, self.context_length, self._describe(), ctx.to_host
+        )
+        with _active(ctx):
             self.embed_tokens.forward(token)  # checks the ids; writes the plan's input buffer
             cell, steps, logits = self._decode_plan(n_b)
             cell.set(positions, lowest, highest)
             for step in steps:
                 step()
             return logits[:, 0].copy()
-        return self._decode_components(token, position)
 
     def _decode_components(self, token: Any, position: Any) -> Any:
         """:meth:`decode` through the components' own calls (``token [B, 1]`` on the device):
-        the path of CUDA builds, and the reference the CPU decode plan is tested against."""
+        the reference the decode plans are tested against."""
         with _active(self.execution_context):
             h = self.embed_tokens.forward(token)
             for block in self.layers:
@@ -432,7 +430,7 @@ class Llama(Network):
         if plan is None:
             cell = DecodePositions(n_b)
             h = self.embed_tokens._view("output", (n_b, 1, self.config.dim))
-            scores = self._state["decode_scores"]
+            scores = self._state.get("decode_scores")  # CPU builds
             steps: list[Any] = []
             for block in self.layers:
                 block_steps, h = block._bind_decode(h, cell, scores)
@@ -445,7 +443,8 @@ class Llama(Network):
             else:
                 logits = leading_view(self._state["logits"], (n_b, 1, self.config.vocab_size))
                 weight = self.embed_tokens._parameters["weight"]  # [vocab, dim]
-                steps.append(functools.partial(np.matmul, h, weight.T, out=logits))
+                matmul = self.execution_context.xp.matmul
+                steps.append(functools.partial(matmul, h, weight.T, out=logits))
             plan = plans[n_b] = (cell, steps, logits)
         return plan
 

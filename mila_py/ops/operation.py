@@ -13,7 +13,14 @@ from mila_py.build_context import BuildContext
 from mila_py.devices.execution_context import ExecutionContext
 from mila_py.precision import Precision
 
-__all__ = ["DecodePositions", "FusedAdamW", "Operation", "PositionalPairedOp"]
+__all__ = [
+    "DecodePositions",
+    "FusedAdamW",
+    "Operation",
+    "PositionalPairedOp",
+    "bind_attention_decode",
+    "bind_rope_decode",
+]
 
 
 class DecodePositions:
@@ -36,6 +43,50 @@ class DecodePositions:
         """Take an int (every sequence) or ``[B]`` ints and their range, checked by the caller."""
         self.each[...] = positions
         self.highest, self.uniform = highest, lowest == highest
+
+
+def bind_rope_decode(
+    apply: Callable[..., None], q: Any, k: Any, positions: DecodePositions
+) -> Callable[[], None]:
+    """A RoPE op's ``apply`` on ``q``, ``k`` ``[B, 1, width]`` at the step's ``positions`` (read
+    at each call), as a callable of no arguments: the decode-plan call of any RoPE op, which
+    ops with a cheaper direct call use where that does not apply."""
+    each = positions.each.reshape(-1, 1)  # a view: the values of the step
+
+    def rotate() -> None:
+        top = positions.highest
+        if positions.uniform:
+            apply(q, k, offset=top, seq_len=top + 1)
+        else:
+            apply(q, k, positions=each, seq_len=top + 1)
+
+    return rotate
+
+
+def bind_attention_decode(
+    forward: Callable[..., Any],
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    n_heads: int,
+    n_kv_heads: int,
+    scale: float,
+    out: Any,
+    positions: DecodePositions,
+) -> Callable[[], None]:
+    """An attention op's ``forward`` of ``q [B, 1, Hq*d]`` over the cached keys and values
+    ``[B, T_max, Hk*d]`` up to the step's ``positions`` (read at each call; sequence ``b`` sees
+    ``0 .. positions.each[b]``), into ``out``, as a callable of no arguments: the decode-plan
+    call of any attention op."""
+    each = positions.each
+
+    def attend() -> None:
+        n = positions.highest + 1
+        visible = None if positions.uniform else each + 1
+        keys, values = k_cache[:, :n], v_cache[:, :n]
+        forward(q, keys, values, n_heads, n_kv_heads, scale, out=out, causal=False, visible=visible)
+
+    return attend
 
 
 class Operation:
@@ -68,7 +119,9 @@ class Operation:
         """``forward(*args)`` as a callable of no arguments, for arrays that stay the same from
         call to call (a decode plan: fixed buffers, new values). Ops override it with a cheaper
         call where the arrays allow one; the result must track the arrays' contents, never copy
-        them at bind time."""
+        them at bind time. Callers run the result with the execution context active (CUDA: its
+        device and stream current), as a decode plan does, so a bound call need not activate
+        it again."""
         return functools.partial(self.forward, *args)  # type: ignore[attr-defined]
 
     def state_nbytes(self) -> int:

@@ -20,7 +20,7 @@ import numpy as np
 from mila_py.devices import DeviceType
 from mila_py.ops.cpu import _fused_attention
 from mila_py.ops.cpu._fused_op import FusedCpuOp
-from mila_py.ops.operation import DecodePositions
+from mila_py.ops.operation import DecodePositions, bind_attention_decode
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
@@ -216,15 +216,9 @@ class CpuAttentionOp(FusedCpuOp):
 
             return attend
 
-        def attend_general() -> None:
-            n = positions.highest + 1
-            visible = None if positions.uniform else each + 1
-            keys, values = k_cache[:, :n], v_cache[:, :n]
-            self.forward(
-                q, keys, values, n_heads, n_kv_heads, scale, out=out, causal=False, visible=visible
-            )
-
-        return attend_general
+        return bind_attention_decode(
+            self.forward, q, k_cache, v_cache, n_heads, n_kv_heads, scale, out, positions
+        )
 
     def backward(self, dout: Any, *args: Any, **kwargs: Any) -> None:
         if self.fuses(dout.dtype):

@@ -25,7 +25,7 @@ from mila_py.ops.operation import Operation
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
-__all__ = ["CpuLinearOp", "linear_backward", "linear_forward"]
+__all__ = ["CpuLinearOp", "bind_linear_forward", "linear_backward", "linear_forward"]
 
 
 def linear_forward(
@@ -44,6 +44,18 @@ def linear_forward(
     xp.matmul(as_rows(x), weight.T, out=y)  # BLAS reads W^T through strides: no copy
     if bias is not None:
         y += bias
+
+
+def bind_linear_forward(
+    op: Operation, x: Any, weight: Any, bias: Any, out: Any
+) -> Callable[[], Any]:
+    """``op``'s forward of fixed buffers as one matrix product of the op's array module on 2-D
+    views of ``x`` and ``out`` (BLAS on the CPU, cuBLAS on CUDA) when both are C-contiguous and
+    there is no bias; else the op's own forward (see :meth:`Operation.bind_forward`)."""
+    if bias is None and x.flags.c_contiguous and out.flags.c_contiguous:
+        matmul = op.context.xp.matmul
+        return functools.partial(matmul, as_rows(x), weight.T, out=out_rows(out))
+    return Operation.bind_forward(op, x, weight, bias, out)
 
 
 def linear_backward(
@@ -82,10 +94,8 @@ class CpuLinearOp(Operation):
         linear_forward(x, weight, bias, out)
 
     def bind_forward(self, x: Any, weight: Any, bias: Any, out: Any) -> Callable[[], Any]:
-        """One BLAS call on 2-D views of ``x`` and ``out`` (C-contiguous, no bias)."""
-        if bias is None and x.flags.c_contiguous and out.flags.c_contiguous:
-            return functools.partial(np.matmul, as_rows(x), weight.T, out=out_rows(out))
-        return super().bind_forward(x, weight, bias, out)
+        """One BLAS call on 2-D views of ``x`` and ``out`` (see :func:`bind_linear_forward`)."""
+        return bind_linear_forward(self, x, weight, bias, out)
 
     def backward(self, x: Any, weight: Any, dy: Any, dweight: Any, dbias: Any, dx: Any) -> None:
         linear_backward(x, weight, dy, dweight, dbias, dx)

@@ -35,7 +35,7 @@ from mila_py.components.rope_config import RopeConfig, RopeLayout
 from mila_py.components.rope_table import RopeTable, get_rope
 from mila_py.devices import DeviceType
 from mila_py.ops.cpu import _rope_fused
-from mila_py.ops.operation import DecodePositions, Operation
+from mila_py.ops.operation import DecodePositions, Operation, bind_rope_decode
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
@@ -137,17 +137,15 @@ class CpuRopeOp(Operation):
         no_positions = _rope_fused.NO_POSITIONS
         each = positions.each.reshape(n_rows, 1)  # a view: the values of the step
         direct = q.shape[1] == 1 and q.dtype in (np.float32, np.float64)
+        general = bind_rope_decode(self.apply, q, k, positions)
 
         def rotate() -> None:
             top = positions.highest
             tables = table.tables_for(top + 1) if direct and self.uses_fused else None
-            if positions.uniform:
-                if tables is None:
-                    self.apply(q, k, offset=top, seq_len=top + 1)
-                else:
-                    kernel(q, k, tables[0], tables[1], top, no_positions, False, 0, n_rows, *args)
-            elif tables is None:
-                self.apply(q, k, positions=each, seq_len=top + 1)
+            if tables is None:
+                general()
+            elif positions.uniform:
+                kernel(q, k, tables[0], tables[1], top, no_positions, False, 0, n_rows, *args)
             else:
                 kernel(q, k, tables[0], tables[1], 0, each, True, 0, n_rows, *args)
 

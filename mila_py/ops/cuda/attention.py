@@ -28,7 +28,7 @@ import numpy as np
 from mila_py.devices import DeviceType
 from mila_py.ops.cpu.attention import _visible_bias
 from mila_py.ops.cuda import _kernels
-from mila_py.ops.operation import Operation
+from mila_py.ops.operation import DecodePositions, Operation, bind_attention_decode
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
@@ -232,6 +232,25 @@ class CudaAttentionOp(Operation):
                 q, k, v, n_heads, n_kv_heads, scale, out, probs, q_offset, bias, causal,
                 xp=ctx.xp, softmax=self._softmax,
             )  # fmt: skip
+
+    def bind_decode(
+        self,
+        q: Any,
+        k_cache: Any,
+        v_cache: Any,
+        n_heads: int,
+        n_kv_heads: int,
+        scale: float,
+        out: Any,
+        positions: DecodePositions,
+        scratch: Any = None,
+    ) -> Callable[[], None]:
+        """Decode attention of ``q [B, 1, Hq*d]`` over ``k_cache``, ``v_cache`` ``[B, T_max,
+        Hk*d]`` up to ``positions`` (read at each call) into ``out``, as a callable of no
+        arguments (a decode plan). ``scratch`` is the CPU op's; this op takes none."""
+        return bind_attention_decode(
+            self.forward, q, k_cache, v_cache, n_heads, n_kv_heads, scale, out, positions
+        )
 
     def backward(
         self,

@@ -15,11 +15,12 @@ gradient accumulates inside the GEMM (``beta = 1``), with no temporary the size 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from mila_py.devices.device import DeviceType
 from mila_py.ops.cpu._rows import out_rows
-from mila_py.ops.cpu.linear import linear_forward
+from mila_py.ops.cpu.linear import bind_linear_forward, linear_forward
 from mila_py.ops.cuda import _kernels
 from mila_py.ops.operation import Operation
 from mila_py.ops.registry import register_op
@@ -37,6 +38,10 @@ class CudaLinearOp(Operation):
         ctx: Any = self.context
         with ctx.activate():
             linear_forward(x, weight, bias, out, xp=ctx.xp)
+
+    def bind_forward(self, x: Any, weight: Any, bias: Any, out: Any) -> Callable[[], Any]:
+        """One cuBLAS call on 2-D views of ``x`` and ``out`` (see :func:`bind_linear_forward`)."""
+        return bind_linear_forward(self, x, weight, bias, out)
 
     def backward(self, x: Any, weight: Any, dy: Any, dweight: Any, dbias: Any, dx: Any) -> None:
         """Accumulate ``dweight``, ``dbias``; overwrite ``dx [..., in]`` (C-contiguous)."""

@@ -15,6 +15,7 @@ The weight gradient is deterministic: no atomics, a fixed split of the rows into
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -127,6 +128,30 @@ class CudaRmsNormOp(Operation):
             _kernels.launch(
                 ctx, RMS_NORM_CUDA_SOURCE, "rms_norm_forward", (n_rows,), _kernels.ROW_THREADS, args
             )
+
+    def bind_forward(self, x: Any, weight: Any, out: Any, rstd: Any) -> Callable[[], Any]:
+        """:meth:`forward` of fixed buffers as one kernel launch with its arguments made here
+        (C-contiguous ``x`` and ``weight``; else the general call), run with the context active."""
+        if not (x.flags.c_contiguous and weight.flags.c_contiguous) or x.size == 0:
+            return super().bind_forward(x, weight, out, rstd)
+        ctx: Any = self.context
+        x2 = x.reshape(-1, x.shape[-1])
+        n_rows, dim = x2.shape
+        args = (
+            x2,
+            weight,
+            out_rows(out),
+            out_flat(rstd),
+            np.int32(dim),
+            np.float32(self.config.eps),
+        )
+
+        def run() -> None:
+            _kernels.launch(
+                ctx, RMS_NORM_CUDA_SOURCE, "rms_norm_forward", (n_rows,), _kernels.ROW_THREADS, args
+            )
+
+        return run
 
     def backward(self, x: Any, weight: Any, rstd: Any, dy: Any, dweight: Any, dx: Any) -> None:
         """Accumulate ``dweight [D]``; overwrite ``dx [..., D]`` (C-contiguous)."""

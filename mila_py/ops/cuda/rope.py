@@ -28,6 +28,7 @@ emulator (``tests/test_rope_cuda_emulated.py``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,7 @@ from mila_py.components.rope_config import RopeConfig, RopeLayout
 from mila_py.components.rope_table import RopeTable, get_rope
 from mila_py.devices import DeviceType
 from mila_py.ops.cuda import _kernels
-from mila_py.ops.operation import Operation
+from mila_py.ops.operation import DecodePositions, Operation, bind_rope_decode
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
@@ -260,6 +261,11 @@ class CudaRopeOp(Operation):
         else:
             positions = np.asarray(position, dtype=np.int64).reshape(-1, 1)
             self.apply(q, k, positions=positions, seq_len=int(positions.max()) + 1)
+
+    def bind_decode(self, q: Any, k: Any, positions: DecodePositions) -> Callable[[], None]:
+        """:meth:`decode` of ``q``, ``k`` ``[B, 1, width]`` at ``positions`` (read at each call),
+        as a callable of no arguments (a decode plan; the caller checked the positions)."""
+        return bind_rope_decode(self.apply, q, k, positions)
 
     def vector_width(self, *arrays: Any) -> int:
         """The widest access (elements) that every array's base, row strides and the head allow.

@@ -14,6 +14,7 @@ nothing). The backward reads ``dh`` before writing ``dgate`` at each element, so
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -89,6 +90,21 @@ class CudaSwiGLUOp(Operation):
                 _kernels.THREADS,
                 (g2, u2, h2, np.int64(n)),
             )
+
+    def bind_forward(self, gate: Any, up: Any, out: Any) -> Callable[[], Any]:
+        """:meth:`forward` of fixed buffers as one kernel launch with its arguments made here
+        (C-contiguous ``gate`` and ``up``; else the general call), run with the context active."""
+        n = int(out.size)
+        if not (gate.flags.c_contiguous and up.flags.c_contiguous) or n == 0:
+            return super().bind_forward(gate, up, out)
+        ctx: Any = self.context
+        args = (gate, up, out_rows(out), np.int64(n))
+        grid = _kernels.grid_1d(n)
+
+        def run() -> None:
+            _kernels.launch(ctx, SWIGLU_CUDA_SOURCE, "swiglu_forward", grid, _kernels.THREADS, args)
+
+        return run
 
     def backward(self, gate: Any, up: Any, dh: Any, dgate: Any, dup: Any) -> None:
         """Overwrite ``dgate`` and ``dup`` (C-contiguous); ``dgate`` may be ``dh`` itself."""

@@ -31,5 +31,7 @@ if [[ "$what" == all || "$what" == bench ]]; then
     | tee "$out/train_step_cuda.log" || status=1
   timeout 240 python3 benchmarks/generate.py --device CUDA:0 2>&1 \
     | grep -v Writing | tee "$out/generate_cuda.log" || status=1
+  timeout 120 python3 benchmarks/decode_plan.py --device CUDA:0 2>&1 \
+    | tee "$out/decode_plan_cuda.log" || status=1
 fi
 exit $status

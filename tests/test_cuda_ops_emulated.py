@@ -62,6 +62,7 @@ from mila_py.ops.cuda.rms_norm import CudaRmsNormOp
 from mila_py.ops.cuda.softmax_cross_entropy import CudaSoftmaxCrossEntropyOp
 from mila_py.ops.cuda.swiglu import CudaSwiGLUOp
 from mila_py.ops.cuda.token_embedding import CudaTokenEmbeddingOp
+from mila_py.ops.operation import DecodePositions
 from mila_py.optim import AdamW
 
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="the kernel emulator needs g++")
@@ -289,6 +290,63 @@ def test_attention_decode_matches_cpu(ctx: EmulatedContext, rng, ragged: bool) -
     close(out, out_ref, atol=1e-6)
     np.testing.assert_array_equal(q, q_before)  # a decode Q is contiguous per head: not scaled
     assert not out_buf[:, 1:].any()
+
+
+def _decode_reference(q, k_cache, v_cache, hq: int, hk: int, scale: float, pos) -> np.ndarray:
+    """Decode attention in float64, from its definition: sequence b, head h attends with
+    softmax(scale q.k_j) over keys 0 .. pos[b] of its key/value head h // (hq // hk)."""
+    n_b, d = q.shape[0], q.shape[2] // hq
+    out = np.zeros((n_b, 1, hq * d))
+    for b in range(n_b):
+        for h in range(hq):
+            g = h // (hq // hk)
+            qh = q[b, 0, h * d : (h + 1) * d].astype(np.float64)
+            keys = k_cache[b, : pos[b] + 1, g * d : (g + 1) * d].astype(np.float64)
+            values = v_cache[b, : pos[b] + 1, g * d : (g + 1) * d].astype(np.float64)
+            s = keys @ qh * scale
+            p = np.exp(s - s.max())
+            out[b, 0, h * d : (h + 1) * d] = p @ values / p.sum()
+    return out
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize(
+    ("hq", "hk", "d"), [(6, 2, 4), (4, 4, 40), (8, 1, 12), (2, 1, 128)], ids=str
+)
+def test_attention_decode_kernel_matches_a_float64_reference(
+    ctx: EmulatedContext, rng, monkeypatch, ragged: bool, hq: int, hk: int, d: int
+) -> None:
+    """The decode plan's one-launch kernel (``bind_decode``): Q a view of the QKV buffer, the
+    caches ``[B, T_max, Hk*d]``, one length for all or one per sequence (1 key, several warp
+    rounds, a head of 40 or 128 channels over 32 lanes), against float64; past the keys that
+    fit shared memory, the GEMM path. Positions are read at each call."""
+    n_b, t_max, scale = 3, 80, 0.37
+    _, q, _, _ = _qkv(rng, n_b, 1, hq, hk, d)
+    q_before = q.copy()
+    k_cache, v_cache = f32(rng, n_b, t_max, hk * d), f32(rng, n_b, t_max, hk * d)
+    out_buf = np.zeros((n_b + 1, 1, hq * d), np.float32)
+    out = out_buf[:n_b]
+    positions = DecodePositions(n_b)
+    attend = CudaAttentionOp(ctx, None, FP32).bind_decode(
+        q, k_cache, v_cache, hq, hk, scale, out, positions
+    )
+    steps = [[0, 0, 0], [70, 3, 41], [5, 5, 5], [79, 79, 79]] if ragged else [[0] * 3, [66] * 3]
+    for step in steps:
+        pos = np.array(step)
+        positions.set(pos, int(pos.min()), int(pos.max()))
+        attend()
+        assert ctx.launches[-1] == "attention_decode"
+        close(out, _decode_reference(q, k_cache, v_cache, hq, hk, scale, pos), 1e-5, 1e-5)
+    np.testing.assert_array_equal(q, q_before)
+    assert not out_buf[n_b:].any()
+    from mila_py.ops.cuda import attention as cuda_attention
+
+    monkeypatch.setattr(cuda_attention, "_DECODE_MAX_KEYS", 60)  # 67 keys: too many
+    pos = np.array([66, 12, 40]) if ragged else np.array([66] * 3)
+    positions.set(pos, int(pos.min()), int(pos.max()))
+    attend()
+    assert ctx.launches[-1] != "attention_decode"
+    close(out, _decode_reference(q, k_cache, v_cache, hq, hk, scale, pos), 1e-5, 1e-5)
 
 
 def test_attention_orchestration_with_numpy_softmax(rng) -> None:

@@ -68,6 +68,69 @@ extern "C" __global__ void attention_softmax(
     }
 }
 
+// Decode: one new query per sequence over its cached keys and values. q [B, 1, Hq*d] (rows at
+// stride q_sb: a view of the QKV buffer), k_cache and v_cache [B, t_max, Hk*d] and out
+// [B, 1, Hq*d] C-contiguous. Sequence b sees keys 0 .. len_b - 1, len_b = lengths[b] when
+// lengths is not NULL, else n. One block per (query head, sequence): a warp per key for the
+// scores (lanes over the channels), kept in dynamic shared memory ([n] floats, n >= every
+// len_b), the block's softmax over them, then a thread per output channel summing p_j v_j.
+// The scores' loop runs the same trip count in every warp (shuffles need whole warps).
+extern "C" __global__ void __launch_bounds__(128) attention_decode(
+    const float* __restrict__ q MILA_STRIDED, const float* __restrict__ k_cache,
+    const float* __restrict__ v_cache, float* __restrict__ out,
+    const long long* __restrict__ lengths, int n, long long q_sb, int t_max, int n_heads,
+    int n_kv_heads, int head_dim, float scale)
+{
+    extern __shared__ float scores[];
+    __shared__ float scratch[32];
+    const int h = blockIdx.x;
+    const long long b = blockIdx.y;
+    const int kv_head = h / (n_heads / n_kv_heads);
+    const int len = lengths != nullptr ? (int)lengths[b] : n;
+    const long long kv_width = (long long)n_kv_heads * head_dim;
+    const float* qh = q + b * q_sb + (long long)h * head_dim;
+    const float* kb = k_cache + b * t_max * kv_width + (long long)kv_head * head_dim;
+    const float* vb = v_cache + b * t_max * kv_width + (long long)kv_head * head_dim;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int n_warps = blockDim.x >> 5;
+    for (int first = 0; first < len; first += n_warps) {
+        const int j = first + warp;
+        float dot = 0.0f;
+        if (j < len) {
+            const float* kj = kb + (long long)j * kv_width;
+            for (int c = lane; c < head_dim; c += 32) {
+                dot = fmaf(__fmul_rn(qh[c], scale), kj[c], dot);
+            }
+        }
+        dot = mila_warp_sum(dot);
+        if (j < len && lane == 0) {
+            scores[j] = dot;
+        }
+    }
+    __syncthreads();
+    float m = MILA_NEG_INF;
+    for (int j = threadIdx.x; j < len; j += blockDim.x) {
+        m = fmaxf(m, scores[j]);
+    }
+    m = mila_block_max(m, scratch);
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < len; j += blockDim.x) {
+        const float e = expf(__fsub_rn(scores[j], m));
+        scores[j] = e;
+        sum = __fadd_rn(sum, e);
+    }
+    sum = mila_block_sum(sum, scratch);  // its barriers also publish every thread's scores[j]
+    float* oh = out + b * (long long)n_heads * head_dim + (long long)h * head_dim;
+    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < len; ++j) {
+            acc = fmaf(scores[j], vb[(long long)j * kv_width + c], acc);
+        }
+        oh[c] = __fdiv_rn(acc, sum);
+    }
+}
+
 // dp = (dp - row[r]) * p for the n elements of [n / n_cols, n_cols] (grid-stride).
 extern "C" __global__ void attention_softmax_backward(
     float* __restrict__ dp, const float* __restrict__ p, const float* __restrict__ row,
@@ -204,6 +267,12 @@ def attention_backward(
     _write_heads(dv, dv_h, n_kv_heads, head_dim)
 
 
+#: threads of an ``attention_decode`` block (its ``__launch_bounds__``)
+_DECODE_THREADS = 128
+#: keys whose fp32 scores fit the 48 KiB of dynamic shared memory a launch gets by default
+_DECODE_MAX_KEYS = 12_000
+
+
 @register_op("AttentionOp", DeviceType.CUDA, precisions=(Precision.FP32,))
 class CudaAttentionOp(Operation):
     """cuBLAS + fused-softmax causal GQA attention (same contract as the CPU op)."""
@@ -247,10 +316,46 @@ class CudaAttentionOp(Operation):
     ) -> Callable[[], None]:
         """Decode attention of ``q [B, 1, Hq*d]`` over ``k_cache``, ``v_cache`` ``[B, T_max,
         Hk*d]`` up to ``positions`` (read at each call) into ``out``, as a callable of no
-        arguments (a decode plan). ``scratch`` is the CPU op's; this op takes none."""
-        return bind_attention_decode(
+        arguments (a decode plan, run with the context active).
+
+        One ``attention_decode`` launch per step (a block per query head and sequence, the
+        scores in shared memory) where the caches and ``out`` are C-contiguous and the scores
+        of the longest sequence fit the default 48 KiB of dynamic shared memory (12,000 keys);
+        otherwise, and for other layouts, the GEMM path of :meth:`forward`. ``scratch`` is the
+        CPU op's; this op takes none.
+        """
+        general = bind_attention_decode(
             self.forward, q, k_cache, v_cache, n_heads, n_kv_heads, scale, out, positions
         )
+        item = q.dtype.itemsize
+        dense = all(a.flags.c_contiguous for a in (k_cache, v_cache, out))
+        if not dense or q.shape[1] != 1 or q.strides[2] != item or q.strides[0] % item:
+            return general
+        ctx: Any = self.context
+        xp = ctx.xp
+        n_b, t_max = k_cache.shape[0], k_cache.shape[1]
+        head_dim = q.shape[2] // n_heads
+        fixed = tuple(np.int32(v) for v in (t_max, n_heads, n_kv_heads, head_dim))
+        stride = np.int64(q.strides[0] // item)
+        grid = (n_heads, n_b)
+        each = positions.each
+        s = np.float32(scale)
+
+        def attend() -> None:
+            n = positions.highest + 1
+            if n > _DECODE_MAX_KEYS:
+                general()
+                return
+            lengths: Any = _kernels.NULL
+            if not positions.uniform:  # per-sequence lengths, on the device (8 bytes each)
+                lengths = each + 1 if xp is np else xp.asarray(each + 1)
+            args = (q, k_cache, v_cache, out, lengths, np.int32(n), stride, *fixed, s)
+            _kernels.launch(
+                ctx, ATTENTION_CUDA_SOURCE, "attention_decode", grid, _DECODE_THREADS, args,
+                shared_mem=n * 4,
+            )  # fmt: skip
+
+        return attend
 
     def backward(
         self,

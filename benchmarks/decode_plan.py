@@ -1,0 +1,112 @@
+"""Decode plan vs the components' own calls: the host work of one decode step, in one run.
+
+``Llama.decode`` runs a *decode plan* (every layer's ops bound once to the build's buffers); the
+baseline is ``Llama._decode_components``, the same step through the components' checked calls.
+Both run on the same model, interleaved, one token per call at a fixed position, and the table
+gives µs per token and per layer and the speedup of the plan.
+
+A small model (dim 64, 4 layers) keeps the arithmetic negligible, so what is measured is the
+host work per step, which bounds decode latency on a GPU (every op is a kernel launch of a few
+microseconds there) and matters for small models on the CPU:
+
+- ``--device CPU``: the CPU ops (BLAS, the fused kernels of the ``jit`` extra).
+- ``--device CUDA:0``: a GPU, with a stream synchronization after each step.
+- ``--stub-cuda``: the CUDA ops' host side on a machine without a GPU: a ``CUDA:0`` whose
+  arrays are NumPy arrays and whose kernel launches do nothing (the test suite's kernel
+  emulator, ``tests/kernel_emulator.py``, with its launches stubbed). The matrix products still
+  run (in NumPy), so this overstates the host work of the component path and the plan alike.
+
+Run: ``python benchmarks/decode_plan.py [--device CPU | --device CUDA:0 | --stub-cuda]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mila_py import BuildContext, RuntimeMode
+from mila_py.components import Llama, LlamaConfig
+
+CFG = LlamaConfig(
+    vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=192, max_seq_len=512
+)
+
+
+@contextlib.contextmanager
+def stubbed_cuda() -> Iterator[None]:
+    """``CUDA:0`` as the kernel emulator's NumPy context, every kernel launch a no-op."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from kernel_emulator import emulated_cuda_devices
+
+    class NoLaunches:
+        def launch(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+    with emulated_cuda_devices(NoLaunches()):  # type: ignore[arg-type]
+        yield
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", default="CPU")
+    parser.add_argument("--stub-cuda", action="store_true", help="CUDA ops, launches stubbed")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    device = "CUDA:0" if args.stub_cuda else args.device
+    with stubbed_cuda() if args.stub_cuda else contextlib.nullcontext():
+        model = Llama("llama", CFG, device=device)
+        model.build(
+            BuildContext(
+                (args.batch, CFG.max_seq_len),
+                RuntimeMode.INFERENCE,
+                initialize_parameters=True,
+                prefill_size=32,
+            )
+        )
+        ctx = model.execution_context
+        rng = np.random.default_rng(0)
+        model.prefill(rng.integers(0, CFG.vocab_size, size=(args.batch, 32)))
+        token = rng.integers(0, CFG.vocab_size, size=args.batch)
+        column = token.reshape(-1, 1)
+        cases: dict[str, Callable[[], object]] = {
+            "components (checked calls)": lambda: model._decode_components(column, 32),
+            "decode plan": lambda: model.decode(token, 32),
+        }
+        seconds: dict[str, list[float]] = {name: [] for name in cases}
+        for fn in cases.values():  # warm: plans, compiled kernels, caches
+            fn()
+        ctx.synchronize()
+        for _ in range(args.rounds):  # interleaved rounds: both see the same background load
+            for name, fn in cases.items():
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    fn()
+                ctx.synchronize()
+                seconds[name].append((time.perf_counter() - start) / args.steps)
+    where = "CUDA:0 with launches stubbed (host work only)" if args.stub_cuda else device
+    print(
+        f"\ndecode step, B={args.batch}, {model.parameter_count() / 1e6:.2f}M params, "
+        f"{CFG.n_layers} layers, fp32, {where}; best of {args.rounds} rounds of {args.steps}"
+    )
+    print(f"{'path':<28} {'us/token':>9} {'us/layer':>9} {'x components':>13}")
+    base = min(seconds["components (checked calls)"])
+    for name, times in seconds.items():
+        best = min(times)
+        print(f"{name:<28} {best * 1e6:9.1f} {best * 1e6 / CFG.n_layers:9.1f} {base / best:13.2f}")
+    pairs = zip(seconds["components (checked calls)"], seconds["decode plan"], strict=True)
+    ratios = [b / p for b, p in pairs]
+    print(f"plan speedup per round: median {statistics.median(ratios):.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -311,15 +311,16 @@ def _decode_reference(q, k_cache, v_cache, hq: int, hk: int, scale: float, pos) 
 
 @pytest.mark.parametrize("ragged", [False, True])
 @pytest.mark.parametrize(
-    ("hq", "hk", "d"), [(6, 2, 4), (4, 4, 40), (8, 1, 12), (2, 1, 128)], ids=str
+    ("hq", "hk", "d"), [(6, 2, 4), (4, 4, 40), (8, 1, 12), (2, 1, 128), (2, 1, 320)], ids=str
 )
 def test_attention_decode_kernel_matches_a_float64_reference(
     ctx: EmulatedContext, rng, monkeypatch, ragged: bool, hq: int, hk: int, d: int
 ) -> None:
     """The decode plan's one-launch kernel (``bind_decode``): Q a view of the QKV buffer, the
     caches ``[B, T_max, Hk*d]``, one length for all or one per sequence (1 key, several warp
-    rounds, a head of 40 or 128 channels over 32 lanes), against float64; past the keys that
-    fit shared memory, the GEMM path. Positions are read at each call."""
+    rounds; heads of 4 to 320 channels: 64 key groups of 4 channels, 6 groups of 40 and 16
+    idle threads, two passes over 320), against float64; past the keys that fit shared memory,
+    the GEMM path. Positions are read at each call."""
     n_b, t_max, scale = 3, 80, 0.37
     _, q, _, _ = _qkv(rng, n_b, 1, hq, hk, d)
     q_before = q.copy()

@@ -71,11 +71,14 @@ extern "C" __global__ void attention_softmax(
 // Decode: one new query per sequence over its cached keys and values. q [B, 1, Hq*d] (rows at
 // stride q_sb: a view of the QKV buffer), k_cache and v_cache [B, t_max, Hk*d] and out
 // [B, 1, Hq*d] C-contiguous. Sequence b sees keys 0 .. len_b - 1, len_b = lengths[b] when
-// lengths is not NULL, else n. One block per (query head, sequence): a warp per key for the
-// scores (lanes over the channels), kept in dynamic shared memory ([n] floats, n >= every
-// len_b), the block's softmax over them, then a thread per output channel summing p_j v_j.
-// The scores' loop runs the same trip count in every warp (shuffles need whole warps).
-extern "C" __global__ void __launch_bounds__(128) attention_decode(
+// lengths is not NULL, else n. One block of 256 threads per (query head, sequence):
+// - scores: a warp per key, lanes over the channels, kept in dynamic shared memory ([n]
+//   floats, n >= every len_b); the loop runs the same trip count in every warp (shuffles
+//   need whole warps);
+// - the block's softmax over them;
+// - the weighted sum of the values: the threads as groups of `cols` channels, each group
+//   summing p_j v_j over every groups-th key, the groups' sums added through shared memory.
+extern "C" __global__ void __launch_bounds__(256) attention_decode(
     const float* __restrict__ q MILA_STRIDED, const float* __restrict__ k_cache,
     const float* __restrict__ v_cache, float* __restrict__ out,
     const long long* __restrict__ lengths, int n, long long q_sb, int t_max, int n_heads,
@@ -83,6 +86,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_decode(
 {
     extern __shared__ float scores[];
     __shared__ float scratch[32];
+    __shared__ float partial[256];
     const int h = blockIdx.x;
     const long long b = blockIdx.y;
     const int kv_head = h / (n_heads / n_kv_heads);
@@ -121,13 +125,32 @@ extern "C" __global__ void __launch_bounds__(128) attention_decode(
         sum = __fadd_rn(sum, e);
     }
     sum = mila_block_sum(sum, scratch);  // its barriers also publish every thread's scores[j]
+    const int cols = head_dim < (int)blockDim.x ? head_dim : (int)blockDim.x;
+    const int groups = blockDim.x / cols;
+    const int group = threadIdx.x / cols;
+    const int col = threadIdx.x - group * cols;
     float* oh = out + b * (long long)n_heads * head_dim + (long long)h * head_dim;
-    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
+    for (int base = 0; base < head_dim; base += cols) {  // the same trip count in every thread
+        const int c = base + col;
+        const bool active = group < groups && c < head_dim;
         float acc = 0.0f;
-        for (int j = 0; j < len; ++j) {
-            acc = fmaf(scores[j], vb[(long long)j * kv_width + c], acc);
+        if (active) {
+            for (int j = group; j < len; j += groups) {
+                acc = fmaf(scores[j], vb[(long long)j * kv_width + c], acc);
+            }
         }
-        oh[c] = __fdiv_rn(acc, sum);
+        __syncthreads();  // the previous pass has read partial
+        if (active) {
+            partial[threadIdx.x] = acc;
+        }
+        __syncthreads();
+        if (active && group == 0) {
+            float total = acc;
+            for (int other = 1; other < groups; ++other) {
+                total = __fadd_rn(total, partial[other * cols + col]);
+            }
+            oh[c] = __fdiv_rn(total, sum);
+        }
     }
 }
 
@@ -268,7 +291,7 @@ def attention_backward(
 
 
 #: threads of an ``attention_decode`` block (its ``__launch_bounds__``)
-_DECODE_THREADS = 128
+_DECODE_THREADS = 256
 #: keys whose fp32 scores fit the 48 KiB of dynamic shared memory a launch gets by default
 _DECODE_MAX_KEYS = 12_000
 

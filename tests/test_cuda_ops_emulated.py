@@ -39,6 +39,7 @@ from mila_py.components import (
     RmsNormConfig,
     SoftmaxCrossEntropyConfig,
 )
+from mila_py.ops.cpu.attention import CpuAttentionOp
 from mila_py.ops.cpu.attention import attention_backward as cpu_attention_backward
 from mila_py.ops.cpu.attention import attention_forward as cpu_attention_forward
 from mila_py.ops.cpu.linear import linear_backward, linear_forward
@@ -348,6 +349,72 @@ def test_attention_decode_kernel_matches_a_float64_reference(
     attend()
     assert ctx.launches[-1] != "attention_decode"
     close(out, _decode_reference(q, k_cache, v_cache, hq, hk, scale, pos), 1e-5, 1e-5)
+
+
+def test_decode_positions_go_to_the_device_once_per_step() -> None:
+    """Every layer's bound calls of a ragged step read one device copy of the positions: made
+    on first use, a copy (the host array is rewritten next step), dropped by the next set."""
+
+    class Device:
+        xp = object()  # not NumPy: a device context
+
+        def __init__(self) -> None:
+            self.copies: list[np.ndarray] = []
+
+        def to_device(self, array: Any) -> Any:
+            self.copies.append(np.array(array))
+            return self.copies[-1]
+
+    ctx = Device()
+    positions = DecodePositions(3)
+    positions.set(np.array([4, 9, 2]), 2, 9)
+    first = positions.on_device(ctx)  # type: ignore[arg-type]
+    assert positions.on_device(ctx) is first and len(ctx.copies) == 1  # type: ignore[arg-type]
+    positions.set(np.array([5, 10, 3]), 3, 10)
+    np.testing.assert_array_equal(first, [4, 9, 2])  # not the host array itself
+    np.testing.assert_array_equal(positions.on_device(ctx), [5, 10, 3])  # type: ignore[arg-type]
+    assert len(ctx.copies) == 2
+    on_host = DecodePositions(2)
+    assert on_host.on_device(EmulatedContext()) is on_host.each  # NumPy: no copy
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_kv_cache_write_matches_the_array_assignments(
+    ctx: EmulatedContext, rng, ragged: bool
+) -> None:
+    """The CUDA op's bound cache write (``kv_cache_write``; K a view of the QKV buffer, V of
+    another, with other row strides) against the generic array assignments of the CPU op;
+    other rows and sequences untouched."""
+    hq, hk, d, n_b, t_max = 4, 2, 6, 3, 10
+    _, _, k, _ = _qkv(rng, n_b, 1, hq, hk, d)
+    v = f32(rng, n_b, 1, hk * d + 5)[..., 2 : 2 + hk * d]  # rows at another stride than K's
+    k_cache, v_cache = f32(rng, n_b, t_max, hk * d), f32(rng, n_b, t_max, hk * d)
+    caches = [k_cache, v_cache, k_cache.copy(), v_cache.copy()]
+    positions = DecodePositions(n_b)
+    cuda_write = CudaAttentionOp(ctx, None, FP32).bind_cache_write(
+        k[:, 0], v[:, 0], caches[0], caches[1], positions
+    )
+    cpu_write = CpuAttentionOp(ctx, None, FP32).bind_cache_write(
+        k[:, 0], v[:, 0], caches[2], caches[3], positions
+    )
+    before = [c.copy() for c in caches]
+    steps = [[3, 7, 0], [9, 9, 9], [1, 2, 5]] if ragged else [[4, 4, 4], [9, 9, 9]]
+    for step in steps:
+        pos = np.array(step)
+        positions.set(pos, int(pos.min()), int(pos.max()))
+        cuda_write()
+        cpu_write()
+        assert ctx.launches[-1] == "kv_cache_write"
+        np.testing.assert_array_equal(caches[0], caches[2])
+        np.testing.assert_array_equal(caches[1], caches[3])
+        for b, p in enumerate(pos):
+            np.testing.assert_array_equal(caches[0][b, p], k[b, 0])
+            np.testing.assert_array_equal(caches[1][b, p], v[b, 0])
+    written = np.zeros((n_b, t_max), bool)
+    for step in steps:
+        written[np.arange(n_b), step] = True
+    for cache, old in zip(caches, before, strict=True):
+        np.testing.assert_array_equal(cache[~written], old[~written])
 
 
 def test_attention_orchestration_with_numpy_softmax(rng) -> None:

@@ -335,25 +335,7 @@ class GroupedQueryAttention(CompositeComponent):
         q, k, v = self._split_qkv(qkv)
         k_cache = self._state["k_cache"][:n_b]
         v_cache = self._state["v_cache"][:n_b]
-        k_new, v_new = k[:, 0], v[:, 0]
-        xp = self.execution_context.xp
-        # ragged steps write row b * T_max + each[b] of the caches seen as [B * T_max, Hk*d]
-        # (views of the C-contiguous state buffers), indexed from the host
-        k_rows = k_cache.reshape(-1, k_cache.shape[-1])
-        v_rows = v_cache.reshape(-1, v_cache.shape[-1])
-        starts, each = np.arange(n_b) * k_cache.shape[1], positions.each
-
-        def write_cache() -> None:
-            if positions.uniform:
-                k_cache[:, positions.highest] = k_new
-                v_cache[:, positions.highest] = v_new
-            else:
-                at = starts + each
-                if xp is not np:  # a device's cache takes a device index (8 bytes a sequence)
-                    at = xp.asarray(at)
-                k_rows[at] = k_new
-                v_rows[at] = v_new
-
+        write_cache = self._op.bind_cache_write(k[:, 0], v[:, 0], k_cache, v_cache, positions)
         out = leading_view(self._state["attn_out"], (n_b, 1, cfg.q_width))
         attend = self._op.bind_decode(
             q, k_cache, v_cache, cfg.n_heads, cfg.n_kv_heads, self.scale, out, positions, scores

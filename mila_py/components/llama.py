@@ -36,6 +36,7 @@ from mila_py.components.swiglu import SwiGLU, SwiGLUConfig
 from mila_py.components.token_embedding import TokenEmbedding, TokenEmbeddingConfig
 from mila_py.composite import CompositeComponent, Network
 from mila_py.devices import DeviceLike, DeviceType
+from mila_py.ops.cpu._rows import as_rows, out_rows
 from mila_py.ops.operation import DecodePositions
 from mila_py.precision import Precision
 
@@ -322,9 +323,10 @@ class Llama(Network):
             return self.lm_head._forward(h)
         self._hidden = h
         n_b, n_t = h.shape[0], h.shape[1]
-        logits = self._state["logits"][:n_b, :n_t]
+        logits = leading_view(self._state["logits"], (n_b, n_t, self.config.vocab_size))
         weight = self.embed_tokens._parameters["weight"]  # [vocab, dim]
-        self.execution_context.xp.matmul(h, weight.T, out=logits)
+        # 2-D operands: one GEMM reading the weight in place (CuPy copies a broadcast 3-D one)
+        self.execution_context.xp.matmul(as_rows(h), weight.T, out=out_rows(logits))
         return logits
 
     def _require_inference(self, what: str) -> None:
@@ -444,7 +446,7 @@ class Llama(Network):
                 logits = leading_view(self._state["logits"], (n_b, 1, self.config.vocab_size))
                 weight = self.embed_tokens._parameters["weight"]  # [vocab, dim]
                 matmul = self.execution_context.xp.matmul
-                steps.append(functools.partial(matmul, h, weight.T, out=logits))
+                steps.append(functools.partial(matmul, as_rows(h), weight.T, out=out_rows(logits)))
             plan = plans[n_b] = (cell, steps, logits)
         return plan
 

@@ -19,6 +19,7 @@ __all__ = [
     "Operation",
     "PositionalPairedOp",
     "bind_attention_decode",
+    "bind_cache_write",
     "bind_rope_decode",
 ]
 
@@ -32,17 +33,29 @@ class DecodePositions:
         uniform: every sequence is at ``highest`` (no per-sequence work needed).
     """
 
-    __slots__ = ("each", "highest", "uniform")
+    __slots__ = ("_device", "each", "highest", "uniform")
 
     def __init__(self, n_sequences: int) -> None:
         self.each = np.zeros(n_sequences, dtype=np.int64)
         self.highest = 0
         self.uniform = True
+        self._device: Any = None
 
     def set(self, positions: Any, lowest: int, highest: int) -> None:
         """Take an int (every sequence) or ``[B]`` ints and their range, checked by the caller."""
         self.each[...] = positions
         self.highest, self.uniform = highest, lowest == highest
+        self._device = None
+
+    def on_device(self, context: ExecutionContext) -> Any:
+        """:attr:`each` on ``context``'s device: :attr:`each` itself for NumPy, else one copy
+        per step, made on first use and shared by every layer's calls (run with the context
+        active, so the copy is ordered on its stream)."""
+        if context.xp is np:
+            return self.each
+        if self._device is None:
+            self._device = context.to_device(self.each)
+        return self._device
 
 
 def bind_rope_decode(
@@ -61,6 +74,31 @@ def bind_rope_decode(
             apply(q, k, positions=each, seq_len=top + 1)
 
     return rotate
+
+
+def bind_cache_write(
+    xp: Any, k_new: Any, v_new: Any, k_cache: Any, v_cache: Any, positions: DecodePositions
+) -> Callable[[], None]:
+    """The new token's keys and values ``[B, Hk*d]`` into row ``positions.each[b]`` of sequence
+    ``b`` of the caches ``[B, T_max, Hk*d]`` (C-contiguous), as a callable of no arguments (a
+    decode plan): array assignments of the module ``xp``. Ragged steps index the caches seen as
+    ``[B * T_max, Hk*d]`` at ``b * T_max + each[b]`` (one index array, made on the host)."""
+    k_rows = k_cache.reshape(-1, k_cache.shape[-1])  # views of the C-contiguous caches
+    v_rows = v_cache.reshape(-1, v_cache.shape[-1])
+    starts, each = np.arange(k_cache.shape[0]) * k_cache.shape[1], positions.each
+
+    def write() -> None:
+        if positions.uniform:
+            k_cache[:, positions.highest] = k_new
+            v_cache[:, positions.highest] = v_new
+        else:
+            at = starts + each
+            if xp is not np:  # a device's cache takes a device index (8 bytes a sequence)
+                at = xp.asarray(at)
+            k_rows[at] = k_new
+            v_rows[at] = v_new
+
+    return write
 
 
 def bind_attention_decode(

@@ -20,7 +20,7 @@ import numpy as np
 from mila_py.devices import DeviceType
 from mila_py.ops.cpu import _fused_attention
 from mila_py.ops.cpu._fused_op import FusedCpuOp
-from mila_py.ops.operation import DecodePositions, bind_attention_decode
+from mila_py.ops.operation import DecodePositions, bind_attention_decode, bind_cache_write
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
@@ -170,6 +170,14 @@ class CpuAttentionOp(FusedCpuOp):
                 return probs
             kwargs.setdefault("softmax", _fused_attention.causal_softmax)
         return attention_forward(q, *args, **kwargs)
+
+    def bind_cache_write(
+        self, k_new: Any, v_new: Any, k_cache: Any, v_cache: Any, positions: DecodePositions
+    ) -> Callable[[], None]:
+        """Write the new token's keys and values ``[B, Hk*d]`` to row ``positions.each[b]`` of
+        sequence ``b`` of the caches ``[B, T_max, Hk*d]``, as a callable of no arguments (a
+        decode plan; see :func:`~mila_py.ops.operation.bind_cache_write`)."""
+        return bind_cache_write(np, k_new, v_new, k_cache, v_cache, positions)
 
     def bind_decode(
         self,

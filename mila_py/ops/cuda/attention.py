@@ -28,7 +28,12 @@ import numpy as np
 from mila_py.devices import DeviceType
 from mila_py.ops.cpu.attention import _visible_bias
 from mila_py.ops.cuda import _kernels
-from mila_py.ops.operation import DecodePositions, Operation, bind_attention_decode
+from mila_py.ops.operation import (
+    DecodePositions,
+    Operation,
+    bind_attention_decode,
+    bind_cache_write,
+)
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
@@ -70,8 +75,8 @@ extern "C" __global__ void attention_softmax(
 
 // Decode: one new query per sequence over its cached keys and values. q [B, 1, Hq*d] (rows at
 // stride q_sb: a view of the QKV buffer), k_cache and v_cache [B, t_max, Hk*d] and out
-// [B, 1, Hq*d] C-contiguous. Sequence b sees keys 0 .. len_b - 1, len_b = lengths[b] when
-// lengths is not NULL, else n. One block of 256 threads per (query head, sequence):
+// [B, 1, Hq*d] C-contiguous. Sequence b sees keys 0 .. len_b - 1, len_b = positions[b] + 1
+// when positions is not NULL, else n. One block of 256 threads per (query head, sequence):
 // - scores: a warp per key, lanes over the channels, kept in dynamic shared memory ([n]
 //   floats, n >= every len_b); the loop runs the same trip count in every warp (shuffles
 //   need whole warps);
@@ -81,7 +86,7 @@ extern "C" __global__ void attention_softmax(
 extern "C" __global__ void __launch_bounds__(256) attention_decode(
     const float* __restrict__ q MILA_STRIDED, const float* __restrict__ k_cache,
     const float* __restrict__ v_cache, float* __restrict__ out,
-    const long long* __restrict__ lengths, int n, long long q_sb, int t_max, int n_heads,
+    const long long* __restrict__ positions, int n, long long q_sb, int t_max, int n_heads,
     int n_kv_heads, int head_dim, float scale)
 {
     extern __shared__ float scores[];
@@ -90,7 +95,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
     const int h = blockIdx.x;
     const long long b = blockIdx.y;
     const int kv_head = h / (n_heads / n_kv_heads);
-    const int len = lengths != nullptr ? (int)lengths[b] : n;
+    const int len = positions != nullptr ? (int)positions[b] + 1 : n;
     const long long kv_width = (long long)n_kv_heads * head_dim;
     const float* qh = q + b * q_sb + (long long)h * head_dim;
     const float* kb = k_cache + b * t_max * kv_width + (long long)kv_head * head_dim;
@@ -151,6 +156,27 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
             }
             oh[c] = __fdiv_rn(total, sum);
         }
+    }
+}
+
+// The new token's keys and values into the caches: k_new, v_new [B, 1, Hk*d] (rows at strides
+// k_sb, v_sb: views of the QKV buffer) to row positions[b] (or p when positions is NULL) of
+// sequence b of k_cache, v_cache [B, t_max, Hk*d] C-contiguous (grid-stride over B * width).
+extern "C" __global__ void kv_cache_write(
+    const float* __restrict__ k_new MILA_STRIDED, const float* __restrict__ v_new MILA_STRIDED,
+    float* __restrict__ k_cache, float* __restrict__ v_cache,
+    const long long* __restrict__ positions, long long p, long long k_sb, long long v_sb,
+    int t_max, int width, int n_b)
+{
+    const long long total = (long long)n_b * width;
+    const long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const long long b = i / width;
+        const long long c = i - b * width;
+        const long long row = positions != nullptr ? positions[b] : p;
+        const long long at = (b * t_max + row) * width + c;
+        k_cache[at] = k_new[b * k_sb + c];
+        v_cache[at] = v_new[b * v_sb + c];
     }
 }
 
@@ -292,8 +318,9 @@ def attention_backward(
 
 #: threads of an ``attention_decode`` block (its ``__launch_bounds__``)
 _DECODE_THREADS = 256
-#: keys whose fp32 scores fit the 48 KiB of dynamic shared memory a launch gets by default
-_DECODE_MAX_KEYS = 12_000
+#: keys whose fp32 scores fit the 48 KiB of shared memory a block gets by default, with room
+#: for the kernel's static arrays (1,152 bytes) and some slack
+_DECODE_MAX_KEYS = 11_000
 
 
 @register_op("AttentionOp", DeviceType.CUDA, precisions=(Precision.FP32,))
@@ -325,6 +352,33 @@ class CudaAttentionOp(Operation):
                 xp=ctx.xp, softmax=self._softmax,
             )  # fmt: skip
 
+    def bind_cache_write(
+        self, k_new: Any, v_new: Any, k_cache: Any, v_cache: Any, positions: DecodePositions
+    ) -> Callable[[], None]:
+        """Write the new token's keys and values ``[B, Hk*d]`` (views of the QKV buffer) to row
+        ``positions.each[b]`` of sequence ``b`` of the caches ``[B, T_max, Hk*d]``, as a
+        callable of no arguments (a decode plan): one ``kv_cache_write`` launch."""
+        item = k_new.dtype.itemsize
+        fits = k_cache.flags.c_contiguous and v_cache.flags.c_contiguous
+        if not fits or k_new.strides[1] != item or v_new.strides[1] != item:
+            return bind_cache_write(self.context.xp, k_new, v_new, k_cache, v_cache, positions)
+        ctx: Any = self.context
+        n_b, t_max, width = k_cache.shape
+        fixed = (
+            np.int64(k_new.strides[0] // item), np.int64(v_new.strides[0] // item),
+            np.int32(t_max), np.int32(width), np.int32(n_b),
+        )  # fmt: skip
+        grid = _kernels.grid_1d(n_b * width)
+
+        def write() -> None:
+            pos = _kernels.NULL if positions.uniform else positions.on_device(ctx)
+            args = (k_new, v_new, k_cache, v_cache, pos, np.int64(positions.highest), *fixed)
+            _kernels.launch(
+                ctx, ATTENTION_CUDA_SOURCE, "kv_cache_write", grid, _kernels.THREADS, args
+            )
+
+        return write
+
     def bind_decode(
         self,
         q: Any,
@@ -343,7 +397,7 @@ class CudaAttentionOp(Operation):
 
         One ``attention_decode`` launch per step (a block per query head and sequence, the
         scores in shared memory) where the caches and ``out`` are C-contiguous and the scores
-        of the longest sequence fit the default 48 KiB of dynamic shared memory (12,000 keys);
+        of the longest sequence fit the default 48 KiB of shared memory (11,000 keys);
         otherwise, and for other layouts, the GEMM path of :meth:`forward`. ``scratch`` is the
         CPU op's; this op takes none.
         """
@@ -355,13 +409,11 @@ class CudaAttentionOp(Operation):
         if not dense or q.shape[1] != 1 or q.strides[2] != item or q.strides[0] % item:
             return general
         ctx: Any = self.context
-        xp = ctx.xp
         n_b, t_max = k_cache.shape[0], k_cache.shape[1]
         head_dim = q.shape[2] // n_heads
         fixed = tuple(np.int32(v) for v in (t_max, n_heads, n_kv_heads, head_dim))
         stride = np.int64(q.strides[0] // item)
         grid = (n_heads, n_b)
-        each = positions.each
         s = np.float32(scale)
 
         def attend() -> None:
@@ -369,10 +421,9 @@ class CudaAttentionOp(Operation):
             if n > _DECODE_MAX_KEYS:
                 general()
                 return
-            lengths: Any = _kernels.NULL
-            if not positions.uniform:  # per-sequence lengths, on the device (8 bytes each)
-                lengths = each + 1 if xp is np else xp.asarray(each + 1)
-            args = (q, k_cache, v_cache, out, lengths, np.int32(n), stride, *fixed, s)
+            # per-sequence lengths from the step's positions on the device (one copy per step)
+            pos = _kernels.NULL if positions.uniform else positions.on_device(ctx)
+            args = (q, k_cache, v_cache, out, pos, np.int32(n), stride, *fixed, s)
             _kernels.launch(
                 ctx, ATTENTION_CUDA_SOURCE, "attention_decode", grid, _DECODE_THREADS, args,
                 shared_mem=n * 4,

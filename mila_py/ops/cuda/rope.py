@@ -264,8 +264,26 @@ class CudaRopeOp(Operation):
 
     def bind_decode(self, q: Any, k: Any, positions: DecodePositions) -> Callable[[], None]:
         """:meth:`decode` of ``q``, ``k`` ``[B, 1, width]`` at ``positions`` (read at each call),
-        as a callable of no arguments (a decode plan; the caller checked the positions)."""
-        return bind_rope_decode(self.apply, q, k, positions)
+        as a callable of no arguments (a decode plan run with the context active; the caller
+        checked the positions). Ragged steps read the positions' device copy of the step
+        (:meth:`DecodePositions.on_device`, shared with the other layers) where the table
+        covers them; the rest goes through :meth:`apply`."""
+        general = bind_rope_decode(self.apply, q, k, positions)
+        table = self.table
+        assert table is not None, "CudaRopeOp used before build"
+        item = self._item
+        if q.shape[1] != 1 or q.shape[0] == 0 or q.strides[2] != item or k.strides[2] != item:
+            return general
+        ctx = self.context
+
+        def rotate() -> None:
+            tables = None if positions.uniform else table.tables_for(positions.highest + 1)
+            if tables is None:
+                general()
+            else:
+                self._launch(q, k, q, k, *tables, positions.on_device(ctx), 0, False)
+
+        return rotate
 
     def vector_width(self, *arrays: Any) -> int:
         """The widest access (elements) that every array's base, row strides and the head allow.

@@ -16,7 +16,8 @@ microseconds there) and matters for small models on the CPU:
   emulator, ``tests/kernel_emulator.py``, with its launches stubbed). The matrix products still
   run (in NumPy), so this overstates the host work of the component path and the plan alike.
 
-Run: ``python benchmarks/decode_plan.py [--device CPU | --device CUDA:0 | --stub-cuda]``.
+Run: ``python benchmarks/decode_plan.py [--device CPU | --device CUDA:0 | --stub-cuda]
+[--batch B [--ragged]]`` (``--ragged``: every sequence at its own position).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def stubbed_cuda() -> Iterator[None]:
         def launch(self, *args: Any, **kwargs: Any) -> None:
             pass
 
-    with emulated_cuda_devices(NoLaunches()):  # type: ignore[arg-type]
+    # no kernel runs, so the arrays hold garbage (NaN from unnormalized -inf scores): no warnings
+    with emulated_cuda_devices(NoLaunches()), np.errstate(all="ignore"):  # type: ignore[arg-type]
         yield
 
 
@@ -59,6 +61,9 @@ def main() -> None:
     parser.add_argument("--device", default="CPU")
     parser.add_argument("--stub-cuda", action="store_true", help="CUDA ops, launches stubbed")
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument(
+        "--ragged", action="store_true", help="one position per sequence (needs --batch >= 2)"
+    )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
@@ -78,9 +83,10 @@ def main() -> None:
         model.prefill(rng.integers(0, CFG.vocab_size, size=(args.batch, 32)))
         token = rng.integers(0, CFG.vocab_size, size=args.batch)
         column = token.reshape(-1, 1)
+        at: Any = np.arange(32 - args.batch + 1, 33) if args.ragged else 32
         cases: dict[str, Callable[[], object]] = {
-            "components (checked calls)": lambda: model._decode_components(column, 32),
-            "decode plan": lambda: model.decode(token, 32),
+            "components (checked calls)": lambda: model._decode_components(column, at),
+            "decode plan": lambda: model.decode(token, at),
         }
         seconds: dict[str, list[float]] = {name: [] for name in cases}
         for fn in cases.values():  # warm: plans, compiled kernels, caches
@@ -95,7 +101,8 @@ def main() -> None:
                 seconds[name].append((time.perf_counter() - start) / args.steps)
     where = "CUDA:0 with launches stubbed (host work only)" if args.stub_cuda else device
     print(
-        f"\ndecode step, B={args.batch}, {model.parameter_count() / 1e6:.2f}M params, "
+        f"\ndecode step, B={args.batch}{' (ragged)' if args.ragged else ''}, "
+        f"{model.parameter_count() / 1e6:.2f}M params, "
         f"{CFG.n_layers} layers, fp32, {where}; best of {args.rounds} rounds of {args.steps}"
     )
     print(f"{'path':<28} {'us/token':>9} {'us/layer':>9} {'x components':>13}")

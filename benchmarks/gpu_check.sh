@@ -4,12 +4,17 @@
 #   bash benchmarks/gpu_check.sh tests   # the test suite, CUDA cases included
 #   bash benchmarks/gpu_check.sh bench   # benchmarks only
 #   bash benchmarks/gpu_check.sh         # both
-# Without `pip install -e`, the checkout is put on PYTHONPATH.
+# Without `pip install -e`, the checkout is put on PYTHONPATH. The RoPE peers Liger-Kernel and
+# flash-attention (Triton code) are not on the lent GPU machines: `python benchmarks/gpu_peers.py`
+# fetches them into .gpu_peers/ beforehand; carry that folder and they are put on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_check_out}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if [[ -d .gpu_peers/site ]]; then
+  export PYTHONPATH="$PWD/.gpu_peers/site:$PYTHONPATH"
+fi
 what="${1:-all}"
 status=0
 

@@ -394,6 +394,40 @@ def test_chunked_prefill_and_decode_equal_cpu(weights: str, rng) -> None:
         positions = positions + 1
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_decode_plan_equals_the_component_path(tmp_path, rng, tie: bool) -> None:
+    """The GPU decode plan (bound cuBLAS calls and launches, ``attention_decode``,
+    ``kv_cache_write``, one device copy of ragged positions per step) against the components'
+    own calls on the GPU: one position for all, ragged positions (also given as a CuPy array),
+    B=1 in a B=2 build; logits and KV caches."""
+    cfg = dataclasses.replace(CFG, tie_embeddings=tie)
+    trained = Llama("llama", cfg, device="CPU")
+    trained.build(BuildContext((1, 8), TRAINING))
+    trained.save(tmp_path / "w.safetensors")
+    planned, components = (Llama("llama", cfg, device=DEVICE) for _ in range(2))
+    for model in (planned, components):
+        model.build(BuildContext((2, 48), INFERENCE, prefill_size=6))
+        model.load(tmp_path / "w.safetensors")
+    x = rng.integers(0, cfg.vocab_size, size=(2, 36))
+    for model in (planned, components):
+        model.prefill(x[:, :7])
+    for position in range(7, 36):
+        n_b, where = 2, position
+        if position == 20:
+            n_b = 1
+        elif position > 14:
+            where = np.array([position - 4, position])
+            if position % 2:
+                where = dev(where)
+        got = planned.decode(x[:n_b, position], where)
+        want = components._decode_components(dev(x[:n_b, position, None]), where)
+        close(got, host(want), rtol=1e-5, atol=1e-5)
+    assert sorted(planned._plans) == [1, 2] and components._plans == {}
+    for a, b in zip(planned.layers, components.layers, strict=True):
+        for cache in ("k_cache", "v_cache"):
+            close(a.self_attn._state[cache], host(b.self_attn._state[cache]), rtol=1e-5, atol=1e-5)
+
+
 def test_greedy_generate_equals_cpu(weights: str, rng) -> None:
     cpu, gpu = inference_pair(weights, (2, 40), prefill=4)
     prompt = rng.integers(0, CFG.vocab_size, size=(2, 7))

@@ -161,6 +161,27 @@ def _owned_arrays(root: Component) -> list[np.ndarray]:
     return list(seen.values())
 
 
+def test_a_smaller_training_call_keeps_nothing_outside_the_build_buffers() -> None:
+    """A forward with fewer sequences and tokens than the build keeps its attention
+    probabilities for backward in the build's buffer (a leading view), not in a new array the
+    memory stats would miss; its gradients equal those of a model built for that shape."""
+    model = built()
+    small = Llama("llama", model.config, device="CPU")
+    small.build(BuildContext((1, T - 3), RuntimeMode.TRAINING, initialize_parameters=False))
+    for (_, p), (_, q) in zip(model.named_parameters(), small.named_parameters(), strict=True):
+        q[...] = p
+    x = tokens()[:1, : T - 3]
+    dlogits = np.random.default_rng(3).standard_normal((1, T - 3, 32)).astype(np.float32)
+    for m in (model, small):
+        m.forward(x)
+        m.backward(dlogits)
+    for block in model.layers:
+        attn = block.self_attn
+        assert np.shares_memory(attn._saved[3], attn._state["probs"])
+    for (name, g), (_, h) in zip(model.named_gradients(), small.named_gradients(), strict=True):
+        np.testing.assert_allclose(g, h, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
 @pytest.mark.parametrize("mode", [RuntimeMode.TRAINING, RuntimeMode.INFERENCE])
 @pytest.mark.parametrize("tie", [False, True])
 def test_memory_stats_equal_the_arrays_the_network_owns(mode: RuntimeMode, tie: bool) -> None:

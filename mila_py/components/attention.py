@@ -262,8 +262,8 @@ class GroupedQueryAttention(CompositeComponent):
         if position_offset:
             raise ValueError(f"{self._describe()}: TRAINING builds run from position 0")
         self.rope.forward(q, k)
-        full = self._state["probs"]
-        probs_buf = full if full.shape[0] == n_b and full.shape[3] == n_t else None
+        full = self._state["probs"]  # [B, Hk, g, T, T] of the build; a call's own leading part
+        probs_buf = leading_view(full, (n_b, *full.shape[1:3], n_t, n_t))
         probs = self._op.forward(
             q, k, v, cfg.n_heads, cfg.n_kv_heads, self.scale, out=out, probs=probs_buf
         )

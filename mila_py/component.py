@@ -163,6 +163,18 @@ class Component(metaclass=_ComponentMeta):
             # grandchildren before a later sibling's hook raised.
             _restore(snapshot)
             raise
+        self._before_context = snapshot  # what removal from a tree puts back
+
+    def _release_context(self) -> None:
+        """Undo, in this subtree, what receiving a parent's context did (the component leaves
+        its tree unbuilt and can join another). Built components keep theirs."""
+        pending = [self]
+        while pending:
+            component = pending.pop()
+            snapshot = component.__dict__.get("_before_context")
+            if snapshot is not None and not component._owns_context and not component.is_built:
+                _restore(snapshot)  # also the components that were below it then
+            pending.extend(component._children())  # and those added since, with their own
 
     def synchronize(self) -> None:
         """Wait for the device work this component submitted."""
@@ -346,6 +358,17 @@ class Component(metaclass=_ComponentMeta):
         for child in self._children():
             yield from child.named_gradients(prefix + child.name + ".")
 
+    def named_parameter_gradients(self, prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
+        """``(dotted name, parameter, gradient)`` of the parameters that have a gradient, in
+        :meth:`named_parameters` order, paired within each component (never by name alone:
+        dotted child names can spell the same path twice)."""
+        grads = self._gradients
+        for name, array in self._parameters.items():
+            if name in grads:
+                yield prefix + name, array, grads[name]
+        for child in self._children():
+            yield from child.named_parameter_gradients(prefix + child.name + ".")
+
     def get_parameters(self) -> list[Any]:
         return [array for _, array in self.named_parameters()]
 
@@ -354,8 +377,7 @@ class Component(metaclass=_ComponentMeta):
 
         Empty on INFERENCE builds. Input-gradient buffers (Rope's ``dq_in``) are not listed.
         """
-        grads = dict(self.named_gradients())
-        return [grads[name] for name, _ in self.named_parameters() if name in grads]
+        return [grad for _, _, grad in self.named_parameter_gradients()]
 
     def parameter_count(self) -> int:
         return sum(int(p.size) for p in self.get_parameters())

@@ -76,21 +76,35 @@ class CompositeComponent(Component):
     def find_component(self, path: str) -> Component:
         """A descendant by dotted path, e.g. ``"layers.0.attn"``.
 
+        Names may contain dots themselves: at each step the longest child name that the rest
+        of the path starts with (followed by a dot, or ending there) is taken.
+
         Raises:
             KeyError: naming the first missing step.
         """
         node: Component = self
-        for part in path.split("."):
+        rest = path
+        while True:
             if not isinstance(node, CompositeComponent):
-                raise KeyError(f"'{path}': {node._describe()} has no children (at '{part}')")
-            node = node.get_component(part)
-        return node
+                raise KeyError(f"'{path}': {node._describe()} has no children (at '{rest}')")
+            names = [n for n in node._components if rest == n or rest.startswith(n + ".")]
+            if not names:
+                raise KeyError(
+                    f"{node._describe()} has no child '{rest.split('.', 1)[0]}' (looking up "
+                    f"'{path}'); children: {list(node._components)}"
+                )
+            step = max(names, key=len)
+            node = node._components[step]
+            if rest == step:
+                return node
+            rest = rest[len(step) + 1 :]
 
     def has_component(self, name: str) -> bool:
         return name in self._components
 
     def remove_component(self, name: str) -> Component:
-        """Remove and return the child ``name`` (before build only).
+        """Remove and return the child ``name`` (before build only). It leaves without the
+        tree's execution context, so it can be added to another tree.
 
         Raises:
             RuntimeError: after build.
@@ -100,13 +114,17 @@ class CompositeComponent(Component):
             raise RuntimeError(f"{self._describe()} is built; children can only be removed before")
         child = self.get_component(name)
         del self._components[name]
+        child._release_context()  # free to join another tree
         return child
 
     def clear_components(self) -> None:
-        """Remove every child (before build only)."""
+        """Remove every child (before build only); each can join another tree."""
         if self.is_built:
             raise RuntimeError(f"{self._describe()} is built; children can only be removed before")
+        children = list(self._components.values())
         self._components.clear()
+        for child in children:
+            child._release_context()
 
     @property
     def components(self) -> dict[str, Component]:

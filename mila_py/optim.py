@@ -14,8 +14,7 @@ __all__ = ["AdamW", "clip_grad_norm"]
 
 
 def _pairs(model: Component) -> list[tuple[str, Any, Any]]:
-    grads = dict(model.named_gradients())
-    pairs = [(name, p, grads[name]) for name, p in model.named_parameters() if name in grads]
+    pairs = list(model.named_parameter_gradients())
     if not pairs:
         raise RuntimeError(
             f"{model._describe()} has no parameter gradients: build it with RuntimeMode.TRAINING"

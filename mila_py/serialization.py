@@ -17,10 +17,29 @@ def save(component: Any, path: str | os.PathLike[str]) -> None:
     from safetensors.numpy import save_file
 
     ctx = component.execution_context
-    tensors = {
-        name: np.ascontiguousarray(ctx.to_host(p)) for name, p in component.named_parameters()
-    }
+    tensors = {name: np.ascontiguousarray(ctx.to_host(p)) for name, p in _named(component, "save")}
     save_file(tensors, os.fspath(path), metadata={"format": "mila_py"})
+
+
+def _named(component: Any, what: str) -> list[tuple[str, Any]]:
+    """``component.named_parameters()``, each dotted name once.
+
+    Raises:
+        ValueError: two parameters share a name (children whose names contain dots spelling
+            another child's path, e.g. ``"a.b"`` beside ``"a"`` holding ``"b"``).
+    """
+    named = list(component.named_parameters())
+    seen: set[str] = set()
+    twice: set[str] = set()
+    for name, _ in named:
+        (twice if name in seen else seen).add(name)
+    if twice:
+        raise ValueError(
+            f"{component._describe()}: cannot {what}: several parameters are named "
+            f"{sorted(twice)} "
+            "(a child name with dots spells another child's path); rename a child"
+        )
+    return named
 
 
 def load(component: Any, path: str | os.PathLike[str]) -> None:
@@ -46,7 +65,7 @@ def assign_parameters(component: Any, tensors: Mapping[str, Any], what: str) -> 
     (``"<component>: <what>; nothing was loaded: ..."``), and then no parameter has changed.
     Values are cast to each parameter's dtype.
     """
-    params = dict(component.named_parameters())
+    params = dict(_named(component, "load"))
     problems = [
         f"missing: {name} {tuple(p.shape)}" for name, p in params.items() if name not in tensors
     ]

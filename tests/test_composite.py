@@ -230,6 +230,52 @@ def test_clear_components_before_build() -> None:
     assert list(comp.components) == ["a"]
 
 
+def test_dotted_child_names_are_found_and_never_mixed_up() -> None:
+    """A child named "a.b" beside a child "a" holding "b": find_component takes the longest
+    name; gradients pair with their own parameters; save and load refuse the clash."""
+    inner = Linear("c", 2, 2)
+    dotted = Linear("c", 2, 2)
+    net = Network("net").add_component(block("a", block("b", inner)))
+    net.add_component(block("a.b", dotted))
+    assert net.find_component("a.b.c") is dotted  # the longest child name first
+    assert net.find_component("a.b").name == "a.b"
+    assert net.find_component("a").find_component("b.c") is inner
+    with pytest.raises(KeyError, match="no child 'x'"):
+        net.find_component("a.x")
+    net.build(train_ctx())
+    names = [name for name, _ in net.named_parameters()]
+    assert names.count("a.b.c.weight") == 2
+    for param, grad, (_, p, g) in zip(
+        net.get_parameters(), net.get_gradients(), net.named_parameter_gradients(), strict=True
+    ):
+        assert p is param and g is grad
+    assert net.get_gradients()[0] is inner._gradients["weight"]
+    assert net.get_gradients()[2] is dotted._gradients["weight"]
+    with pytest.raises(ValueError, match=r"a\.b\.c\.weight"):
+        net.save("never-written.safetensors")
+
+
+def test_a_removed_child_leaves_the_context_behind_and_joins_another_tree() -> None:
+    """Removal undoes what the tree's context did in the child's subtree (its hooks' work
+    included, and for grandchildren added after it joined); it builds in its new tree."""
+    late = Recorder("late")
+    child = block("child", Recorder("early"))
+    first = Network("first").add_component(child)
+    child.add_component(late)  # joins with the context already there
+    assert all(c.has_execution_context for c in child._walk())
+    assert first.remove_component("child") is child
+    assert not any(c.has_execution_context for c in child._walk())
+    second = Network("second").add_component(child)
+    second.build(train_ctx())
+    assert child.execution_context is second.execution_context
+    assert [n for n, _ in second.named_parameters()] == ["child.early.w", "child.late.w"]
+    gone = Linear("gone")
+    third = Network("third").add_component(gone).add_component(Linear("kept"))
+    third.clear_components()
+    assert not gone.has_execution_context
+    Network("fourth").add_component(gone).build(train_ctx())
+
+
 def test_remove_and_clear_after_build_raise() -> None:
     net = Network("net").add_component(Linear("a")).add_component(Linear("b"))
     net.build(train_ctx())

@@ -5,6 +5,7 @@ from __future__ import annotations
 from mila_py.components.attention import AttentionConfig, GroupedQueryAttention
 from mila_py.components.linear import Linear, LinearConfig
 from mila_py.components.llama import Llama, LlamaBlock, LlamaConfig
+from mila_py.components.residual import Residual, ResidualConfig
 from mila_py.components.rms_norm import RmsNorm, RmsNormConfig
 from mila_py.components.rope import Rope
 from mila_py.components.rope_config import RopeConfig, RopeLayout
@@ -25,6 +26,8 @@ __all__ = [
     "Llama",
     "LlamaBlock",
     "LlamaConfig",
+    "Residual",
+    "ResidualConfig",
     "RmsNorm",
     "RmsNormConfig",
     "Rope",

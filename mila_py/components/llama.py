@@ -31,6 +31,7 @@ from mila_py.components.attention import (
     check_decode_positions,
 )
 from mila_py.components.linear import Linear, LinearConfig
+from mila_py.components.residual import Residual, ResidualConfig
 from mila_py.components.rms_norm import RmsNorm, RmsNormConfig
 from mila_py.components.swiglu import SwiGLU, SwiGLUConfig
 from mila_py.components.token_embedding import TokenEmbedding, TokenEmbeddingConfig
@@ -100,7 +101,8 @@ def _chunk(build_context: BuildContext) -> int:
 
 
 class LlamaBlock(CompositeComponent):
-    """Pre-norm decoder block: ``h = x + attn(norm1(x))``, ``y = h + mlp(norm2(h))``."""
+    """Pre-norm decoder block: ``h = x + attn(norm1(x))``, ``y = h + mlp(norm2(h))``, the two
+    sums its :class:`Residual` children (``attn_residual``, ``mlp_residual``)."""
 
     def __init__(
         self,
@@ -124,11 +126,19 @@ class LlamaBlock(CompositeComponent):
             precision=precision,
         )
         self.mlp = SwiGLU("mlp", SwiGLUConfig(config.dim, config.hidden_dim), precision=precision)
+        self.attn_residual = Residual(
+            "attn_residual", ResidualConfig(config.dim), precision=precision
+        )
+        self.mlp_residual = Residual(
+            "mlp_residual", ResidualConfig(config.dim), precision=precision
+        )
         for child in (
             self.input_layernorm,
             self.self_attn,
+            self.attn_residual,
             self.post_attention_layernorm,
             self.mlp,
+            self.mlp_residual,
         ):
             self.add_component(child)
 
@@ -142,10 +152,10 @@ class LlamaBlock(CompositeComponent):
         act = build_context.with_shape((shape[0], chunk, shape[2]))
         self.input_layernorm.build(act)
         self.self_attn.build(build_context)  # the whole context: its KV cache
+        self.attn_residual.build(act)
         self.post_attention_layernorm.build(act)
         self.mlp.build(act)
-        self._add_state("hidden", self._allocate(act.input_shape))
-        self._add_state("output", self._allocate(act.input_shape))
+        self.mlp_residual.build(act)
         if build_context.is_training:
             self._add_state("dhidden", self._allocate(shape))
             self._add_state("dinput", self._allocate(shape))
@@ -168,42 +178,33 @@ class LlamaBlock(CompositeComponent):
         values at call time) at ``positions`` (read at call time, checked by the caller) into
         ``y``, for a decode plan of a CPU INFERENCE build. ``scores``: the attention's scratch,
         ``>= n_heads * context`` elements."""
-        n_b, dim = x.shape[0], x.shape[2]
-        add = self.execution_context.xp.add
         norm_steps, normed = self.input_layernorm._bind_forward(x)
         attn_steps, attended = self.self_attn._bind_decode(normed, positions, scores)
-        h = leading_view(self._state["hidden"], (n_b, 1, dim))
+        skip_steps, h = self.attn_residual._bind_forward(x, attended)
         post_steps, post = self.post_attention_layernorm._bind_forward(h)
         mlp_steps, mlp_out = self.mlp._bind_forward(post)
-        out = leading_view(self._state["output"], (n_b, 1, dim))
-        steps = [
-            *norm_steps,
-            *attn_steps,
-            functools.partial(add, x, attended, out=h),
-            *post_steps,
-            *mlp_steps,
-            functools.partial(add, h, mlp_out, out=out),
-        ]
+        out_steps, out = self.mlp_residual._bind_forward(h, mlp_out)
+        steps = [*norm_steps, *attn_steps, *skip_steps, *post_steps, *mlp_steps, *out_steps]
         return steps, out
 
     def _run(self, x: Any, attend: Any) -> Any:
-        xp = self.execution_context.xp
-        n_b, n_t = x.shape[0], x.shape[1]
-        h = self._state["hidden"][:n_b, :n_t]
-        xp.add(x, attend(self.input_layernorm.forward(x)), out=h)  # the one check of x
-        out = self._state["output"][:n_b, :n_t]
-        # h and the norm's output are this block's own buffers: the children skip their checks
-        xp.add(h, self.mlp._forward(self.post_attention_layernorm._forward(h)), out=out)
-        return out
+        attended = attend(self.input_layernorm.forward(x))  # the one check of x
+        # x, h and the children's outputs are checked or owned: the children skip their checks
+        h = self.attn_residual._forward(x, attended)
+        return self.mlp_residual._forward(
+            h, self.mlp._forward(self.post_attention_layernorm._forward(h))
+        )
 
     def backward(self, dy: Any) -> Any:
         """``dy [B, T, dim] -> dx [B, T, dim]``; accumulates every parameter gradient."""
         xp = self.execution_context.xp
         n_b, n_t = dy.shape[0], dy.shape[1]
         dh = self._state["dhidden"][:n_b, :n_t]
-        xp.add(dy, self.post_attention_layernorm.backward(self.mlp.backward(dy)), out=dh)
+        skip, branch = self.mlp_residual.backward(dy)
+        xp.add(skip, self.post_attention_layernorm.backward(self.mlp.backward(branch)), out=dh)
         dx = self._state["dinput"][:n_b, :n_t]
-        xp.add(dh, self.input_layernorm.backward(self.self_attn.backward(dh)), out=dx)
+        skip, branch = self.attn_residual.backward(dh)
+        xp.add(skip, self.input_layernorm.backward(self.self_attn.backward(branch)), out=dx)
         return dx
 
 

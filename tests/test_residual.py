@@ -1,0 +1,124 @@
+"""Residual: ``y = x + scale * f`` against float64, gradients by finite differences, checks that
+leave everything untouched, memory, and the CUDA op on the kernel emulator's context."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from layer_helpers import (
+    INFERENCE,
+    TRAINING,
+    assert_gradients,
+    assert_unchanged,
+    built,
+    distinct_nbytes,
+    owned_arrays,
+    snapshot,
+)
+
+from mila_py import Precision
+from mila_py.components import Residual, ResidualConfig
+
+B, T, D = 2, 5, 6
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(77)
+
+
+def make(
+    scale: float = 1.0, mode=TRAINING, precision=Precision.FP32, device: str = "CPU"
+) -> Residual:
+    return built(
+        Residual("res", ResidualConfig(D, scale), device=device, precision=precision),
+        (B, T, D),
+        mode,
+    )
+
+
+@pytest.mark.parametrize("precision", [Precision.FP32, Precision.FP64], ids=str)
+@pytest.mark.parametrize("scale", [1.0, 0.5, -2.0])
+def test_forward_matches_float64_and_calls_may_be_smaller(precision, scale, rng) -> None:
+    res = make(scale, precision=precision)
+    dtype = precision.numpy_dtype
+    for shape in ((B, T, D), (1, 3, D)):
+        x, f = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
+        y = res.forward(x, f)
+        assert y.shape == shape and y.dtype == dtype
+        np.testing.assert_allclose(y, x.astype(np.float64) + scale * f.astype(np.float64), 1e-6)
+        assert np.shares_memory(y, res._state["output"])
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.75])
+def test_gradients_match_finite_differences(scale, rng) -> None:
+    res = make(scale, precision=Precision.FP64)
+    x, f = rng.standard_normal((B, T, D)), rng.standard_normal((B, T, D))
+    w = rng.standard_normal((B, T, D))
+
+    def objective() -> float:
+        return float((res.forward(x, f) * w).sum())
+
+    objective()
+    dx, df = res.backward(w.copy())
+    dx, df = dx.copy(), df.copy()
+    assert_gradients(objective, {"x": (x, dx), "f": (f, df)})
+    if scale == 1:  # the gradient passes through: no arithmetic, no buffer
+        dy = w.copy()
+        res.forward(x, f)
+        both = res.backward(dy)
+        assert both[0] is dy and both[1] is dy
+        assert "dbranch" not in res._state
+
+
+def test_bad_input_is_refused_and_leaves_everything_untouched(rng) -> None:
+    res = make(0.5)
+    x, f = rng.standard_normal((B, T, D)).astype(np.float32), rng.standard_normal((B, T, D))
+    res.forward(x, f.astype(np.float32))
+    saved = snapshot(res, x)
+    bad = [
+        ((x, f), TypeError, "dtype"),  # f is float64
+        ((x, f.astype(np.float32)[:, :2]), ValueError, "one shape"),
+        ((x[..., :4], f.astype(np.float32)[..., :4]), ValueError, str(D)),
+        ((np.zeros((B + 1, T, D), np.float32),) * 2, ValueError, "exceeds"),
+        ((x.tolist(), f), TypeError, "array"),
+    ]
+    for args, error, match in bad:
+        with pytest.raises(error, match=match):
+            res.forward(*args)
+        assert_unchanged(res, saved, x)
+    with pytest.raises(ValueError):
+        res.backward(np.zeros((B, T + 1, D), np.float32))
+    with pytest.raises(RuntimeError, match="TRAINING"):
+        make(mode=INFERENCE).backward(x)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+@pytest.mark.parametrize("mode", [TRAINING, INFERENCE])
+def test_memory_is_the_output_and_the_scaled_gradient(scale, mode) -> None:
+    res = make(scale, mode)
+    stats = res.get_memory_stats()
+    buffers = 2 if mode is TRAINING and scale != 1 else 1
+    assert stats.device_state_bytes == buffers * B * T * D * 4
+    assert stats.device_total_bytes == distinct_nbytes(list(owned_arrays(res).values()))
+    assert res.parameter_count() == 0 and res.get_gradients() == []
+
+
+def test_config_is_validated() -> None:
+    for bad, error in ((0, ValueError), (2.0, TypeError)):
+        with pytest.raises(error):
+            ResidualConfig(bad)  # type: ignore[arg-type]
+    for bad_scale, error in ((float("nan"), ValueError), ("1", TypeError), (True, TypeError)):
+        with pytest.raises(error):
+            ResidualConfig(4, bad_scale)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_cuda_op_equals_cpu(cuda: None, scale, rng) -> None:
+    """The CUDA op's array code on the kernel emulator's context (NumPy arrays, CUDA:0)."""
+    gpu, cpu = make(scale, device="CUDA:0"), make(scale)
+    assert type(gpu._op).__name__ == "CudaResidualOp"
+    x, f, dy = (rng.standard_normal((B, T, D)).astype(np.float32) for _ in range(3))
+    np.testing.assert_array_equal(gpu.forward(x, f), cpu.forward(x, f))
+    for a, b in zip(gpu.backward(dy), cpu.backward(dy), strict=True):
+        np.testing.assert_array_equal(a, b)

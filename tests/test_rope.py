@@ -1056,3 +1056,22 @@ print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert result.stdout.strip() == "0", result.stderr
+
+
+def test_a_rope_op_that_is_not_a_positional_paired_op_is_refused(monkeypatch) -> None:
+    """The registry's RopeOp must have prefill and decode (checked once, at op creation)."""
+    import mila_py.components.rope as rope_module
+    from mila_py.ops.operation import Operation, PositionalPairedOp
+
+    assert isinstance(Rope("real", rope_config(), device="CPU").op, PositionalPairedOp)
+
+    class Unpaired(Operation):
+        def apply(self, *args: object, **kwargs: object) -> None: ...
+
+    monkeypatch.setattr(rope_module, "create_op", lambda _name, *args: Unpaired(*args))
+    with pytest.raises(TypeError, match="PositionalPairedOp"):
+        Rope("rope", rope_config(), device="CPU")
+    inner = Rope("inner", rope_config())
+    with pytest.raises(TypeError, match="PositionalPairedOp"):
+        Network("net").add_component(inner)
+    assert not inner.has_execution_context  # the failed hook left no context

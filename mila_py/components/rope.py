@@ -17,6 +17,7 @@ from mila_py.build_context import BuildContext
 from mila_py.component import Component
 from mila_py.components.rope_config import RopeConfig, RopeLayout
 from mila_py.devices import DeviceLike
+from mila_py.ops.operation import PositionalPairedOp
 from mila_py.ops.registry import create_op, find_op
 from mila_py.precision import Precision
 
@@ -67,7 +68,14 @@ class Rope(Component):
     # ------------------------------------------------------------------ lifecycle hooks
     def _on_execution_context_set(self) -> None:
         find_op("RopeOp", self.execution_context.device_type, self.precision)
-        self._op = create_op("RopeOp", self.execution_context, self.config, self.precision)
+        op = create_op("RopeOp", self.execution_context, self.config, self.precision)
+        if not isinstance(op, PositionalPairedOp):  # checked once, here (DESIGN §4)
+            raise TypeError(
+                f"{self._describe()}: the registered RopeOp {type(op).__name__} is not a "
+                "PositionalPairedOp (it needs prefill(q, k, position_offset) and "
+                "decode(q, k, position))"
+            )
+        self._op = op
 
     def _on_building(self, build_context: BuildContext) -> None:
         shape = build_context.input_shape

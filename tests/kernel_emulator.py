@@ -320,7 +320,13 @@ class KernelLibrary:
 
 
 class EmulatedContext(ExecutionContext):
-    """A CUDA-like execution context over NumPy arrays (host memory, synchronous)."""
+    """A CUDA-like execution context over NumPy arrays (host memory, synchronous).
+
+    ``bfloat16_native = False`` (on the class or an instance) plays a CuPy older than 14: BF16
+    arrays are carried as their ``uint16`` bits, as :class:`CudaExecutionContext` does there.
+    """
+
+    bfloat16_native = True
 
     def __init__(self) -> None:
         self.device_id = DeviceId(DeviceType.CUDA, 0)
@@ -334,8 +340,14 @@ class EmulatedContext(ExecutionContext):
     def synchronize(self) -> None:
         """Everything ran already."""
 
+    def storage_dtype(self, dtype: Any) -> np.dtype:
+        """``uint16`` for bfloat16 when ``bfloat16_native`` is False, else ``dtype``."""
+        dt = np.dtype(dtype)
+        return np.dtype(np.uint16) if dt == _BF16 and not self.bfloat16_native else dt
+
     def allocate(self, shape: tuple[int, ...], dtype: Any, *, zero: bool = True) -> np.ndarray:
-        return np.zeros(shape, dtype=dtype) if zero else np.empty(shape, dtype=dtype)
+        dt = self.storage_dtype(dtype)
+        return np.zeros(shape, dtype=dt) if zero else np.empty(shape, dtype=dt)
 
     def is_device_array(self, array: Any) -> bool:
         return isinstance(array, np.ndarray)

@@ -747,3 +747,38 @@ def test_fp16_and_bf16_conversions_round_to_nearest_even(converters: KernelLibra
     )
     np.testing.assert_array_equal(from_half, every.view(np.float16).astype(np.float32))
     np.testing.assert_array_equal(from_bf16, every.view(ml_dtypes.bfloat16).astype(np.float32))
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_bf16_as_uint16_bits_on_a_cupy_without_bfloat16(
+    cuda: None, monkeypatch, layout: str, rng
+) -> None:
+    """A CuPy older than 14 has no bfloat16 dtype: its context carries BF16 arrays as their
+    uint16 bits (torch bf16 tensors arrive so through DLPack). A BF16 Rope built there takes
+    and writes those bits: the bits the BF16 Rope of a CuPy 14 writes, in prefill, ragged
+    decode and backward. A bfloat16 array is refused there, untouched."""
+    cfg = rope_config((4, 2), 64, layout=layout)
+    q0, k0 = random_qk(rng, cfg, 2, 3, BF16)
+    dq0, dk0 = random_qk(rng, cfg, 2, 3, BF16)
+    positions = np.array([40, 7])
+    native = cuda_rope_of(cfg, 2, 3, BF16, mode=TRAINING)
+    want_q, want_k = q0.copy(), k0.copy()
+    native.prefill(want_q, want_k, 9)
+    want_dq, want_dk = (x.copy() for x in native.backward(dq0, dk0))
+    want_q1, want_k1 = q0[:, :1].copy(), k0[:, :1].copy()
+    native.decode(want_q1, want_k1, positions)
+
+    monkeypatch.setattr(EmulatedContext, "bfloat16_native", False)  # contexts made from here on
+    rope = cuda_rope_of(cfg, 2, 3, BF16, mode=TRAINING)
+    q, k = q0.view(np.uint16).copy(), k0.view(np.uint16).copy()
+    rope.prefill(q, k, 9)
+    assert same_bits(q, want_q) and same_bits(k, want_k)
+    dq, dk = rope.backward(dq0.view(np.uint16), dk0.view(np.uint16))
+    assert dq.dtype == np.uint16 and same_bits(dq, want_dq) and same_bits(dk, want_dk)
+    q1, k1 = q0[:, :1].view(np.uint16).copy(), k0[:, :1].view(np.uint16).copy()
+    rope.decode(q1, k1, positions)
+    assert same_bits(q1, want_q1) and same_bits(k1, want_k1)
+    as_bf16 = q0.copy()
+    with pytest.raises(TypeError, match="dtype"):
+        rope.prefill(as_bf16, k0.copy(), 0)
+    assert same_bits(as_bf16, q0)

@@ -67,6 +67,12 @@ class Rope(Component):
 
     # ------------------------------------------------------------------ lifecycle hooks
     def _on_execution_context_set(self) -> None:
+        # the dtype arrays of this precision carry on the device (bfloat16's uint16 bits on a
+        # CuPy without bfloat16, as DLPack imports of torch bf16 tensors arrive there)
+        storage = getattr(self.execution_context, "storage_dtype", None)
+        self._dtype = np.dtype(
+            self.precision.numpy_dtype if storage is None else storage(self.precision.numpy_dtype)
+        )
         find_op("RopeOp", self.execution_context.device_type, self.precision)
         op = create_op("RopeOp", self.execution_context, self.config, self.precision)
         if not isinstance(op, PositionalPairedOp):  # checked once, here (DESIGN §4)

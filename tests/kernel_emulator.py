@@ -138,9 +138,12 @@ class _Param:
 
 
 class _Kernel:
-    def __init__(self, name: str, params: list[_Param], max_threads: int, function: Any) -> None:
+    def __init__(
+        self, name: str, params: list[_Param], max_threads: int, static_shared: int, function: Any
+    ) -> None:
         self.name, self.params, self.function = name, params, function
         self.max_threads = max_threads  # __launch_bounds__, else the GPU's limit
+        self.static_shared = static_shared  # bytes of the kernel's own __shared__ arrays
         function.restype = ctypes.c_char_p
         function.argtypes = (
             [ctypes.c_uint] * 4
@@ -185,14 +188,32 @@ class _Kernel:
             raise ValueError(
                 f"{self.name}: {block} threads per block, the kernel allows {self.max_threads}"
             )
-        if not 0 <= shared_mem <= MAX_DYNAMIC_SHARED:
+        if not 0 <= shared_mem <= MAX_DYNAMIC_SHARED - self.static_shared:
             raise ValueError(
-                f"{self.name}: {shared_mem} bytes of dynamic shared memory (at most "
-                f"{MAX_DYNAMIC_SHARED} without opting in)"
+                f"{self.name}: {shared_mem} bytes of dynamic shared memory beside its "
+                f"{self.static_shared} static bytes (at most {MAX_DYNAMIC_SHARED} in all without "
+                "opting in)"
             )
         fault = self.function(*grid3, block, shared_mem, *values)
         if fault is not None:
             raise RuntimeError(f"{self.name}: {fault.decode()}")
+
+
+_SHARED_ARRAY = re.compile(r"(?<!extern )__shared__\s+([A-Za-z_][\w ]*?)\s+\w+\s*\[\s*(\d+)\s*\]")
+_SIZES = {"float": 4, "double": 8, "int": 4, "unsigned int": 4, "long long": 8, "unsigned short": 2}
+
+
+def _static_shared(source: str, start: int) -> int:
+    """Bytes of the fixed-size ``__shared__`` arrays in the body of the kernel whose signature
+    ends at ``start`` in ``source`` (the braces after it, matched)."""
+    open_at = source.index("{", start)
+    depth, end = 0, open_at
+    for end in range(open_at, len(source)):
+        depth += {"{": 1, "}": -1}.get(source[end], 0)
+        if depth == 0:
+            break
+    body = source[open_at:end]
+    return sum(_SIZES[t.strip()] * int(n) for t, n in _SHARED_ARRAY.findall(body))
 
 
 def _template_args(expression: str) -> tuple[str, list[str]]:
@@ -214,13 +235,15 @@ class KernelLibrary:
     def __init__(self, sources: Sequence[str], name_expressions: Sequence[str] = ()) -> None:
         if COMPILER is None:
             raise RuntimeError("the kernel emulator needs g++")
-        found: dict[str, tuple[re.Match[str], str | None]] = {}
-        kernels: list[tuple[str, str, list[_Param], int]] = []  # launch name, C++ callee, ...
+        found: dict[str, tuple[re.Match[str], str | None, str]] = {}
+        kernels: list[tuple[str, str, list[_Param], int, int]] = []  # launch name, callee, ...
         for source in sources:
             for match in _KERNEL.finditer(source):
-                found[match["name"]] = (match, match["template"])
+                found[match["name"]] = (match, match["template"], source)
                 if match["extern"] and match["template"] is None:
-                    kernels.append((match["name"], match["name"], *self._signature(match, {})))
+                    kernels.append(
+                        (match["name"], match["name"], *self._signature(match, {}, source))
+                    )
                 elif match["template"] is None:
                     raise ValueError(
                         f'kernel emulator: __global__ {match["name"]} is neither extern "C" nor '
@@ -230,7 +253,7 @@ class KernelLibrary:
             base, args = _template_args(expression)
             if base not in found or found[base][1] is None:
                 raise ValueError(f"kernel emulator: no template kernel {base!r} for {expression!r}")
-            match, template = found[base]
+            match, template, where = found[base]
             names = [p.split()[-1] for p in template.split(",")]  # type: ignore[union-attr]
             kinds = [p.split()[0] for p in template.split(",")]  # type: ignore[union-attr]
             typenames = ("typename", "class")
@@ -238,9 +261,9 @@ class KernelLibrary:
                 raise ValueError(f"kernel emulator: {expression!r} for template <{template}>")
             types = {n: a for n, a, k in zip(names, args, kinds, strict=True) if k in typenames}
             callee = f"{base}<{', '.join(args)}>"
-            kernels.append((expression, callee, *self._signature(match, types)))
+            kernels.append((expression, callee, *self._signature(match, types, where)))
         wrappers = []
-        for i, (_, callee, params, _) in enumerate(kernels):
+        for i, (_, callee, params, _, _) in enumerate(kernels):
             decl = "".join(
                 f", {'const ' if p.pointer else ''}{p.base}{'*' if p.pointer else ''} {p.name}"
                 for p in params
@@ -259,16 +282,20 @@ class KernelLibrary:
         library = self._compile(code)
         handle = ctypes.CDLL(str(library))
         self.kernels = {
-            name: _Kernel(name, params, bounds, getattr(handle, f"emu_{i}"))
-            for i, (name, _, params, bounds) in enumerate(kernels)
+            name: _Kernel(name, params, bounds, static, getattr(handle, f"emu_{i}"))
+            for i, (name, _, params, bounds, static) in enumerate(kernels)
         }
 
     @staticmethod
-    def _signature(match: re.Match[str], types: dict[str, str]) -> tuple[list[_Param], int]:
+    def _signature(
+        match: re.Match[str], types: dict[str, str], source: str
+    ) -> tuple[list[_Param], int, int]:
+        """Parameters, the most threads a block may have, and the bytes of the kernel's own
+        (static, fixed-size) ``__shared__`` arrays, which count against the 48 KiB too."""
         params = [_Param(p, types) for p in match["params"].split(",") if p.strip()]
         bounds = match["bounds"]
         max_threads = MAX_THREADS if bounds is None else int(bounds.split(",")[0])
-        return params, max_threads
+        return params, max_threads, _static_shared(source, match.end())
 
     @staticmethod
     def _compile(code: str) -> Path:

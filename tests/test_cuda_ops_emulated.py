@@ -351,6 +351,33 @@ def test_attention_decode_kernel_matches_a_float64_reference(
     close(out, _decode_reference(q, k_cache, v_cache, hq, hk, scale, pos), 1e-5, 1e-5)
 
 
+def test_attention_decode_at_its_key_limit_fits_shared_memory(
+    ctx: EmulatedContext, rng, monkeypatch
+) -> None:
+    """The most keys the decode kernel takes (``_DECODE_MAX_KEYS``): their scores and the
+    kernel's static shared arrays fit the 48 KiB a launch gets by default (the emulator counts
+    both, as the GPU does); 1,100 keys more would not."""
+    from mila_py.ops.cuda import attention as cuda_attention
+
+    n = cuda_attention._DECODE_MAX_KEYS
+    hq, hk, d = 2, 1, 4
+    _, q, _, _ = _qkv(rng, 1, 1, hq, hk, d)
+    k_cache, v_cache = f32(rng, 1, n + 1100, hk * d), f32(rng, 1, n + 1100, hk * d)
+    out = np.zeros((1, 1, hq * d), np.float32)
+    positions = DecodePositions(1)
+    attend = CudaAttentionOp(ctx, None, FP32).bind_decode(
+        q, k_cache, v_cache, hq, hk, 0.5, out, positions
+    )
+    positions.set(n - 1, n - 1, n - 1)
+    attend()
+    assert ctx.launches[-1] == "attention_decode"
+    close(out, _decode_reference(q, k_cache, v_cache, hq, hk, 0.5, [n - 1]), 1e-5, 1e-5)
+    monkeypatch.setattr(cuda_attention, "_DECODE_MAX_KEYS", n + 1100)
+    positions.set(n + 1099, n + 1099, n + 1099)
+    with pytest.raises(ValueError, match="static"):
+        attend()
+
+
 def test_decode_positions_go_to_the_device_once_per_step() -> None:
     """Every layer's bound calls of a ragged step read one device copy of the positions: made
     on first use, a copy (the host array is rewritten next step), dropped by the next set."""

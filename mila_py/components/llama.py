@@ -176,7 +176,7 @@ class LlamaBlock(CompositeComponent):
     ) -> tuple[list[Any], Any]:
         """``(steps, y)``: callables that run :meth:`decode` of the buffer ``x [B, 1, dim]`` (its
         values at call time) at ``positions`` (read at call time, checked by the caller) into
-        ``y``, for a decode plan of a CPU INFERENCE build. ``scores``: the attention's scratch,
+        ``y``, for a decode plan of an INFERENCE build. ``scores``: the CPU attention's scratch,
         ``>= n_heads * context`` elements."""
         norm_steps, normed = self.input_layernorm._bind_forward(x)
         attn_steps, attended = self.self_attn._bind_decode(normed, positions, scores)
@@ -246,7 +246,7 @@ class Llama(Network):
             )
             self.add_component(self.lm_head)
         self._hidden: Any = None
-        #: decode plans per batch size on CPU INFERENCE builds (None elsewhere)
+        #: decode plans per batch size on INFERENCE builds (None on TRAINING builds)
         self._plans: dict[int, tuple[DecodePositions, list[Any], Any]] | None = None
 
     def _on_building(self, build_context: BuildContext) -> None:

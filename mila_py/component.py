@@ -163,18 +163,18 @@ class Component(metaclass=_ComponentMeta):
             # grandchildren before a later sibling's hook raised.
             _restore(snapshot)
             raise
-        self._before_context = snapshot  # what removal from a tree puts back
 
     def _release_context(self) -> None:
-        """Undo, in this subtree, what receiving a parent's context did (the component leaves
-        its tree unbuilt and can join another). Built components keep theirs."""
-        pending = [self]
-        while pending:
-            component = pending.pop()
-            snapshot = component.__dict__.get("_before_context")
-            if snapshot is not None and not component._owns_context and not component.is_built:
-                _restore(snapshot)  # also the components that were below it then
-            pending.extend(component._children())  # and those added since, with their own
+        """Give back the context this subtree received from a tree it leaves (removal from an
+        unbuilt composite), so that it can join another: children first, then
+        :meth:`_on_execution_context_released`, then the context itself. Components that are
+        built, or own their context, keep theirs (and so do their subtrees)."""
+        if self._context is None or self._owns_context or self.is_built:
+            return
+        for child in self._children():
+            child._release_context()
+        self._on_execution_context_released()
+        self._context = None
 
     def synchronize(self) -> None:
         """Wait for the device work this component submitted."""
@@ -296,6 +296,13 @@ class Component(metaclass=_ComponentMeta):
     # ------------------------------------------------------------------ hooks
     def _on_execution_context_set(self) -> None:
         """Called once the context is set (create ops here). Raising unsets the context."""
+
+    def _on_execution_context_released(self) -> None:
+        """Called before the context is taken away (the component left its tree unbuilt): undo
+        what :meth:`_on_execution_context_set` made. The default drops every op attribute."""
+        for key, value in list(vars(self).items()):
+            if isinstance(value, Operation):
+                setattr(self, key, None)
 
     def _on_building(self, build_context: BuildContext) -> None:
         """Allocate buffers for ``build_context``; succeed fully or raise (the base rolls back)."""

@@ -76,35 +76,27 @@ class CompositeComponent(Component):
     def find_component(self, path: str) -> Component:
         """A descendant by dotted path, e.g. ``"layers.0.attn"``.
 
-        Names may contain dots themselves: at each step the longest child name that the rest
-        of the path starts with (followed by a dot, or ending there) is taken.
+        Names may contain dots themselves: every child name the path starts with (followed by
+        a dot, or ending there) is tried, the longest first.
 
         Raises:
             KeyError: naming the first missing step.
         """
-        node: Component = self
-        rest = path
-        while True:
-            if not isinstance(node, CompositeComponent):
-                raise KeyError(f"'{path}': {node._describe()} has no children (at '{rest}')")
-            names = [n for n in node._components if rest == n or rest.startswith(n + ".")]
-            if not names:
-                raise KeyError(
-                    f"{node._describe()} has no child '{rest.split('.', 1)[0]}' (looking up "
-                    f"'{path}'); children: {list(node._components)}"
-                )
-            step = max(names, key=len)
-            node = node._components[step]
-            if rest == step:
-                return node
-            rest = rest[len(step) + 1 :]
+        found = _find(self, path)
+        if found is None:
+            first = path.split(".", 1)[0]
+            raise KeyError(
+                f"{self._describe()} has no descendant '{path}' (children: "
+                f"{list(self._components)}; first missing step at or below '{first}')"
+            )
+        return found
 
     def has_component(self, name: str) -> bool:
         return name in self._components
 
     def remove_component(self, name: str) -> Component:
-        """Remove and return the child ``name`` (before build only). It leaves without the
-        tree's execution context, so it can be added to another tree.
+        """Remove and return the child ``name`` (before build only). Unless it was built on its
+        own, it leaves without the tree's execution context and can join another tree.
 
         Raises:
             RuntimeError: after build.
@@ -189,3 +181,18 @@ class Network(CompositeComponent):
         if device is None:
             raise ValueError(f"Network '{name}' needs a device, e.g. device='CPU' or 'CUDA:0'")
         super().__init__(name, device=device, precision=precision)
+
+
+def _find(node: Component, path: str) -> Component | None:
+    """The descendant of ``node`` at ``path``, trying child names with dots longest first."""
+    if not isinstance(node, CompositeComponent):
+        return None
+    names = [n for n in node._components if path == n or path.startswith(n + ".")]
+    for name in sorted(names, key=len, reverse=True):
+        child = node._components[name]
+        if path == name:
+            return child
+        found = _find(child, path[len(name) + 1 :])
+        if found is not None:
+            return found
+    return None

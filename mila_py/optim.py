@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -118,20 +117,23 @@ def clip_grad_norm(model: Component, max_norm: float) -> float:
     before clipping.
 
     Raises:
-        ValueError: ``max_norm`` is not a finite number > 0 (nothing is touched).
+        ValueError: ``max_norm`` is not a number > 0 (nothing is touched); ``inf`` returns the
+            norm without clipping.
         RuntimeError: ``model`` has no parameter gradients (not a TRAINING build).
     """
-    if (
-        isinstance(max_norm, bool)
-        or not isinstance(max_norm, numbers.Real)
-        or not (math.isfinite(max_norm) and max_norm > 0)
-    ):
-        raise ValueError(f"clip_grad_norm: max_norm must be a finite number > 0, got {max_norm!r}")
+    try:
+        if isinstance(max_norm, bool | str | bytes):
+            raise TypeError
+        limit = float(max_norm)
+    except (TypeError, ValueError):
+        limit = math.nan
+    if not limit > 0:  # NaN, zero, negative, or not a number; inf measures without clipping
+        raise ValueError(f"clip_grad_norm: max_norm must be a number > 0, got {max_norm!r}")
     grads = [g for _, _, g in _pairs(model)]
     # One device-to-host transfer: the per-gradient sums stay on the device until float().
     total = math.sqrt(float(sum((g.astype("float64") ** 2).sum() for g in grads)))
-    if total > max_norm:
-        scale = max_norm / (total + 1e-6)
+    if total > limit:
+        scale = limit / (total + 1e-6)
         for g in grads:
             g *= scale
     return total

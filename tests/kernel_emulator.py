@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import math
 import re
 import shutil
 import subprocess
@@ -199,7 +200,9 @@ class _Kernel:
             raise RuntimeError(f"{self.name}: {fault.decode()}")
 
 
-_SHARED_ARRAY = re.compile(r"(?<!extern )__shared__\s+([A-Za-z_][\w ]*?)\s+\w+\s*\[\s*(\d+)\s*\]")
+_SHARED_ARRAY = re.compile(
+    r"(?<!extern )__shared__\s+([A-Za-z_][\w ]*?)\s+\w+\s*((?:\[\s*\d+\s*\]\s*)+);"
+)
 _SIZES = {"float": 4, "double": 8, "int": 4, "unsigned int": 4, "long long": 8, "unsigned short": 2}
 
 
@@ -213,7 +216,12 @@ def _static_shared(source: str, start: int) -> int:
         if depth == 0:
             break
     body = source[open_at:end]
-    return sum(_SIZES[t.strip()] * int(n) for t, n in _SHARED_ARRAY.findall(body))
+    if "__shared__" in body.replace("extern __shared__", "") and not _SHARED_ARRAY.search(body):
+        raise ValueError("kernel emulator: a __shared__ declaration it cannot size")
+    return sum(
+        _SIZES[t.strip()] * math.prod(int(n) for n in re.findall(r"\d+", dims))
+        for t, dims in _SHARED_ARRAY.findall(body)
+    )
 
 
 def _template_args(expression: str) -> tuple[str, list[str]]:

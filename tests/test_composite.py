@@ -240,8 +240,11 @@ def test_dotted_child_names_are_found_and_never_mixed_up() -> None:
     assert net.find_component("a.b.c") is dotted  # the longest child name first
     assert net.find_component("a.b").name == "a.b"
     assert net.find_component("a").find_component("b.c") is inner
-    with pytest.raises(KeyError, match="no child 'x'"):
+    with pytest.raises(KeyError, match=r"no descendant 'a\.x'"):
         net.find_component("a.x")
+    other = Network("other").add_component(block("a", Component("b.c")))
+    other.add_component(block("a.b", Component("x")))
+    assert other.find_component("a.b.c").name == "b.c"  # "a.b" has no "c": back to "a"
     net.build(train_ctx())
     names = [name for name, _ in net.named_parameters()]
     assert names.count("a.b.c.weight") == 2
@@ -269,6 +272,34 @@ def test_a_removed_child_leaves_the_context_behind_and_joins_another_tree() -> N
     second.build(train_ctx())
     assert child.execution_context is second.execution_context
     assert [n for n, _ in second.named_parameters()] == ["child.early.w", "child.late.w"]
+    # a grandchild moved elsewhere first keeps its new tree's context when its old parent goes
+    leaf = Linear("leaf")
+    mid = block("mid", leaf)
+    net = Network("net").add_component(mid).add_component(block("other"))
+    mid.remove_component("leaf")
+    net.get_component("other").add_component(leaf)
+    leaf.out_features = 6  # changed after joining: kept
+    net.remove_component("mid")
+    assert leaf.execution_context is net.execution_context and leaf.out_features == 6
+    net.build(train_ctx())
+    assert net.find_component("other.leaf").get_parameters()[0].shape == (6, 4)
+    # a child built on its own keeps its context (and its arrays)
+    built_leaf = Linear("built")
+    holder = block("holder", built_leaf)
+    Network("owner").add_component(holder)
+    built_leaf.build(train_ctx())
+    holder.remove_component("built")
+    assert built_leaf.is_built and built_leaf.has_execution_context
+    # a real layer drops its op with the context and makes a new one in its next tree
+    from mila_py.components import Rope, RopeConfig
+
+    rope = Rope("rope", RopeConfig(channels=8, n_heads=2, n_kv_heads=1, max_seq_len=16))
+    Network("a").add_component(rope).remove_component("rope")
+    assert rope.op is None
+    Network("b").add_component(rope).build(BuildContext((1, 4, 8), INFER))
+    q, k = np.ones((1, 4, 8), np.float32), np.ones((1, 4, 4), np.float32)
+    rope.forward(q, k)
+    assert not np.allclose(q[0, 1], 1.0)  # rotated
     gone = Linear("gone")
     third = Network("third").add_component(gone).add_component(Linear("kept"))
     third.clear_components()

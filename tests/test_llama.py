@@ -328,11 +328,14 @@ def test_clip_grad_norm_refuses_a_bad_max_norm_and_touches_nothing() -> None:
     model = built()
     for g in model.get_gradients():
         g[...] = 1.0
-    for bad in (0, 0.0, -1.0, float("nan"), float("inf"), True, "1", None):
+    for bad in (0, 0.0, -1.0, float("nan"), True, "1", None, np.array([1.0, 2.0])):
         with pytest.raises(ValueError, match="max_norm"):
             clip_grad_norm(model, bad)  # type: ignore[arg-type]
     assert all((g == 1.0).all() for g in model.get_gradients())
     assert clip_grad_norm(model, np.float32(1e9)) > 0  # NumPy numbers are numbers
+    assert clip_grad_norm(model, np.array(1e9)) > 0
+    assert clip_grad_norm(model, float("inf")) > 0  # measures without clipping
+    assert all((g == 1.0).all() for g in model.get_gradients())
 
 
 def test_training_brings_the_loss_down() -> None:

@@ -107,6 +107,24 @@ __device__ __forceinline__ float mila_block_max(float v, float* scratch) {
     v = lane < n_warps ? scratch[lane] : MILA_NEG_INF;
     return mila_warp_max(v);
 }
+
+// Replaces s[0 .. n) by exp(s[i] - max(s)) and returns their sum to every thread of the block
+// (same contract as mila_block_sum; s may be global or shared memory, its writes published by
+// the barriers of the sum). The numerator and denominator of a softmax over s.
+__device__ __forceinline__ float mila_block_exp_sum(float* s, long long n, float* scratch) {
+    float m = MILA_NEG_INF;
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) {
+        m = fmaxf(m, s[i]);
+    }
+    m = mila_block_max(m, scratch);
+    float sum = 0.0f;
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) {
+        const float e = expf(__fsub_rn(s[i], m));
+        s[i] = e;
+        sum = __fadd_rn(sum, e);
+    }
+    return mila_block_sum(sum, scratch);
+}
 """
 
 _MODULES: dict[tuple[str, tuple[str, ...], int], Any] = {}

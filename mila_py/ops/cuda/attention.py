@@ -55,18 +55,7 @@ extern "C" __global__ void attention_softmax(
         if (causal && q_offset + t + 1 < visible) {
             visible = q_offset + t + 1;
         }
-        float m = MILA_NEG_INF;
-        for (long long i = threadIdx.x; i < visible; i += blockDim.x) {
-            m = fmaxf(m, s[i]);
-        }
-        m = mila_block_max(m, scratch);
-        float sum = 0.0f;
-        for (long long i = threadIdx.x; i < visible; i += blockDim.x) {
-            const float e = expf(__fsub_rn(s[i], m));
-            s[i] = e;
-            sum = __fadd_rn(sum, e);
-        }
-        sum = mila_block_sum(sum, scratch);
+        const float sum = mila_block_exp_sum(s, visible, scratch);
         for (long long i = threadIdx.x; i < n_tk; i += blockDim.x) {
             s[i] = i < visible ? __fdiv_rn(s[i], sum) : 0.0f;
         }
@@ -118,18 +107,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
         }
     }
     __syncthreads();
-    float m = MILA_NEG_INF;
-    for (int j = threadIdx.x; j < len; j += blockDim.x) {
-        m = fmaxf(m, scores[j]);
-    }
-    m = mila_block_max(m, scratch);
-    float sum = 0.0f;
-    for (int j = threadIdx.x; j < len; j += blockDim.x) {
-        const float e = expf(__fsub_rn(scores[j], m));
-        scores[j] = e;
-        sum = __fadd_rn(sum, e);
-    }
-    sum = mila_block_sum(sum, scratch);  // its barriers also publish every thread's scores[j]
+    const float sum = mila_block_exp_sum(scores, len, scratch);  // p_j = scores[j] / sum
     const int cols = head_dim < (int)blockDim.x ? head_dim : (int)blockDim.x;
     const int groups = blockDim.x / cols;
     const int group = threadIdx.x / cols;

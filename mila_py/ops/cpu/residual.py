@@ -28,11 +28,8 @@ class ResidualOpBase(Operation):
         scale = self.config.scale
         if scale == 1:
             xp.add(x, f, out=out)
-        elif out is x:
-            out += f * out.dtype.type(scale)
-        else:
-            xp.multiply(f, out.dtype.type(scale), out=out)
-            out += x
+        else:  # one temporary: out may be x or f
+            xp.add(x, f * out.dtype.type(scale), out=out)
 
     def bind_forward(self, x: Any, f: Any, out: Any) -> Callable[[], Any]:
         """One ``add`` for ``scale == 1``, else :meth:`forward` (run with the context active)."""

@@ -265,9 +265,10 @@ class CudaRopeOp(Operation):
     def bind_decode(self, q: Any, k: Any, positions: DecodePositions) -> Callable[[], None]:
         """:meth:`decode` of ``q``, ``k`` ``[B, 1, width]`` at ``positions`` (read at each call),
         as a callable of no arguments (a decode plan run with the context active; the caller
-        checked the positions). Ragged steps read the positions' device copy of the step
-        (:meth:`DecodePositions.on_device`, shared with the other layers) where the table
-        covers them; the rest goes through :meth:`apply`."""
+        checked the positions). Where the table covers the positions, one launch with the
+        strides checked here: at the step's position, or (ragged steps) at the positions' device
+        copy of the step (:meth:`DecodePositions.on_device`, shared with the other layers); the
+        rest goes through :meth:`apply`."""
         general = bind_rope_decode(self.apply, q, k, positions)
         table = self.table
         assert table is not None, "CudaRopeOp used before build"
@@ -277,9 +278,12 @@ class CudaRopeOp(Operation):
         ctx = self.context
 
         def rotate() -> None:
-            tables = None if positions.uniform else table.tables_for(positions.highest + 1)
+            top = positions.highest
+            tables = table.tables_for(top + 1)
             if tables is None:
                 general()
+            elif positions.uniform:
+                self._launch(q, k, q, k, *tables, None, top, False)
             else:
                 self._launch(q, k, q, k, *tables, positions.on_device(ctx), 0, False)
 

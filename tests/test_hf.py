@@ -194,6 +194,26 @@ def test_backward_matches_hf(checkpoints: dict[str, tuple[Any, Path]], case: str
         assert rel_err(got[name], ref) < TOL, (name, rel_err(got[name], ref))
 
 
+def test_generation_stops_at_eos_as_hf_does(checkpoints: dict[str, tuple[Any, Path]]) -> None:
+    """With EOS ids and a pad id, the same tokens, padding and length as ``transformers``."""
+    hf_model, path = checkpoints["gqa"]
+    prompt = tokens(4, t=5)
+    model = Llama.from_pretrained(path, batch_size=B, seq_len=T, prefill_size=2)
+    greedy = model.generate(prompt, max_new_tokens=12)
+    stop = [int(greedy[0, 5 + 1]), int(greedy[1, 5 + 4])]  # both rows finish early
+    with torch.no_grad():
+        ref = hf_model.generate(
+            torch.from_numpy(prompt),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=stop,
+            pad_token_id=1,
+        ).numpy()
+    got = model.generate(prompt, max_new_tokens=12, eos_token_id=stop, pad_token_id=1)
+    np.testing.assert_array_equal(got, ref)
+    assert (got == 1).any()  # some row was padded
+
+
 @pytest.mark.parametrize("case", ["gqa", "mha-tied", "llama3", "yarn-mscale"])
 def test_greedy_generation_matches_hf(checkpoints: dict[str, tuple[Any, Path]], case: str) -> None:
     """Chunked prefill + decode picks the same greedy tokens as ``transformers.generate``."""

@@ -116,6 +116,60 @@ def test_sampling_is_seeded_and_top_k_one_is_greedy(weights: str) -> None:
     np.testing.assert_array_equal(np.stack(streamed, axis=1), greedy[:, 4:])
 
 
+def expected_with_eos(greedy: np.ndarray, n_prompt: int, stop: set[int], pad: int) -> np.ndarray:
+    """``greedy`` (no stopping) cut as an EOS rule would: a row's tokens after its first EOS are
+    ``pad``, and the output ends at the step where the last row finished."""
+    out = greedy.copy()
+    ends = []
+    for row in out:
+        hits = [i for i in range(n_prompt, row.size) if row[i] in stop]
+        if hits:
+            row[hits[0] + 1 :] = pad
+        ends.append(hits[0] + 1 if hits else row.size)
+    return out[:, : max(ends)]
+
+
+@pytest.mark.parametrize("pad", [None, 0])
+def test_generation_stops_at_eos(weights: str, pad: int | None) -> None:
+    prompt = tokens(2, 4, seed=8)
+    model = make(weights, RuntimeMode.INFERENCE, (2, 32), prefill=3)
+    greedy = model.generate(prompt, 12)
+    # EOS ids that row 0 emits early and row 1 later (or never): both stopping paths run
+    first = int(greedy[0, 4 + 2])
+    later = [int(t) for t in greedy[1, 4 + 5 :] if t != first and t not in greedy[0, 4:7]]
+    stop = [first, *later[:1]]
+    got = model.generate(prompt, 12, eos_token_id=stop, pad_token_id=pad)
+    want = expected_with_eos(greedy, 4, set(stop), stop[0] if pad is None else pad)
+    assert got.shape[1] < greedy.shape[1] or not later
+    np.testing.assert_array_equal(got, want)
+    # one id, and a row that never finishes: the stream runs every step
+    never = (set(range(CFG.vocab_size)) - set(greedy[0, 4:].tolist())).pop()
+    single = model.generate(prompt[:1], 12, eos_token_id=never)
+    np.testing.assert_array_equal(single, greedy[:1])
+    streamed = list(model.stream(prompt, 12, eos_token_id=first, pad_token_id=pad))
+    np.testing.assert_array_equal(
+        np.stack(streamed, axis=1),
+        expected_with_eos(greedy, 4, {first}, first if pad is None else pad)[:, 4:],
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"eos_token_id": CFG.vocab_size}, ValueError),
+        ({"eos_token_id": -1}, ValueError),
+        ({"eos_token_id": []}, ValueError),
+        ({"eos_token_id": 1.0}, TypeError),
+        ({"eos_token_id": True}, TypeError),
+        ({"eos_token_id": 1, "pad_token_id": CFG.vocab_size}, ValueError),
+    ],
+)
+def test_bad_stop_tokens_are_refused(weights: str, kwargs: dict, error: type) -> None:
+    model = make(weights, RuntimeMode.INFERENCE, (1, 32))
+    with pytest.raises(error, match="token_id"):
+        model.generate(tokens(1, 4), 4, **kwargs)
+
+
 def test_memory_prediction_and_inference_is_smaller(weights: str) -> None:
     model = Llama("llama", CFG, device="CPU")
     infer_ctx = BuildContext((1, 64), RuntimeMode.INFERENCE, prefill_size=8)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -459,12 +459,20 @@ class Llama(Network):
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | None = None,
+        *,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
     ) -> Any:
         """Yield ``[B]`` new tokens one step at a time (prefill once, then decode).
 
         Greedy when ``temperature == 0``; otherwise samples from ``softmax(logits / T)``
         restricted to the ``top_k`` most likely tokens and the smallest set whose probability
         reaches ``top_p``.
+
+        With ``eos_token_id`` (one id or several), a sequence that emits one of them is finished:
+        its later tokens are ``pad_token_id`` (default: the first EOS id), and the stream ends
+        once every sequence is finished, as Hugging Face's ``generate`` does. Without it, the
+        stream runs ``max_new_tokens`` steps (fewer if the context fills up).
         """
         self._require_inference("generate()")
         ctx = self.execution_context
@@ -477,18 +485,48 @@ class Llama(Network):
             raise ValueError(f"{self._describe()}: top_p must be in (0, 1], got {top_p}")
         if top_k is not None and top_k < 1:
             raise ValueError(f"{self._describe()}: top_k must be >= 1, got {top_k}")
+        stop, pad = self._stop_tokens(eos_token_id, pad_token_id)
         n_t = prompt.shape[1]
         steps = min(max_new_tokens, self.context_length - n_t + 1)
         rng = np.random.default_rng(seed)
+        finished = np.zeros(prompt.shape[0], dtype=bool)
         logits = self.prefill(prompt)
         for step in range(steps):
             if temperature == 0:  # greedy: the argmax on the device, [B] ids to the host
                 token = ctx.to_host(logits.argmax(axis=-1))
             else:
                 token = _sample(ctx.to_host(logits), temperature, top_k, top_p, rng)
+            if stop is not None:
+                token = np.where(finished, pad, token)
+                finished |= np.isin(token, stop)
             yield token
-            if step + 1 < steps:
-                logits = self.decode(token, n_t + step)
+            if step + 1 == steps or finished.all():
+                return
+            logits = self.decode(token, n_t + step)
+
+    def _stop_tokens(
+        self, eos_token_id: Any, pad_token_id: Any
+    ) -> tuple[np.ndarray | None, int]:
+        """The EOS ids as an array (None: no stopping) and the id that pads finished rows."""
+        vocab = self.config.vocab_size
+
+        def token_id(value: Any, what: str) -> int:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{self._describe()}: {what} must be int ids, got {value!r}")
+            if not 0 <= value < vocab:
+                raise ValueError(
+                    f"{self._describe()}: {what} {value} is outside the vocabulary [0, {vocab})"
+                )
+            return int(value)
+
+        pad = None if pad_token_id is None else token_id(pad_token_id, "pad_token_id")
+        if eos_token_id is None:
+            return None, 0  # nothing finishes: no row is padded
+        ids = [eos_token_id] if np.ndim(eos_token_id) == 0 else list(eos_token_id)
+        if not ids:
+            raise ValueError(f"{self._describe()}: eos_token_id is an empty list")
+        stop = np.array([token_id(i, "eos_token_id") for i in ids])
+        return stop, int(stop[0]) if pad is None else pad
 
     def generate(
         self,
@@ -498,11 +536,25 @@ class Llama(Network):
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | None = None,
+        *,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
     ) -> np.ndarray:
         """The prompt followed by up to ``max_new_tokens`` generated tokens, ``[B, T + n]``
-        (``[T + n]`` for a 1-D prompt), on the host. See :meth:`stream` for the sampling rules."""
+        (``[T + n]`` for a 1-D prompt), on the host. See :meth:`stream` for the sampling and
+        stopping rules."""
         prompt = self.execution_context.to_host(prompt)
-        new = list(self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed))
+        stream = self.stream(
+            prompt,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+        )
+        new = list(stream)
         batch = prompt if prompt.ndim == 2 else prompt[None]
         out = np.concatenate([batch, *(t[:, None] for t in new)], axis=1) if new else batch
         return out if prompt.ndim == 2 else out[0]

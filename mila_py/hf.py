@@ -1,7 +1,7 @@
 """Hugging Face Llama checkpoints: config and tensor-name mapping, reading and writing safetensors.
 
-A Hugging Face ``LlamaForCausalLM`` (or ``MistralForCausalLM`` without an effective sliding
-window) directory holds ``config.json`` and ``model.safetensors`` (or a sharded
+A Hugging Face ``LlamaForCausalLM`` (or ``MistralForCausalLM`` or ``Qwen2ForCausalLM`` without an
+effective sliding window) directory holds ``config.json`` and ``model.safetensors`` (or a sharded
 ``model.safetensors.index.json`` plus its shards). This module turns the config into a
 :class:`~mila_py.components.llama.LlamaConfig` and the tensors into the names of mila_py's
 component tree::
@@ -10,7 +10,11 @@ component tree::
     model.layers.{i}.input_layernorm.weight       -> layer{i}.input_layernorm.weight
     model.layers.{i}.self_attn.{q,k,v}_proj.weight -> layer{i}.self_attn.qkv_proj.weight
                                                       (concatenated along the output axis)
+    model.layers.{i}.self_attn.{q,k,v}_proj.bias   -> layer{i}.self_attn.qkv_proj.bias
+                                                      (Qwen2; Llama with attention_bias)
     model.layers.{i}.self_attn.o_proj.weight      -> layer{i}.self_attn.o_proj.weight
+    model.layers.{i}.self_attn.o_proj.bias        -> layer{i}.self_attn.o_proj.bias
+                                                      (Llama with attention_bias)
     model.layers.{i}.post_attention_layernorm.weight -> layer{i}.post_attention_layernorm.weight
     model.layers.{i}.mlp.{gate,up,down}_proj.weight -> layer{i}.mlp.{gate,up,down}_proj.weight
     model.norm.weight                             -> norm.weight
@@ -50,7 +54,7 @@ __all__ = [
 ]
 
 #: ``model_type`` values whose checkpoints this module maps (verified against transformers).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -77,8 +81,8 @@ _LAYER_DIRECT = {
     "mlp.up_proj.weight": "mlp.up_proj.weight",
     "mlp.down_proj.weight": "mlp.down_proj.weight",
 }
-_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
-_QKV_MILA = "self_attn.qkv_proj.weight"
+_QKV = ("self_attn.q_proj.{}", "self_attn.k_proj.{}", "self_attn.v_proj.{}")
+_QKV_MILA = "self_attn.qkv_proj.{}"
 
 
 # ---------------------------------------------------------------------------------------- config
@@ -92,12 +96,15 @@ def llama_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
     (``rope_theta``, ``rope_parameters`` or legacy ``rope_scaling``) goes through
     :meth:`RopeConfig.from_hf`, so every scaling type maps the same way as there.
 
-    ``pretraining_tp`` is ignored, as transformers 5 does (in 4.x it only split the matmuls
-    into slices, the same arithmetic).
+    Attention biases: ``qwen2`` checkpoints have them on Q, K and V (``qkv_bias``); a ``llama``
+    config's ``attention_bias`` puts them on Q, K, V and the output projection (``qkv_bias``
+    and ``out_bias``). ``pretraining_tp`` is ignored, as transformers 5 does (in 4.x it only
+    split the matmuls into slices, the same arithmetic).
 
     Raises:
         ValueError: naming every key that is missing or that mila_py's Llama cannot express:
-            ``model_type`` other than llama/mistral, ``attention_bias``, ``mlp_bias``,
+            ``model_type`` other than llama/mistral/qwen2, ``mlp_bias``, ``attention_bias``
+            outside llama configs,
             ``hidden_act`` other than silu, ``partial_rotary_factor`` < 1, an effective
             ``sliding_window``, ``layer_types`` other than full attention,
             ``quantization_config``. YaRN's ``mscale``/``mscale_all_dim`` are accepted: their
@@ -117,9 +124,13 @@ def llama_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
     problems += [
         f"{key}: missing (needed for LlamaConfig.{_REQUIRED_KEYS[key]})" for key in missing
     ]
-    for key in ("attention_bias", "mlp_bias"):
-        if config.get(key):
-            problems.append(f"{key}=True: mila_py's Llama projections have no bias")
+    if config.get("mlp_bias"):
+        problems.append("mlp_bias=True: mila_py's SwiGLU projections have no bias")
+    attention_bias = bool(config.get("attention_bias", False))
+    if attention_bias and model_type != "llama":
+        problems.append(
+            f"attention_bias=True: {model_type} models do not read it (only llama configs do)"
+        )
     act = config.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         problems.append(f"hidden_act={act!r}: mila_py's SwiGLU uses silu")
@@ -129,7 +140,7 @@ def llama_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
     max_pos = config.get("max_position_embeddings")
     if (
         window is not None
-        and config.get("use_sliding_window", True)
+        and config.get("use_sliding_window", model_type != "qwen2")  # each model's default
         and (max_pos is None or int(window) < int(max_pos))
     ):
         problems.append(
@@ -179,21 +190,33 @@ def llama_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         head_dim=None if head_dim is None else int(head_dim),
+        qkv_bias=model_type == "qwen2" or attention_bias,
+        out_bias=attention_bias,
     )
 
 
 def llama_config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
-    """A Hugging Face ``config.json`` dict (``LlamaForCausalLM``) describing ``cfg``.
+    """A Hugging Face ``config.json`` dict describing ``cfg``: ``LlamaForCausalLM``, or
+    ``Qwen2ForCausalLM`` when only the QKV projection has a bias.
 
     The RoPE parameters are written both as transformers 5 ``rope_parameters`` and as the
     ``rope_theta`` / ``rope_scaling`` keys that 4.x reads.
+
+    Raises:
+        ValueError: an output-projection bias without a QKV bias (no transformers model has it).
     """
+    if cfg.out_bias and not cfg.qkv_bias:
+        raise ValueError(
+            "llama_config_to_hf: out_bias without qkv_bias has no Hugging Face model "
+            "(Llama's attention_bias is both, Qwen2's is QKV only)"
+        )
+    qwen2 = cfg.qkv_bias and not cfg.out_bias
     head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
     scaling = _plain(dict(cfg.rope_scaling)) if cfg.rope_scaling else None
     rope_parameters = {"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_base}
     out: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen2 else "llama",
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.hidden_dim,
@@ -205,11 +228,14 @@ def llama_config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False,
         "mlp_bias": False,
         "rope_theta": cfg.rope_base,
         "rope_parameters": rope_parameters,
     }
+    if qwen2:
+        out["use_sliding_window"] = False
+    else:
+        out["attention_bias"] = cfg.out_bias
     if scaling is not None:
         out["rope_scaling"] = scaling
     return out
@@ -237,7 +263,13 @@ def _hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.q_proj.weight"] = (q, d)
         shapes[p + "self_attn.k_proj.weight"] = (kv, d)
         shapes[p + "self_attn.v_proj.weight"] = (kv, d)
+        if cfg.qkv_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (q,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv,)
         shapes[p + "self_attn.o_proj.weight"] = (d, q)
+        if cfg.out_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (d,)
         shapes[p + "post_attention_layernorm.weight"] = (d,)
         shapes[p + "mlp.gate_proj.weight"] = (f, d)
         shapes[p + "mlp.up_proj.weight"] = (f, d)
@@ -253,9 +285,9 @@ def _mila_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     hf = _hf_shapes(cfg)
     out: dict[str, tuple[int, ...]] = {}
     for name, mila in _name_pairs(cfg):
-        if isinstance(name, tuple):
+        if isinstance(name, tuple):  # Q, K and V stacked along the output axis
             rows = sum(hf[n][0] for n in name)
-            out[mila] = (rows, cfg.dim)
+            out[mila] = (rows, *hf[name[0]][1:])
         else:
             out[mila] = hf[name]
     return out
@@ -267,10 +299,14 @@ def _name_pairs(cfg: LlamaConfig) -> Iterator[tuple[str | tuple[str, str, str], 
     for i in range(cfg.n_layers):
         hp, mp = f"model.layers.{i}.", f"layer{i}."
         yield hp + "input_layernorm.weight", mp + "input_layernorm.weight"
-        yield (hp + _QKV[0], hp + _QKV[1], hp + _QKV[2]), mp + _QKV_MILA
+        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+            q, k, v = (hp + name.format(kind) for name in _QKV)
+            yield (q, k, v), mp + _QKV_MILA.format(kind)
         for hf_name, mila_name in _LAYER_DIRECT.items():
             if hf_name != "input_layernorm.weight":
                 yield hp + hf_name, mp + mila_name
+            if hf_name == "self_attn.o_proj.weight" and cfg.out_bias:
+                yield hp + "self_attn.o_proj.bias", mp + "self_attn.o_proj.bias"
     yield "model.norm.weight", "norm.weight"
     if not cfg.tie_embeddings:
         yield "lm_head.weight", "lm_head.weight"
@@ -452,7 +488,7 @@ def save_hf_checkpoint(model: Llama, path: str | os.PathLike[str]) -> None:
     """Write a built :class:`Llama` as a Hugging Face checkpoint directory (float32 weights).
 
     ``path`` gets ``config.json`` (see :func:`llama_config_to_hf`) and ``model.safetensors``
-    that ``LlamaForCausalLM.from_pretrained`` loads.
+    that ``AutoModelForCausalLM.from_pretrained`` loads (Llama, or Qwen2 for a QKV-only bias).
     """
     from safetensors.numpy import save_file
 

@@ -96,6 +96,9 @@ CASES: dict[str, dict[str, Any]] = {
         }
     ),
     "mistral": dict(model="mistral", sliding_window=None),
+    # biases on Q, K, V (Qwen2) and on the output projection too (Llama's attention_bias)
+    "qwen2-tied": dict(model="qwen2", tie_word_embeddings=True, rope_theta=1000000.0),
+    "llama-bias": dict(attention_bias=True),
 }
 
 
@@ -109,12 +112,14 @@ def _quiet_transformers() -> Any:
 
 
 def make_hf(seed: int = 0, **overrides: Any) -> Any:
-    """A random ``LlamaForCausalLM`` (or ``MistralForCausalLM``) in eval mode, float32."""
+    """A random ``LlamaForCausalLM`` (or ``MistralForCausalLM``, ``Qwen2ForCausalLM``) in eval
+    mode, float32, with norm weights and biases moved off their initial 1 and 0."""
     fields = {**BASE, **overrides}
     kind = fields.pop("model", "llama")
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     }[kind]
     config = config_cls(**fields, attn_implementation="eager")
     torch.manual_seed(seed)
@@ -122,7 +127,7 @@ def make_hf(seed: int = 0, **overrides: Any) -> Any:
     with torch.no_grad():
         gen = torch.Generator().manual_seed(seed + 1)
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", ".bias")):
                 p.add_(0.2 * torch.randn(p.shape, generator=gen))
     return model.eval()
 
@@ -172,7 +177,10 @@ def test_forward_matches_hf(
     assert rel_err(got, ref) < TOL, (case, rel_err(got, ref), float(np.abs(ref).max()))
 
 
-@pytest.mark.parametrize("case", ["gqa", "mha-tied", "head-dim-16", "llama3", "yarn", "longrope"])
+@pytest.mark.parametrize(
+    "case",
+    ["gqa", "mha-tied", "head-dim-16", "llama3", "yarn", "longrope", "qwen2-tied", "llama-bias"],
+)
 def test_backward_matches_hf(checkpoints: dict[str, tuple[Any, Path]], case: str) -> None:
     hf_model, path = checkpoints[case]
     toks = tokens(2)
@@ -214,7 +222,7 @@ def test_generation_stops_at_eos_as_hf_does(checkpoints: dict[str, tuple[Any, Pa
     assert (got == 1).any()  # some row was padded
 
 
-@pytest.mark.parametrize("case", ["gqa", "mha-tied", "llama3", "yarn-mscale"])
+@pytest.mark.parametrize("case", ["gqa", "mha-tied", "llama3", "yarn-mscale", "qwen2-tied"])
 def test_greedy_generation_matches_hf(checkpoints: dict[str, tuple[Any, Path]], case: str) -> None:
     """Chunked prefill + decode picks the same greedy tokens as ``transformers.generate``."""
     hf_model, path = checkpoints[case]
@@ -294,19 +302,20 @@ def test_bf16_checkpoint(tmp_path: Path) -> None:
 def test_save_hf_checkpoint_loads_in_transformers(
     checkpoints: dict[str, tuple[Any, Path]], tmp_path: Path
 ) -> None:
-    for case in ("llama3", "mha-tied"):
+    for case in ("llama3", "mha-tied", "qwen2-tied", "llama-bias"):
         hf_model, path = checkpoints[case]
         model = Llama.from_pretrained(path, batch_size=B, seq_len=T)
         out = tmp_path / case
         save_hf_checkpoint(model, out)
-        again = transformers.LlamaForCausalLM.from_pretrained(out, attn_implementation="eager")
+        again = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+        assert type(again) is type(hf_model)
         toks = tokens(8)
         assert rel_err(hf_logits(again.eval(), toks), hf_logits(hf_model, toks)) < 1e-6, case
         assert llama_config_from_hf(json.loads((out / "config.json").read_text())) == model.config
 
 
 # ---------------------------------------------------------------------------------------- names
-@pytest.mark.parametrize("case", ["gqa", "mha-tied", "head-dim-16"])
+@pytest.mark.parametrize("case", ["gqa", "mha-tied", "head-dim-16", "qwen2-tied", "llama-bias"])
 def test_round_trip(checkpoints: dict[str, tuple[Any, Path]], case: str) -> None:
     _, path = checkpoints[case]
     config, tensors = read_hf_checkpoint(path)
@@ -327,6 +336,11 @@ def test_round_trip(checkpoints: dict[str, tuple[Any, Path]], case: str) -> None
     np.testing.assert_array_equal(
         mila["layer1.self_attn.qkv_proj.weight"], np.concatenate([q, k, v])
     )
+    if cfg.qkv_bias:
+        biases = [tensors[f"model.layers.1.self_attn.{x}_proj.bias"] for x in "qkv"]
+        np.testing.assert_array_equal(
+            mila["layer1.self_attn.qkv_proj.bias"], np.concatenate(biases)
+        )
 
 
 def test_names_without_model_prefix_and_old_inv_freq_buffers(
@@ -417,14 +431,26 @@ def test_config_mapping() -> None:
     assert old.n_kv_heads == 4 and old.norm_eps == 1e-6 and old.rope_base == 20000.0
     assert dict(old.rope_scaling or {}) == {"rope_type": "linear", "factor": 2.0}
     assert llama_config_from_hf(hf_config(head_dim=16)).head_dim == 16
+    plain = llama_config_from_hf(hf_config())
+    assert (plain.qkv_bias, plain.out_bias) == (False, False)
+    llama_bias = llama_config_from_hf(hf_config(attention_bias=True))
+    assert (llama_bias.qkv_bias, llama_bias.out_bias) == (True, True)
+    qwen2 = {**transformers.Qwen2Config(**BASE).to_dict()}
+    assert (qwen2["model_type"], qwen2["use_sliding_window"]) == ("qwen2", False)
+    qwen = llama_config_from_hf(qwen2)
+    assert (qwen.qkv_bias, qwen.out_bias) == (True, False)
+    # Qwen2.5 config.json files carry a window that use_sliding_window=false switches off; a
+    # qwen2 config without the flag has it off too (transformers' default)
+    del qwen2["use_sliding_window"], qwen2["layer_types"]
+    assert llama_config_from_hf({**qwen2, "sliding_window": 32}) == qwen
 
 
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
         (dict(model_type="gpt2"), "model_type"),
-        (dict(model_type="qwen2"), "model_type"),
-        (dict(attention_bias=True), "attention_bias"),
+        (dict(model_type="qwen3"), "model_type"),
+        (dict(model_type="mistral", attention_bias=True), "attention_bias"),
         (dict(mlp_bias=True), "mlp_bias"),
         (dict(hidden_act="gelu"), "hidden_act"),
         (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
@@ -445,7 +471,9 @@ def test_unsupported_config_is_refused(overrides: dict[str, Any], key: str) -> N
 
 def test_config_problems_are_listed_together() -> None:
     with pytest.raises(ValueError) as info:
-        llama_config_from_hf(hf_config(attention_bias=True, mlp_bias=True, hidden_act="relu"))
+        llama_config_from_hf(
+            hf_config(model_type="mistral", attention_bias=True, mlp_bias=True, hidden_act="relu")
+        )
     for key in ("attention_bias", "mlp_bias", "hidden_act"):
         assert key in str(info.value)
 

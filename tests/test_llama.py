@@ -58,11 +58,20 @@ def test_forward_shapes_and_names() -> None:
         assert p.shape == g.shape
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_backward_matches_finite_differences_in_float64(tie: bool) -> None:
-    model = Llama("llama", tiny(tie), device="CPU", precision=Precision.FP64)
+@pytest.mark.parametrize(
+    ("tie", "biases"), [(False, False), (True, False), (False, True), (True, True)]
+)
+def test_backward_matches_finite_differences_in_float64(tie: bool, biases: bool) -> None:
+    cfg = tiny(tie, qkv_bias=biases, out_bias=biases)
+    model = Llama("llama", cfg, device="CPU", precision=Precision.FP64)
     model.build(BuildContext((B, T), RuntimeMode.TRAINING))
     rng = np.random.default_rng(1)
+    names = [name for name, _ in model.named_parameters()]
+    assert ("layer0.self_attn.qkv_proj.bias" in names) is biases
+    assert ("layer0.self_attn.o_proj.bias" in names) is biases
+    for name, p in model.named_parameters():
+        if name.endswith(".bias"):  # built as zeros: move them so that they matter
+            p[...] = 0.3 * rng.standard_normal(p.shape)
     x = tokens(2)
     weight = rng.standard_normal((B, T, 32))  # loss = sum(weight * logits): asymmetric
 
@@ -99,6 +108,12 @@ def test_backward_matches_finite_differences_in_float64(tie: bool) -> None:
             p[index] = saved
             numeric = (up - down) / (2 * eps)
             assert abs(grads[name][index] - numeric) <= 1e-6 * max(1.0, abs(numeric)), name
+
+
+@pytest.mark.parametrize("field", ["qkv_bias", "out_bias", "tie_embeddings"])
+def test_config_flags_must_be_bools(field: str) -> None:
+    with pytest.raises(TypeError, match=field):
+        tiny(**{field: 1})
 
 
 def test_blocks_start_from_different_weights() -> None:

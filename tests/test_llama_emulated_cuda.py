@@ -36,9 +36,9 @@ def rel_err(actual: Any, expected: Any) -> float:
     return 0.0 if scale == 0 else float(np.linalg.norm(a - e) / scale)
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_training_steps_equal_cpu(cuda: None, tie: bool) -> None:
-    cfg = dataclasses.replace(CFG, tie_embeddings=tie)
+@pytest.mark.parametrize(("tie", "biases"), [(False, False), (True, False), (False, True)])
+def test_training_steps_equal_cpu(cuda: None, tie: bool, biases: bool) -> None:
+    cfg = dataclasses.replace(CFG, tie_embeddings=tie, qkv_bias=biases, out_bias=biases)
     rng = np.random.default_rng(5)
     tokens = rng.integers(0, cfg.vocab_size, size=(2, 12))
     targets = rng.integers(0, cfg.vocab_size, size=(2, 12))
@@ -118,15 +118,20 @@ def test_inference_equals_cpu(cuda: None, tmp_path) -> None:
     assert any(name.startswith("rope_qk<float, ") for name in launches)
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_decode_plan_equals_the_component_path(cuda: None, tie: bool, tmp_path) -> None:
+@pytest.mark.parametrize(("tie", "biases"), [(False, False), (True, False), (False, True)])
+def test_decode_plan_equals_the_component_path(
+    cuda: None, tie: bool, biases: bool, tmp_path
+) -> None:
     """CUDA decode runs a plan (the ops bound once to the build's buffers, as on the CPU): its
     logits and caches equal those of the components' own calls, for one position for all, for
     ragged positions (cache rows written through a device index) and for B=1 in a B=2 build."""
-    cfg = dataclasses.replace(CFG, tie_embeddings=tie)
+    cfg = dataclasses.replace(CFG, tie_embeddings=tie, qkv_bias=biases, out_bias=biases)
     rng = np.random.default_rng(9)
     trained = Llama("llama", cfg, device="CPU")
     trained.build(BuildContext((1, 8), TRAINING))
+    for name, p in trained.named_parameters():
+        if name.endswith(".bias"):
+            p[...] = rng.standard_normal(p.shape)
     trained.save(tmp_path / "w.safetensors")
     models = []
     for _ in range(2):

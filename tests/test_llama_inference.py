@@ -283,6 +283,35 @@ def test_decode_plan_equals_the_component_path(
     assert planned._plans is not None and list(planned._plans) == [2]
 
 
+def test_decode_with_attention_biases_equals_forward(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Biased QKV and output projections (Qwen2, Llama's attention_bias): the decode plan (which
+    binds those layers through their ops' general forward, adding the bias) and the components'
+    own calls both give the logits of an uncached TRAINING forward."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, qkv_bias=True, out_bias=True)
+    rng = np.random.default_rng(11)
+    x = tokens(2, 12, seed=12)
+    reference = Llama("llama", cfg, device="CPU")
+    reference.build(BuildContext(x.shape, RuntimeMode.TRAINING))
+    for name, p in reference.named_parameters():
+        if name.endswith(".bias"):
+            p[...] = rng.standard_normal(p.shape)
+    reference.save(tmp_path / "w.safetensors")
+    full = reference.forward(x)
+    models = [Llama("llama", cfg, device="CPU") for _ in range(2)]
+    for model in models:
+        model.build(BuildContext((2, 32), RuntimeMode.INFERENCE, prefill_size=4))
+        model.load(tmp_path / "w.safetensors")
+        np.testing.assert_allclose(model.prefill(x[:, :5]), full[:, 4], rtol=1e-5, atol=1e-5)
+    planned, components = models
+    for position in range(5, 12):
+        got = planned.decode(x[:, position], position)
+        want = components._decode_components(x[:, position, None], position)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(got, full[:, position], rtol=1e-5, atol=1e-5)
+
+
 def test_decode_plan_serves_each_batch_size_and_refuses_bad_input(weights: str) -> None:
     model = make(weights, RuntimeMode.INFERENCE, (2, 16), prefill=4)
     x = tokens(2, 8, seed=8)

@@ -33,7 +33,8 @@ class AttentionConfig:
         max_seq_len: longest context (RoPE table size).
         head_dim: per-head width; default ``dim // n_heads``.
         rope_base, rope_scaling, rope_layout, rotary_dim: as in :class:`RopeConfig`.
-        bias: biases on the QKV and output projections.
+        qkv_bias: a bias on the fused QKV projection (Qwen2; Llama's ``attention_bias``).
+        out_bias: a bias on the output projection (Llama's ``attention_bias``).
         rope_softmax_scale: multiply the softmax scale ``1/sqrt(head_dim)`` by
             :attr:`Rope.softmax_scale_multiplier` (DeepSeek's YaRN rule, ``mscale(factor,
             mscale_all_dim)**2``). Off by default: Llama, Qwen and Mistral fold YaRN's
@@ -49,7 +50,8 @@ class AttentionConfig:
     rope_scaling: Mapping[str, Any] | None = None
     rope_layout: str = "half"
     rotary_dim: int = 0
-    bias: bool = False
+    qkv_bias: bool = False
+    out_bias: bool = False
     rope_softmax_scale: bool = False
 
     def __post_init__(self) -> None:
@@ -148,12 +150,12 @@ class GroupedQueryAttention(CompositeComponent):
         self.config = config
         qkv_out = config.q_width + 2 * config.kv_width
         self.qkv_proj = Linear(
-            "qkv_proj", LinearConfig(config.dim, qkv_out, bias=config.bias), precision=precision
+            "qkv_proj", LinearConfig(config.dim, qkv_out, bias=config.qkv_bias), precision=precision
         )
         self.rope = Rope("rope", config.rope_config(), precision=precision)
         self.o_proj = Linear(
             "o_proj",
-            LinearConfig(config.q_width, config.dim, bias=config.bias),
+            LinearConfig(config.q_width, config.dim, bias=config.out_bias),
             precision=precision,
         )
         for child in (self.qkv_proj, self.rope, self.o_proj):

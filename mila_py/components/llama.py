@@ -53,6 +53,8 @@ class LlamaConfig:
         rope_base, rope_scaling: RoPE theta and a Hugging Face scaling dict (or None).
         norm_eps: RMSNorm epsilon. tie_embeddings: the output head reuses the embedding matrix.
         head_dim: per-head width (default ``dim // n_heads``).
+        qkv_bias, out_bias: biases on the attention's QKV and output projections (Qwen2 has the
+            first; Hugging Face Llama's ``attention_bias`` means both).
     """
 
     vocab_size: int
@@ -67,6 +69,8 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     head_dim: int | None = None
+    qkv_bias: bool = False
+    out_bias: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -76,6 +80,9 @@ class LlamaConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"LlamaConfig: {name} must be a positive int, got {value!r}")
+        for name in ("tie_embeddings", "qkv_bias", "out_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"LlamaConfig: {name} must be a bool, got {getattr(self, name)!r}")
         if not self.norm_eps > 0:
             raise ValueError(f"LlamaConfig: norm_eps must be > 0, got {self.norm_eps!r}")
         self.attention_config()
@@ -89,6 +96,8 @@ class LlamaConfig:
             head_dim=self.head_dim,
             rope_base=self.rope_base,
             rope_scaling=self.rope_scaling,
+            qkv_bias=self.qkv_bias,
+            out_bias=self.out_bias,
         )
 
 
@@ -504,9 +513,7 @@ class Llama(Network):
                 return
             logits = self.decode(token, n_t + step)
 
-    def _stop_tokens(
-        self, eos_token_id: Any, pad_token_id: Any
-    ) -> tuple[np.ndarray | None, int]:
+    def _stop_tokens(self, eos_token_id: Any, pad_token_id: Any) -> tuple[np.ndarray | None, int]:
         """The EOS ids as an array (None: no stopping) and the id that pads finished rows."""
         vocab = self.config.vocab_size
 

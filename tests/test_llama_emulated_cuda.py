@@ -110,6 +110,9 @@ def test_inference_equals_cpu(cuda: None, tmp_path) -> None:
         positions = positions + 1
     prompt = rng.integers(0, CFG.vocab_size, size=(2, 6))
     np.testing.assert_array_equal(gpu.generate(prompt, 10), cpu.generate(prompt, 10))
+    ragged = [prompt[0], prompt[1, :3]]  # right-padded prefill, then one ragged decode
+    for a, b in zip(gpu.generate(ragged, 6), cpu.generate(ragged, 6), strict=True):
+        np.testing.assert_array_equal(a, b)
     ops = {type(c.op).__name__ for c in gpu._walk() if hasattr(c, "op")}
     assert {"CudaLinearOp", "CudaRmsNormOp", "CudaTokenEmbeddingOp", "CudaSwiGLUOp"} <= ops
     assert "CudaRopeOp" in ops

@@ -153,6 +153,39 @@ def test_generation_stops_at_eos(weights: str, pad: int | None) -> None:
     )
 
 
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_ragged_prompts_generate_what_each_prompt_generates_alone(weights: str, chunk: int) -> None:
+    prompts = [tokens(1, n, seed=20 + n)[0] for n in (7, 3, 5)]
+    model = make(weights, RuntimeMode.INFERENCE, (3, 32), prefill=chunk)
+    alone = make(weights, RuntimeMode.INFERENCE, (1, 32), prefill=chunk)
+    got = model.generate(prompts, 9)
+    assert isinstance(got, list) and [g.size for g in got] == [16, 12, 14]
+    for p, g in zip(prompts, got, strict=True):
+        np.testing.assert_array_equal(g, alone.generate(p, 9))
+    # the same through stream, sampled with a seed, and with an EOS that one row emits
+    streamed = np.stack(list(model.stream(prompts, 9)), axis=1)
+    np.testing.assert_array_equal(streamed, np.stack([g[-9:] for g in got]))
+    eos = int(got[1][3 + 2])  # row 1's third new token
+    cut = model.generate(prompts, 9, eos_token_id=eos, pad_token_id=0)
+    assert len({c.size - p.size for c, p in zip(cut, prompts, strict=True)}) == 1
+    for p, c in zip(prompts, cut, strict=True):  # each row as alone, then padded
+        a = alone.generate(p, 9, eos_token_id=eos, pad_token_id=0)
+        np.testing.assert_array_equal(c[: a.size], a)
+        assert (c[a.size :] == 0).all()
+    sampled = model.generate(prompts, 5, temperature=1.0, seed=3)
+    np.testing.assert_array_equal(
+        np.concatenate(sampled), np.concatenate(model.generate(prompts, 5, temperature=1.0, seed=3))
+    )
+
+
+def test_ragged_prompts_must_be_token_sequences(weights: str) -> None:
+    model = make(weights, RuntimeMode.INFERENCE, (2, 32))
+    with pytest.raises(ValueError, match="1-D"):
+        model.generate([tokens(1, 4)[0], tokens(2, 3)], 4)
+    with pytest.raises(ValueError, match="1-D"):
+        model.generate([tokens(1, 4)[0], np.array([], dtype=np.int64)], 4)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error"),
     [

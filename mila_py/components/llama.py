@@ -474,6 +474,11 @@ class Llama(Network):
     ) -> Any:
         """Yield ``[B]`` new tokens one step at a time (prefill once, then decode).
 
+        ``prompt`` is ``[B, T]`` or ``[T]`` ints, or a list of B prompts of different lengths
+        (ragged): those are prefilled together, right-padded to the longest, and each sequence
+        then decodes from its own length (the padding's cache rows are overwritten before any
+        query can see them), so every row gets the tokens it would get alone.
+
         Greedy when ``temperature == 0``; otherwise samples from ``softmax(logits / T)``
         restricted to the ``top_k`` most likely tokens and the smallest set whose probability
         reaches ``top_p``.
@@ -485,9 +490,7 @@ class Llama(Network):
         """
         self._require_inference("generate()")
         ctx = self.execution_context
-        prompt = ctx.to_host(prompt)
-        if prompt.ndim == 1:
-            prompt = prompt[None]
+        prompt, lengths = self._prompt_rows(prompt)
         if max_new_tokens < 0 or temperature < 0:
             raise ValueError(f"{self._describe()}: max_new_tokens and temperature must be >= 0")
         if top_p is not None and not 0 < top_p <= 1:
@@ -500,6 +503,11 @@ class Llama(Network):
         rng = np.random.default_rng(seed)
         finished = np.zeros(prompt.shape[0], dtype=bool)
         logits = self.prefill(prompt)
+        position: Any = n_t
+        if lengths is not None:  # each row's last prompt token again, at its own position
+            last = lengths - 1
+            logits = self.decode(prompt[np.arange(prompt.shape[0]), last], last)
+            position = lengths
         for step in range(steps):
             if temperature == 0:  # greedy: the argmax on the device, [B] ids to the host
                 token = ctx.to_host(logits.argmax(axis=-1))
@@ -511,7 +519,25 @@ class Llama(Network):
             yield token
             if step + 1 == steps or finished.all():
                 return
-            logits = self.decode(token, n_t + step)
+            logits = self.decode(token, position + step)
+
+    def _prompt_rows(self, prompt: Any) -> tuple[np.ndarray, np.ndarray | None]:
+        """``prompt`` as host ``[B, T]`` rows and, for a ragged list, the lengths ``[B]`` (the
+        rows right-padded with token 0); None when every row is the full ``T``."""
+        if isinstance(prompt, list | tuple) and len({np.shape(p) for p in prompt}) > 1:
+            rows = [self.execution_context.to_host(p) for p in prompt]
+            if any(r.ndim != 1 or r.size == 0 for r in rows):
+                raise ValueError(
+                    f"{self._describe()}: a list of prompts of different lengths must hold "
+                    f"non-empty 1-D token sequences, got shapes {[r.shape for r in rows]}"
+                )
+            lengths = np.array([r.size for r in rows])
+            padded = np.zeros((len(rows), int(lengths.max())), dtype=np.int64)
+            for row, r in zip(padded, rows, strict=True):
+                row[: r.size] = r
+            return padded, lengths
+        tokens = self.execution_context.to_host(prompt)
+        return (tokens[None] if tokens.ndim == 1 else tokens), None
 
     def _stop_tokens(self, eos_token_id: Any, pad_token_id: Any) -> tuple[np.ndarray | None, int]:
         """The EOS ids as an array (None: no stopping) and the id that pads finished rows."""
@@ -546,11 +572,12 @@ class Llama(Network):
         *,
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
-    ) -> np.ndarray:
+    ) -> np.ndarray | list[np.ndarray]:
         """The prompt followed by up to ``max_new_tokens`` generated tokens, ``[B, T + n]``
-        (``[T + n]`` for a 1-D prompt), on the host. See :meth:`stream` for the sampling and
-        stopping rules."""
-        prompt = self.execution_context.to_host(prompt)
+        (``[T + n]`` for a 1-D prompt; for a list of prompts of different lengths, a list of B
+        1-D arrays, each its prompt and the same number ``n`` of new tokens), on the host. See
+        :meth:`stream` for the sampling and stopping rules."""
+        rows, lengths = self._prompt_rows(prompt)
         stream = self.stream(
             prompt,
             max_new_tokens,
@@ -562,9 +589,11 @@ class Llama(Network):
             pad_token_id=pad_token_id,
         )
         new = list(stream)
-        batch = prompt if prompt.ndim == 2 else prompt[None]
-        out = np.concatenate([batch, *(t[:, None] for t in new)], axis=1) if new else batch
-        return out if prompt.ndim == 2 else out[0]
+        tail = np.stack(new, axis=1) if new else rows[:, :0]
+        if lengths is not None:
+            return [np.concatenate([r[:n], t]) for r, n, t in zip(rows, lengths, tail, strict=True)]
+        out = np.concatenate([rows, tail], axis=1)
+        return out if np.ndim(prompt) == 2 else out[0]
 
     def backward(self, dlogits: Any) -> None:
         """Backpropagate ``dlogits [B, T, vocab]``; accumulates every parameter gradient."""

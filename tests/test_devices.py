@@ -233,6 +233,46 @@ def test_cpu_context_to_device_copies_and_to_host_returns_numpy() -> None:
     ctx.synchronize()  # a no-op that must not fail
 
 
+def test_cpu_context_takes_torch_cpu_tensors_without_a_copy() -> None:
+    """A torch CPU tensor (any ``__dlpack__`` producer on the host) becomes a NumPy view of the
+    same memory, bf16 included, so a component rotates it in place; other inputs pass through."""
+    torch = pytest.importorskip("torch")
+    import ml_dtypes
+
+    from mila_py import BuildContext, Precision, RuntimeMode
+    from mila_py.components import Rope, RopeConfig
+
+    ctx = create_execution_context("CPU")
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    view = ctx.as_device_array(t)
+    assert isinstance(view, np.ndarray) and view.shape == (2, 3) and view.dtype == np.float32
+    view[1, 2] = -1.0
+    assert t[1, 2].item() == -1.0  # the same memory
+    bf16 = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
+    bits = ctx.as_device_array(bf16)
+    assert bits.dtype == np.dtype(ml_dtypes.bfloat16) and bits.tolist() == [1.5, -2.0]
+    for other in (np.ones(2), [1, 2], "x", None):
+        assert ctx.as_device_array(other) is other
+    with pytest.raises((BufferError, RuntimeError), match=r"(?i)grad"):
+        ctx.as_device_array(torch.ones(2, requires_grad=True))
+    ctx.release_foreign()  # nothing to order on the CPU
+
+    cfg = RopeConfig(channels=64, n_heads=4, n_kv_heads=2, max_seq_len=32)
+    for precision, dtype in ((Precision.FP32, torch.float32), (Precision.BF16, torch.bfloat16)):
+        rope = Rope("rope", cfg, device="CPU", precision=precision)
+        rope.build(BuildContext((1, 8, 64), RuntimeMode.INFERENCE))
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 8, 64, generator=gen).to(dtype)
+        k = torch.randn(1, 8, 32, generator=gen).to(dtype)
+        before = q.clone()
+        q_np, k_np = ctx.as_device_array(q.clone()), ctx.as_device_array(k.clone())
+        rope.forward(q_np, k_np)  # the reference: NumPy arrays of their own
+        rope.forward(ctx.as_device_array(q), ctx.as_device_array(k))  # the tensors, in place
+        assert not torch.equal(q, before)
+        assert np.array_equal(ctx.as_device_array(q), q_np)
+        assert np.array_equal(ctx.as_device_array(k), k_np)
+
+
 def test_contexts_are_independent_objects() -> None:
     a = create_execution_context("CPU")
     b = create_execution_context("CPU")

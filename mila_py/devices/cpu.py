@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from mila_py.devices.device import DeviceId, DeviceType
-from mila_py.devices.execution_context import ExecutionContext
+from mila_py.devices.execution_context import ExecutionContext, torch_of
 
 __all__ = ["CpuExecutionContext"]
 
@@ -33,3 +34,32 @@ class CpuExecutionContext(ExecutionContext):
 
     def to_device(self, array: Any) -> np.ndarray:
         return np.array(array, copy=True)
+
+    def as_device_array(self, array: Any) -> Any:
+        """A NumPy view (no copy) of a CPU array of another library: anything with
+        ``__dlpack__`` whose memory is on the CPU (a torch CPU tensor, JAX, ...), so that a
+        component rotates or fills it in place. A torch ``bfloat16`` tensor becomes an
+        ``ml_dtypes.bfloat16`` view (through an ``int16`` view of its bits: NumPy's DLPack
+        import has no bfloat16). Anything else (a NumPy array, a GPU tensor, a list) is
+        returned unchanged, so the caller's usual checks accept or refuse it as before.
+
+        Raises:
+            BufferError, RuntimeError: what the producer raises when it cannot export (a torch
+                tensor that requires grad: pass ``t.detach()``).
+        """
+        if isinstance(array, np.ndarray) or not hasattr(array, "__dlpack__"):
+            return array
+        try:
+            device_type, _ = array.__dlpack_device__()
+        except Exception:
+            return array
+        if int(device_type) != _DLPACK_CPU:
+            return array
+        torch = torch_of(array)
+        if torch is not None and array.dtype == torch.bfloat16:
+            return np.from_dlpack(array.view(torch.int16)).view(ml_dtypes.bfloat16)
+        return np.from_dlpack(array)
+
+
+#: DLPack's device type of host memory (``kDLCPU``)
+_DLPACK_CPU = 1

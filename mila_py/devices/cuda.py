@@ -11,7 +11,6 @@ the context launched on them.
 
 from __future__ import annotations
 
-import sys
 from types import ModuleType
 from typing import Any
 
@@ -19,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from mila_py.devices.device import DeviceId, DeviceType
-from mila_py.devices.execution_context import ExecutionContext
+from mila_py.devices.execution_context import ExecutionContext, torch_of
 
 __all__ = ["CudaExecutionContext", "cuda_device_count", "import_cupy", "shared_context"]
 
@@ -173,7 +172,7 @@ class CudaExecutionContext(ExecutionContext):
         cupy = self._cupy
         if isinstance(array, cupy.ndarray | np.ndarray):
             return array
-        torch = _torch_of(array)
+        torch = torch_of(array)
         producer: int | None = None  # the producer's stream, where it can be named
         if hasattr(array, "__dlpack__") and hasattr(array, "__dlpack_device__"):
             try:
@@ -238,14 +237,6 @@ class CudaExecutionContext(ExecutionContext):
                 pass
         bits = cupy.from_dlpack(array.view(torch.int16))
         return bits.view(_BFLOAT16 if self.bfloat16_native else np.uint16)
-
-
-def _torch_of(array: Any) -> Any:
-    """The torch module if ``array`` is a torch tensor (never imports torch)."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(array, torch.Tensor):
-        return torch
-    return None
 
 
 def _cupy_has_bfloat16(cupy: ModuleType) -> bool:

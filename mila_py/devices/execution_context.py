@@ -7,13 +7,14 @@ memory is counted in one place (see :mod:`mila_py.memory`).
 from __future__ import annotations
 
 import abc
+import sys
 from typing import Any
 
 import numpy as np
 
 from mila_py.devices.device import DeviceId, DeviceType
 
-__all__ = ["ExecutionContext"]
+__all__ = ["ExecutionContext", "torch_of"]
 
 
 class ExecutionContext(abc.ABC):
@@ -51,5 +52,23 @@ class ExecutionContext(abc.ABC):
         """Copy an array of this device to a NumPy array."""
         return np.asarray(array)
 
+    def as_device_array(self, array: Any) -> Any:
+        """A view (no copy) of another library's array on this device, in this context's array
+        type; anything else is returned unchanged. Overridden per device."""
+        return array
+
+    def release_foreign(self) -> None:
+        """Order the producers of arrays taken by :meth:`as_device_array` after this context's
+        work (nothing to do where work is synchronous)."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.device_id})"
+
+
+def torch_of(array: Any) -> Any:
+    """The torch module if ``array`` is a torch tensor (never imports torch)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(array, torch.Tensor):
+        return torch
+    return None

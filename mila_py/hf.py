@@ -1,7 +1,7 @@
 """Hugging Face Llama checkpoints: config and tensor-name mapping, reading and writing safetensors.
 
-A Hugging Face ``LlamaForCausalLM`` (or ``MistralForCausalLM`` or ``Qwen2ForCausalLM`` without an
-effective sliding window) directory holds ``config.json`` and ``model.safetensors`` (or a sharded
+A Hugging Face ``LlamaForCausalLM`` (or ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or
+``Qwen3ForCausalLM``, without an effective sliding window) directory holds ``config.json`` and ``model.safetensors`` (or a sharded
 ``model.safetensors.index.json`` plus its shards). This module turns the config into a
 :class:`~mila_py.components.llama.LlamaConfig` and the tensors into the names of mila_py's
 component tree::
@@ -14,7 +14,8 @@ component tree::
                                                       (Qwen2; Llama with attention_bias)
     model.layers.{i}.self_attn.o_proj.weight      -> layer{i}.self_attn.o_proj.weight
     model.layers.{i}.self_attn.o_proj.bias        -> layer{i}.self_attn.o_proj.bias
-                                                      (Llama with attention_bias)
+                                                      (Llama, Qwen3 with attention_bias)
+    model.layers.{i}.self_attn.{q,k}_norm.weight  -> layer{i}.self_attn.{q,k}_norm.weight (Qwen3)
     model.layers.{i}.post_attention_layernorm.weight -> layer{i}.post_attention_layernorm.weight
     model.layers.{i}.mlp.{gate,up,down}_proj.weight -> layer{i}.mlp.{gate,up,down}_proj.weight
     model.norm.weight                             -> norm.weight
@@ -54,7 +55,11 @@ __all__ = [
 ]
 
 #: ``model_type`` values whose checkpoints this module maps (verified against transformers).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# model types whose attention_bias puts biases on Q, K, V and the output projection
+_ATTENTION_BIAS_TYPES = ("llama", "qwen3")
+# model types whose use_sliding_window is off unless the config says otherwise
+_WINDOW_OFF_TYPES = ("qwen2", "qwen3")
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -97,14 +102,15 @@ def llama_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
     :meth:`RopeConfig.from_hf`, so every scaling type maps the same way as there.
 
     Attention biases: ``qwen2`` checkpoints have them on Q, K and V (``qkv_bias``); a ``llama``
-    config's ``attention_bias`` puts them on Q, K, V and the output projection (``qkv_bias``
-    and ``out_bias``). ``pretraining_tp`` is ignored, as transformers 5 does (in 4.x it only
+    or ``qwen3`` config's ``attention_bias`` puts them on Q, K, V and the output projection
+    (``qkv_bias`` and ``out_bias``). ``qwen3`` checkpoints RMS-normalize each head of Q and K
+    (``qk_norm``, with ``rms_norm_eps``). ``pretraining_tp`` is ignored, as transformers 5 does (in 4.x it only
     split the matmuls into slices, the same arithmetic).
 
     Raises:
         ValueError: naming every key that is missing or that mila_py's Llama cannot express:
-            ``model_type`` other than llama/mistral/qwen2, ``mlp_bias``, ``attention_bias``
-            outside llama configs,
+            ``model_type`` other than llama/mistral/qwen2/qwen3, ``mlp_bias``,
+            ``attention_bias`` outside llama and qwen3 configs,
             ``hidden_act`` other than silu, ``partial_rotary_factor`` < 1, an effective
             ``sliding_window``, ``layer_types`` other than full attention,
             ``quantization_config``. YaRN's ``mscale``/``mscale_all_dim`` are accepted: their
@@ -127,29 +133,21 @@ def llama_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
     if config.get("mlp_bias"):
         problems.append("mlp_bias=True: mila_py's SwiGLU projections have no bias")
     attention_bias = bool(config.get("attention_bias", False))
-    if attention_bias and model_type != "llama":
+    if attention_bias and model_type not in _ATTENTION_BIAS_TYPES:
         problems.append(
-            f"attention_bias=True: {model_type} models do not read it (only llama configs do)"
+            f"attention_bias=True: {model_type} models do not read it (only "
+            f"{'/'.join(_ATTENTION_BIAS_TYPES)} configs do)"
         )
     act = config.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         problems.append(f"hidden_act={act!r}: mila_py's SwiGLU uses silu")
     if config.get("quantization_config") is not None:
         problems.append("quantization_config: quantized checkpoints are not supported")
-    window = config.get("sliding_window")
-    max_pos = config.get("max_position_embeddings")
-    if (
-        window is not None
-        and config.get("use_sliding_window", model_type != "qwen2")  # each model's default
-        and (max_pos is None or int(window) < int(max_pos))
-    ):
-        problems.append(
-            f"sliding_window={window}: mila_py's attention is full causal attention (accepted "
-            f"only when the window covers max_position_embeddings={max_pos})"
-        )
     layer_types = config.get("layer_types")
     if layer_types and any(t != "full_attention" for t in layer_types):
         problems.append(f"layer_types={sorted(set(layer_types))}: only full_attention is supported")
+    elif not layer_types:
+        problems += _sliding_window_problems(config, model_type)
 
     rope: RopeConfig | None = None
     if not missing:
@@ -192,31 +190,62 @@ def llama_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
         head_dim=None if head_dim is None else int(head_dim),
         qkv_bias=model_type == "qwen2" or attention_bias,
         out_bias=attention_bias,
+        qk_norm=model_type == "qwen3",
     )
 
 
+def _sliding_window_problems(config: Mapping[str, Any], model_type: Any) -> list[str]:
+    """The sliding window a config without ``layer_types`` gets in transformers, if it is
+    shorter than the context: Mistral slides on every layer (window 4096 when the key is
+    absent); Qwen2/Qwen3 only with ``use_sliding_window``, on the layers from
+    ``max_window_layers`` (28) on."""
+    if model_type not in ("mistral", *_WINDOW_OFF_TYPES):
+        return []  # Llama reads no sliding_window key
+    window = config.get("sliding_window", 4096)
+    n_layers, max_pos = config.get("num_hidden_layers"), config.get("max_position_embeddings")
+    sliding = True
+    if model_type in _WINDOW_OFF_TYPES:
+        first = config.get("max_window_layers", 28)
+        sliding = bool(config.get("use_sliding_window", False)) and (
+            n_layers is None or int(first) < int(n_layers)
+        )
+    if window is None or not sliding or (max_pos is not None and int(window) >= int(max_pos)):
+        return []
+    return [
+        f"sliding_window={window}: mila_py's attention is full causal attention (accepted only "
+        f"when the window covers max_position_embeddings={max_pos})"
+    ]
+
+
 def llama_config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
-    """A Hugging Face ``config.json`` dict describing ``cfg``: ``LlamaForCausalLM``, or
-    ``Qwen2ForCausalLM`` when only the QKV projection has a bias.
+    """A Hugging Face ``config.json`` dict describing ``cfg``: ``Qwen3ForCausalLM`` with Q/K head
+    norms, else ``Qwen2ForCausalLM`` when only the QKV projection has a bias, else
+    ``LlamaForCausalLM``.
 
     The RoPE parameters are written both as transformers 5 ``rope_parameters`` and as the
     ``rope_theta`` / ``rope_scaling`` keys that 4.x reads.
 
     Raises:
-        ValueError: an output-projection bias without a QKV bias (no transformers model has it).
+        ValueError: a combination no transformers model has: an output-projection bias without
+            a QKV bias, or Q/K head norms with a QKV bias only.
     """
     if cfg.out_bias and not cfg.qkv_bias:
         raise ValueError(
             "llama_config_to_hf: out_bias without qkv_bias has no Hugging Face model "
             "(Llama's attention_bias is both, Qwen2's is QKV only)"
         )
-    qwen2 = cfg.qkv_bias and not cfg.out_bias
+    if cfg.qk_norm and cfg.qkv_bias != cfg.out_bias:
+        raise ValueError(
+            "llama_config_to_hf: qk_norm with a QKV bias only has no Hugging Face model "
+            "(Qwen3's attention_bias is on Q, K, V and the output projection)"
+        )
+    model_type = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias != cfg.out_bias else "llama"
     head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
     scaling = _plain(dict(cfg.rope_scaling)) if cfg.rope_scaling else None
     rope_parameters = {"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_base}
     out: dict[str, Any] = {
-        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen2 else "llama",
+        "architectures": [_ARCHITECTURES[model_type]],
+        "model_type": model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.hidden_dim,
@@ -232,13 +261,20 @@ def llama_config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
         "rope_theta": cfg.rope_base,
         "rope_parameters": rope_parameters,
     }
-    if qwen2:
+    if model_type in _WINDOW_OFF_TYPES:
         out["use_sliding_window"] = False
-    else:
+    if model_type in _ATTENTION_BIAS_TYPES:
         out["attention_bias"] = cfg.out_bias
     if scaling is not None:
         out["rope_scaling"] = scaling
     return out
+
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 
 def _plain(value: Any) -> Any:
@@ -267,6 +303,9 @@ def _hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (q,)
             shapes[p + "self_attn.k_proj.bias"] = (kv,)
             shapes[p + "self_attn.v_proj.bias"] = (kv,)
+        if cfg.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (hd,)
+            shapes[p + "self_attn.k_norm.weight"] = (hd,)
         shapes[p + "self_attn.o_proj.weight"] = (d, q)
         if cfg.out_bias:
             shapes[p + "self_attn.o_proj.bias"] = (d,)
@@ -302,6 +341,9 @@ def _name_pairs(cfg: LlamaConfig) -> Iterator[tuple[str | tuple[str, str, str], 
         for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
             q, k, v = (hp + name.format(kind) for name in _QKV)
             yield (q, k, v), mp + _QKV_MILA.format(kind)
+        if cfg.qk_norm:
+            for norm in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+                yield hp + norm, mp + norm
         for hf_name, mila_name in _LAYER_DIRECT.items():
             if hf_name != "input_layernorm.weight":
                 yield hp + hf_name, mp + mila_name
@@ -488,7 +530,7 @@ def save_hf_checkpoint(model: Llama, path: str | os.PathLike[str]) -> None:
     """Write a built :class:`Llama` as a Hugging Face checkpoint directory (float32 weights).
 
     ``path`` gets ``config.json`` (see :func:`llama_config_to_hf`) and ``model.safetensors``
-    that ``AutoModelForCausalLM.from_pretrained`` loads (Llama, or Qwen2 for a QKV-only bias).
+    that ``AutoModelForCausalLM.from_pretrained`` loads (see :func:`llama_config_to_hf`).
     """
     from safetensors.numpy import save_file
 

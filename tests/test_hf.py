@@ -99,6 +99,9 @@ CASES: dict[str, dict[str, Any]] = {
     # biases on Q, K, V (Qwen2) and on the output projection too (Llama's attention_bias)
     "qwen2-tied": dict(model="qwen2", tie_word_embeddings=True, rope_theta=1000000.0),
     "llama-bias": dict(attention_bias=True),
+    # Q/K head norms; head_dim 16 (Hq * d = 64 != hidden_size), with and without biases
+    "qwen3": dict(model="qwen3", head_dim=16),
+    "qwen3-bias-tied": dict(model="qwen3", attention_bias=True, tie_word_embeddings=True),
 }
 
 
@@ -112,14 +115,16 @@ def _quiet_transformers() -> Any:
 
 
 def make_hf(seed: int = 0, **overrides: Any) -> Any:
-    """A random ``LlamaForCausalLM`` (or ``MistralForCausalLM``, ``Qwen2ForCausalLM``) in eval
-    mode, float32, with norm weights and biases moved off their initial 1 and 0."""
+    """A random ``LlamaForCausalLM`` (or ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+    ``Qwen3ForCausalLM``) in eval mode, float32, with norm weights and biases moved off their
+    initial 1 and 0."""
     fields = {**BASE, **overrides}
     kind = fields.pop("model", "llama")
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[kind]
     config = config_cls(**fields, attn_implementation="eager")
     torch.manual_seed(seed)
@@ -179,7 +184,18 @@ def test_forward_matches_hf(
 
 @pytest.mark.parametrize(
     "case",
-    ["gqa", "mha-tied", "head-dim-16", "llama3", "yarn", "longrope", "qwen2-tied", "llama-bias"],
+    [
+        "gqa",
+        "mha-tied",
+        "head-dim-16",
+        "llama3",
+        "yarn",
+        "longrope",
+        "qwen2-tied",
+        "llama-bias",
+        "qwen3",
+        "qwen3-bias-tied",
+    ],
 )
 def test_backward_matches_hf(checkpoints: dict[str, tuple[Any, Path]], case: str) -> None:
     hf_model, path = checkpoints[case]
@@ -222,7 +238,9 @@ def test_generation_stops_at_eos_as_hf_does(checkpoints: dict[str, tuple[Any, Pa
     assert (got == 1).any()  # some row was padded
 
 
-@pytest.mark.parametrize("case", ["gqa", "mha-tied", "llama3", "yarn-mscale", "qwen2-tied"])
+@pytest.mark.parametrize(
+    "case", ["gqa", "mha-tied", "llama3", "yarn-mscale", "qwen2-tied", "qwen3-bias-tied"]
+)
 def test_greedy_generation_matches_hf(checkpoints: dict[str, tuple[Any, Path]], case: str) -> None:
     """Chunked prefill + decode picks the same greedy tokens as ``transformers.generate``."""
     hf_model, path = checkpoints[case]
@@ -302,7 +320,7 @@ def test_bf16_checkpoint(tmp_path: Path) -> None:
 def test_save_hf_checkpoint_loads_in_transformers(
     checkpoints: dict[str, tuple[Any, Path]], tmp_path: Path
 ) -> None:
-    for case in ("llama3", "mha-tied", "qwen2-tied", "llama-bias"):
+    for case in ("llama3", "mha-tied", "qwen2-tied", "llama-bias", "qwen3", "qwen3-bias-tied"):
         hf_model, path = checkpoints[case]
         model = Llama.from_pretrained(path, batch_size=B, seq_len=T)
         out = tmp_path / case
@@ -315,7 +333,9 @@ def test_save_hf_checkpoint_loads_in_transformers(
 
 
 # ---------------------------------------------------------------------------------------- names
-@pytest.mark.parametrize("case", ["gqa", "mha-tied", "head-dim-16", "qwen2-tied", "llama-bias"])
+@pytest.mark.parametrize(
+    "case", ["gqa", "mha-tied", "head-dim-16", "qwen2-tied", "llama-bias", "qwen3-bias-tied"]
+)
 def test_round_trip(checkpoints: dict[str, tuple[Any, Path]], case: str) -> None:
     _, path = checkpoints[case]
     config, tensors = read_hf_checkpoint(path)
@@ -449,7 +469,7 @@ def test_config_mapping() -> None:
     ("overrides", "key"),
     [
         (dict(model_type="gpt2"), "model_type"),
-        (dict(model_type="qwen3"), "model_type"),
+        (dict(model_type="gemma"), "model_type"),
         (dict(model_type="mistral", attention_bias=True), "attention_bias"),
         (dict(mlp_bias=True), "mlp_bias"),
         (dict(hidden_act="gelu"), "hidden_act"),
@@ -476,6 +496,35 @@ def test_config_problems_are_listed_together() -> None:
         )
     for key in ("attention_bias", "mlp_bias", "hidden_act"):
         assert key in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "fields", "refused"),
+    [
+        ("mistral", {}, True),  # transformers' default window: 4096 < 8192
+        ("mistral", {"sliding_window": None}, False),
+        ("mistral", {"sliding_window": 8192}, False),
+        ("qwen2", {"sliding_window": 1024}, False),  # use_sliding_window is off by default
+        ("qwen2", {"use_sliding_window": True}, True),  # window 4096 on layers 28, 29
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 1024}, True),
+        ("qwen2", {"use_sliding_window": True, "max_window_layers": 30}, False),  # none slides
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 8192}, False),
+        ("llama", {"sliding_window": 16}, False),  # Llama reads no window
+    ],
+)
+def test_sliding_windows_as_transformers_resolves_them(
+    model_type: str, fields: dict[str, Any], refused: bool
+) -> None:
+    """Configs without ``layer_types`` (transformers 4.x files): the window each model type gets
+    in transformers, defaults included, is refused when it is shorter than the context."""
+    config = {**hf_config(max_position_embeddings=8192, num_hidden_layers=30), **fields}
+    config["model_type"] = model_type
+    config.pop("layer_types", None)
+    if refused:
+        with pytest.raises(ValueError, match="sliding_window"):
+            llama_config_from_hf(config)
+    else:
+        assert llama_config_from_hf(config).n_layers == 30
 
 
 def test_mistral_window_covering_the_context_is_accepted() -> None:

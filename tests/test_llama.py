@@ -59,19 +59,25 @@ def test_forward_shapes_and_names() -> None:
 
 
 @pytest.mark.parametrize(
-    ("tie", "biases"), [(False, False), (True, False), (False, True), (True, True)]
+    ("tie", "biases", "qk_norm"),
+    [(False, False, False), (True, False, False), (False, True, False), (True, True, True)],
 )
-def test_backward_matches_finite_differences_in_float64(tie: bool, biases: bool) -> None:
-    cfg = tiny(tie, qkv_bias=biases, out_bias=biases)
+def test_backward_matches_finite_differences_in_float64(
+    tie: bool, biases: bool, qk_norm: bool
+) -> None:
+    cfg = tiny(tie, qkv_bias=biases, out_bias=biases, qk_norm=qk_norm)
     model = Llama("llama", cfg, device="CPU", precision=Precision.FP64)
     model.build(BuildContext((B, T), RuntimeMode.TRAINING))
     rng = np.random.default_rng(1)
     names = [name for name, _ in model.named_parameters()]
     assert ("layer0.self_attn.qkv_proj.bias" in names) is biases
     assert ("layer0.self_attn.o_proj.bias" in names) is biases
+    assert ("layer1.self_attn.k_norm.weight" in names) is qk_norm
     for name, p in model.named_parameters():
         if name.endswith(".bias"):  # built as zeros: move them so that they matter
             p[...] = 0.3 * rng.standard_normal(p.shape)
+        if name.endswith("norm.weight"):  # built as ones
+            p += 0.3 * rng.standard_normal(p.shape)
     x = tokens(2)
     weight = rng.standard_normal((B, T, 32))  # loss = sum(weight * logits): asymmetric
 
@@ -110,10 +116,11 @@ def test_backward_matches_finite_differences_in_float64(tie: bool, biases: bool)
             assert abs(grads[name][index] - numeric) <= 1e-6 * max(1.0, abs(numeric)), name
 
 
-@pytest.mark.parametrize("field", ["qkv_bias", "out_bias", "tie_embeddings"])
+@pytest.mark.parametrize("field", ["qkv_bias", "out_bias", "qk_norm", "tie_embeddings"])
 def test_config_flags_must_be_bools(field: str) -> None:
     with pytest.raises(TypeError, match=field):
         tiny(**{field: 1})
+    assert getattr(tiny(**{field: np.True_}), field)  # NumPy's bool is one
 
 
 def test_blocks_start_from_different_weights() -> None:
@@ -200,7 +207,9 @@ def test_a_smaller_training_call_keeps_nothing_outside_the_build_buffers() -> No
 @pytest.mark.parametrize("mode", [RuntimeMode.TRAINING, RuntimeMode.INFERENCE])
 @pytest.mark.parametrize("tie", [False, True])
 def test_memory_stats_equal_the_arrays_the_network_owns(mode: RuntimeMode, tie: bool) -> None:
-    model = built(mode, tie=tie)
+    # the untied case also has every optional part: attention biases and Q/K head norms
+    extras = {} if tie else {"qkv_bias": True, "out_bias": True, "qk_norm": True}
+    model = built(mode, tie=tie, **extras)
     model.forward(tokens())
     stats = model.get_memory_stats()
     owned = _owned_arrays(model)

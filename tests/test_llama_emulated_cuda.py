@@ -38,7 +38,9 @@ def rel_err(actual: Any, expected: Any) -> float:
 
 @pytest.mark.parametrize(("tie", "biases"), [(False, False), (True, False), (False, True)])
 def test_training_steps_equal_cpu(cuda: None, tie: bool, biases: bool) -> None:
-    cfg = dataclasses.replace(CFG, tie_embeddings=tie, qkv_bias=biases, out_bias=biases)
+    cfg = dataclasses.replace(
+        CFG, tie_embeddings=tie, qkv_bias=biases, out_bias=biases, qk_norm=biases
+    )
     rng = np.random.default_rng(5)
     tokens = rng.integers(0, cfg.vocab_size, size=(2, 12))
     targets = rng.integers(0, cfg.vocab_size, size=(2, 12))
@@ -128,13 +130,17 @@ def test_decode_plan_equals_the_component_path(
     """CUDA decode runs a plan (the ops bound once to the build's buffers, as on the CPU): its
     logits and caches equal those of the components' own calls, for one position for all, for
     ragged positions (cache rows written through a device index) and for B=1 in a B=2 build."""
-    cfg = dataclasses.replace(CFG, tie_embeddings=tie, qkv_bias=biases, out_bias=biases)
+    cfg = dataclasses.replace(
+        CFG, tie_embeddings=tie, qkv_bias=biases, out_bias=biases, qk_norm=biases
+    )
     rng = np.random.default_rng(9)
     trained = Llama("llama", cfg, device="CPU")
     trained.build(BuildContext((1, 8), TRAINING))
     for name, p in trained.named_parameters():
         if name.endswith(".bias"):
             p[...] = rng.standard_normal(p.shape)
+        if name.endswith("_norm.weight"):
+            p += 0.5 * rng.standard_normal(p.shape)
     trained.save(tmp_path / "w.safetensors")
     models = []
     for _ in range(2):

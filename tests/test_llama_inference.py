@@ -146,6 +146,11 @@ def test_generation_stops_at_eos(weights: str, pad: int | None) -> None:
     never = (set(range(CFG.vocab_size)) - set(greedy[0, 4:].tolist())).pop()
     single = model.generate(prompt[:1], 12, eos_token_id=never)
     np.testing.assert_array_equal(single, greedy[:1])
+    # NumPy ids: a scalar, a 0-d array, an array of several
+    once = model.generate(prompt, 12, eos_token_id=first)
+    np.testing.assert_array_equal(once, expected_with_eos(greedy, 4, {first}, first))
+    for eos in (np.int32(first), np.array(first), np.array([first])):
+        np.testing.assert_array_equal(model.generate(prompt, 12, eos_token_id=eos), once)
     streamed = list(model.stream(prompt, 12, eos_token_id=first, pad_token_id=pad))
     np.testing.assert_array_equal(
         np.stack(streamed, axis=1),
@@ -178,12 +183,33 @@ def test_ragged_prompts_generate_what_each_prompt_generates_alone(weights: str, 
     )
 
 
+def test_a_list_of_prompts_gives_a_list_whatever_their_lengths(weights: str) -> None:
+    model = make(weights, RuntimeMode.INFERENCE, (2, 32), prefill=3)
+    x = tokens(2, 5, seed=30)
+    as_array = model.generate(x, 6)
+    for prompts in ([x[0], x[1]], [list(x[0]), list(x[1])], (x[0], x[1])):
+        got = model.generate(prompts, 6)
+        assert isinstance(got, list) and len(got) == 2
+        np.testing.assert_array_equal(np.stack(got), as_array)
+    one = model.generate([x[0]], 6)
+    assert isinstance(one, list) and len(one) == 1
+    np.testing.assert_array_equal(one[0], model.generate(x[0], 6))
+
+
 def test_ragged_prompts_must_be_token_sequences(weights: str) -> None:
     model = make(weights, RuntimeMode.INFERENCE, (2, 32))
-    with pytest.raises(ValueError, match="1-D"):
-        model.generate([tokens(1, 4)[0], tokens(2, 3)], 4)
-    with pytest.raises(ValueError, match="1-D"):
-        model.generate([tokens(1, 4)[0], np.array([], dtype=np.int64)], 4)
+    bad = [
+        [tokens(1, 4)[0], tokens(2, 3)],  # a 2-D item
+        [tokens(1, 4)[0], np.array([], dtype=np.int64)],  # an empty one
+        [np.array([1.7, 2.2]), np.array([3.9])],  # floats are not tokens
+    ]
+    for prompts in bad:
+        with pytest.raises(ValueError, match="1-D integer"):
+            model.generate(prompts, 4)
+        with pytest.raises(ValueError, match="1-D integer"):
+            model.stream(prompts, 4)  # at the call, not at the first step
+    with pytest.raises(ValueError, match="top_p"):
+        model.stream(tokens(1, 4), 4, temperature=1.0, top_p=2.0)
 
 
 @pytest.mark.parametrize(
@@ -195,6 +221,8 @@ def test_ragged_prompts_must_be_token_sequences(weights: str) -> None:
         ({"eos_token_id": 1.0}, TypeError),
         ({"eos_token_id": True}, TypeError),
         ({"eos_token_id": 1, "pad_token_id": CFG.vocab_size}, ValueError),
+        ({"eos_token_id": np.array(CFG.vocab_size)}, ValueError),
+        ({"eos_token_id": np.array(1.0)}, TypeError),
     ],
 )
 def test_bad_stop_tokens_are_refused(weights: str, kwargs: dict, error: type) -> None:
@@ -316,13 +344,15 @@ def test_decode_plan_equals_the_component_path(
     assert planned._plans is not None and list(planned._plans) == [2]
 
 
-def test_decode_with_attention_biases_equals_forward(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Biased QKV and output projections (Qwen2, Llama's attention_bias): the decode plan (which
-    binds those layers through their ops' general forward, adding the bias) and the components'
-    own calls both give the logits of an uncached TRAINING forward."""
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_decode_with_attention_biases_equals_forward(tmp_path, qk_norm: bool) -> None:  # type: ignore[no-untyped-def]
+    """Biased QKV and output projections (Qwen2, Llama's attention_bias), and Q/K head norms
+    (Qwen3): the decode plan (which binds biased layers through their ops' general forward and
+    the norms on strided views of Q and K) and the components' own calls both give the logits
+    of an uncached TRAINING forward."""
     import dataclasses
 
-    cfg = dataclasses.replace(CFG, qkv_bias=True, out_bias=True)
+    cfg = dataclasses.replace(CFG, qkv_bias=True, out_bias=True, qk_norm=qk_norm)
     rng = np.random.default_rng(11)
     x = tokens(2, 12, seed=12)
     reference = Llama("llama", cfg, device="CPU")
@@ -330,6 +360,8 @@ def test_decode_with_attention_biases_equals_forward(tmp_path) -> None:  # type:
     for name, p in reference.named_parameters():
         if name.endswith(".bias"):
             p[...] = rng.standard_normal(p.shape)
+        if name.endswith("_norm.weight"):
+            p += 0.5 * rng.standard_normal(p.shape)
     reference.save(tmp_path / "w.safetensors")
     full = reference.forward(x)
     models = [Llama("llama", cfg, device="CPU") for _ in range(2)]

@@ -12,6 +12,7 @@ import numpy as np
 from mila_py.build_context import BuildContext
 from mila_py.components._layer import is_int, leading_view
 from mila_py.components.linear import Linear, LinearConfig
+from mila_py.components.rms_norm import RmsNorm, RmsNormConfig
 from mila_py.components.rope import Rope
 from mila_py.components.rope_config import RopeConfig, RopeLayout
 from mila_py.composite import CompositeComponent
@@ -35,6 +36,9 @@ class AttentionConfig:
         rope_base, rope_scaling, rope_layout, rotary_dim: as in :class:`RopeConfig`.
         qkv_bias: a bias on the fused QKV projection (Qwen2; Llama's ``attention_bias``).
         out_bias: a bias on the output projection (Llama's ``attention_bias``).
+        qk_norm: RMS-normalize each head of Q and K over ``head_dim`` before RoPE, with one
+            learned weight per channel shared by the heads (Qwen3's ``q_norm``/``k_norm``).
+        qk_norm_eps: that normalization's epsilon.
         rope_softmax_scale: multiply the softmax scale ``1/sqrt(head_dim)`` by
             :attr:`Rope.softmax_scale_multiplier` (DeepSeek's YaRN rule, ``mscale(factor,
             mscale_all_dim)**2``). Off by default: Llama, Qwen and Mistral fold YaRN's
@@ -52,6 +56,8 @@ class AttentionConfig:
     rotary_dim: int = 0
     qkv_bias: bool = False
     out_bias: bool = False
+    qk_norm: bool = False
+    qk_norm_eps: float = 1e-6
     rope_softmax_scale: bool = False
 
     def __post_init__(self) -> None:
@@ -132,6 +138,8 @@ class GroupedQueryAttention(CompositeComponent):
 
     Children: ``qkv_proj`` (Linear ``dim -> (Hq + 2 Hk) * d``, one fused projection), ``rope``
     (rotates the Q and K views of the projection in place) and ``o_proj`` (``Hq * d -> dim``).
+    With ``config.qk_norm`` also ``q_norm`` and ``k_norm`` (RmsNorm over ``d``, run on
+    ``[B, T, H, d]`` views of Q and K): RoPE then rotates their output buffers instead.
 
     ``forward(x [B, T, dim]) -> [B, T, dim]``; ``backward(dy) -> dx`` on TRAINING builds.
     """
@@ -152,14 +160,21 @@ class GroupedQueryAttention(CompositeComponent):
         self.qkv_proj = Linear(
             "qkv_proj", LinearConfig(config.dim, qkv_out, bias=config.qkv_bias), precision=precision
         )
+        self.q_norm: RmsNorm | None = None
+        self.k_norm: RmsNorm | None = None
+        if config.qk_norm:
+            head_norm = RmsNormConfig(config.resolved_head_dim, config.qk_norm_eps)
+            self.q_norm = RmsNorm("q_norm", head_norm, precision=precision)
+            self.k_norm = RmsNorm("k_norm", head_norm, precision=precision)
         self.rope = Rope("rope", config.rope_config(), precision=precision)
         self.o_proj = Linear(
             "o_proj",
             LinearConfig(config.q_width, config.dim, bias=config.out_bias),
             precision=precision,
         )
-        for child in (self.qkv_proj, self.rope, self.o_proj):
-            self.add_component(child)
+        for child in (self.qkv_proj, self.q_norm, self.k_norm, self.rope, self.o_proj):
+            if child is not None:
+                self.add_component(child)
         self._op: Any = None
         self._saved: tuple[Any, ...] | None = None
 
@@ -185,6 +200,10 @@ class GroupedQueryAttention(CompositeComponent):
         if build_context.is_inference and build_context.prefill_size:
             chunk = min(n_t, build_context.prefill_size)
         self.qkv_proj.build(build_context.with_shape((n_b, chunk, cfg.dim)))
+        d = cfg.resolved_head_dim
+        if self.q_norm is not None and self.k_norm is not None:
+            self.q_norm.build(build_context.with_shape((n_b, chunk, cfg.n_heads, d)))
+            self.k_norm.build(build_context.with_shape((n_b, chunk, cfg.n_kv_heads, d)))
         self.rope.build(build_context.with_shape((n_b, chunk, cfg.q_width)))
         self.o_proj.build(build_context.with_shape((n_b, chunk, cfg.q_width)))
         self._add_state("attn_out", self._allocate((n_b, chunk, cfg.q_width)))
@@ -212,6 +231,28 @@ class GroupedQueryAttention(CompositeComponent):
         k_end = q_end + cfg.kv_width
         return qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
 
+    def _heads(self, x: Any) -> Any:
+        """``[B, T, H * d]`` -> ``[B, T, H, d]`` (a view: only the last axis splits)."""
+        return x.reshape(*x.shape[:-1], -1, self.config.resolved_head_dim)
+
+    def _normalized(self, q: Any, k: Any) -> tuple[Any, Any]:
+        """Q and K as RoPE and attention take them: the projection's views, or with ``qk_norm``
+        views ``[B, T, H * d]`` of the head norms' output buffers (the projection's Q and K stay
+        as they are: the norms' backward reads them)."""
+        if self.q_norm is None or self.k_norm is None:
+            return q, k
+        q_n = self.q_norm._forward(self._heads(q))
+        k_n = self.k_norm._forward(self._heads(k))
+        return q_n.reshape(q.shape), k_n.reshape(k.shape)
+
+    def _bind_normalized(self, q: Any, k: Any) -> tuple[list[Any], Any, Any]:
+        """``(steps, q, k)``: :meth:`_normalized` bound for a decode plan."""
+        if self.q_norm is None or self.k_norm is None:
+            return [], q, k
+        q_steps, q_n = self.q_norm._bind_forward(self._heads(q))
+        k_steps, k_n = self.k_norm._bind_forward(self._heads(k))
+        return [*q_steps, *k_steps], q_n.reshape(q.shape), k_n.reshape(k.shape)
+
     @property
     def context_length(self) -> int:
         """Tokens the KV cache holds (INFERENCE builds)."""
@@ -236,6 +277,7 @@ class GroupedQueryAttention(CompositeComponent):
         cfg = self.config
         qkv = self.qkv_proj.forward(x)  # [B, T, (Hq + 2 Hk) d]
         q, k, v = self._split_qkv(qkv)
+        q, k = self._normalized(q, k)
         n_b, n_t = x.shape[0], x.shape[1]
         out = self._state["attn_out"][:n_b, :n_t]
         if self.build_context.is_inference:
@@ -289,6 +331,7 @@ class GroupedQueryAttention(CompositeComponent):
         if x.shape[1] != 1:
             raise ValueError(f"{self._describe()}: decode takes x [B, 1, dim], got {x.shape}")
         q, k, v = self._split_qkv(qkv)
+        q, k = self._normalized(q, k)
         uniform = lowest == highest
         if uniform:  # checked above: 0 <= lowest < context_length <= max_seq_len
             self.rope._decode_at(q, k, lowest)
@@ -335,6 +378,7 @@ class GroupedQueryAttention(CompositeComponent):
         n_b = x.shape[0]
         steps, qkv = self.qkv_proj._bind_forward(x)
         q, k, v = self._split_qkv(qkv)
+        norm_steps, q, k = self._bind_normalized(q, k)
         k_cache = self._state["k_cache"][:n_b]
         v_cache = self._state["v_cache"][:n_b]
         write_cache = self._op.bind_cache_write(k[:, 0], v[:, 0], k_cache, v_cache, positions)
@@ -344,7 +388,7 @@ class GroupedQueryAttention(CompositeComponent):
         )
         o_steps, y = self.o_proj._bind_forward(out)
         rotate = self.rope._op.bind_decode(q, k, positions)
-        return [*steps, rotate, write_cache, attend, *o_steps], y
+        return [*steps, *norm_steps, rotate, write_cache, attend, *o_steps], y
 
     def backward(self, dy: Any) -> Any:
         """``dy [B, T, dim] -> dx [B, T, dim]``; accumulates every child's parameter gradients."""
@@ -362,6 +406,9 @@ class GroupedQueryAttention(CompositeComponent):
             d_attn, q, k, v, probs, cfg.n_heads, cfg.n_kv_heads, self.scale, dq, dk, dv, out=out
         )
         dq_in, dk_in = self.rope.backward(dq, dk)  # gradients before the rotation
+        if self.q_norm is not None and self.k_norm is not None:  # ... and before the norms
+            dq_in = self.q_norm.backward(self._heads(dq_in)).reshape(dq.shape)
+            dk_in = self.k_norm.backward(self._heads(dk_in)).reshape(dk.shape)
         dq[...] = dq_in
         dk[...] = dk_in
         return self.qkv_proj.backward(dqkv)

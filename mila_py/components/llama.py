@@ -6,7 +6,7 @@ Tree (names follow the component tree, dotted in ``named_parameters`` and safete
       embed_tokens              TokenEmbedding   [vocab, dim]
       layer0 .. layer{N-1}      LlamaBlock
         input_layernorm         RmsNorm
-        self_attn               GroupedQueryAttention (qkv_proj, rope, o_proj)
+        self_attn               GroupedQueryAttention (qkv_proj, [q_norm, k_norm,] rope, o_proj)
         post_attention_layernorm RmsNorm
         mlp                     SwiGLU (gate_proj, up_proj, down_proj)
       norm                      RmsNorm
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +55,7 @@ class LlamaConfig:
         head_dim: per-head width (default ``dim // n_heads``).
         qkv_bias, out_bias: biases on the attention's QKV and output projections (Qwen2 has the
             first; Hugging Face Llama's ``attention_bias`` means both).
+        qk_norm: RMS-normalize each head of Q and K before RoPE (Qwen3), with ``norm_eps``.
     """
 
     vocab_size: int
@@ -71,6 +72,7 @@ class LlamaConfig:
     head_dim: int | None = None
     qkv_bias: bool = False
     out_bias: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -80,8 +82,8 @@ class LlamaConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"LlamaConfig: {name} must be a positive int, got {value!r}")
-        for name in ("tie_embeddings", "qkv_bias", "out_bias"):
-            if not isinstance(getattr(self, name), bool):
+        for name in ("tie_embeddings", "qkv_bias", "out_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool | np.bool_):
                 raise TypeError(f"LlamaConfig: {name} must be a bool, got {getattr(self, name)!r}")
         if not self.norm_eps > 0:
             raise ValueError(f"LlamaConfig: norm_eps must be > 0, got {self.norm_eps!r}")
@@ -98,6 +100,8 @@ class LlamaConfig:
             rope_scaling=self.rope_scaling,
             qkv_bias=self.qkv_bias,
             out_bias=self.out_bias,
+            qk_norm=self.qk_norm,
+            qk_norm_eps=self.norm_eps,
         )
 
 
@@ -471,42 +475,57 @@ class Llama(Network):
         *,
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
-    ) -> Any:
-        """Yield ``[B]`` new tokens one step at a time (prefill once, then decode).
+    ) -> Iterator[np.ndarray]:
+        """An iterator of ``[B]`` new tokens, one step at a time (prefill once, then decode).
 
-        ``prompt`` is ``[B, T]`` or ``[T]`` ints, or a list of B prompts of different lengths
-        (ragged): those are prefilled together, right-padded to the longest, and each sequence
-        then decodes from its own length (the padding's cache rows are overwritten before any
-        query can see them), so every row gets the tokens it would get alone.
+        ``prompt`` is ``[B, T]`` or ``[T]`` ints, or a list of B 1-D prompts (of any lengths):
+        those are prefilled together, right-padded to the longest, and each then decodes from
+        its own length (the padding's cache rows are overwritten before any query can see them).
+        Greedy decoding gives every row the tokens it gets alone; every row gets the same number
+        of new tokens, at most the context left after the longest prompt.
 
         Greedy when ``temperature == 0``; otherwise samples from ``softmax(logits / T)``
         restricted to the ``top_k`` most likely tokens and the smallest set whose probability
-        reaches ``top_p``.
+        reaches ``top_p`` (one generator, seeded with ``seed``, for all rows).
 
         With ``eos_token_id`` (one id or several), a sequence that emits one of them is finished:
         its later tokens are ``pad_token_id`` (default: the first EOS id), and the stream ends
         once every sequence is finished, as Hugging Face's ``generate`` does. Without it, the
         stream runs ``max_new_tokens`` steps (fewer if the context fills up).
+
+        Raises (at the call, before any work):
+            RuntimeError: not an INFERENCE build.
+            ValueError, TypeError: a bad prompt, sampling parameter or token id.
         """
         self._require_inference("generate()")
+        rows, lengths, _ = self._prompt_rows(prompt)
+        sampling = self._sampling(
+            max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, pad_token_id
+        )
+        return self._token_steps(rows, lengths, *sampling)
+
+    def _token_steps(
+        self,
+        rows: np.ndarray,
+        lengths: np.ndarray,
+        steps: int,
+        temperature: float,
+        top_k: int | None,
+        top_p: float | None,
+        rng: np.random.Generator,
+        stop: np.ndarray | None,
+        pad: int,
+    ) -> Iterator[np.ndarray]:
+        """The generator behind :meth:`stream`, of checked arguments."""
         ctx = self.execution_context
-        prompt, lengths = self._prompt_rows(prompt)
-        if max_new_tokens < 0 or temperature < 0:
-            raise ValueError(f"{self._describe()}: max_new_tokens and temperature must be >= 0")
-        if top_p is not None and not 0 < top_p <= 1:
-            raise ValueError(f"{self._describe()}: top_p must be in (0, 1], got {top_p}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"{self._describe()}: top_k must be >= 1, got {top_k}")
-        stop, pad = self._stop_tokens(eos_token_id, pad_token_id)
-        n_t = prompt.shape[1]
-        steps = min(max_new_tokens, self.context_length - n_t + 1)
-        rng = np.random.default_rng(seed)
-        finished = np.zeros(prompt.shape[0], dtype=bool)
-        logits = self.prefill(prompt)
+        n_b, n_t = rows.shape
+        steps = min(steps, self.context_length - n_t + 1)
+        finished = np.zeros(n_b, dtype=bool)
+        logits = self.prefill(rows)
         position: Any = n_t
-        if lengths is not None:  # each row's last prompt token again, at its own position
+        if lengths.min() < n_t:  # each row's last prompt token again, at its own position
             last = lengths - 1
-            logits = self.decode(prompt[np.arange(prompt.shape[0]), last], last)
+            logits = self.decode(rows[np.arange(n_b), last], last)
             position = lengths
         for step in range(steps):
             if temperature == 0:  # greedy: the argmax on the device, [B] ids to the host
@@ -521,30 +540,61 @@ class Llama(Network):
                 return
             logits = self.decode(token, position + step)
 
-    def _prompt_rows(self, prompt: Any) -> tuple[np.ndarray, np.ndarray | None]:
-        """``prompt`` as host ``[B, T]`` rows and, for a ragged list, the lengths ``[B]`` (the
-        rows right-padded with token 0); None when every row is the full ``T``."""
-        if isinstance(prompt, list | tuple) and len({np.shape(p) for p in prompt}) > 1:
-            rows = [self.execution_context.to_host(p) for p in prompt]
-            if any(r.ndim != 1 or r.size == 0 for r in rows):
+    def _prompt_rows(self, prompt: Any) -> tuple[np.ndarray, np.ndarray, str]:
+        """``prompt`` as host rows ``[B, T]`` (a list's prompts right-padded with token 0), the
+        length of each row's prompt ``[B]``, and what it came as: ``"1d"``, ``"2d"`` or
+        ``"list"``."""
+        to_host = self.execution_context.to_host
+        if isinstance(prompt, list | tuple) and prompt and all(np.ndim(p) >= 1 for p in prompt):
+            seqs = [np.asarray(to_host(p)) for p in prompt]
+            if any(r.ndim != 1 or r.size == 0 or r.dtype.kind not in "iu" for r in seqs):
                 raise ValueError(
-                    f"{self._describe()}: a list of prompts of different lengths must hold "
-                    f"non-empty 1-D token sequences, got shapes {[r.shape for r in rows]}"
+                    f"{self._describe()}: a list of prompts must hold non-empty 1-D integer "
+                    f"token sequences, got {[f'{r.dtype}{list(r.shape)}' for r in seqs]}"
                 )
-            lengths = np.array([r.size for r in rows])
-            padded = np.zeros((len(rows), int(lengths.max())), dtype=np.int64)
-            for row, r in zip(padded, rows, strict=True):
+            lengths = np.array([r.size for r in seqs])
+            rows = np.zeros((len(seqs), int(lengths.max())), dtype=np.int64)
+            for row, r in zip(rows, seqs, strict=True):
                 row[: r.size] = r
-            return padded, lengths
-        tokens = self.execution_context.to_host(prompt)
-        return (tokens[None] if tokens.ndim == 1 else tokens), None
+            return rows, lengths, "list"
+        tokens = np.asarray(to_host(prompt))
+        if tokens.ndim not in (1, 2):
+            raise ValueError(
+                f"{self._describe()}: prompt must be [T], [B, T] or a list of [T_b] token "
+                f"sequences, got shape {tokens.shape}"
+            )
+        rows = tokens[None] if tokens.ndim == 1 else tokens
+        return rows, np.full(rows.shape[0], rows.shape[1]), f"{tokens.ndim}d"
+
+    def _sampling(
+        self,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None,
+        top_p: float | None,
+        seed: int | None,
+        eos_token_id: Any,
+        pad_token_id: Any,
+    ) -> tuple[int, float, int | None, float | None, np.random.Generator, np.ndarray | None, int]:
+        """The checked arguments of :meth:`_token_steps` after the prompt."""
+        if max_new_tokens < 0 or temperature < 0:
+            raise ValueError(f"{self._describe()}: max_new_tokens and temperature must be >= 0")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"{self._describe()}: top_p must be in (0, 1], got {top_p}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"{self._describe()}: top_k must be >= 1, got {top_k}")
+        stop, pad = self._stop_tokens(eos_token_id, pad_token_id)
+        rng = np.random.default_rng(seed)
+        return max_new_tokens, temperature, top_k, top_p, rng, stop, pad
 
     def _stop_tokens(self, eos_token_id: Any, pad_token_id: Any) -> tuple[np.ndarray | None, int]:
         """The EOS ids as an array (None: no stopping) and the id that pads finished rows."""
         vocab = self.config.vocab_size
 
         def token_id(value: Any, what: str) -> int:
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            if isinstance(value, np.ndarray) and value.ndim == 0:
+                value = value[()]  # a 0-d array: its scalar
+            if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
                 raise TypeError(f"{self._describe()}: {what} must be int ids, got {value!r}")
             if not 0 <= value < vocab:
                 raise ValueError(
@@ -573,27 +623,21 @@ class Llama(Network):
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
     ) -> np.ndarray | list[np.ndarray]:
-        """The prompt followed by up to ``max_new_tokens`` generated tokens, ``[B, T + n]``
-        (``[T + n]`` for a 1-D prompt; for a list of prompts of different lengths, a list of B
-        1-D arrays, each its prompt and the same number ``n`` of new tokens), on the host. See
-        :meth:`stream` for the sampling and stopping rules."""
-        rows, lengths = self._prompt_rows(prompt)
-        stream = self.stream(
-            prompt,
-            max_new_tokens,
-            temperature,
-            top_k,
-            top_p,
-            seed,
-            eos_token_id=eos_token_id,
-            pad_token_id=pad_token_id,
+        """The prompt followed by up to ``max_new_tokens`` generated tokens, on the host:
+        ``[B, T + n]`` for a ``[B, T]`` prompt, ``[T + n]`` for a ``[T]`` one, and for a list of
+        prompts a list of 1-D arrays, each its prompt and the same number ``n`` of new tokens.
+        See :meth:`stream` for the sampling and stopping rules."""
+        self._require_inference("generate()")
+        rows, lengths, kind = self._prompt_rows(prompt)
+        sampling = self._sampling(
+            max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, pad_token_id
         )
-        new = list(stream)
+        new = list(self._token_steps(rows, lengths, *sampling))
         tail = np.stack(new, axis=1) if new else rows[:, :0]
-        if lengths is not None:
+        if kind == "list":
             return [np.concatenate([r[:n], t]) for r, n, t in zip(rows, lengths, tail, strict=True)]
         out = np.concatenate([rows, tail], axis=1)
-        return out if np.ndim(prompt) == 2 else out[0]
+        return out if kind == "2d" else out[0]
 
     def backward(self, dlogits: Any) -> None:
         """Backpropagate ``dlogits [B, T, vocab]``; accumulates every parameter gradient."""

@@ -121,6 +121,8 @@ def llama_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
         raise TypeError(f"llama_config_from_hf: config must be a dict, got {type(config).__name__}")
     problems: list[str] = []
     model_type = config.get("model_type")
+    if model_type == "qwen3" and config.get("head_dim") is None:
+        config = {**config, "head_dim": 128}  # Qwen3Config's default, not hidden // heads
     if model_type not in SUPPORTED_MODEL_TYPES:
         problems.append(
             f"model_type={model_type!r}: only {', '.join(SUPPORTED_MODEL_TYPES)} checkpoints are "
@@ -143,7 +145,9 @@ def llama_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
         problems.append(f"hidden_act={act!r}: mila_py's SwiGLU uses silu")
     if config.get("quantization_config") is not None:
         problems.append("quantization_config: quantized checkpoints are not supported")
-    layer_types = config.get("layer_types")
+    # Qwen2/Qwen3 take their layers' attention from layer_types when it is there; Mistral
+    # ignores it and slides on every layer
+    layer_types = config.get("layer_types") if model_type != "mistral" else None
     if layer_types and any(t != "full_attention" for t in layer_types):
         problems.append(f"layer_types={sorted(set(layer_types))}: only full_attention is supported")
     elif not layer_types:

@@ -527,6 +527,29 @@ def test_sliding_windows_as_transformers_resolves_them(
         assert llama_config_from_hf(config).n_layers == 30
 
 
+def test_layer_types_decide_for_qwen_and_not_for_mistral() -> None:
+    """transformers' Qwen2/Qwen3 attend per ``layer_types``; Mistral ignores it (with a warning)
+    and slides on every layer."""
+    full = {"layer_types": ["full_attention"] * 30, "use_sliding_window": True}
+    for model_type, refused in (("qwen2", False), ("qwen3", False), ("mistral", True)):
+        config = {**hf_config(max_position_embeddings=8192, num_hidden_layers=30), **full}
+        config.update(model_type=model_type, sliding_window=1024)
+        if refused:
+            with pytest.raises(ValueError, match="sliding_window"):
+                llama_config_from_hf(config)
+        else:
+            assert llama_config_from_hf(config).n_layers == 30
+
+
+def test_qwen3_head_dim_defaults_to_128() -> None:
+    """Qwen3Config's head_dim is 128 unless given, whatever hidden_size / heads is."""
+    config = {**transformers.Qwen3Config(**BASE).to_dict()}
+    assert llama_config_from_hf(config).head_dim == config["head_dim"]
+    del config["head_dim"]
+    cfg = llama_config_from_hf(config)
+    assert cfg.head_dim == 128 and cfg.qk_norm and not cfg.qkv_bias
+
+
 def test_mistral_window_covering_the_context_is_accepted() -> None:
     cfg = llama_config_from_hf(hf_config(model_type="mistral", sliding_window=128))
     assert cfg.max_seq_len == 128

@@ -210,6 +210,18 @@ def test_ragged_prompts_must_be_token_sequences(weights: str) -> None:
             model.stream(prompts, 4)  # at the call, not at the first step
     with pytest.raises(ValueError, match="top_p"):
         model.stream(tokens(1, 4), 4, temperature=1.0, top_p=2.0)
+    for prompt, match in (
+        (tokens(1, 4).astype(np.float32), "integer"),
+        (np.zeros((1, 0), dtype=np.int64), "integer"),
+        (tokens(3, 4), "do not fit"),  # B = 3 > 2
+        (tokens(1, 33), "do not fit"),  # T = 33 > 32
+        (np.array([[1, CFG.vocab_size]]), "token ids"),
+        ([np.array([1, 2]), np.array([-1])], "token ids"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            model.stream(prompt, 4)
+    with pytest.raises(TypeError, match="max_new_tokens"):
+        model.stream(tokens(1, 4), 4.0)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

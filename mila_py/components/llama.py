@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from mila_py.build_context import BuildContext
-from mila_py.components._layer import leading_view
+from mila_py.components._layer import is_int, leading_view
 from mila_py.components.attention import (
     AttentionConfig,
     GroupedQueryAttention,
@@ -482,7 +482,7 @@ class Llama(Network):
         those are prefilled together, right-padded to the longest, and each then decodes from
         its own length (the padding's cache rows are overwritten before any query can see them).
         Greedy decoding gives every row the tokens it gets alone; every row gets the same number
-        of new tokens, at most the context left after the longest prompt.
+        of new tokens, at most ``context_length - T + 1`` for the longest prompt's ``T``.
 
         Greedy when ``temperature == 0``; otherwise samples from ``softmax(logits / T)``
         restricted to the ``top_k`` most likely tokens and the smallest set whose probability
@@ -556,15 +556,33 @@ class Llama(Network):
             rows = np.zeros((len(seqs), int(lengths.max())), dtype=np.int64)
             for row, r in zip(rows, seqs, strict=True):
                 row[: r.size] = r
+            self._check_prompt_rows(rows)
             return rows, lengths, "list"
         tokens = np.asarray(to_host(prompt))
-        if tokens.ndim not in (1, 2):
+        if tokens.ndim not in (1, 2) or tokens.size == 0 or tokens.dtype.kind not in "iu":
             raise ValueError(
-                f"{self._describe()}: prompt must be [T], [B, T] or a list of [T_b] token "
-                f"sequences, got shape {tokens.shape}"
+                f"{self._describe()}: prompt must be non-empty integer tokens [T] or [B, T], or a "
+                f"list of [T_b] sequences, got {tokens.dtype} of shape {tokens.shape}"
             )
         rows = tokens[None] if tokens.ndim == 1 else tokens
+        self._check_prompt_rows(rows)
         return rows, np.full(rows.shape[0], rows.shape[1]), f"{tokens.ndim}d"
+
+    def _check_prompt_rows(self, rows: np.ndarray) -> None:
+        """Refuse prompt rows ``[B, T]`` that the build cannot take, before any work."""
+        n_b, n_t = rows.shape
+        build_b = self.build_context.input_shape[0]
+        if n_b > build_b or n_t > self.context_length:
+            raise ValueError(
+                f"{self._describe()}: {n_b} prompts of up to {n_t} tokens do not fit the build "
+                f"({build_b} sequences, context {self.context_length})"
+            )
+        low, high = int(rows.min()), int(rows.max())
+        if low < 0 or high >= self.config.vocab_size:
+            raise ValueError(
+                f"{self._describe()}: prompt token ids must be in [0, {self.config.vocab_size}), "
+                f"got {low}..{high}"
+            )
 
     def _sampling(
         self,
@@ -577,6 +595,10 @@ class Llama(Network):
         pad_token_id: Any,
     ) -> tuple[int, float, int | None, float | None, np.random.Generator, np.ndarray | None, int]:
         """The checked arguments of :meth:`_token_steps` after the prompt."""
+        if not is_int(max_new_tokens):
+            raise TypeError(
+                f"{self._describe()}: max_new_tokens must be an int, got {max_new_tokens!r}"
+            )
         if max_new_tokens < 0 or temperature < 0:
             raise ValueError(f"{self._describe()}: max_new_tokens and temperature must be >= 0")
         if top_p is not None and not 0 < top_p <= 1:

@@ -18,6 +18,8 @@ component tree::
     model.layers.{i}.self_attn.{q,k}_norm.weight  -> layer{i}.self_attn.{q,k}_norm.weight (Qwen3)
     model.layers.{i}.post_attention_layernorm.weight -> layer{i}.post_attention_layernorm.weight
     model.layers.{i}.mlp.{gate,up,down}_proj.weight -> layer{i}.mlp.{gate,up,down}_proj.weight
+    model.layers.{i}.mlp.{gate,up,down}_proj.bias  -> layer{i}.mlp.{gate,up,down}_proj.bias
+                                                      (Llama with mlp_bias)
     model.norm.weight                             -> norm.weight
     lm_head.weight                                -> lm_head.weight (absent when tied)
 
@@ -109,8 +111,8 @@ def llama_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
 
     Raises:
         ValueError: naming every key that is missing or that mila_py's Llama cannot express:
-            ``model_type`` other than llama/mistral/qwen2/qwen3, ``mlp_bias``,
-            ``attention_bias`` outside llama and qwen3 configs,
+            ``model_type`` other than llama/mistral/qwen2/qwen3, ``mlp_bias`` outside llama
+            configs, ``attention_bias`` outside llama and qwen3 configs,
             ``hidden_act`` other than silu, ``partial_rotary_factor`` < 1, an effective
             ``sliding_window``, ``layer_types`` other than full attention,
             ``quantization_config``. YaRN's ``mscale``/``mscale_all_dim`` are accepted: their
@@ -132,8 +134,11 @@ def llama_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
     problems += [
         f"{key}: missing (needed for LlamaConfig.{_REQUIRED_KEYS[key]})" for key in missing
     ]
-    if config.get("mlp_bias"):
-        problems.append("mlp_bias=True: mila_py's SwiGLU projections have no bias")
+    mlp_bias = bool(config.get("mlp_bias", False))
+    if mlp_bias and model_type != "llama":
+        problems.append(
+            f"mlp_bias=True: {model_type} models do not read it (only llama configs do)"
+        )
     attention_bias = bool(config.get("attention_bias", False))
     if attention_bias and model_type not in _ATTENTION_BIAS_TYPES:
         problems.append(
@@ -195,6 +200,7 @@ def llama_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
         qkv_bias=model_type == "qwen2" or attention_bias,
         out_bias=attention_bias,
         qk_norm=model_type == "qwen3",
+        mlp_bias=mlp_bias,
     )
 
 
@@ -238,6 +244,11 @@ def llama_config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
             "llama_config_to_hf: out_bias without qkv_bias has no Hugging Face model "
             "(Llama's attention_bias is both, Qwen2's is QKV only)"
         )
+    if cfg.mlp_bias and (cfg.qk_norm or cfg.qkv_bias != cfg.out_bias):
+        raise ValueError(
+            "llama_config_to_hf: mlp_bias is a Llama option; Llama has no Q/K norms and its "
+            "attention_bias is on Q, K, V and the output projection together"
+        )
     if cfg.qk_norm and cfg.qkv_bias != cfg.out_bias:
         raise ValueError(
             "llama_config_to_hf: qk_norm with a QKV bias only has no Hugging Face model "
@@ -261,7 +272,7 @@ def llama_config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "mlp_bias": False,
+        "mlp_bias": cfg.mlp_bias,
         "rope_theta": cfg.rope_base,
         "rope_parameters": rope_parameters,
     }
@@ -317,6 +328,10 @@ def _hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "mlp.gate_proj.weight"] = (f, d)
         shapes[p + "mlp.up_proj.weight"] = (f, d)
         shapes[p + "mlp.down_proj.weight"] = (d, f)
+        if cfg.mlp_bias:
+            shapes[p + "mlp.gate_proj.bias"] = (f,)
+            shapes[p + "mlp.up_proj.bias"] = (f,)
+            shapes[p + "mlp.down_proj.bias"] = (d,)
     shapes["model.norm.weight"] = (d,)
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (v, d)
@@ -351,8 +366,10 @@ def _name_pairs(cfg: LlamaConfig) -> Iterator[tuple[str | tuple[str, str, str], 
         for hf_name, mila_name in _LAYER_DIRECT.items():
             if hf_name != "input_layernorm.weight":
                 yield hp + hf_name, mp + mila_name
-            if hf_name == "self_attn.o_proj.weight" and cfg.out_bias:
-                yield hp + "self_attn.o_proj.bias", mp + "self_attn.o_proj.bias"
+            biased = cfg.out_bias if hf_name.startswith("self_attn.") else cfg.mlp_bias
+            if hf_name.endswith("_proj.weight") and biased:
+                bias = hf_name.removesuffix("weight") + "bias"
+                yield hp + bias, mp + bias
     yield "model.norm.weight", "norm.weight"
     if not cfg.tie_embeddings:
         yield "lm_head.weight", "lm_head.weight"

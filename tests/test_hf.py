@@ -98,7 +98,7 @@ CASES: dict[str, dict[str, Any]] = {
     "mistral": dict(model="mistral", sliding_window=None),
     # biases on Q, K, V (Qwen2) and on the output projection too (Llama's attention_bias)
     "qwen2-tied": dict(model="qwen2", tie_word_embeddings=True, rope_theta=1000000.0),
-    "llama-bias": dict(attention_bias=True),
+    "llama-bias": dict(attention_bias=True, mlp_bias=True),
     # Q/K head norms; head_dim 16 (Hq * d = 64 != hidden_size), with and without biases
     "qwen3": dict(model="qwen3", head_dim=16),
     "qwen3-bias-tied": dict(model="qwen3", attention_bias=True, tie_word_embeddings=True),
@@ -454,7 +454,8 @@ def test_config_mapping() -> None:
     plain = llama_config_from_hf(hf_config())
     assert (plain.qkv_bias, plain.out_bias) == (False, False)
     llama_bias = llama_config_from_hf(hf_config(attention_bias=True))
-    assert (llama_bias.qkv_bias, llama_bias.out_bias) == (True, True)
+    assert (llama_bias.qkv_bias, llama_bias.out_bias, llama_bias.mlp_bias) == (True, True, False)
+    assert llama_config_from_hf(hf_config(mlp_bias=True)).mlp_bias
     qwen2 = {**transformers.Qwen2Config(**BASE).to_dict()}
     assert (qwen2["model_type"], qwen2["use_sliding_window"]) == ("qwen2", False)
     qwen = llama_config_from_hf(qwen2)
@@ -471,7 +472,7 @@ def test_config_mapping() -> None:
         (dict(model_type="gpt2"), "model_type"),
         (dict(model_type="gemma"), "model_type"),
         (dict(model_type="mistral", attention_bias=True), "attention_bias"),
-        (dict(mlp_bias=True), "mlp_bias"),
+        (dict(model_type="mistral", mlp_bias=True), "mlp_bias"),
         (dict(hidden_act="gelu"), "hidden_act"),
         (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
         (dict(model_type="mistral", sliding_window=16), "sliding_window"),

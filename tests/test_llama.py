@@ -65,13 +65,14 @@ def test_forward_shapes_and_names() -> None:
 def test_backward_matches_finite_differences_in_float64(
     tie: bool, biases: bool, qk_norm: bool
 ) -> None:
-    cfg = tiny(tie, qkv_bias=biases, out_bias=biases, qk_norm=qk_norm)
+    cfg = tiny(tie, qkv_bias=biases, out_bias=biases, mlp_bias=biases, qk_norm=qk_norm)
     model = Llama("llama", cfg, device="CPU", precision=Precision.FP64)
     model.build(BuildContext((B, T), RuntimeMode.TRAINING))
     rng = np.random.default_rng(1)
     names = [name for name, _ in model.named_parameters()]
     assert ("layer0.self_attn.qkv_proj.bias" in names) is biases
     assert ("layer0.self_attn.o_proj.bias" in names) is biases
+    assert ("layer1.mlp.down_proj.bias" in names) is biases
     assert ("layer1.self_attn.k_norm.weight" in names) is qk_norm
     for name, p in model.named_parameters():
         if name.endswith(".bias"):  # built as zeros: move them so that they matter
@@ -116,7 +117,7 @@ def test_backward_matches_finite_differences_in_float64(
             assert abs(grads[name][index] - numeric) <= 1e-6 * max(1.0, abs(numeric)), name
 
 
-@pytest.mark.parametrize("field", ["qkv_bias", "out_bias", "qk_norm", "tie_embeddings"])
+@pytest.mark.parametrize("field", ["qkv_bias", "out_bias", "qk_norm", "mlp_bias", "tie_embeddings"])
 def test_config_flags_must_be_bools(field: str) -> None:
     with pytest.raises(TypeError, match=field):
         tiny(**{field: 1})
@@ -208,7 +209,7 @@ def test_a_smaller_training_call_keeps_nothing_outside_the_build_buffers() -> No
 @pytest.mark.parametrize("tie", [False, True])
 def test_memory_stats_equal_the_arrays_the_network_owns(mode: RuntimeMode, tie: bool) -> None:
     # the untied case also has every optional part: attention biases and Q/K head norms
-    extras = {} if tie else {"qkv_bias": True, "out_bias": True, "qk_norm": True}
+    extras = {} if tie else {"qkv_bias": True, "out_bias": True, "qk_norm": True, "mlp_bias": True}
     model = built(mode, tie=tie, **extras)
     model.forward(tokens())
     stats = model.get_memory_stats()

@@ -39,7 +39,7 @@ def rel_err(actual: Any, expected: Any) -> float:
 @pytest.mark.parametrize(("tie", "biases"), [(False, False), (True, False), (False, True)])
 def test_training_steps_equal_cpu(cuda: None, tie: bool, biases: bool) -> None:
     cfg = dataclasses.replace(
-        CFG, tie_embeddings=tie, qkv_bias=biases, out_bias=biases, qk_norm=biases
+        CFG, tie_embeddings=tie, qkv_bias=biases, out_bias=biases, qk_norm=biases, mlp_bias=biases
     )
     rng = np.random.default_rng(5)
     tokens = rng.integers(0, cfg.vocab_size, size=(2, 12))
@@ -131,7 +131,7 @@ def test_decode_plan_equals_the_component_path(
     logits and caches equal those of the components' own calls, for one position for all, for
     ragged positions (cache rows written through a device index) and for B=1 in a B=2 build."""
     cfg = dataclasses.replace(
-        CFG, tie_embeddings=tie, qkv_bias=biases, out_bias=biases, qk_norm=biases
+        CFG, tie_embeddings=tie, qkv_bias=biases, out_bias=biases, qk_norm=biases, mlp_bias=biases
     )
     rng = np.random.default_rng(9)
     trained = Llama("llama", cfg, device="CPU")

@@ -364,7 +364,7 @@ def test_decode_with_attention_biases_equals_forward(tmp_path, qk_norm: bool) ->
     of an uncached TRAINING forward."""
     import dataclasses
 
-    cfg = dataclasses.replace(CFG, qkv_bias=True, out_bias=True, qk_norm=qk_norm)
+    cfg = dataclasses.replace(CFG, qkv_bias=True, out_bias=True, mlp_bias=True, qk_norm=qk_norm)
     rng = np.random.default_rng(11)
     x = tokens(2, 12, seed=12)
     reference = Llama("llama", cfg, device="CPU")

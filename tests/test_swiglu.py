@@ -54,6 +54,15 @@ def test_config_rejects_bad_values() -> None:
         SwiGLUConfig(4, 0)
     with pytest.raises(TypeError, match="SwiGLUConfig"):
         SwiGLUConfig("4", 8)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="bias"):
+        SwiGLUConfig(4, 8, bias=1)  # type: ignore[arg-type]
+
+
+def test_bias_puts_a_bias_on_each_projection() -> None:
+    mlp = built(SwiGLU("mlp", SwiGLUConfig(D, H, bias=True), device="CPU"), (2, 3, D))
+    names = [name for name, _ in mlp.named_parameters()]
+    assert names == [f"{p}_proj.{k}" for p in ("gate", "up", "down") for k in ("weight", "bias")]
+    assert "bias=True" in repr(mlp)
 
 
 def test_children_are_bias_free_linears_with_hf_names() -> None:

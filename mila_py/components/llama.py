@@ -56,6 +56,7 @@ class LlamaConfig:
         qkv_bias, out_bias: biases on the attention's QKV and output projections (Qwen2 has the
             first; Hugging Face Llama's ``attention_bias`` means both).
         qk_norm: RMS-normalize each head of Q and K before RoPE (Qwen3), with ``norm_eps``.
+        mlp_bias: biases on the SwiGLU projections (Hugging Face Llama's ``mlp_bias``).
     """
 
     vocab_size: int
@@ -73,6 +74,7 @@ class LlamaConfig:
     qkv_bias: bool = False
     out_bias: bool = False
     qk_norm: bool = False
+    mlp_bias: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -82,7 +84,7 @@ class LlamaConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"LlamaConfig: {name} must be a positive int, got {value!r}")
-        for name in ("tie_embeddings", "qkv_bias", "out_bias", "qk_norm"):
+        for name in ("tie_embeddings", "qkv_bias", "out_bias", "qk_norm", "mlp_bias"):
             if not isinstance(getattr(self, name), bool | np.bool_):
                 raise TypeError(f"LlamaConfig: {name} must be a bool, got {getattr(self, name)!r}")
         if not self.norm_eps > 0:
@@ -138,7 +140,9 @@ class LlamaBlock(CompositeComponent):
             RmsNormConfig(config.dim, config.norm_eps),
             precision=precision,
         )
-        self.mlp = SwiGLU("mlp", SwiGLUConfig(config.dim, config.hidden_dim), precision=precision)
+        self.mlp = SwiGLU(
+            "mlp", SwiGLUConfig(config.dim, config.hidden_dim, config.mlp_bias), precision=precision
+        )
         self.attn_residual = Residual(
             "attn_residual", ResidualConfig(config.dim), precision=precision
         )

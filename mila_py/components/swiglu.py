@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from mila_py.build_context import BuildContext
 from mila_py.components._layer import Layer, is_int
 from mila_py.components.linear import Linear, LinearConfig
@@ -23,14 +25,16 @@ class SwiGLUConfig:
     Args:
         dim: width of the input and output (HF ``hidden_size``).
         hidden_dim: width of the gated hidden layer (HF ``intermediate_size``).
+        bias: biases on the three projections (HF Llama's ``mlp_bias``).
 
     Raises:
-        TypeError: a non-int size.
+        TypeError: a non-int size, or a non-bool ``bias``.
         ValueError: a size that is not positive.
     """
 
     dim: int
     hidden_dim: int
+    bias: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -43,11 +47,13 @@ class SwiGLUConfig:
                 raise TypeError(f"SwiGLUConfig: {name} must be an int, got {value!r}")
             if value <= 0:
                 raise ValueError(f"SwiGLUConfig: {name} must be > 0, got {value}")
+        if not isinstance(self.bias, bool | np.bool_):
+            raise TypeError(f"SwiGLUConfig: bias must be a bool, got {self.bias!r}")
 
 
 class SwiGLU(Layer, CompositeComponent):
-    """``y = down_proj(silu(gate_proj(x)) * up_proj(x))``, three bias-free :class:`Linear`
-    children named as in Hugging Face Llama (``gate_proj``, ``up_proj``: ``[hidden_dim, dim]``;
+    """``y = down_proj(silu(gate_proj(x)) * up_proj(x))``, three :class:`Linear` (with biases
+    when ``config.bias``) children named as in Hugging Face Llama (``gate_proj``, ``up_proj``: ``[hidden_dim, dim]``;
     ``down_proj``: ``[dim, hidden_dim]``).
 
     The build shape is the input's, ``[B, T, dim]`` (any number of leading dimensions); calls may
@@ -77,8 +83,8 @@ class SwiGLU(Layer, CompositeComponent):
         precision: Precision = Precision.FP32,
     ) -> None:
         super().__init__(name, config, device=device, precision=precision)
-        into = LinearConfig(config.dim, config.hidden_dim, bias=False)
-        out_of = LinearConfig(config.hidden_dim, config.dim, bias=False)
+        into = LinearConfig(config.dim, config.hidden_dim, bias=bool(config.bias))
+        out_of = LinearConfig(config.hidden_dim, config.dim, bias=bool(config.bias))
         self.gate_proj = Linear("gate_proj", into, precision=precision)
         self.up_proj = Linear("up_proj", into, precision=precision)
         self.down_proj = Linear("down_proj", out_of, precision=precision)
@@ -176,4 +182,5 @@ class SwiGLU(Layer, CompositeComponent):
         return dx
 
     def _extra_repr(self) -> str:
-        return f"dim={self.config.dim}, hidden_dim={self.config.hidden_dim}"
+        bias = ", bias=True" if self.config.bias else ""
+        return f"dim={self.config.dim}, hidden_dim={self.config.hidden_dim}{bias}"

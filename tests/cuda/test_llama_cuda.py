@@ -305,9 +305,13 @@ def build_pair(
     return cpu, gpu
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_training_steps_equal_cpu(rng, tie: bool) -> None:
-    cfg = dataclasses.replace(CFG, tie_embeddings=tie)
+#: every optional part of the Llama config: attention and MLP biases, Q/K head norms (Qwen3)
+EXTRAS: dict[str, Any] = {"qkv_bias": True, "out_bias": True, "mlp_bias": True, "qk_norm": True}
+
+
+@pytest.mark.parametrize(("tie", "extras"), [(False, False), (True, False), (False, True)])
+def test_training_steps_equal_cpu(rng, tie: bool, extras: bool) -> None:
+    cfg = dataclasses.replace(CFG, tie_embeddings=tie, **(EXTRAS if extras else {}))
     n_b, n_t = 2, 16
     cpu, gpu = build_pair(cfg, (n_b, n_t), TRAINING)
     tokens = rng.integers(0, cfg.vocab_size, size=(n_b, n_t))
@@ -394,15 +398,18 @@ def test_chunked_prefill_and_decode_equal_cpu(weights: str, rng) -> None:
         positions = positions + 1
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_decode_plan_equals_the_component_path(tmp_path, rng, tie: bool) -> None:
+@pytest.mark.parametrize(("tie", "extras"), [(False, False), (True, False), (False, True)])
+def test_decode_plan_equals_the_component_path(tmp_path, rng, tie: bool, extras: bool) -> None:
     """The GPU decode plan (bound cuBLAS calls and launches, ``attention_decode``,
     ``kv_cache_write``, one device copy of ragged positions per step) against the components'
     own calls on the GPU: one position for all, ragged positions (also given as a CuPy array),
     B=1 in a B=2 build; logits and KV caches."""
-    cfg = dataclasses.replace(CFG, tie_embeddings=tie)
+    cfg = dataclasses.replace(CFG, tie_embeddings=tie, **(EXTRAS if extras else {}))
     trained = Llama("llama", cfg, device="CPU")
     trained.build(BuildContext((1, 8), TRAINING))
+    for name, p in trained.named_parameters():  # biases start at 0, norm weights at 1
+        if name.endswith((".bias", "norm.weight")):
+            p += 0.5 * rng.standard_normal(p.shape).astype(p.dtype)
     trained.save(tmp_path / "w.safetensors")
     planned, components = (Llama("llama", cfg, device=DEVICE) for _ in range(2))
     for model in (planned, components):
@@ -435,6 +442,12 @@ def test_greedy_generate_equals_cpu(weights: str, rng) -> None:
     assert isinstance(out, np.ndarray)
     np.testing.assert_array_equal(out, cpu.generate(prompt, max_new_tokens=12))
     np.testing.assert_array_equal(gpu.generate(dev(prompt[0]), 5), cpu.generate(prompt[0], 5))
+    # a list of prompts of different lengths, one of them a CuPy array
+    got = gpu.generate([dev(prompt[0]), prompt[1, :4]], 6)
+    want = cpu.generate([prompt[0], prompt[1, :4]], 6)
+    assert isinstance(got, list) and len(got) == 2
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize(
@@ -447,7 +460,7 @@ def test_greedy_generate_equals_cpu(weights: str, rng) -> None:
 )
 @pytest.mark.parametrize("tie", [False, True])
 def test_memory_stats_equal_cpu(build: BuildContext, tie: bool) -> None:
-    cfg = dataclasses.replace(CFG, tie_embeddings=tie)
+    cfg = dataclasses.replace(CFG, tie_embeddings=tie, **({} if tie else EXTRAS))
     stats = []
     for device in ("CPU", DEVICE):
         model = Llama("llama", cfg, device=device)

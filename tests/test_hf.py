@@ -499,6 +499,9 @@ def test_config_problems_are_listed_together() -> None:
         assert key in str(info.value)
 
 
+FULL_LAYERS: dict[str, Any] = {"layer_types": ["full_attention"] * 30}
+
+
 @pytest.mark.parametrize(
     ("model_type", "fields", "refused"),
     [
@@ -511,35 +514,26 @@ def test_config_problems_are_listed_together() -> None:
         ("qwen2", {"use_sliding_window": True, "max_window_layers": 30}, False),  # none slides
         ("qwen2", {"use_sliding_window": True, "sliding_window": 8192}, False),
         ("llama", {"sliding_window": 16}, False),  # Llama reads no window
+        # Qwen attends per layer_types when given; Mistral ignores them and slides everywhere
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 1024, **FULL_LAYERS}, False),
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 1024, **FULL_LAYERS}, False),
+        ("mistral", {"sliding_window": 1024, **FULL_LAYERS}, True),
     ],
 )
 def test_sliding_windows_as_transformers_resolves_them(
     model_type: str, fields: dict[str, Any], refused: bool
 ) -> None:
-    """Configs without ``layer_types`` (transformers 4.x files): the window each model type gets
-    in transformers, defaults included, is refused when it is shorter than the context."""
-    config = {**hf_config(max_position_embeddings=8192, num_hidden_layers=30), **fields}
-    config["model_type"] = model_type
+    """The window each model type gets in transformers, defaults included (``layer_types``
+    absent, as in transformers 4.x files, unless given), is refused when it is shorter than the
+    context."""
+    config = hf_config(max_position_embeddings=8192, num_hidden_layers=30)
     config.pop("layer_types", None)
+    config.update(fields, model_type=model_type)
     if refused:
         with pytest.raises(ValueError, match="sliding_window"):
             llama_config_from_hf(config)
     else:
         assert llama_config_from_hf(config).n_layers == 30
-
-
-def test_layer_types_decide_for_qwen_and_not_for_mistral() -> None:
-    """transformers' Qwen2/Qwen3 attend per ``layer_types``; Mistral ignores it (with a warning)
-    and slides on every layer."""
-    full = {"layer_types": ["full_attention"] * 30, "use_sliding_window": True}
-    for model_type, refused in (("qwen2", False), ("qwen3", False), ("mistral", True)):
-        config = {**hf_config(max_position_embeddings=8192, num_hidden_layers=30), **full}
-        config.update(model_type=model_type, sliding_window=1024)
-        if refused:
-            with pytest.raises(ValueError, match="sliding_window"):
-                llama_config_from_hf(config)
-        else:
-            assert llama_config_from_hf(config).n_layers == 30
 
 
 def test_qwen3_head_dim_defaults_to_128() -> None:

@@ -47,6 +47,7 @@ from mila_py.serialization import assign_parameters
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
+    "eos_token_ids",
     "hf_to_mila",
     "llama_config_from_hf",
     "llama_config_to_hf",
@@ -64,6 +65,7 @@ _ATTENTION_BIAS_TYPES = ("llama", "qwen3")
 _WINDOW_OFF_TYPES = ("qwen2", "qwen3")
 
 CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -495,6 +497,31 @@ def _read_safetensors(path: Path, names: list[str] | None = None) -> dict[str, n
         for name in wanted:
             out[name] = _widen(f.get_tensor(name))
     return out
+
+
+def eos_token_ids(path: str | os.PathLike[str]) -> list[int] | None:
+    """The EOS ids that ``transformers.generate`` stops at for the checkpoint folder ``path``:
+    ``eos_token_id`` of its ``generation_config.json`` when there is one (often several ids, as
+    for chat models), else of its ``config.json``; None when neither names any. Pass them to
+    :meth:`Llama.generate`'s ``eos_token_id``.
+
+    Raises:
+        FileNotFoundError: ``path`` has no ``config.json``.
+        ValueError: an ``eos_token_id`` that is not an int or a list of ints.
+    """
+    root = Path(path)
+    if not (root / CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"eos_token_ids: {root} has no {CONFIG_NAME}")
+    for name in (GENERATION_CONFIG_NAME, CONFIG_NAME):
+        file = root / name
+        value = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
+        if value is None:
+            continue
+        ids = value if isinstance(value, list) else [value]
+        if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError(f"eos_token_ids: {file} has eos_token_id={value!r}, not int ids")
+        return ids
+    return None
 
 
 def read_hf_checkpoint(

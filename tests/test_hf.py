@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 from mila_py import BuildContext, RuntimeMode  # noqa: E402
 from mila_py.components import Llama, LlamaConfig  # noqa: E402
 from mila_py.hf import (  # noqa: E402
+    eos_token_ids,
     hf_to_mila,
     llama_config_from_hf,
     load_hf_weights,
@@ -413,6 +414,23 @@ def test_load_needs_a_built_model(checkpoints: dict[str, tuple[Any, Path]]) -> N
     config, tensors = read_hf_checkpoint(checkpoints["gqa"][1])
     with pytest.raises(RuntimeError, match="build"):
         load_hf_weights(Llama("llama", llama_config_from_hf(config)), tensors)
+
+
+def test_eos_token_ids_as_transformers_reads_them(tmp_path: Path) -> None:
+    """generation_config.json first (what transformers.generate stops at), then config.json."""
+    hf_model = make_hf(eos_token_id=7)
+    hf_model.generation_config.eos_token_id = [7, 9]
+    path = save(hf_model, tmp_path / "chat")
+    assert eos_token_ids(path) == [7, 9] == hf_model.generation_config.eos_token_id
+    (path / "generation_config.json").unlink()
+    assert eos_token_ids(path) == [7]
+    (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert eos_token_ids(path) is None
+    (path / "config.json").write_text(json.dumps({"eos_token_id": "2"}))
+    with pytest.raises(ValueError, match="eos_token_id"):
+        eos_token_ids(path)
+    with pytest.raises(FileNotFoundError, match=re.escape("config.json")):
+        eos_token_ids(tmp_path)
 
 
 def test_read_errors(tmp_path: Path) -> None:

@@ -33,6 +33,11 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
 
 
+def is_bool(value: Any) -> bool:
+    """True for bools (and NumPy's bool)."""
+    return isinstance(value, bool | np.bool_)
+
+
 def leading_view(buffer: Any, shape: tuple[int, ...]) -> Any:
     """The first ``prod(shape)`` elements of a C-contiguous ``buffer`` as a ``shape`` view (C-contiguous
     itself, unlike a slice ``buffer[:b, :t]`` of a larger build shape)."""

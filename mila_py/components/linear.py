@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mila_py.build_context import BuildContext
-from mila_py.components._layer import Layer, is_int
+from mila_py.components._layer import Layer, is_bool, is_int
 
 __all__ = ["Linear", "LinearConfig"]
 
@@ -40,7 +40,7 @@ class LinearConfig:
                 raise TypeError(f"LinearConfig: {name} must be an int, got {value!r}")
             if value <= 0:
                 raise ValueError(f"LinearConfig: {name} must be > 0, got {value}")
-        if not isinstance(self.bias, bool):
+        if not is_bool(self.bias):
             raise TypeError(f"LinearConfig: bias must be a bool, got {self.bias!r}")
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from mila_py.build_context import BuildContext
-from mila_py.components._layer import is_int, leading_view
+from mila_py.components._layer import is_bool, is_int, leading_view
 from mila_py.components.attention import (
     AttentionConfig,
     GroupedQueryAttention,
@@ -85,7 +85,7 @@ class LlamaConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"LlamaConfig: {name} must be a positive int, got {value!r}")
         for name in ("tie_embeddings", "qkv_bias", "out_bias", "qk_norm", "mlp_bias"):
-            if not isinstance(getattr(self, name), bool | np.bool_):
+            if not is_bool(getattr(self, name)):
                 raise TypeError(f"LlamaConfig: {name} must be a bool, got {getattr(self, name)!r}")
         if not self.norm_eps > 0:
             raise ValueError(f"LlamaConfig: norm_eps must be > 0, got {self.norm_eps!r}")
@@ -620,7 +620,7 @@ class Llama(Network):
         def token_id(value: Any, what: str) -> int:
             if isinstance(value, np.ndarray) and value.ndim == 0:
                 value = value[()]  # a 0-d array: its scalar
-            if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+            if not is_int(value):
                 raise TypeError(f"{self._describe()}: {what} must be int ids, got {value!r}")
             if not 0 <= value < vocab:
                 raise ValueError(

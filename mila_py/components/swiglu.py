@@ -5,10 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from mila_py.build_context import BuildContext
-from mila_py.components._layer import Layer, is_int
+from mila_py.components._layer import Layer, is_bool, is_int
 from mila_py.components.linear import Linear, LinearConfig
 from mila_py.composite import CompositeComponent
 from mila_py.devices import DeviceLike
@@ -47,14 +45,14 @@ class SwiGLUConfig:
                 raise TypeError(f"SwiGLUConfig: {name} must be an int, got {value!r}")
             if value <= 0:
                 raise ValueError(f"SwiGLUConfig: {name} must be > 0, got {value}")
-        if not isinstance(self.bias, bool | np.bool_):
+        if not is_bool(self.bias):
             raise TypeError(f"SwiGLUConfig: bias must be a bool, got {self.bias!r}")
 
 
 class SwiGLU(Layer, CompositeComponent):
-    """``y = down_proj(silu(gate_proj(x)) * up_proj(x))``, three :class:`Linear` (with biases
-    when ``config.bias``) children named as in Hugging Face Llama (``gate_proj``, ``up_proj``: ``[hidden_dim, dim]``;
-    ``down_proj``: ``[dim, hidden_dim]``).
+    """``y = down_proj(silu(gate_proj(x)) * up_proj(x))``, three :class:`Linear` children (with
+    biases when ``config.bias``) named as in Hugging Face Llama (``gate_proj``, ``up_proj``:
+    ``[hidden_dim, dim]``; ``down_proj``: ``[dim, hidden_dim]``).
 
     The build shape is the input's, ``[B, T, dim]`` (any number of leading dimensions); calls may
     use smaller leading dimensions. The block owns ``hidden [B, T, hidden_dim]`` (the input of
@@ -83,8 +81,8 @@ class SwiGLU(Layer, CompositeComponent):
         precision: Precision = Precision.FP32,
     ) -> None:
         super().__init__(name, config, device=device, precision=precision)
-        into = LinearConfig(config.dim, config.hidden_dim, bias=bool(config.bias))
-        out_of = LinearConfig(config.hidden_dim, config.dim, bias=bool(config.bias))
+        into = LinearConfig(config.dim, config.hidden_dim, bias=config.bias)
+        out_of = LinearConfig(config.hidden_dim, config.dim, bias=config.bias)
         self.gate_proj = Linear("gate_proj", into, precision=precision)
         self.up_proj = Linear("up_proj", into, precision=precision)
         self.down_proj = Linear("down_proj", out_of, precision=precision)

@@ -501,12 +501,19 @@ class Llama(Network):
             RuntimeError: not an INFERENCE build.
             ValueError, TypeError: a bad prompt, sampling parameter or token id.
         """
+        args = (max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, pad_token_id)
+        return self._start(prompt, *args)[2]
+
+    def _start(
+        self, prompt: Any, *args: Any
+    ) -> tuple[np.ndarray, np.ndarray, Iterator[np.ndarray], str]:
+        """What :meth:`stream` and :meth:`generate` share: their arguments checked (``args``:
+        those after the prompt, in :meth:`stream`'s order), then ``(prompt rows, lengths, the
+        token iterator, what the prompt came as)`` (see :meth:`_prompt_rows`)."""
         self._require_inference("generate()")
-        rows, lengths, _ = self._prompt_rows(prompt)
-        sampling = self._sampling(
-            max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, pad_token_id
-        )
-        return self._token_steps(rows, lengths, *sampling)
+        rows, lengths, kind = self._prompt_rows(prompt)
+        steps = self._token_steps(rows, lengths, *self._sampling(*args))
+        return rows, lengths, steps, kind
 
     def _token_steps(
         self,
@@ -653,12 +660,9 @@ class Llama(Network):
         ``[B, T + n]`` for a ``[B, T]`` prompt, ``[T + n]`` for a ``[T]`` one, and for a list of
         prompts a list of 1-D arrays, each its prompt and the same number ``n`` of new tokens.
         See :meth:`stream` for the sampling and stopping rules."""
-        self._require_inference("generate()")
-        rows, lengths, kind = self._prompt_rows(prompt)
-        sampling = self._sampling(
-            max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, pad_token_id
-        )
-        new = list(self._token_steps(rows, lengths, *sampling))
+        args = (max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, pad_token_id)
+        rows, lengths, steps, kind = self._start(prompt, *args)
+        new = list(steps)
         tail = np.stack(new, axis=1) if new else rows[:, :0]
         if kind == "list":
             return [np.concatenate([r[:n], t]) for r, n, t in zip(rows, lengths, tail, strict=True)]

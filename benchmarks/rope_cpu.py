@@ -5,6 +5,8 @@ Measures, for Q ``[B, T, Hq*d]`` and K ``[B, T, Hk*d]`` in fp32:
 - the limit: an in-place pass that reads and writes every byte of Q and K once (NumPy, one
   thread; and a Numba pass split over every core when Numba is installed) — the best of them;
 - mila_py ``Rope.forward`` (whole component call) with the fused and the NumPy paths;
+- mila_py ``Rope.rotate`` at explicit positions ``[B, T]`` and, with a Qwen2-VL M-RoPE config
+  (``mrope_section`` 16/24/24 for head_dim 128, else a third each), at positions ``[3, B, T]``;
 - Hugging Face ``apply_rotary_pos_emb`` in torch eager, when torch and transformers are installed;
 - ``Rope.decode`` for B=1 (whole component call, checks included), in microseconds per call.
 
@@ -14,6 +16,7 @@ Run: ``python benchmarks/rope_cpu.py`` (``--help`` for shapes). Prints a table w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -130,9 +133,26 @@ def main() -> None:
 
         return call
 
+    third = d // 6
+    section = (16, 24, 24) if d == 128 else (d // 2 - 2 * third, third, third)
+    mrope = Rope("mrope", dataclasses.replace(cfg, mrope_section=section), device="CPU")
+    mrope.build(BuildContext((n_b, n_t, hq * d), RuntimeMode.INFERENCE))
+    explicit = np.broadcast_to(np.arange(n_t), (n_b, n_t))
+    per_axis = np.stack([explicit, explicit % 64, explicit // 64])  # a 64-wide image grid
+
+    def rotate(component: Rope, positions: np.ndarray, backend: str) -> Callable[[], object]:
+        def call() -> None:
+            component.op.backend = backend
+            component.rotate(q, k, positions)
+
+        return call
+
     candidates: dict[str, Callable[[], object]] = dict(limits)
     for backend in backends:
         candidates[f"mila_py Rope.forward ({backend})"] = forward(backend)
+    for backend in backends:
+        candidates[f"mila_py Rope.rotate [B,T] ({backend})"] = rotate(rope, explicit, backend)
+        candidates[f"mila_py M-RoPE rotate [3,B,T] ({backend})"] = rotate(mrope, per_axis, backend)
     hf = "HF apply_rotary_pos_emb (torch eager)"
     try:
         import torch
@@ -163,12 +183,12 @@ def main() -> None:
         f"\nRoPE fp32 prefill, B={n_b} T={n_t} heads={hq}/{hk} head_dim={d}; "
         f"Q+K traffic {traffic / 2**20:.1f} MiB (read + write); {args.repeats} interleaved rounds"
     )
-    print(f"{'what':<42} {'ms':>9} {'GB/s':>8} {'x limit':>8}")
-    print(f"{'(median time; median of per-round ratios)':<42}")
+    print(f"{'what':<44} {'ms':>9} {'GB/s':>8} {'x limit':>8}")
+    print(f"{'(median time; median of per-round ratios)':<44}")
     medians = {name: statistics.median(t) for name, t in times.items()}
     for name, seconds in medians.items():
         ratio = statistics.median(t / lim for t, lim in zip(times[name], round_limits, strict=True))
-        print(f"{name:<42} {seconds * 1e3:9.3f} {traffic / seconds / 1e9:8.2f} {ratio:8.2f}")
+        print(f"{name:<44} {seconds * 1e3:9.3f} {traffic / seconds / 1e9:8.2f} {ratio:8.2f}")
     if hf in times:
         for backend in backends:
             speedup = statistics.median(

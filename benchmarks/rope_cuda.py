@@ -6,6 +6,8 @@ Measures on one GPU, with CUDA events, the median of many repeats:
 - mila_py ``Rope.forward`` and ``Rope.backward`` (whole component calls), fp32 and bf16, for
   ``B=1 T=8192`` and ``B=4 T=4096`` with 32 query / 8 key heads of 128; bytes counted are Q and K
   read and written once plus the cos/sin rows of the distinct positions;
+- mila_py M-RoPE ``Rope.rotate`` (Qwen2-VL sections) on the same shapes at host positions
+  ``[3, B, T]`` of a 64-wide image grid (the whole call: host checks and the positions' upload);
 - ``Rope.decode`` for ``B=1`` and ``B=64`` (whole component calls, validation included), in
   microseconds per call, timed over many back-to-back calls so host work is included;
 - peers, each only when importable: Hugging Face ``apply_rotary_pos_emb`` in torch eager and
@@ -31,7 +33,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -44,6 +46,7 @@ HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 PREFILL_SHAPES = ((1, 8192), (4, 4096))
 DECODE_BATCHES = (1, 64)
 MAX_SEQ = 8192
+MROPE_SECTION = (16, 24, 24)  # Qwen2-VL: temporal, height, width frequencies of head_dim 128
 
 
 @dataclass
@@ -267,6 +270,21 @@ def bench_prefill(
         timer.median_seconds(lambda: rope.backward(q, k), calls=bench.calls, repeats=bench.repeats),
         nbytes,
     )
+    # M-RoPE (Qwen2-VL sections) at host positions [3, B, T]: the component checks them on the
+    # host and the op uploads them, so this row includes that upload
+    mrope = Rope("mrope", replace(cfg, mrope_section=MROPE_SECTION), device="CUDA:0",
+                 precision=precision)  # fmt: skip
+    mrope.build(BuildContext((n_b, n_t, cfg.channels), RuntimeMode.INFERENCE))
+    grid = np.broadcast_to(np.arange(n_t), (n_b, n_t))
+    per_axis = np.stack([grid, grid % 64, grid // 64])
+    mrope_row = Row(
+        f"M-RoPE rotate {case}",
+        dtype_name,
+        timer.median_seconds(
+            lambda: mrope.rotate(q, k, per_axis), calls=bench.calls, repeats=bench.repeats
+        ),
+        nbytes,
+    )
     if bench.peers:
         tdtype = bench.torch_dtype(precision)
         tq = torch.from_numpy(q_host).cuda().to(tdtype).view(n_b, n_t, HEADS, HEAD_DIM)
@@ -293,7 +311,7 @@ def bench_prefill(
                 backward.peers[name] = peer_backward_seconds(bench, ttimer, fn, tq, tk, cos, sin)
             except Exception as exc:
                 backward.note += f" {name} backward failed: {type(exc).__name__};"
-    return [forward, backward]
+    return [forward, backward, mrope_row]
 
 
 def peer_backward_seconds(

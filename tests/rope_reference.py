@@ -15,6 +15,10 @@ Conventions shared with mila_py (the parts HF leaves to the model code):
 - ``original_max_position_embeddings`` falls back to ``max_seq_len`` (HF: max_position_embeddings).
 - ``dynamic`` and ``longrope`` take ``seq_len = max(position) + 1`` of each call, statelessly.
 - The attention factor multiplies cos and sin.
+- M-RoPE (``mrope_section``): positions ``[3, B, T]``; which axis drives which frequency is
+  written from the models' ``recomposition_frequencies`` (Qwen2-VL / GLM-4V: split into sections,
+  section ``i`` takes axis ``i % 3``; Qwen3-VL: start from axis 0, then overwrite the slices
+  ``1::3`` below ``3 * section[1]`` with axis 1 and ``2::3`` below ``3 * section[2]`` with axis 2).
 """
 
 from __future__ import annotations
@@ -150,6 +154,28 @@ def softmax_scale_multiplier(scaling: Mapping[str, Any] | None) -> float:
     return mscale(float(params["factor"]), float(params["mscale_all_dim"])) ** 2
 
 
+def mrope_frequency_positions(
+    positions: Any, section: Any, interleaved: bool, n_b: int, n_t: int
+) -> np.ndarray:
+    """float64 ``[B, T, n]``: the position each frequency of each token turns by.
+
+    ``positions`` ``[3, B, T]`` (broadcast) holds the temporal, height and width positions.
+    """
+    axes = np.broadcast_to(np.asarray(positions, dtype=np.float64), (3, n_b, n_t))
+    per_axis = np.stack([axes[a] for a in range(3)], axis=-1)  # [B, T, 3]
+    n = int(sum(section))
+    if not interleaved:
+        columns = []
+        for i, width in enumerate(section):
+            columns += [per_axis[..., i % 3]] * int(width)
+        return np.stack(columns, axis=-1)
+    chosen = np.repeat(per_axis[..., :1], n, axis=-1)  # every frequency on axis 0 ...
+    for axis, first in ((1, 1), (2, 2)):  # ... then HF's slice(first, 3 * section, 3)
+        idx = list(range(first, min(3 * int(section[axis]), n), 3))
+        chosen[..., idx] = per_axis[..., axis : axis + 1]
+    return chosen
+
+
 def rotate(
     x: np.ndarray,
     positions: np.ndarray,
@@ -161,14 +187,17 @@ def rotate(
     *,
     inverse: bool = False,
 ) -> np.ndarray:
-    """Rotate ``x [B, T, n_heads * head_dim]`` at ``positions`` (broadcast to ``[B, T]``), float64.
+    """Rotate ``x [B, T, n_heads * head_dim]`` at ``positions`` (broadcast to ``[B, T]``, or
+    ``[B, T, n]``: a position per frequency), float64.
 
     Pair ``j`` of a head becomes ``(x1 + i x2) * attention * exp(+-i * position * inv_freq[j])``.
     """
     x = np.asarray(x, dtype=np.float64)
     n_b, n_t = x.shape[0], x.shape[1]
-    pos = np.broadcast_to(np.asarray(positions, dtype=np.float64), (n_b, n_t))
     n = len(inv_freq)
+    pos = np.asarray(positions, dtype=np.float64)
+    if pos.ndim < 3:
+        pos = np.broadcast_to(pos, (n_b, n_t))[:, :, None]
     if layout == "half":
         first, second = np.arange(n), np.arange(n) + n
     elif layout == "interleaved":
@@ -176,7 +205,7 @@ def rotate(
     else:
         raise ValueError(layout)
     heads = x.reshape(n_b, n_t, n_heads, head_dim).copy()
-    angle = pos[:, :, None, None] * np.asarray(inv_freq, dtype=np.float64)[None, None, None, :]
+    angle = pos[:, :, None, :] * np.asarray(inv_freq, dtype=np.float64)[None, None, None, :]
     phase = attention * np.exp((-1j if inverse else 1j) * angle)  # [B, T, 1, n]
     z = (heads[..., first] + 1j * heads[..., second]) * phase
     heads[..., first] = z.real
@@ -196,6 +225,8 @@ class Spec:
     rotary_dim: int = 0
     layout: str = "half"
     scaling: Mapping[str, Any] | None = None
+    mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
 
     @classmethod
     def of(cls, config: Any) -> Spec:
@@ -211,6 +242,8 @@ class Spec:
             int(config.rotary_dim),
             str(layout),
             scaling,
+            None if config.mrope_section is None else tuple(int(v) for v in config.mrope_section),
+            bool(config.mrope_interleaved),
         )
 
     @property
@@ -225,9 +258,16 @@ class Spec:
     def rotate_qk(
         self, q: np.ndarray, k: np.ndarray, positions: Any, *, inverse: bool = False
     ) -> tuple[np.ndarray, np.ndarray]:
-        """float64 rotated ``(q, k)``; ``seq_len`` is ``max(positions) + 1`` as in one call."""
+        """float64 rotated ``(q, k)``; ``seq_len`` is ``max(positions) + 1`` as in one call.
+
+        With ``mrope_section``, positions ``[3, B, T]`` (3-D) are per-axis positions."""
         positions = np.asarray(positions)
         inv_freq, attention = self.frequencies(int(positions.max()) + 1)
+        if self.mrope_section is not None and positions.ndim == 3:
+            n_b, n_t = np.shape(q)[0], np.shape(q)[1]
+            positions = mrope_frequency_positions(
+                positions, self.mrope_section, self.mrope_interleaved, n_b, n_t
+            )
         args = (self.head_dim, inv_freq, attention, self.layout)
         return (
             rotate(q, positions, self.n_heads, *args, inverse=inverse),

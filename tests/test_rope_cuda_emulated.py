@@ -386,6 +386,54 @@ def test_rotate_at_explicit_positions(
     assert_close(k, ref_k, precision)
 
 
+#: M-RoPE: (head_dim, rotary_dim, section, interleaved, layout, scaling)
+MROPE = {
+    "qwen2vl": (16, 0, (2, 3, 3), False, "half", None),
+    "qwen3vl": (32, 0, (6, 5, 5), True, "half", None),
+    "glm4v-partial": (16, 8, (2, 1, 1), False, "interleaved", None),
+    "dynamic-rows": (
+        16, 0, (2, 3, 3), False, "half",
+        {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 256},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=str)
+@pytest.mark.parametrize("case", list(MROPE))
+def test_mrope_positions_per_axis(cuda: None, case: str, precision: Precision, rng) -> None:
+    """Positions ``[3, B, T]``: the kernel picks each frequency's row by its axis (or, past a
+    dynamic type's original length, rotates by rows made on the host), forward and backward."""
+    head_dim, rotary_dim, section, interleaved, layout, scaling = MROPE[case]
+    cfg = rope_config(
+        (4, 2), head_dim, rotary_dim=rotary_dim, layout=layout, scaling=scaling,
+        mrope_section=section, mrope_interleaved=interleaved,
+    )  # fmt: skip
+    batch, tokens = 2, 5
+    rope = cuda_rope_of(cfg, batch, tokens, precision, mode=TRAINING)
+    cpu = make_rope(cfg, batch, tokens, precision=precision, mode=TRAINING)
+    positions = rng.integers(0, 1500, size=(3, batch, tokens))
+    q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
+    q, k = q0.copy(), k0.copy()
+    rope.rotate(q, k, positions)
+    cpu_q, cpu_k = q0.copy(), k0.copy()
+    cpu.rotate(cpu_q, cpu_k, positions)
+    assert_parity(q, cpu_q, precision)
+    assert_parity(k, cpu_k, precision)
+    ref_q, ref_k = reference(cfg, q0, k0, positions)
+    assert_close(q, ref_q, precision)
+    assert_close(k, ref_k, precision)
+    dq, dk = rope.backward(q, k, positions[:, :1])  # [3, 1, T]: broadcast over sequences
+    cpu_dq, cpu_dk = cpu.backward(q, k, positions[:, :1])
+    assert_parity(dq, cpu_dq, precision)
+    assert_parity(dk, cpu_dk, precision)
+    # decode: a position per axis and sequence
+    q1, k1 = q0[:, :1].copy(), k0[:, :1].copy()
+    rope.decode(q1, k1, positions[:, :, 0])
+    ref_q, ref_k = reference(cfg, q0[:, :1], k0[:, :1], positions[:, :, :1])
+    assert_close(q1, ref_q, precision)
+    assert_close(k1, ref_k, precision)
+
+
 # ---------------------------------------------------------------------------------- backward
 
 
@@ -652,7 +700,7 @@ def test_strided_parameters_are_declared(library: KernelLibrary) -> None:
     table = np.zeros((4, 2), np.float32)
     shape = (np.int32(1), np.int32(1), np.int32(1), np.int32(4), np.int32(2))  # T, Hq, Hk, d, n
     args = [x, x, y, y, table, table, _kernels.NULL, np.int32(0), np.int64(0), *shape]
-    args += [np.int64(4)] * 8 + [np.float32(1.0), np.int32(0)]
+    args += [np.int64(4)] * 8 + [np.float32(1.0), np.int32(0)] + [np.int32(0)] * 3  # no M-RoPE
     name = cuda_rope.kernel_name(FP32, 1, False)
     with emulated_context(library) as ctx:
         launch = _kernels.launch

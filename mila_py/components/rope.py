@@ -157,7 +157,8 @@ class Rope(Component):
         Args:
             q: ``[B, 1, n_heads * head_dim]``.
             k: ``[B, 1, n_kv_heads * head_dim]``.
-            position: an int for every sequence, or one int per sequence ``[B]``.
+            position: an int for every sequence, or one int per sequence ``[B]``; with an
+                M-RoPE config also ``[3, B]`` (a position per axis and sequence).
         """
         n_t = self._check_qk(q, k)
         if n_t != 1:
@@ -172,7 +173,7 @@ class Rope(Component):
             self._op.apply(q, k, offset=offset, seq_len=offset + 1)
             return
         positions = self._check_positions(position, (q.shape[0],), "position")
-        self._apply_positions(q, k, positions.reshape(-1, 1))
+        self._apply_positions(q, k, positions[..., None])
 
     def _decode_at(self, q: Any, k: Any, position: int) -> None:
         """:meth:`decode` at one int position, for a parent that checked what it passes: ``q``
@@ -186,6 +187,11 @@ class Rope(Component):
             q: ``[B, T, n_heads * head_dim]``.
             k: ``[B, T, n_kv_heads * head_dim]``.
             positions: integers broadcastable to ``[B, T]`` (``[T]``, ``[B, 1]``, ``[B, T]``, ...).
+                With an M-RoPE config (``mrope_section``) also ``[3, B, T]`` (broadcastable:
+                ``[3, 1, T]``, ...): temporal, height and width positions, each frequency
+                turned by the position of its axis (:meth:`RopeConfig.mrope_axes`). Positions
+                without the leading axis put a token at the same position on every axis, as
+                Hugging Face does for text.
         """
         self._check_qk(q, k)
         positions = self._check_positions(positions, q.shape[:2], "positions")
@@ -198,7 +204,7 @@ class Rope(Component):
             dq: ``[B, T, n_heads * head_dim]`` upstream gradient of rotated Q (not modified).
             dk: ``[B, T, n_kv_heads * head_dim]`` upstream gradient of rotated K (not modified).
             positions: the positions of the forward call: None for ``0 .. T-1``, or integers
-                broadcastable to ``[B, T]`` as in :meth:`rotate`.
+                broadcastable to ``[B, T]`` (or ``[3, B, T]`` with M-RoPE) as in :meth:`rotate`.
 
         Returns:
             ``(dq_in, dk_in)``: views ``[B, T, ...]`` of the component-owned gradient buffers,
@@ -301,7 +307,12 @@ class Rope(Component):
         return number
 
     def _check_positions(self, positions: Any, shape: tuple[int, ...], name: str) -> np.ndarray:
-        """Host int64 positions broadcast-compatible with ``shape``, all in ``[0, max_seq_len)``."""
+        """Host int64 positions broadcast-compatible with ``shape``, all in ``[0, max_seq_len)``.
+
+        With an M-RoPE config, positions with one more leading axis of length 3 (``[3, B, T]``
+        for ``shape = (B, T)``) are per-axis positions; they are returned broadcast to
+        ``[3, *shape]``.
+        """
         if hasattr(positions, "__cuda_array_interface__") or type(positions).__module__.startswith(
             "cupy"
         ):
@@ -309,14 +320,21 @@ class Rope(Component):
         array = np.asarray(positions)
         if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
             raise TypeError(f"{self._describe()}: {name} must be integers, got dtype {array.dtype}")
+        per_axis = array.ndim == len(shape) + 1 and array.shape[0] == 3
+        if per_axis and not self.config.is_mrope:
+            raise ValueError(
+                f"{self._describe()}: {name} of shape {array.shape} look like M-RoPE positions "
+                f"[3, {', '.join(map(str, shape))}]; they need a RopeConfig with mrope_section"
+            )
+        target = (3, *shape) if per_axis else tuple(shape)
         try:
-            np.broadcast_shapes(array.shape, shape)
-            if np.broadcast_shapes(array.shape, shape) != tuple(shape):
+            if np.broadcast_shapes(array.shape, target) != target:
                 raise ValueError
         except ValueError:
+            expected = f"{list(shape)}" + (" or [3, ...] (M-RoPE)" if self.config.is_mrope else "")
             raise ValueError(
                 f"{self._describe()}: {name} of shape {array.shape} does not broadcast to "
-                f"{list(shape)}"
+                f"{expected}"
             ) from None
         if array.size == 0:
             raise ValueError(f"{self._describe()}: {name} is empty")
@@ -328,13 +346,16 @@ class Rope(Component):
                 f"{self._describe()}: position {high} is beyond the table: positions must be "
                 f"< max_seq_len = {self.config.max_seq_len}"
             )
-        return array.astype(np.int64, copy=False)
+        array = array.astype(np.int64, copy=False)
+        return np.broadcast_to(array, target) if per_axis else array
 
     def _extra_repr(self) -> str:
         cfg = self.config
+        mrope = "" if cfg.mrope_section is None else f", mrope={list(cfg.mrope_section)}"
         return (
             f"heads={cfg.n_heads}/{cfg.n_kv_heads}, head_dim={cfg.head_dim}, "
-            f"rotary_dim={cfg.rotated_dim}, layout={RopeLayout(cfg.layout).value}, type={cfg.rope_type}"
+            f"rotary_dim={cfg.rotated_dim}, layout={RopeLayout(cfg.layout).value}, "
+            f"type={cfg.rope_type}{mrope}"
         )
 
 

@@ -92,7 +92,15 @@ class RopeConfig:
         layout: ``"half"`` pairs ``(i, i + d/2)``; ``"interleaved"`` pairs ``(2i, 2i + 1)``.
         scaling: a Hugging Face ``rope_scaling`` / ``rope_parameters`` dict with ``rope_type``
             (or legacy ``type``): default, linear, dynamic, yarn, llama3, longrope, proportional or
-            any type added with ``register_rope_type``.
+            any type added with ``register_rope_type``. Its ``mrope_section`` and
+            ``mrope_interleaved`` keys (Qwen2-VL, Qwen3-VL, GLM-4V) move to the fields below, and
+            Qwen2-VL's legacy ``"type": "mrope"`` reads as ``"default"``, as transformers does.
+        mrope_section: multimodal RoPE (M-RoPE): how many of the ``n_freq = rotated_dim // 2``
+            frequencies follow each of the three position axes (temporal, height, width); they
+            sum to ``n_freq``. Calls then take positions ``[3, B, T]`` (see :meth:`mrope_axes`);
+            positions without the axis mean one position on every axis (text tokens).
+        mrope_interleaved: Qwen3-VL's assignment of frequencies to axes (``t h w t h w ...``)
+            instead of Qwen2-VL's contiguous sections.
 
     Raises:
         ValueError: on any invalid value, saying what to fix.
@@ -107,6 +115,8 @@ class RopeConfig:
     rotary_dim: int = 0
     layout: RopeLayout | str = RopeLayout.HALF
     scaling: Mapping[str, Any] | None = None
+    mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -122,8 +132,33 @@ class RopeConfig:
                     f"RopeConfig: scaling must be a dict like {{'rope_type': 'yarn', ...}} or None, "
                     f"got {self.scaling!r}"
                 )
-            object.__setattr__(self, "scaling", FrozenDict(self.scaling))
+            self._lift_mrope(dict(self.scaling))
+        if self.mrope_section is not None:
+            section = self.mrope_section
+            if isinstance(section, str | bytes) or not hasattr(section, "__iter__"):
+                raise TypeError(
+                    f"RopeConfig: mrope_section must be three ints (temporal, height, width), "
+                    f"got {section!r}"
+                )
+            object.__setattr__(self, "mrope_section", _freeze(section))
         self.validate()
+
+    def _lift_mrope(self, params: dict[str, Any]) -> None:
+        """Move the M-RoPE keys of the scaling dict to their fields; freeze what is left."""
+        for key in ("mrope_section", "mrope_interleaved"):
+            if key not in params:
+                continue
+            value = params.pop(key)
+            field = getattr(self, key)
+            if field not in (None, False) and _freeze(field) != _freeze(value):
+                raise ValueError(
+                    f"RopeConfig: scaling carries {key}={value!r} but {key}={field!r}; give it once"
+                )
+            object.__setattr__(self, key, value)
+        if params.get("rope_type", params.get("type")) == "mrope":  # Qwen2-VL's legacy name
+            params.pop("type", None)
+            params["rope_type"] = "default"
+        object.__setattr__(self, "scaling", FrozenDict(params))
 
     def validate(self) -> None:
         """Check every field and the scaling dict (called on construction).
@@ -178,6 +213,37 @@ class RopeConfig:
                 "rotary_dim to match (or use RopeConfig.from_hf)"
             )
         check_scaling(self.scaling, self.head_dim, self.rotated_dim, self.max_seq_len)
+        self._validate_mrope()
+
+    def _validate_mrope(self) -> None:
+        if not isinstance(self.mrope_interleaved, bool):
+            raise TypeError(
+                f"RopeConfig: mrope_interleaved must be a bool, got {self.mrope_interleaved!r}"
+            )
+        section = self.mrope_section
+        if section is None:
+            if self.mrope_interleaved:
+                raise ValueError("RopeConfig: mrope_interleaved=True needs an mrope_section")
+            return
+        n_freq = self.rotated_dim // 2
+        if len(section) != 3 or not all(_is_int(v) and v >= 0 for v in section):
+            raise ValueError(
+                "RopeConfig: mrope_section must be three ints >= 0 (frequencies of the temporal, "
+                f"height and width axes), got {section!r}"
+            )
+        if sum(section) != n_freq:
+            raise ValueError(
+                f"RopeConfig: mrope_section {list(section)} must sum to the {n_freq} rotated "
+                f"frequencies (rotated_dim {self.rotated_dim} / 2), got {sum(section)}"
+            )
+        if self.mrope_interleaved:
+            axes = self.mrope_axes()
+            if (axes.count(1), axes.count(2)) != (section[1], section[2]):
+                raise ValueError(
+                    f"RopeConfig: interleaved mrope_section {list(section)} does not fit "
+                    f"{n_freq} frequencies: height and width take every third one from 1 and 2, "
+                    f"so each needs 3 * count <= {n_freq} + 1"
+                )
 
     @property
     def head_dim(self) -> int:
@@ -192,6 +258,37 @@ class RopeConfig:
     def rotated_dim(self) -> int:
         """``rotary_dim``, or ``head_dim`` when ``rotary_dim == 0``."""
         return self.rotary_dim or self.head_dim
+
+    @property
+    def is_mrope(self) -> bool:
+        """Whether positions may carry three axes (``mrope_section`` is set)."""
+        return self.mrope_section is not None
+
+    def mrope_axes(self) -> tuple[int, ...]:
+        """The position axis (0 temporal, 1 height, 2 width) of each rotated frequency.
+
+        Contiguous sections (Qwen2-VL, GLM-4V): the first ``mrope_section[0]`` frequencies
+        follow axis 0, the next ``mrope_section[1]`` axis 1, the rest axis 2. Interleaved
+        (Qwen3-VL): frequency ``i`` follows axis 1 when ``i % 3 == 1`` and ``i < 3 *
+        mrope_section[1]``, axis 2 when ``i % 3 == 2`` and ``i < 3 * mrope_section[2]``, else 0.
+
+        Raises:
+            ValueError: the config has no ``mrope_section``.
+        """
+        if self.mrope_section is None:
+            raise ValueError("RopeConfig.mrope_axes: this config has no mrope_section")
+        t, h, w = self.mrope_section
+        if not self.mrope_interleaved:
+            return (0,) * t + (1,) * h + (2,) * w
+        axes = []
+        for i in range(t + h + w):
+            if i % 3 == 1 and i < 3 * h:
+                axes.append(1)
+            elif i % 3 == 2 and i < 3 * w:
+                axes.append(2)
+            else:
+                axes.append(0)
+        return tuple(axes)
 
     @property
     def rope_type(self) -> str:

@@ -18,7 +18,7 @@ from mila_py.components.rope_config import RopeConfig
 from mila_py.components.rope_scaling import original_length
 from mila_py.devices import DeviceId, DeviceLike, DeviceType
 
-__all__ = ["RopeTable", "clear_rope_cache", "get_rope"]
+__all__ = ["RopeTable", "clear_rope_cache", "get_rope", "mrope_axes"]
 
 _ROWS_PER_CHUNK = 8192
 
@@ -83,18 +83,27 @@ class RopeTable:
 
     @staticmethod
     def _host_rows(
-        positions: np.ndarray, inv_freq: np.ndarray, attention: float
+        positions: np.ndarray,
+        inv_freq: np.ndarray,
+        attention: float,
+        axes: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        flat = np.asarray(positions, dtype=np.float64).reshape(-1)
-        cos = np.empty((flat.size, inv_freq.size), dtype=np.float32)
+        """cos/sin float32 ``positions.shape + [n_freq]`` (with ``axes``: positions ``[3, ...]``
+        and shape ``positions.shape[1:] + [n_freq]``, frequency ``j`` at ``positions[axes[j]]``)."""
+        shape = np.shape(positions) if axes is None else np.shape(positions)[1:]
+        by_axis = np.asarray(positions, dtype=np.float64).reshape(1 if axes is None else 3, -1)
+        n_rows = int(np.prod(shape, dtype=np.int64))
+        cos = np.empty((n_rows, inv_freq.size), dtype=np.float32)
         sin = np.empty_like(cos)
-        for start in range(0, flat.size, _ROWS_PER_CHUNK):
-            stop = min(start + _ROWS_PER_CHUNK, flat.size)
-            angles = np.multiply.outer(flat[start:stop], inv_freq)
+        for start in range(0, n_rows, _ROWS_PER_CHUNK):
+            stop = min(start + _ROWS_PER_CHUNK, n_rows)
+            if axes is None:
+                angles = np.multiply.outer(by_axis[0, start:stop], inv_freq)
+            else:  # [rows, n_freq]: each frequency at the position of its axis
+                angles = by_axis[axes, start:stop].T * inv_freq
             cos[start:stop] = np.cos(angles) * attention
             sin[start:stop] = np.sin(angles) * attention
-        shape = (*np.shape(positions), inv_freq.size)
-        return cos.reshape(shape), sin.reshape(shape)
+        return cos.reshape((*shape, inv_freq.size)), sin.reshape((*shape, inv_freq.size))
 
     def _to_device(self, host: np.ndarray) -> Any:
         if self.device_id.device_type is DeviceType.CPU:
@@ -124,14 +133,25 @@ class RopeTable:
                 return None
         return self.cos, self.sin
 
-    def rows(self, positions: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-        """Host float32 cos/sin ``positions.shape + [n_freq]`` for a call of length ``seq_len``.
+    def rows(
+        self, positions: np.ndarray, seq_len: int, axes: Any = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Host float32 cos/sin ``positions.shape + [n_freq]`` for a call of length ``seq_len``,
+        equal to the table rows where a table applies.
 
-        Used for length-dependent types past the original context, where no table fits; a GPU
-        op uploads them on its own stream.
+        Used for length-dependent types past the original context, where no table fits, and for
+        M-RoPE where a path cannot pick each frequency's row itself; a GPU op uploads them on
+        its own stream.
+
+        Args:
+            positions: ints; with ``axes``, ``[3, ...]`` positions of the M-RoPE axes (the rows
+                then have shape ``positions.shape[1:] + [n_freq]``).
+            seq_len: ``max(positions) + 1`` of the call.
+            axes: the position axis of each frequency (:meth:`RopeConfig.mrope_axes`), or None.
         """
-        inv_freq, attention = self._frequencies(seq_len=seq_len)
-        return self._host_rows(positions, inv_freq, attention)
+        inv_freq, attention = self.frequencies(seq_len)
+        index = None if axes is None else np.asarray(axes, dtype=np.intp)
+        return self._host_rows(positions, inv_freq, attention, index)
 
     def frequencies(self, seq_len: int | None = None) -> tuple[np.ndarray, float]:
         """``(inv_freq float64, attention_scaling)`` in effect for a call of length ``seq_len``."""
@@ -192,3 +212,21 @@ def clear_rope_cache() -> None:
     """Forget cached tables (components that hold one keep it)."""
     with _CACHE_LOCK:
         _CACHE.clear()
+
+
+def mrope_axes(config: RopeConfig, table: RopeTable) -> np.ndarray | None:
+    """int64 ``[n_freq]``: the position axis of each frequency of an M-RoPE config (None
+    otherwise), checked against the frequencies its scaling type gives.
+
+    Raises:
+        ValueError: ``mrope_section`` does not cover the table's frequencies.
+    """
+    if config.mrope_section is None:
+        return None
+    axes = np.asarray(config.mrope_axes(), dtype=np.int64)
+    if axes.size != table.n_freq:
+        raise ValueError(
+            f"RopeConfig: mrope_section {list(config.mrope_section)} covers {axes.size} "
+            f"frequencies, but rope_type {config.rope_type!r} gives {table.n_freq}"
+        )
+    return axes

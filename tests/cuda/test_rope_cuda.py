@@ -422,6 +422,46 @@ def test_rotate_explicit_positions(layout: str, precision: Precision, make_posit
 
 
 @pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
+@pytest.mark.parametrize(
+    ("section", "interleaved", "layout", "rotary_dim"),
+    [((16, 24, 24), False, "half", 0), ((24, 20, 20), True, "half", 0),
+     ((8, 12, 12), False, "interleaved", 64)],
+    ids=["qwen2vl", "qwen3vl", "glm4v"],
+)  # fmt: skip
+def test_mrope_positions_per_axis(
+    section, interleaved: bool, layout: str, rotary_dim: int, precision: Precision, rng
+) -> None:
+    """M-RoPE positions ``[3, B, T]`` (host or device), forward, backward and decode."""
+    cfg = rope_config(
+        (8, 2), 128, rotary_dim=rotary_dim, layout=layout, mrope_section=section,
+        mrope_interleaved=interleaved,
+    )  # fmt: skip
+    batch, tokens = 2, 33
+    rope = cuda_rope_of(cfg, batch, tokens, precision=precision, mode=TRAINING)
+    cpu = make_rope(cfg, batch, tokens, precision=precision, mode=TRAINING)
+    positions = rng.integers(0, 2048, size=(3, batch, tokens))
+    q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
+    q, k = up(q0), up(k0)
+    rope.rotate(q, k, cupy.asarray(positions))
+    ref_q, ref_k = reference(cfg, q0, k0, positions)
+    assert_close(down(q), ref_q, precision)
+    assert_close(down(k), ref_k, precision)
+    cpu_q, cpu_k = q0.copy(), k0.copy()
+    cpu.rotate(cpu_q, cpu_k, positions)
+    assert_parity(down(q), cpu_q, precision)
+    assert_parity(down(k), cpu_k, precision)
+    dq, dk = rope.backward(q, k, positions)
+    back_q, back_k = cpu.backward(down(q), down(k), positions)
+    assert_parity(down(dq), back_q, precision)
+    assert_parity(down(dk), back_k, precision)
+    q1, k1 = up(q0[:, :1]), up(k0[:, :1])
+    rope.decode(q1, k1, positions[:, :, 0])
+    ref_q, ref_k = reference(cfg, q0[:, :1], k0[:, :1], positions[:, :, :1])
+    assert_close(down(q1), ref_q, precision)
+    assert_close(down(k1), ref_k, precision)
+
+
+@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
 def test_smaller_calls_than_the_build(precision: Precision, rng) -> None:
     cfg = rope_config((4, 2))
     rope = cuda_rope_of(cfg, 4, 16, precision=precision)

@@ -3,6 +3,10 @@
 One pass over Q and K together: each token's cos/sin row is read once and reused across all
 heads of both tensors. Arithmetic is float32 on float32 data (float64 on float64).
 
+``rope_rows_mrope_inplace`` is the same for M-RoPE positions ``[3, B, T]``: it gathers each
+token's row from the table column by column (frequency ``i`` at its axis' position) into a
+small buffer, then rotates as above.
+
 ``rope_rows_inplace`` rotates a range of tokens and releases the GIL, so the op splits large
 calls into ranges over its own thread pool and runs decode-sized calls inline. Not Numba's
 ``parallel=True``: its default OpenMP layer leaves its threads spinning after each call, and the
@@ -31,6 +35,7 @@ __all__ = [
     "AVAILABLE",
     "NO_POSITIONS",
     "rope_rows_inplace",
+    "rope_rows_mrope_inplace",
 ]
 
 numba: Any
@@ -101,11 +106,44 @@ def _qk_rows_inplace(
         _k_row_inplace(k[b, t], cos[p], sin[p], n_kv_heads, head_dim, n, interleaved, sign)
 
 
+def _qk_rows_mrope_inplace(
+    q,
+    k,
+    cos,
+    sin,
+    pos,
+    axes,
+    r0,
+    r1,
+    n_heads,
+    n_kv_heads,
+    head_dim,
+    n,
+    interleaved,
+    inverse,
+):
+    # M-RoPE: pos [3, B, T]; frequency i of token (b, t) at row pos[axes[i], b, t] of its column
+    n_t = q.shape[1]
+    sign = np.float32(-1.0) if inverse else np.float32(1.0)
+    c = np.empty(n, dtype=cos.dtype)
+    s = np.empty(n, dtype=sin.dtype)
+    for r in range(r0, r1):
+        b = r // n_t
+        t = r - b * n_t
+        for i in range(n):
+            p = pos[axes[i], b, t]
+            c[i] = cos[p, i]
+            s[i] = sin[p, i]
+        _k_row_inplace(q[b, t], c, s, n_heads, head_dim, n, interleaved, sign)
+        _k_row_inplace(k[b, t], c, s, n_kv_heads, head_dim, n, interleaved, sign)
+
+
 if AVAILABLE:
     _inline = numba.njit(inline="always", cache=True)
     _k_rotate_inplace = _inline(_rotate_inplace)
     _k_pairs_inplace = _inline(_rotate_pairs_inplace)
     _k_row_inplace = _inline(_row_inplace)
     rope_rows_inplace: Any = numba.njit(nogil=True, cache=True)(_qk_rows_inplace)
+    rope_rows_mrope_inplace: Any = numba.njit(nogil=True, cache=True)(_qk_rows_mrope_inplace)
 else:
-    rope_rows_inplace = None
+    rope_rows_inplace = rope_rows_mrope_inplace = None

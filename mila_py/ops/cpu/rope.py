@@ -32,7 +32,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from mila_py.build_context import BuildContext
 from mila_py.components.rope_config import RopeConfig, RopeLayout
-from mila_py.components.rope_table import RopeTable, get_rope
+from mila_py.components.rope_table import RopeTable, get_rope, mrope_axes
 from mila_py.devices import DeviceType
 from mila_py.ops.cpu import _rope_fused
 from mila_py.ops.operation import DecodePositions, Operation, bind_rope_decode
@@ -40,6 +40,8 @@ from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
 __all__ = ["BACKENDS", "CpuRopeOp"]
+
+Array = np.ndarray
 
 BACKENDS = ("auto", "numpy", "fused")
 
@@ -83,6 +85,7 @@ class CpuRopeOp(Operation):
         self.table: RopeTable | None = None
         self._dtype = precision.numpy_dtype
         self._interleaved = config.layout is RopeLayout.INTERLEAVED
+        self._axes: np.ndarray | None = None  # M-RoPE: the position axis of each frequency
 
     @property
     def backend(self) -> str:
@@ -103,6 +106,7 @@ class CpuRopeOp(Operation):
     def build(self, build_context: BuildContext) -> None:
         super().build(build_context)
         self.table = get_rope(self.config, self.context.device_id)
+        self._axes = mrope_axes(self.config, self.table)
 
     def state_arrays(self) -> list[Any]:
         return self.table.arrays() if self.table is not None else []
@@ -169,7 +173,9 @@ class CpuRopeOp(Operation):
             q: ``[B, T, n_heads * head_dim]``.
             k: ``[B, T, n_kv_heads * head_dim]``.
             offset: position of token ``t`` is ``offset + t`` when ``positions`` is None.
-            positions: int64 ``[B, T]`` explicit positions (broadcast views allowed).
+            positions: int64 ``[B, T]`` explicit positions (broadcast views allowed), or with an
+                M-RoPE config ``[3, B, T]``: frequency ``j`` of a token turns by its position on
+                axis ``config.mrope_axes()[j]``.
             seq_len: ``max(position) + 1`` of the call (length-dependent scaling types use it).
             inverse: apply ``R^T`` (backward).
             q_out, k_out: outputs of the same shapes (may be ``q``/``k``).
@@ -178,14 +184,19 @@ class CpuRopeOp(Operation):
         q_out = q if q_out is None else q_out
         k_out = k if k_out is None else k_out
         tables = self.table.tables_for(seq_len)
-        if tables is None:  # a length-dependent type past its original context: rows per call
+        axes = positions is not None and positions.ndim == 3  # M-RoPE positions [3, B, T]
+        if tables is None or (axes and not self.uses_fused):
+            # rows per token: a length-dependent type past its original context, or M-RoPE on
+            # the NumPy path
+            n_b, n_t = q.shape[0], q.shape[1]
             if positions is None:
-                cos, sin = self.table.rows(np.arange(offset, offset + q.shape[1]), seq_len)
+                cos, sin = self.table.rows(np.arange(offset, offset + n_t), seq_len)
                 offset = 0
             else:
-                b, t = q.shape[0], q.shape[1]
-                cos, sin = self.table.rows(np.broadcast_to(positions, (b, t)).reshape(-1), seq_len)
-                positions = np.arange(b * t, dtype=np.int64).reshape(b, t)
+                lead = (3,) if axes else ()
+                wanted = np.broadcast_to(positions, (*lead, n_b, n_t)).reshape(*lead, -1)
+                cos, sin = self.table.rows(wanted, seq_len, self._axes if axes else None)
+                positions = np.arange(n_b * n_t, dtype=np.int64).reshape(n_b, n_t)
         else:
             cos, sin = tables
         if self.uses_fused:
@@ -216,28 +227,48 @@ class CpuRopeOp(Operation):
     ) -> None:
         cfg = self.config
         n_freq = self.table.n_freq  # type: ignore[union-attr]
-        use_pos = positions is not None
-        if positions is not None:
-            pos = np.ascontiguousarray(np.broadcast_to(positions, q.shape[:2]), dtype=np.int64)
-        else:
-            pos = _rope_fused.NO_POSITIONS
-        out_of_place = q_out is not q or k_out is not k
         n_b, n_t = q.shape[0], q.shape[1]
-        parallel = n_b * n_t * (q.shape[2] + k.shape[2]) >= _PARALLEL_ELEMENTS
         args = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, n_freq, self._interleaved, inverse)
-        kernel = _rope_fused.rope_rows_inplace
+        # run(q, k, position of token 0, positions of these tokens, first row, end row)
+        if positions is None:
+            pos = _rope_fused.NO_POSITIONS
+
+            def run(qx: Array, kx: Array, first: int, sub: Array, r0: int, r1: int) -> None:
+                _rope_fused.rope_rows_inplace(qx, kx, cos, sin, first, sub, False, r0, r1, *args)
+
+            def tokens(b: int, t0: int, t1: int) -> Array:
+                return pos
+
+        elif positions.ndim == 3:  # M-RoPE [3, B, T]: each frequency at its axis' position
+            pos = np.ascontiguousarray(np.broadcast_to(positions, (3, n_b, n_t)), dtype=np.int64)
+            axes = self._axes
+
+            def run(qx: Array, kx: Array, first: int, sub: Array, r0: int, r1: int) -> None:
+                _rope_fused.rope_rows_mrope_inplace(qx, kx, cos, sin, sub, axes, r0, r1, *args)
+
+            def tokens(b: int, t0: int, t1: int) -> Array:
+                return pos[:, b : b + 1, t0:t1]
+
+        else:
+            pos = np.ascontiguousarray(np.broadcast_to(positions, (n_b, n_t)), dtype=np.int64)
+
+            def run(qx: Array, kx: Array, first: int, sub: Array, r0: int, r1: int) -> None:
+                _rope_fused.rope_rows_inplace(qx, kx, cos, sin, first, sub, True, r0, r1, *args)
+
+            def tokens(b: int, t0: int, t1: int) -> Array:
+                return pos[b : b + 1, t0:t1]
+
+        out_of_place = q_out is not q or k_out is not k
+        parallel = n_b * n_t * (q.shape[2] + k.shape[2]) >= _PARALLEL_ELEMENTS
         if out_of_place:  # see _rope_fused: copy, then rotate the copy in place
             np.copyto(q_out, q)
             np.copyto(k_out, k)
             q, k = q_out, k_out
         if q.dtype in (np.float32, np.float64):  # FP64: same fp32 tables, float64 arithmetic
             if not parallel:
-                kernel(q, k, cos, sin, offset, pos, use_pos, 0, n_b * n_t, *args)
+                run(q, k, offset, pos, 0, n_b * n_t)
                 return
-            _in_parallel(
-                lambda rows: kernel(q, k, cos, sin, offset, pos, use_pos, *rows, *args),
-                _row_ranges(n_b * n_t),
-            )
+            _in_parallel(lambda rows: run(q, k, offset, pos, *rows), _row_ranges(n_b * n_t))
             return
 
         # 16-bit storage: widen a cache-sized block of tokens to fp32, rotate it, round once back.
@@ -245,8 +276,7 @@ class CpuRopeOp(Operation):
             b, t0, t1 = block
             qf = q[b : b + 1, t0:t1].astype(np.float32)
             kf = k[b : b + 1, t0:t1].astype(np.float32)
-            sub_pos = pos[b : b + 1, t0:t1] if use_pos else pos
-            kernel(qf, kf, cos, sin, offset + t0, sub_pos, use_pos, 0, t1 - t0, *args)
+            run(qf, kf, offset + t0, tokens(b, t0, t1), 0, t1 - t0)
             q_out[b : b + 1, t0:t1] = qf
             k_out[b : b + 1, t0:t1] = kf
 

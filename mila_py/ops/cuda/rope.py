@@ -35,7 +35,7 @@ import numpy as np
 
 from mila_py.build_context import BuildContext
 from mila_py.components.rope_config import RopeConfig, RopeLayout
-from mila_py.components.rope_table import RopeTable, get_rope
+from mila_py.components.rope_table import RopeTable, get_rope, mrope_axes
 from mila_py.devices import DeviceType
 from mila_py.ops.cuda import _kernels
 from mila_py.ops.operation import DecodePositions, Operation, bind_rope_decode
@@ -136,8 +136,18 @@ __device__ __forceinline__ void rotate_group(
     }
 }
 
+// The position axis of frequency i under M-RoPE: contiguous sections (mode 1: [0, a) temporal,
+// [a, b) height, the rest width) or interleaved (mode 2, Qwen3-VL: i % 3 == 1 below a height,
+// i % 3 == 2 below b width, the rest temporal).
+__device__ __forceinline__ int mrope_axis(int i, int mode, int a, int b) {
+    if (mode == 1) return i < a ? 0 : (i < b ? 1 : 2);
+    const int r = i % 3;
+    return (r == 1 && i < a) ? 1 : ((r == 2 && i < b) ? 2 : 0);
+}
+
 // One block per token (b, t). Strides are in elements; the last axis is contiguous. In place,
-// x_in and x_out are the same array (so neither is __restrict__).
+// x_in and x_out are the same array (so neither is __restrict__). With mrope != 0, positions
+// are [3, B * T] (one row per axis) and each frequency's cos/sin come from its axis' position.
 template <typename T, int VEC, bool INTERLEAVED>
 __global__ void __launch_bounds__(128) rope_qk(
     MILA_STRIDED const T* q_in, MILA_STRIDED T* q_out,
@@ -147,7 +157,7 @@ __global__ void __launch_bounds__(128) rope_qk(
     int n_t, int n_heads, int n_kv_heads, int head_dim, int n_freq,
     long long q_sb, long long q_st, long long k_sb, long long k_st,
     long long qo_sb, long long qo_st, long long ko_sb, long long ko_st,
-    float sign, int copy_rest)
+    float sign, int copy_rest, int mrope, int mrope_a, int mrope_b)
 {
     extern __shared__ float row[];  // [2 * n_freq]: cos then sin of this token's position
     const long long token = blockIdx.x;
@@ -155,8 +165,11 @@ __global__ void __launch_bounds__(128) rope_qk(
     const long long t = token - b * n_t;
     const long long p = use_positions ? positions[token] : offset + t;
     for (int i = threadIdx.x; i < n_freq; i += blockDim.x) {
-        row[i] = cos_table[p * n_freq + i];
-        row[n_freq + i] = sin_table[p * n_freq + i];
+        const long long pi = mrope
+            ? positions[mrope_axis(i, mrope, mrope_a, mrope_b) * (long long)gridDim.x + token]
+            : p;
+        row[i] = cos_table[pi * n_freq + i];
+        row[n_freq + i] = sin_table[pi * n_freq + i];
     }
     __syncthreads();
     const float* c = row;
@@ -196,6 +209,7 @@ __global__ void __launch_bounds__(128) rope_qk(
 _CTYPES = {Precision.FP32: "float", Precision.FP16: "mila_half", Precision.BF16: "mila_bf16"}
 _THREADS = 128
 _SIGNS = {False: np.float32(1.0), True: np.float32(-1.0)}  # forward, inverse (backward)
+_NO_MROPE = (np.int32(0), np.int32(0), np.int32(0))
 
 
 def vector_widths(precision: Precision) -> tuple[int, ...]:
@@ -239,6 +253,8 @@ class CudaRopeOp(Operation):
         # each address alignment allows, and the stride arguments of each stride pattern
         self._width_of: dict[int, int] = {}
         self._stride_args: dict[tuple[tuple[int, ...], ...], tuple[np.int64, ...]] = {}
+        self._axes: np.ndarray | None = None
+        self._mrope_args = _NO_MROPE  # with an M-RoPE config: for positions [3, B, T]
 
     def build(self, build_context: BuildContext) -> None:
         super().build(build_context)
@@ -248,6 +264,11 @@ class CudaRopeOp(Operation):
         self._shape_args = tuple(
             np.int32(v) for v in (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.table.n_freq)
         )
+        self._axes = mrope_axes(cfg, self.table)
+        if cfg.mrope_section is not None:  # the kernel's (mode, a, b) of mrope_axis()
+            t, h, w = cfg.mrope_section
+            mode, a, b = (2, 3 * h, 3 * w) if cfg.mrope_interleaved else (1, t, t + h)
+            self._mrope_args = (np.int32(mode), np.int32(a), np.int32(b))
 
     def state_arrays(self) -> list[Any]:
         return self.table.arrays() if self.table is not None else []
@@ -375,22 +396,27 @@ class CudaRopeOp(Operation):
         if tables is not None and positions is None and _kernels.device_is_current(ctx):
             self._launch(q, k, q_out, k_out, *tables, None, offset, inverse)
             return
+        per_axis = positions is not None and positions.ndim == 3  # M-RoPE positions [3, B, T]
         with ctx.activate():  # type: ignore[attr-defined]
             if tables is None:  # a length-dependent type past its original context: rows per call
                 if positions is None:
-                    host_pos = np.arange(offset, offset + n_t)
+                    cos_rows, sin_rows = table.rows(np.arange(offset, offset + n_t), seq_len)
                     offset = 0
                 else:
-                    host_pos = np.broadcast_to(positions, (n_b, n_t)).reshape(-1)
+                    lead = (3,) if per_axis else ()
+                    wanted = np.broadcast_to(positions, (*lead, n_b, n_t)).reshape(*lead, -1)
+                    axes = self._axes if per_axis else None
+                    cos_rows, sin_rows = table.rows(wanted, seq_len, axes)
                     positions = np.arange(n_b * n_t, dtype=np.int64).reshape(n_b, n_t)
-                cos_rows, sin_rows = table.rows(host_pos, seq_len)
+                    per_axis = False
                 tables = ctx.to_device(cos_rows), ctx.to_device(sin_rows)
             pos = None  # a null pointer: the kernel reads positions only when told to
             if positions is not None:
+                shape = (3, n_b, n_t) if per_axis else (n_b, n_t)
                 pos = ctx.to_device(
-                    np.ascontiguousarray(np.broadcast_to(positions, (n_b, n_t)), dtype=np.int64)
+                    np.ascontiguousarray(np.broadcast_to(positions, shape), dtype=np.int64)
                 )
-            self._launch(q, k, q_out, k_out, *tables, pos, offset, inverse)
+            self._launch(q, k, q_out, k_out, *tables, pos, offset, inverse, per_axis)
 
     def _launch(
         self,
@@ -403,8 +429,10 @@ class CudaRopeOp(Operation):
         pos: Any,
         offset: int,
         inverse: bool,
+        per_axis: bool = False,
     ) -> None:
-        """One launch on the context's stream: a block per token (``pos``: int64 [B, T] or None)."""
+        """One launch on the context's stream: a block per token (``pos``: int64 ``[B, T]``,
+        ``[3, B, T]`` when ``per_axis`` (M-RoPE), or None)."""
         ctx = self.context
         n_b, n_t = q.shape[0], q.shape[1]
         n_freq = self.table.n_freq  # type: ignore[union-attr]
@@ -428,6 +456,7 @@ class CudaRopeOp(Operation):
             *self._shape_args,
             q_sb, q_st, k_sb, k_st, qo_sb, qo_st, ko_sb, ko_st,
             _SIGNS[inverse], np.int32(copy_rest),
+            *(self._mrope_args if per_axis else _NO_MROPE),
         )  # fmt: skip
         _kernels.launch(
             ctx,

@@ -120,6 +120,23 @@ def expected_width(precision: Precision, layout: str, head_dim: int, n_freq: int
     return 1
 
 
+def rotate_like_the_cpu(
+    rope: Rope, cpu: Rope, q0: np.ndarray, k0: np.ndarray, positions: Any, precision: Precision
+) -> tuple[np.ndarray, np.ndarray]:
+    """``rope.rotate`` of copies of ``q0``, ``k0``, checked against the CPU component on the same
+    inputs and the float64 reference; returns the rotated copies."""
+    q, k = q0.copy(), k0.copy()
+    rope.rotate(q, k, positions)
+    cpu_q, cpu_k = q0.copy(), k0.copy()
+    cpu.rotate(cpu_q, cpu_k, positions)
+    assert_parity(q, cpu_q, precision)
+    assert_parity(k, cpu_k, precision)
+    ref_q, ref_k = reference(rope.config, q0, k0, positions)
+    assert_close(q, ref_q, precision)
+    assert_close(k, ref_k, precision)
+    return q, k
+
+
 def name_of(precision: Precision, vec: int, layout: str) -> str:
     return cuda_rope.kernel_name(precision, vec, layout == "interleaved")
 
@@ -375,15 +392,7 @@ def test_rotate_at_explicit_positions(
     cpu = make_rope(cfg, batch, tokens, precision=precision)
     positions = make_positions(rng, batch, tokens)
     q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
-    q, k = q0.copy(), k0.copy()
-    rope.rotate(q, k, positions)
-    cpu_q, cpu_k = q0.copy(), k0.copy()
-    cpu.rotate(cpu_q, cpu_k, positions)
-    assert_parity(q, cpu_q, precision)
-    assert_parity(k, cpu_k, precision)
-    ref_q, ref_k = reference(cfg, q0, k0, positions)
-    assert_close(q, ref_q, precision)
-    assert_close(k, ref_k, precision)
+    rotate_like_the_cpu(rope, cpu, q0, k0, positions, precision)
 
 
 #: M-RoPE: (head_dim, rotary_dim, section, interleaved, layout, scaling)
@@ -413,15 +422,7 @@ def test_mrope_positions_per_axis(cuda: None, case: str, precision: Precision, r
     cpu = make_rope(cfg, batch, tokens, precision=precision, mode=TRAINING)
     positions = rng.integers(0, 1500, size=(3, batch, tokens))
     q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
-    q, k = q0.copy(), k0.copy()
-    rope.rotate(q, k, positions)
-    cpu_q, cpu_k = q0.copy(), k0.copy()
-    cpu.rotate(cpu_q, cpu_k, positions)
-    assert_parity(q, cpu_q, precision)
-    assert_parity(k, cpu_k, precision)
-    ref_q, ref_k = reference(cfg, q0, k0, positions)
-    assert_close(q, ref_q, precision)
-    assert_close(k, ref_k, precision)
+    q, k = rotate_like_the_cpu(rope, cpu, q0, k0, positions, precision)
     dq, dk = rope.backward(q, k, positions[:, :1])  # [3, 1, T]: broadcast over sequences
     cpu_dq, cpu_dk = cpu.backward(q, k, positions[:, :1])
     assert_parity(dq, cpu_dq, precision)

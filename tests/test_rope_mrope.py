@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from rope_helpers import (
     BACKEND_PARAMS,
     FP32,
@@ -269,6 +271,35 @@ def test_large_calls_run_in_parallel_blocks(backend: str, rng) -> None:
     rope.rotate(q, k, positions)
     assert_close(q, ref_q, FP32)
     assert_close(k, ref_k, FP32)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    case=st.sampled_from(["qwen2vl", "qwen3vl", "glm4v"]),
+    seed=st.integers(0, 2**32 - 1),
+    query=st.lists(st.integers(0, 999), min_size=3, max_size=3),
+    key=st.lists(st.integers(0, 999), min_size=3, max_size=3),
+    shift=st.lists(st.integers(0, 999), min_size=3, max_size=3),
+)
+def test_property_scores_depend_only_on_relative_positions_per_axis(
+    case: str, seed: int, query: list[int], key: list[int], shift: list[int]
+) -> None:
+    """``<R_p q, R_r k>`` per head is unchanged when every axis of ``p`` and ``r`` moves by the
+    same amount (its own amount per axis)."""
+    cfg = mrope_config(case, heads=(2, 1))
+    rope = make_rope(cfg, 1, 2)
+    rng = np.random.default_rng(seed)
+    q, k = random_qk(rng, cfg, 1, 1)
+    d = cfg.head_dim
+
+    def scores(pos_q: np.ndarray, pos_k: np.ndarray) -> np.ndarray:
+        x = np.concatenate([q, q], axis=1)  # token 0 rotated at pos_q ...
+        y = np.concatenate([k, k], axis=1)  # ... token 1 at pos_k
+        rope.rotate(x, y, np.stack([pos_q, pos_k], axis=-1).reshape(3, 1, 2))
+        return np.asarray(x[0, 0], np.float64).reshape(2, d) @ np.asarray(y[0, 1], np.float64)
+
+    p, r, s = np.array(query), np.array(key), np.array(shift)
+    np.testing.assert_allclose(scores(p + s, r + s), scores(p, r), rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------- errors

@@ -35,7 +35,13 @@ def _run(source: str, namespace: dict[str, Any], where: Path, monkeypatch: Any) 
 
 
 def test_every_block_is_covered() -> None:
-    markers = ["rope.set_training_mode", "import cupy", "server.generate", "from_pretrained"]
+    markers = [
+        "rope.set_training_mode",
+        "mrope_section=",
+        "import cupy",
+        "server.generate",
+        "from_pretrained",
+    ]
     assert len(BLOCKS) == len(markers)
     for marker in markers:
         _block(marker)
@@ -53,6 +59,25 @@ def test_api_tour(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
     # the two layers share one table: the network's state is one layer's
     layer = net.get_component("l0").get_memory_stats()
     assert net.get_memory_stats().total_bytes == layer.total_bytes > 0
+
+
+def test_mrope_block(tmp_path: Path, monkeypatch: Any) -> None:
+    from rope_helpers import reference
+
+    ns = _run(_block("mrope_section="), {}, tmp_path, monkeypatch)
+    rope, positions = ns["rope"], ns["positions"]
+    assert positions.shape == (3, 1, 54)
+    # text tokens sit at one position on every axis; the image's rows and columns differ
+    assert (positions[:, 0, :4] == np.arange(4)).all() and (positions[:, 0, 52:] == [12, 13]).all()
+    assert len({tuple(positions[:, 0, i]) for i in range(4, 52)}) == 48
+    # the block's rope rotates every frequency at its axis' position (the float64 reference)
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 54, rope.config.channels)).astype(np.float32)
+    k = rng.standard_normal((1, 54, rope.config.kv_channels)).astype(np.float32)
+    want_q, want_k = reference(rope.config, q, k, positions)
+    rope.rotate(q, k, positions)
+    np.testing.assert_allclose(q, want_q, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(k, want_k, rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA_REASON)

@@ -137,6 +137,56 @@ def test_config_validation(kwargs: dict[str, Any], error: type[Exception], patte
         RopeConfig(channels=32, n_heads=2, n_kv_heads=1, max_seq_len=64, **kwargs)
 
 
+def test_numpy_values_are_taken() -> None:
+    base = {"channels": 32, "n_heads": 2, "n_kv_heads": 1, "max_seq_len": 64}
+    cfg = RopeConfig(
+        **base, mrope_section=np.array([4, 2, 2]), mrope_interleaved=np.True_,
+        scaling={"mrope_section": [4, 2, 2]},
+    )  # fmt: skip
+    assert cfg.mrope_section == (4, 2, 2) and cfg.mrope_interleaved is True
+
+
+def _vlm(model_type: str, **rope: Any) -> dict[str, Any]:
+    """A VLM config.json with its text model in ``text_config``, as transformers 5 writes it."""
+    text = {
+        "model_type": f"{model_type}_text", "hidden_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 512,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, **rope},
+    }  # fmt: skip
+    return {"model_type": model_type, "text_config": text, "vision_config": {"depth": 2}}
+
+
+@pytest.mark.parametrize(
+    ("model_type", "rope", "interleaved", "layout"),
+    [
+        ("qwen2_vl", {"type": "mrope", "mrope_section": [4, 6, 6]}, False, "half"),
+        ("qwen2_5_vl", {"mrope_section": [4, 6, 6], "mrope_interleaved": True}, False, "half"),
+        ("qwen3_vl", {"mrope_section": [6, 5, 5]}, True, "half"),
+        ("qwen3_vl_moe", {"mrope_section": [6, 5, 5], "mrope_interleaved": True}, True, "half"),
+        ("qwen3_omni_moe", {"mrope_section": [6, 5, 5], "interleaved": True}, True, "half"),
+        ("glm4v", {"mrope_section": [2, 3, 3], "partial_rotary_factor": 0.5}, False,
+         "interleaved"),
+        ("glm4v_moe", {"mrope_section": [2, 3, 3], "partial_rotary_factor": 0.5}, False, "half"),
+    ],
+)  # fmt: skip
+def test_from_hf_reads_vision_language_configs(model_type, rope, interleaved, layout) -> None:
+    cfg = RopeConfig.from_hf(_vlm(model_type, **rope))
+    section = tuple(rope["mrope_section"])
+    assert (cfg.mrope_section, cfg.mrope_interleaved, cfg.layout) == (section, interleaved, layout)
+    assert cfg.n_heads == 4 and cfg.head_dim == 32 and cfg.rope_type == "default"
+    # an explicit layout wins
+    assert RopeConfig.from_hf(_vlm(model_type, **rope), layout="half").layout == "half"
+
+
+@pytest.mark.parametrize(
+    ("model_type", "pattern"),
+    [("ernie4_5_vl_moe", "reordered frequencies"), ("hunyuan_vl", "xD-RoPE")],
+)
+def test_from_hf_refuses_what_it_cannot_express(model_type: str, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        RopeConfig.from_hf(_vlm(model_type, mrope_section=[22, 22, 20]))
+
+
 def test_a_type_with_other_frequency_counts_is_refused_at_build() -> None:
     # "proportional" pairs span the whole head: 8 frequencies, while the section covers 3 (6 of 16)
     cfg = RopeConfig(
@@ -309,7 +359,12 @@ def test_property_scores_depend_only_on_relative_positions_per_axis(
     ("case", "make_positions", "error", "pattern"),
     [
         (None, lambda: np.zeros((3, 2, 4), np.int64), ValueError, "need a RopeConfig with mrope"),
-        ("qwen2vl", lambda: np.zeros((2, 2, 4), np.int64), ValueError, r"\[3, \.\.\.\]"),
+        (
+            "qwen2vl",
+            lambda: np.zeros((2, 2, 4), np.int64),
+            ValueError,
+            r"or \(M-RoPE\) \[3, 2, 4\]",
+        ),
         ("qwen2vl", lambda: np.zeros((3, 3, 4), np.int64), ValueError, "does not broadcast"),
         ("qwen2vl", lambda: np.full((3, 2, 4), 2048), ValueError, "beyond the table"),
         ("qwen2vl", lambda: np.full((3, 2, 4), -1), ValueError, ">= 0"),
@@ -343,6 +398,13 @@ HF_MODELS = {
         "qwen3_vl", "Qwen3VLTextConfig", "Qwen3VLTextRotaryEmbedding", 32, [6, 5, 5],
         {"mrope_interleaved": True},
     ),
+    # the model's code interleaves whether or not the flag is there
+    "qwen3_vl-no-flag": (
+        "qwen3_vl", "Qwen3VLTextConfig", "Qwen3VLTextRotaryEmbedding", 32, [6, 5, 5], {},
+    ),
+    "qwen2_5_vl": (
+        "qwen2_5_vl", "Qwen2_5_VLTextConfig", "Qwen2_5_VLRotaryEmbedding", 32, [4, 6, 6], {},
+    ),
     "glm4v": (
         "glm4v", "Glm4vTextConfig", "Glm4vTextRotaryEmbedding", 32, [2, 3, 3],
         {"partial_rotary_factor": 0.5},
@@ -369,9 +431,10 @@ def test_matches_hugging_face(model: str, backend: str, rng) -> None:
         head_dim=head_dim, max_position_embeddings=512, rope_parameters=rope_parameters,
     )  # fmt: skip
     rotary = getattr(modeling, rotary_cls)(hf_config)
-    layout = "interleaved" if model == "glm4v" else "half"
-    cfg = RopeConfig.from_hf(hf_config.to_dict(), layout=layout)
+    cfg = RopeConfig.from_hf(hf_config.to_dict())  # layout and axes from the model_type
     assert cfg.mrope_section == tuple(section)
+    assert cfg.layout == ("interleaved" if model == "glm4v" else "half")
+    assert cfg.mrope_interleaved == model.startswith("qwen3")
     n_b, n_t = 2, 6
     positions = axis_positions(rng, n_b, n_t, 500)
     q, k = random_qk(rng, cfg, n_b, n_t)

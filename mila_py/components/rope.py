@@ -321,21 +321,25 @@ class Rope(Component):
         if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
             raise TypeError(f"{self._describe()}: {name} must be integers, got dtype {array.dtype}")
         per_axis = array.ndim == len(shape) + 1 and array.shape[0] == 3
-        if per_axis and not self.config.is_mrope:
-            raise ValueError(
-                f"{self._describe()}: {name} of shape {array.shape} look like M-RoPE positions "
-                f"[3, {', '.join(map(str, shape))}]; they need a RopeConfig with mrope_section"
-            )
         target = (3, *shape) if per_axis else tuple(shape)
         try:
-            if np.broadcast_shapes(array.shape, target) != target:
-                raise ValueError
+            fits = np.broadcast_shapes(array.shape, target) == target
         except ValueError:
-            expected = f"{list(shape)}" + (" or [3, ...] (M-RoPE)" if self.config.is_mrope else "")
+            fits = False
+        if per_axis and fits and not self.config.is_mrope:
+            raise ValueError(
+                f"{self._describe()}: {name} of shape {array.shape} are M-RoPE positions "
+                f"{list(target)} (an axis of 3 in front); they need a RopeConfig with "
+                "mrope_section"
+            )
+        if not fits:
+            expected = f"{list(shape)}"
+            if self.config.is_mrope:
+                expected += f" or (M-RoPE) {[3, *shape]}"
             raise ValueError(
                 f"{self._describe()}: {name} of shape {array.shape} does not broadcast to "
                 f"{expected}"
-            ) from None
+            )
         if array.size == 0:
             raise ValueError(f"{self._describe()}: {name} is empty")
         low, high = int(array.min()), int(array.max())

@@ -8,6 +8,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from mila_py.components.rope_scaling import (
     RopeType,
     check_scaling,
@@ -69,6 +71,34 @@ def _freeze(value: Any) -> Any:
     if hasattr(value, "tolist"):  # numpy arrays and scalars
         return _freeze(value.tolist())
     return value
+
+
+#: vision-language model families whose text RoPE is M-RoPE, by how their code assigns axes
+_INTERLEAVED_AXES = frozenset(
+    {"qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe", "qwen4_exp",
+     "cosmos3_edge"}
+)  # fmt: skip
+_SECTIONED_AXES = frozenset(
+    {"qwen2_vl", "qwen2_5_vl", "qwen2_5_omni", "glm4v", "glm4v_moe", "glm_image", "glm_ocr",
+     "paddleocr_vl"}
+)  # fmt: skip
+#: families that pair channels (2i, 2i + 1) (``rotate_half_llm``)
+_PAIRED_LAYOUT = frozenset({"glm4v", "glm_ocr"})
+_NOT_EXPRESSIBLE = {
+    "ernie4_5_vl_moe": "M-RoPE over reordered frequencies (h w h w ... t t)",
+    "hunyuan_vl": "xD-RoPE (four sections over the doubled channels) with NTK alpha",
+}
+
+
+def _vlm_family(model_type: Any) -> str | None:
+    """The family of a ``model_type`` among the vision-language ones known here (its longest
+    name that ``model_type`` is, or starts with followed by ``_``: ``qwen3_vl_moe_text`` ->
+    ``qwen3_vl_moe``), or None."""
+    if not isinstance(model_type, str):
+        return None
+    known = [*_INTERLEAVED_AXES, *_SECTIONED_AXES, *_NOT_EXPRESSIBLE]
+    matches = [f for f in known if model_type == f or model_type.startswith(f + "_")]
+    return max(matches, key=len) if matches else None
 
 
 def _is_int(value: Any) -> bool:
@@ -150,7 +180,7 @@ class RopeConfig:
                 continue
             value = params.pop(key)
             field = getattr(self, key)
-            if field not in (None, False) and _freeze(field) != _freeze(value):
+            if field is not None and field is not False and _freeze(field) != _freeze(value):
                 raise ValueError(
                     f"RopeConfig: scaling carries {key}={value!r} but {key}={field!r}; give it once"
                 )
@@ -216,6 +246,8 @@ class RopeConfig:
         self._validate_mrope()
 
     def _validate_mrope(self) -> None:
+        if isinstance(self.mrope_interleaved, np.bool_):
+            object.__setattr__(self, "mrope_interleaved", bool(self.mrope_interleaved))
         if not isinstance(self.mrope_interleaved, bool):
             raise TypeError(
                 f"RopeConfig: mrope_interleaved must be a bool, got {self.mrope_interleaved!r}"
@@ -314,7 +346,7 @@ class RopeConfig:
         config: Mapping[str, Any],
         *,
         max_seq_len: int | None = None,
-        layout: RopeLayout | str = RopeLayout.HALF,
+        layout: RopeLayout | str | None = None,
     ) -> RopeConfig:
         """Build a RopeConfig from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x).
 
@@ -325,14 +357,32 @@ class RopeConfig:
         the scaling dict, so the result computes what HF computes even if ``max_seq_len`` differs
         from ``max_position_embeddings``.
 
+        Vision-language configs: a config whose text model sits in ``text_config`` is read from
+        there. M-RoPE follows what the model's own code does, which the ``model_type`` decides:
+        the Qwen3-VL family (``qwen3_vl``, ``qwen3_vl_moe``, ``qwen3_5``, ``qwen3_5_moe``,
+        ``qwen3_omni_moe``, ``qwen4_exp``, ``cosmos3_edge``) always interleaves its axes, the
+        Qwen2-VL and GLM-4V families never do, whatever ``mrope_interleaved`` says (without a
+        ``model_type`` the flag decides); GLM-4.1V and GLM-OCR pair channels ``(2i, 2i + 1)``.
+        ERNIE-4.5-VL and HunYuan-VL, whose multimodal RoPE this class cannot express, are refused.
+
         Args:
             config: the parsed ``config.json``.
             max_seq_len: table size; defaults to ``max_position_embeddings``.
-            layout: ``"half"`` for HF Llama-family checkpoints.
+            layout: ``"half"`` or ``"interleaved"``; None picks the one of the ``model_type``
+                (``"half"`` for Llama-family checkpoints).
 
         Raises:
             ValueError: a missing key or a config RopeConfig cannot express.
         """
+        text = config.get("text_config")
+        if isinstance(text, Mapping) and "num_attention_heads" not in config:
+            config = {"model_type": config.get("model_type"), **text}
+        family = _vlm_family(config.get("model_type"))
+        if family in _NOT_EXPRESSIBLE:
+            raise ValueError(
+                f"RopeConfig.from_hf: {config.get('model_type')!r} uses "
+                f"{_NOT_EXPRESSIBLE[family]}, which RopeConfig cannot express"
+            )
         try:
             n_heads = int(config["num_attention_heads"])
             hidden = int(config["hidden_size"])
@@ -359,9 +409,11 @@ class RopeConfig:
                 f"RopeConfig.from_hf: head_dim {head_dim} * partial_rotary_factor {prf} = "
                 f"{rotary_dim} rotated channels is odd"
             )
-        for key in ("rope_theta", "partial_rotary_factor", "type"):
-            params.pop(key, None)
+        for key in ("rope_theta", "partial_rotary_factor", "type", "interleaved"):
+            params.pop(key, None)  # "interleaved": Qwen3-Omni's, which transformers ignores
         params.pop("rope_type", None)
+        if family is not None and "mrope_section" in params:
+            params["mrope_interleaved"] = family in _INTERLEAVED_AXES
         original = "original_max_position_embeddings"
         if name == "dynamic":
             params[original] = max_pos  # HF 5.x: dynamic always scales from max_position_embeddings
@@ -380,6 +432,8 @@ class RopeConfig:
             max_seq_len=int(max_seq_len or max_pos),
             base=float(base),
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
-            layout=layout,
+            layout=(RopeLayout.INTERLEAVED if family in _PAIRED_LAYOUT else RopeLayout.HALF)
+            if layout is None
+            else layout,
             scaling=scaling,
         )

@@ -277,10 +277,12 @@ def bench_prefill(
     mrope.build(BuildContext((n_b, n_t, cfg.channels), RuntimeMode.INFERENCE))
     grid = np.broadcast_to(np.arange(n_t), (n_b, n_t))
     per_axis = np.stack([grid, grid % 64, grid // 64])
+    ctx.synchronize()  # q, k are ready before another stream (the component's own) uses them
+    mrope_timer = CupyTimer(cupy, mrope.execution_context.stream)
     mrope_row = Row(
         f"M-RoPE rotate {case}",
         dtype_name,
-        timer.median_seconds(
+        mrope_timer.median_seconds(
             lambda: mrope.rotate(q, k, per_axis), calls=bench.calls, repeats=bench.repeats
         ),
         nbytes,

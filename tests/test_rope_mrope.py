@@ -179,6 +179,23 @@ def test_from_hf_reads_vision_language_configs(model_type, rope, interleaved, la
 
 
 @pytest.mark.parametrize(
+    ("model_type", "section", "interleaved"),
+    [("qwen2_vl", (16, 24, 24), False), ("qwen3_vl", (24, 20, 20), True),
+     ("glm4v", (8, 12, 12), False)],
+)  # fmt: skip
+def test_from_hf_takes_the_models_default_section(model_type, section, interleaved) -> None:
+    # every default fits a head of 128 (GLM-4V rotates half of it)
+    rotary = {"partial_rotary_factor": 0.5} if model_type == "glm4v" else {}
+    config = _vlm(model_type, **rotary)
+    config["text_config"].update(head_dim=128, hidden_size=4 * 128)
+    cfg = RopeConfig.from_hf(config)
+    assert (cfg.mrope_section, cfg.mrope_interleaved) == (section, interleaved)
+    # a head the default does not fit: refused, as the model's code would fail
+    with pytest.raises(ValueError, match="must sum to the 8 rotated"):
+        RopeConfig.from_hf(_vlm(model_type, partial_rotary_factor=0.5))
+
+
+@pytest.mark.parametrize(
     ("model_type", "pattern"),
     [("ernie4_5_vl_moe", "reordered frequencies"), ("hunyuan_vl", "xD-RoPE")],
 )

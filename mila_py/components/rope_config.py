@@ -82,6 +82,13 @@ _SECTIONED_AXES = frozenset(
     {"qwen2_vl", "qwen2_5_vl", "qwen2_5_omni", "glm4v", "glm4v_moe", "glm_image", "glm_ocr",
      "paddleocr_vl"}
 )  # fmt: skip
+#: the section a family's code takes when the config has none
+_DEFAULT_SECTIONS = {
+    **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen2_5_omni", "paddleocr_vl"), (16, 24, 24)),
+    **dict.fromkeys(("glm4v", "glm4v_moe", "glm_image", "glm_ocr"), (8, 12, 12)),
+    **dict.fromkeys(("qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe", "cosmos3_edge"), (24, 20, 20)),
+    **dict.fromkeys(("qwen3_5", "qwen3_5_moe", "qwen4_exp"), (11, 11, 10)),
+}
 #: families that pair channels (2i, 2i + 1) (``rotate_half_llm``)
 _PAIRED_LAYOUT = frozenset({"glm4v", "glm_ocr"})
 _NOT_EXPRESSIBLE = {
@@ -362,7 +369,8 @@ class RopeConfig:
         the Qwen3-VL family (``qwen3_vl``, ``qwen3_vl_moe``, ``qwen3_5``, ``qwen3_5_moe``,
         ``qwen3_omni_moe``, ``qwen4_exp``, ``cosmos3_edge``) always interleaves its axes, the
         Qwen2-VL and GLM-4V families never do, whatever ``mrope_interleaved`` says (without a
-        ``model_type`` the flag decides); GLM-4.1V and GLM-OCR pair channels ``(2i, 2i + 1)``.
+        ``model_type`` the flag decides), and a config without ``mrope_section`` gets the one
+        the model's code defaults to; GLM-4.1V and GLM-OCR pair channels ``(2i, 2i + 1)``.
         ERNIE-4.5-VL and HunYuan-VL, whose multimodal RoPE this class cannot express, are refused.
 
         Args:
@@ -412,7 +420,8 @@ class RopeConfig:
         for key in ("rope_theta", "partial_rotary_factor", "type", "interleaved"):
             params.pop(key, None)  # "interleaved": Qwen3-Omni's, which transformers ignores
         params.pop("rope_type", None)
-        if family is not None and "mrope_section" in params:
+        if family is not None:  # the model's code: its default section, its axis assignment
+            params.setdefault("mrope_section", _DEFAULT_SECTIONS[family])
             params["mrope_interleaved"] = family in _INTERLEAVED_AXES
         original = "original_max_position_embeddings"
         if name == "dynamic":

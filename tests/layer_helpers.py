@@ -113,3 +113,15 @@ def assert_same_optimizer_state(models: list[Any], plain: Any, fused: Any) -> No
         np.testing.assert_array_equal(a, b, err_msg=name)
     for m0, m1 in zip(plain._m + plain._v, fused._m + fused._v, strict=True):
         np.testing.assert_array_equal(m0, m1)
+
+
+def move_optional_parameters(
+    model: Component, rng: np.random.Generator, bias: float = 1.0, norm: float = 0.5
+) -> None:
+    """Biases (built as zeros) and norm weights (built as ones) get random values of scale
+    ``bias`` / ``norm``, so that a test sees what they do."""
+    for name, p in model.named_parameters():
+        if name.endswith(".bias"):
+            p[...] = bias * rng.standard_normal(p.shape)
+        if name.endswith("norm.weight"):
+            p += norm * rng.standard_normal(p.shape)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from layer_helpers import assert_same_optimizer_state
+from layer_helpers import assert_same_optimizer_state, move_optional_parameters
 
 from mila_py import BuildContext, Precision, RuntimeMode, TrainingMode
 from mila_py.component import Component
@@ -74,11 +74,7 @@ def test_backward_matches_finite_differences_in_float64(
     assert ("layer0.self_attn.o_proj.bias" in names) is biases
     assert ("layer1.mlp.down_proj.bias" in names) is biases
     assert ("layer1.self_attn.k_norm.weight" in names) is qk_norm
-    for name, p in model.named_parameters():
-        if name.endswith(".bias"):  # built as zeros: move them so that they matter
-            p[...] = 0.3 * rng.standard_normal(p.shape)
-        if name.endswith("norm.weight"):  # built as ones
-            p += 0.3 * rng.standard_normal(p.shape)
+    move_optional_parameters(model, rng, bias=0.3, norm=0.3)
     x = tokens(2)
     weight = rng.standard_normal((B, T, 32))  # loss = sum(weight * logits): asymmetric
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from kernel_emulator import COMPILER, EmulatedContext
+from layer_helpers import move_optional_parameters
 
 from mila_py import BuildContext, RuntimeMode
 from mila_py.components import Llama, LlamaConfig, SoftmaxCrossEntropy, SoftmaxCrossEntropyConfig
@@ -136,11 +137,7 @@ def test_decode_plan_equals_the_component_path(
     rng = np.random.default_rng(9)
     trained = Llama("llama", cfg, device="CPU")
     trained.build(BuildContext((1, 8), TRAINING))
-    for name, p in trained.named_parameters():
-        if name.endswith(".bias"):
-            p[...] = rng.standard_normal(p.shape)
-        if name.endswith("_norm.weight"):
-            p += 0.5 * rng.standard_normal(p.shape)
+    move_optional_parameters(trained, rng)
     trained.save(tmp_path / "w.safetensors")
     models = []
     for _ in range(2):

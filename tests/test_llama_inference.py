@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from layer_helpers import move_optional_parameters
 
 from mila_py import BuildContext, Precision, RuntimeMode
 from mila_py.components import Llama, LlamaConfig
@@ -369,11 +370,7 @@ def test_decode_with_attention_biases_equals_forward(tmp_path, qk_norm: bool) ->
     x = tokens(2, 12, seed=12)
     reference = Llama("llama", cfg, device="CPU")
     reference.build(BuildContext(x.shape, RuntimeMode.TRAINING))
-    for name, p in reference.named_parameters():
-        if name.endswith(".bias"):
-            p[...] = rng.standard_normal(p.shape)
-        if name.endswith("_norm.weight"):
-            p += 0.5 * rng.standard_normal(p.shape)
+    move_optional_parameters(reference, rng)
     reference.save(tmp_path / "w.safetensors")
     full = reference.forward(x)
     models = [Llama("llama", cfg, device="CPU") for _ in range(2)]

@@ -153,6 +153,30 @@ class RopeTable:
         index = None if axes is None else np.asarray(axes, dtype=np.intp)
         return self._host_rows(positions, inv_freq, attention, index)
 
+    def call_rows(
+        self,
+        shape: tuple[int, int],
+        offset: int,
+        positions: np.ndarray | None,
+        seq_len: int,
+        axes: Any = None,
+    ) -> tuple[np.ndarray, np.ndarray, int, np.ndarray | None]:
+        """:meth:`rows` for every token of a call ``[B, T]``, and what indexes them instead of
+        the call's own positions: ``(cos, sin, offset, positions)``.
+
+        Without ``positions`` the rows are those of ``offset .. offset + T - 1``, indexed by
+        ``t`` (offset 0). With ``positions`` (``[B, T]``, or ``[3, B, T]`` with ``axes``, both
+        broadcastable) they are one row per token, indexed by ``arange(B * T)`` as ``[B, T]``.
+        """
+        n_b, n_t = shape
+        if positions is None:
+            cos, sin = self.rows(np.arange(offset, offset + n_t), seq_len)
+            return cos, sin, 0, None
+        lead = () if axes is None else (3,)
+        wanted = np.broadcast_to(positions, (*lead, n_b, n_t)).reshape(*lead, -1)
+        cos, sin = self.rows(wanted, seq_len, axes)
+        return cos, sin, 0, np.arange(n_b * n_t, dtype=np.int64).reshape(n_b, n_t)
+
     def frequencies(self, seq_len: int | None = None) -> tuple[np.ndarray, float]:
         """``(inv_freq float64, attention_scaling)`` in effect for a call of length ``seq_len``."""
         if seq_len is None or seq_len <= self.original_len:

@@ -41,7 +41,7 @@ from mila_py.precision import Precision
 
 __all__ = ["BACKENDS", "CpuRopeOp"]
 
-Array = np.ndarray
+_Array = np.ndarray
 
 BACKENDS = ("auto", "numpy", "fused")
 
@@ -188,15 +188,9 @@ class CpuRopeOp(Operation):
         if tables is None or (axes and not self.uses_fused):
             # rows per token: a length-dependent type past its original context, or M-RoPE on
             # the NumPy path
-            n_b, n_t = q.shape[0], q.shape[1]
-            if positions is None:
-                cos, sin = self.table.rows(np.arange(offset, offset + n_t), seq_len)
-                offset = 0
-            else:
-                lead = (3,) if axes else ()
-                wanted = np.broadcast_to(positions, (*lead, n_b, n_t)).reshape(*lead, -1)
-                cos, sin = self.table.rows(wanted, seq_len, self._axes if axes else None)
-                positions = np.arange(n_b * n_t, dtype=np.int64).reshape(n_b, n_t)
+            cos, sin, offset, positions = self.table.call_rows(
+                q.shape[:2], offset, positions, seq_len, self._axes if axes else None
+            )
         else:
             cos, sin = tables
         if self.uses_fused:
@@ -233,29 +227,29 @@ class CpuRopeOp(Operation):
         if positions is None:
             pos = _rope_fused.NO_POSITIONS
 
-            def run(qx: Array, kx: Array, first: int, sub: Array, r0: int, r1: int) -> None:
+            def run(qx: _Array, kx: _Array, first: int, sub: _Array, r0: int, r1: int) -> None:
                 _rope_fused.rope_rows_inplace(qx, kx, cos, sin, first, sub, False, r0, r1, *args)
 
-            def tokens(b: int, t0: int, t1: int) -> Array:
+            def tokens(b: int, t0: int, t1: int) -> _Array:
                 return pos
 
         elif positions.ndim == 3:  # M-RoPE [3, B, T]: each frequency at its axis' position
             pos = np.ascontiguousarray(np.broadcast_to(positions, (3, n_b, n_t)), dtype=np.int64)
             axes = self._axes
 
-            def run(qx: Array, kx: Array, first: int, sub: Array, r0: int, r1: int) -> None:
+            def run(qx: _Array, kx: _Array, first: int, sub: _Array, r0: int, r1: int) -> None:
                 _rope_fused.rope_rows_mrope_inplace(qx, kx, cos, sin, sub, axes, r0, r1, *args)
 
-            def tokens(b: int, t0: int, t1: int) -> Array:
+            def tokens(b: int, t0: int, t1: int) -> _Array:
                 return pos[:, b : b + 1, t0:t1]
 
         else:
             pos = np.ascontiguousarray(np.broadcast_to(positions, (n_b, n_t)), dtype=np.int64)
 
-            def run(qx: Array, kx: Array, first: int, sub: Array, r0: int, r1: int) -> None:
+            def run(qx: _Array, kx: _Array, first: int, sub: _Array, r0: int, r1: int) -> None:
                 _rope_fused.rope_rows_inplace(qx, kx, cos, sin, first, sub, True, r0, r1, *args)
 
-            def tokens(b: int, t0: int, t1: int) -> Array:
+            def tokens(b: int, t0: int, t1: int) -> _Array:
                 return pos[b : b + 1, t0:t1]
 
         out_of_place = q_out is not q or k_out is not k

@@ -399,16 +399,10 @@ class CudaRopeOp(Operation):
         per_axis = positions is not None and positions.ndim == 3  # M-RoPE positions [3, B, T]
         with ctx.activate():  # type: ignore[attr-defined]
             if tables is None:  # a length-dependent type past its original context: rows per call
-                if positions is None:
-                    cos_rows, sin_rows = table.rows(np.arange(offset, offset + n_t), seq_len)
-                    offset = 0
-                else:
-                    lead = (3,) if per_axis else ()
-                    wanted = np.broadcast_to(positions, (*lead, n_b, n_t)).reshape(*lead, -1)
-                    axes = self._axes if per_axis else None
-                    cos_rows, sin_rows = table.rows(wanted, seq_len, axes)
-                    positions = np.arange(n_b * n_t, dtype=np.int64).reshape(n_b, n_t)
-                    per_axis = False
+                cos_rows, sin_rows, offset, positions = table.call_rows(
+                    (n_b, n_t), offset, positions, seq_len, self._axes if per_axis else None
+                )
+                per_axis = False
                 tables = ctx.to_device(cos_rows), ctx.to_device(sin_rows)
             pos = None  # a null pointer: the kernel reads positions only when told to
             if positions is not None:

@@ -19,7 +19,7 @@ from mila_py.init import init_name, rng_for
 from mila_py.ops.registry import create_op
 from mila_py.precision import Precision
 
-__all__ = ["INIT_STD", "Layer", "is_int", "leading_view"]
+__all__ = ["INIT_STD", "Layer", "check_finite", "check_sizes", "is_bool", "is_int", "leading_view"]
 
 #: standard deviation of the normal initialization (Hugging Face ``initializer_range``)
 INIT_STD = 0.02
@@ -36,6 +36,28 @@ def is_int(value: Any) -> bool:
 def is_bool(value: Any) -> bool:
     """True for bools (and NumPy's bool)."""
     return isinstance(value, bool | np.bool_)
+
+
+def check_sizes(config: Any, *names: str) -> None:
+    """Raise unless each field ``names`` of ``config`` is an int > 0 (TypeError / ValueError
+    naming the config class and the field)."""
+    owner = type(config).__name__
+    for name in names:
+        value = getattr(config, name)
+        if not is_int(value):
+            raise TypeError(f"{owner}: {name} must be an int, got {value!r}")
+        if value <= 0:
+            raise ValueError(f"{owner}: {name} must be > 0, got {value}")
+
+
+def check_finite(config: Any, name: str, *, positive: bool = False) -> None:
+    """Raise unless field ``name`` of ``config`` is a finite number (and > 0 when ``positive``)."""
+    owner, value = type(config).__name__, getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int | float | np.floating):
+        raise TypeError(f"{owner}: {name} must be a number, got {value!r}")
+    if not math.isfinite(value) or (positive and value <= 0):
+        needs = "finite and > 0" if positive else "finite"
+        raise ValueError(f"{owner}: {name} must be {needs}, got {value!r}")
 
 
 def leading_view(buffer: Any, shape: tuple[int, ...]) -> Any:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mila_py.build_context import BuildContext
-from mila_py.components._layer import Layer, is_bool, is_int
+from mila_py.components._layer import Layer, check_sizes, is_bool
 
 __all__ = ["Linear", "LinearConfig"]
 
@@ -34,12 +34,7 @@ class LinearConfig:
 
     def validate(self) -> None:
         """Check every field (called on construction)."""
-        for name in ("in_features", "out_features"):
-            value = getattr(self, name)
-            if not is_int(value):
-                raise TypeError(f"LinearConfig: {name} must be an int, got {value!r}")
-            if value <= 0:
-                raise ValueError(f"LinearConfig: {name} must be > 0, got {value}")
+        check_sizes(self, "in_features", "out_features")
         if not is_bool(self.bias):
             raise TypeError(f"LinearConfig: bias must be a bool, got {self.bias!r}")
 

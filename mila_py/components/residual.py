@@ -3,14 +3,11 @@ Residual, in its binary form: the block that computes ``f`` from ``x`` stays out
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from mila_py.build_context import BuildContext
-from mila_py.components._layer import Layer, is_int
+from mila_py.components._layer import Layer, check_finite, check_sizes
 
 __all__ = ["Residual", "ResidualConfig"]
 
@@ -36,14 +33,8 @@ class ResidualConfig:
 
     def validate(self) -> None:
         """Check every field (called on construction)."""
-        if not is_int(self.dim):
-            raise TypeError(f"ResidualConfig: dim must be an int, got {self.dim!r}")
-        if self.dim <= 0:
-            raise ValueError(f"ResidualConfig: dim must be > 0, got {self.dim}")
-        if isinstance(self.scale, bool) or not isinstance(self.scale, int | float | np.floating):
-            raise TypeError(f"ResidualConfig: scale must be a number, got {self.scale!r}")
-        if not math.isfinite(self.scale):
-            raise ValueError(f"ResidualConfig: scale must be finite, got {self.scale!r}")
+        check_sizes(self, "dim")
+        check_finite(self, "scale")
 
 
 class Residual(Layer):

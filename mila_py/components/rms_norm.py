@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from mila_py.build_context import BuildContext
-from mila_py.components._layer import Layer, is_int
+from mila_py.components._layer import Layer, check_finite, check_sizes
 
 __all__ = ["RmsNorm", "RmsNormConfig"]
 
@@ -35,14 +34,8 @@ class RmsNormConfig:
 
     def validate(self) -> None:
         """Check every field (called on construction)."""
-        if not is_int(self.dim):
-            raise TypeError(f"RmsNormConfig: dim must be an int, got {self.dim!r}")
-        if self.dim <= 0:
-            raise ValueError(f"RmsNormConfig: dim must be > 0, got {self.dim}")
-        if isinstance(self.eps, bool) or not isinstance(self.eps, int | float | np.floating):
-            raise TypeError(f"RmsNormConfig: eps must be a number, got {self.eps!r}")
-        if not math.isfinite(self.eps) or self.eps <= 0:
-            raise ValueError(f"RmsNormConfig: eps must be finite and > 0, got {self.eps!r}")
+        check_sizes(self, "dim")
+        check_finite(self, "eps", positive=True)
 
 
 class RmsNorm(Layer):

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from mila_py.build_context import BuildContext
-from mila_py.components._layer import Layer, is_int
+from mila_py.components._layer import Layer, check_sizes, is_int
 
 __all__ = ["SoftmaxCrossEntropy", "SoftmaxCrossEntropyConfig"]
 
@@ -37,13 +37,10 @@ class SoftmaxCrossEntropyConfig:
 
     def validate(self) -> None:
         """Check every field (called on construction)."""
-        for name in ("vocab_size", "ignore_index"):
-            value = getattr(self, name)
-            if not is_int(value):
-                raise TypeError(f"SoftmaxCrossEntropyConfig: {name} must be an int, got {value!r}")
-        if self.vocab_size <= 0:
-            raise ValueError(
-                f"SoftmaxCrossEntropyConfig: vocab_size must be > 0, got {self.vocab_size}"
+        check_sizes(self, "vocab_size")
+        if not is_int(self.ignore_index):
+            raise TypeError(
+                f"SoftmaxCrossEntropyConfig: ignore_index must be an int, got {self.ignore_index!r}"
             )
 
 

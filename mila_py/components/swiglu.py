@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mila_py.build_context import BuildContext
-from mila_py.components._layer import Layer, is_bool, is_int
+from mila_py.components._layer import Layer, check_sizes, is_bool
 from mila_py.components.linear import Linear, LinearConfig
 from mila_py.composite import CompositeComponent
 from mila_py.devices import DeviceLike
@@ -39,12 +39,7 @@ class SwiGLUConfig:
 
     def validate(self) -> None:
         """Check every field (called on construction)."""
-        for name in ("dim", "hidden_dim"):
-            value = getattr(self, name)
-            if not is_int(value):
-                raise TypeError(f"SwiGLUConfig: {name} must be an int, got {value!r}")
-            if value <= 0:
-                raise ValueError(f"SwiGLUConfig: {name} must be > 0, got {value}")
+        check_sizes(self, "dim", "hidden_dim")
         if not is_bool(self.bias):
             raise TypeError(f"SwiGLUConfig: bias must be a bool, got {self.bias!r}")
 

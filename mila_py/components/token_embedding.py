@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from mila_py.build_context import BuildContext
-from mila_py.components._layer import Layer, is_int
+from mila_py.components._layer import Layer, check_sizes
 
 __all__ = ["TokenEmbedding", "TokenEmbeddingConfig"]
 
@@ -34,12 +34,7 @@ class TokenEmbeddingConfig:
 
     def validate(self) -> None:
         """Check every field (called on construction)."""
-        for name in ("vocab_size", "dim"):
-            value = getattr(self, name)
-            if not is_int(value):
-                raise TypeError(f"TokenEmbeddingConfig: {name} must be an int, got {value!r}")
-            if value <= 0:
-                raise ValueError(f"TokenEmbeddingConfig: {name} must be > 0, got {value}")
+        check_sizes(self, "vocab_size", "dim")
 
 
 class TokenEmbedding(Layer):

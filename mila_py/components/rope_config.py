@@ -73,41 +73,6 @@ def _freeze(value: Any) -> Any:
     return value
 
 
-#: vision-language model families whose text RoPE is M-RoPE, by how their code assigns axes
-_INTERLEAVED_AXES = frozenset(
-    {"qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe", "qwen4_exp",
-     "cosmos3_edge"}
-)  # fmt: skip
-_SECTIONED_AXES = frozenset(
-    {"qwen2_vl", "qwen2_5_vl", "qwen2_5_omni", "glm4v", "glm4v_moe", "glm_image", "glm_ocr",
-     "paddleocr_vl"}
-)  # fmt: skip
-#: the section a family's code takes when the config has none
-_DEFAULT_SECTIONS = {
-    **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen2_5_omni", "paddleocr_vl"), (16, 24, 24)),
-    **dict.fromkeys(("glm4v", "glm4v_moe", "glm_image", "glm_ocr"), (8, 12, 12)),
-    **dict.fromkeys(("qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe", "cosmos3_edge"), (24, 20, 20)),
-    **dict.fromkeys(("qwen3_5", "qwen3_5_moe", "qwen4_exp"), (11, 11, 10)),
-}
-#: families that pair channels (2i, 2i + 1) (``rotate_half_llm``)
-_PAIRED_LAYOUT = frozenset({"glm4v", "glm_ocr"})
-_NOT_EXPRESSIBLE = {
-    "ernie4_5_vl_moe": "M-RoPE over reordered frequencies (h w h w ... t t)",
-    "hunyuan_vl": "xD-RoPE (four sections over the doubled channels) with NTK alpha",
-}
-
-
-def _vlm_family(model_type: Any) -> str | None:
-    """The family of a ``model_type`` among the vision-language ones known here (its longest
-    name that ``model_type`` is, or starts with followed by ``_``: ``qwen3_vl_moe_text`` ->
-    ``qwen3_vl_moe``), or None."""
-    if not isinstance(model_type, str):
-        return None
-    known = [*_INTERLEAVED_AXES, *_SECTIONED_AXES, *_NOT_EXPRESSIBLE]
-    matches = [f for f in known if model_type == f or model_type.startswith(f + "_")]
-    return max(matches, key=len) if matches else None
-
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -352,6 +317,7 @@ class RopeConfig:
         cls,
         config: Mapping[str, Any],
         *,
+        layer_type: str | None = None,
         max_seq_len: int | None = None,
         layout: RopeLayout | str | None = None,
     ) -> RopeConfig:
@@ -373,8 +339,20 @@ class RopeConfig:
         the model's code defaults to; GLM-4.1V and GLM-OCR pair channels ``(2i, 2i + 1)``.
         ERNIE-4.5-VL and HunYuan-VL, whose multimodal RoPE this class cannot express, are refused.
 
+        Layer types: models whose layers rotate differently (Gemma 3's sliding layers with theta
+        10 000, its full layers with 1 000 000 and a linear factor; ModernBERT; OLMo 3; Gemma 4,
+        whose full layers are wider; MiMo-V2-Flash) give ``rope_parameters`` per layer type.
+        Name the type with ``layer_type``; the transformers 4.x keys of these families
+        (``rope_local_base_freq``, ``global_rope_theta``/``local_rope_theta``, a flat
+        ``rope_scaling`` that HF applies to the full layers only, Gemma 4's
+        ``global_head_dim``) are read as their code reads them. :meth:`from_hf_layers` gives
+        the config of every layer.
+
         Args:
             config: the parsed ``config.json``.
+            layer_type: which layer type's RoPE (``"full_attention"``, ``"sliding_attention"``,
+                ...); required when the config has per-layer-type RoPE parameters, checked
+                against ``layer_types`` otherwise.
             max_seq_len: table size; defaults to ``max_position_embeddings``.
             layout: ``"half"`` or ``"interleaved"``; None picks the one of the ``model_type``
                 (``"half"`` for Llama-family checkpoints).
@@ -382,67 +360,38 @@ class RopeConfig:
         Raises:
             ValueError: a missing key or a config RopeConfig cannot express.
         """
-        text = config.get("text_config")
-        if isinstance(text, Mapping) and "num_attention_heads" not in config:
-            config = {"model_type": config.get("model_type"), **text}
-        family = _vlm_family(config.get("model_type"))
-        if family in _NOT_EXPRESSIBLE:
-            raise ValueError(
-                f"RopeConfig.from_hf: {config.get('model_type')!r} uses "
-                f"{_NOT_EXPRESSIBLE[family]}, which RopeConfig cannot express"
-            )
-        try:
-            n_heads = int(config["num_attention_heads"])
-            hidden = int(config["hidden_size"])
-            max_pos = int(config["max_position_embeddings"])
-        except KeyError as exc:
-            raise ValueError(f"RopeConfig.from_hf: config.json has no {exc.args[0]!r}") from None
-        n_kv = int(config.get("num_key_value_heads") or n_heads)
-        head_dim = int(config.get("head_dim") or hidden // n_heads)
-        raw = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"RopeConfig.from_hf: rope_scaling must be a dict, got {raw!r}")
-        if raw and all(isinstance(v, Mapping) for v in raw.values()):
-            raise ValueError(
-                "RopeConfig.from_hf: per-layer-type rope_parameters "
-                f"({sorted(raw)}) are not supported; build one RopeConfig per layer type"
-            )
-        params = dict(raw)
-        base = params.get("rope_theta", config.get("rope_theta", 10000.0))
-        prf = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-        name = rope_type_name(params)
-        rotary_dim = 2 * int(prf * head_dim // 2) if name == "proportional" else int(head_dim * prf)
-        if rotary_dim % 2:
-            raise ValueError(
-                f"RopeConfig.from_hf: head_dim {head_dim} * partial_rotary_factor {prf} = "
-                f"{rotary_dim} rotated channels is odd"
-            )
-        for key in ("rope_theta", "partial_rotary_factor", "type", "interleaved"):
-            params.pop(key, None)  # "interleaved": Qwen3-Omni's, which transformers ignores
-        params.pop("rope_type", None)
-        if family is not None:  # the model's code: its default section, its axis assignment
-            params.setdefault("mrope_section", _DEFAULT_SECTIONS[family])
-            params["mrope_interleaved"] = family in _INTERLEAVED_AXES
-        original = "original_max_position_embeddings"
-        if name == "dynamic":
-            params[original] = max_pos  # HF 5.x: dynamic always scales from max_position_embeddings
-        elif name in ("llama3", "yarn", "longrope"):
-            if config.get(original) is not None:
-                params[original] = int(config[original])
-            elif params.get(original) is None:
-                params[original] = max_pos
-            if name in ("yarn", "longrope") and params.get("factor") is None:
-                params["factor"] = max_pos / params[original]
-        scaling = None if name == "default" and not params else {"rope_type": name, **params}
-        return cls(
-            channels=n_heads * head_dim,
-            n_heads=n_heads,
-            n_kv_heads=n_kv,
-            max_seq_len=int(max_seq_len or max_pos),
-            base=float(base),
-            rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
-            layout=(RopeLayout.INTERLEAVED if family in _PAIRED_LAYOUT else RopeLayout.HALF)
-            if layout is None
-            else layout,
-            scaling=scaling,
+        from mila_py.components.rope_hf import rope_config_from_hf
+
+        return rope_config_from_hf(
+            config, layer_type=layer_type, max_seq_len=max_seq_len, layout=layout
         )
+
+    @classmethod
+    def from_hf_layers(
+        cls,
+        config: Mapping[str, Any],
+        *,
+        max_seq_len: int | None = None,
+        layout: RopeLayout | str | None = None,
+    ) -> list[RopeConfig | None]:
+        """One RopeConfig per layer of a Hugging Face ``config.json`` dict, None where a layer
+        rotates nothing.
+
+        For models whose layers differ: the type of layer ``i`` is ``layer_types[i]`` (or the
+        pattern the family's code derives when the list is missing, e.g. Gemma 3's
+        ``sliding_window_pattern``), each type takes its own entry of a per-layer-type
+        ``rope_parameters`` (a null or missing entry: no RoPE), ``per_layer_config`` (Gemma 4)
+        sets head sizes per layer, and SmolLM3's and Llama 4's ``no_rope_layers`` leave layers
+        unrotated. Layers that resolve alike share one (equal) config, so :func:`get_rope` gives
+        them one table. A model with one RoPE gives the same config for every layer.
+
+        Args:
+            config: the parsed ``config.json`` (needs ``num_hidden_layers``).
+            max_seq_len, layout: as in :meth:`from_hf`.
+
+        Raises:
+            ValueError: as :meth:`from_hf`, or ``layer_types`` of the wrong length.
+        """
+        from mila_py.components.rope_hf import rope_configs_from_hf_layers
+
+        return rope_configs_from_hf_layers(config, max_seq_len=max_seq_len, layout=layout)

@@ -1,0 +1,402 @@
+"""Hugging Face ``config.json`` -> :class:`RopeConfig`: for a model, a layer type, or each layer.
+
+Behind :meth:`RopeConfig.from_hf` and :meth:`RopeConfig.from_hf_layers`. Everything a model's
+own transformers code decides beyond the ``config.json`` keys lives in the tables here:
+
+- vision-language families: how M-RoPE assigns frequencies to position axes, the section their
+  code defaults to, the pair layout;
+- families whose layer types carry their own RoPE (Gemma 3's sliding layers rotate with theta
+  10 000 and its full layers with 1 000 000): what a transformers 4.x ``config.json`` (flat
+  keys such as ``rope_local_base_freq``) means per layer type, and which layer is which type
+  when the config has no ``layer_types``;
+- layers that rotate nothing (SmolLM3's and Llama 4's ``no_rope_layers``).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from mila_py.components.rope_scaling import rope_type_name
+
+if TYPE_CHECKING:
+    from mila_py.components.rope_config import RopeConfig, RopeLayout
+
+__all__ = ["rope_config_from_hf", "rope_configs_from_hf_layers"]
+
+#: vision-language model families whose text RoPE is M-RoPE, by how their code assigns axes
+_INTERLEAVED_AXES = frozenset(
+    {"qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe", "qwen4_exp",
+     "cosmos3_edge"}
+)  # fmt: skip
+_SECTIONED_AXES = frozenset(
+    {"qwen2_vl", "qwen2_5_vl", "qwen2_5_omni", "glm4v", "glm4v_moe", "glm_image", "glm_ocr",
+     "paddleocr_vl"}
+)  # fmt: skip
+#: the section a family's code takes when the config has none
+_DEFAULT_SECTIONS = {
+    **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen2_5_omni", "paddleocr_vl"), (16, 24, 24)),
+    **dict.fromkeys(("glm4v", "glm4v_moe", "glm_image", "glm_ocr"), (8, 12, 12)),
+    **dict.fromkeys(("qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe", "cosmos3_edge"), (24, 20, 20)),
+    **dict.fromkeys(("qwen3_5", "qwen3_5_moe", "qwen4_exp"), (11, 11, 10)),
+}
+#: families that pair channels (2i, 2i + 1) (``rotate_half_llm``)
+_PAIRED_LAYOUT = frozenset({"glm4v", "glm_ocr"})
+_NOT_EXPRESSIBLE = {
+    "ernie4_5_vl_moe": "M-RoPE over reordered frequencies (h w h w ... t t)",
+    "hunyuan_vl": "xD-RoPE (four sections over the doubled channels) with NTK alpha",
+}
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def _full_every(n: int, *, first: bool = False) -> Callable[[int, Mapping[str, Any]], bool]:
+    """Layer ``i`` is a full-attention layer when ``(i + 1) % n == 0`` (and layer 0 if ``first``)."""
+    return lambda i, config: (i + 1) % n == 0 or (first and i == 0)
+
+
+_EVERY_SIXTH = _full_every(6)
+
+
+@dataclass(frozen=True)
+class _LayeredFamily:
+    """What a family's transformers code does with RoPE per layer type.
+
+    Attributes:
+        defaults: the ``rope_parameters`` its config class takes when ``config.json`` has none.
+        theta_keys: per layer type, the flat key that holds its ``rope_theta`` in a
+            transformers 4.x ``config.json`` and the default when that key is missing too.
+        scaling_to: the layer types a flat ``rope_scaling`` dict applies to.
+        is_full: the default layer pattern: whether layer ``i`` is a full-attention layer.
+        global_head: Gemma 4: full-attention layers use ``global_head_dim`` (default 512).
+    """
+
+    defaults: Mapping[str, Mapping[str, Any] | None]
+    theta_keys: Mapping[str, tuple[str, float]] = field(default_factory=dict)
+    scaling_to: tuple[str, ...] = (FULL,)
+    is_full: Callable[[int, Mapping[str, Any]], bool] = _EVERY_SIXTH
+    global_head: bool = False
+
+
+_BOTH_DEFAULT = {SLIDING: {"rope_type": "default"}, FULL: {"rope_type": "default"}}
+_GEMMA3_THETAS = {FULL: ("rope_theta", 1e6), SLIDING: ("rope_local_base_freq", 1e4)}
+_GEMMA3 = _LayeredFamily(
+    _BOTH_DEFAULT,
+    _GEMMA3_THETAS,
+    is_full=lambda i, config: (i + 1) % int(config.get("sliding_window_pattern") or 6) == 0,
+)
+_MODERNBERT = _LayeredFamily(
+    _BOTH_DEFAULT,
+    {FULL: ("global_rope_theta", 160000.0), SLIDING: ("local_rope_theta", 10000.0)},
+    scaling_to=(FULL, SLIDING),
+    is_full=lambda i, config: i % int(config.get("global_attn_every_n_layers") or 3) == 0,
+)
+#: model_type -> its family (text and multimodal names alike)
+_LAYERED: dict[str, _LayeredFamily] = {
+    **dict.fromkeys(("gemma3", "gemma3_text"), _GEMMA3),
+    **dict.fromkeys(
+        ("gemma3n", "gemma3n_text"),
+        _LayeredFamily(_BOTH_DEFAULT, _GEMMA3_THETAS, is_full=_full_every(5)),
+    ),
+    **dict.fromkeys(("modernbert", "modernbert-decoder"), _MODERNBERT),
+    # HF's Olmo3Config pops rope_theta for the full layers and so gives the sliding ones the
+    # class default; both rotate with the checkpoint's theta in the model, as here.
+    "olmo3": _LayeredFamily(
+        _BOTH_DEFAULT,
+        {FULL: ("rope_theta", 500000.0), SLIDING: ("rope_theta", 500000.0)},
+        is_full=_full_every(4),
+    ),
+    **dict.fromkeys(
+        ("gemma4", "gemma4_text"),
+        _LayeredFamily(
+            {
+                SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+                FULL: {
+                    "rope_type": "proportional",
+                    "partial_rotary_factor": 0.25,
+                    "rope_theta": 1e6,
+                },
+            },
+            scaling_to=(),
+            global_head=True,
+        ),
+    ),
+    "mimo_v2_flash": _LayeredFamily(
+        {
+            FULL: {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.334},
+            SLIDING: {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.334},
+        },
+        scaling_to=(),
+        is_full=_full_every(6, first=True),
+    ),
+}
+#: families whose ``no_rope_layers[i] == 0`` marks a layer without RoPE (the name is HF's)
+_NO_ROPE_FAMILIES = frozenset({"smollm3", "llama4", "llama4_text"})
+
+
+def _vlm_family(model_type: Any) -> str | None:
+    """The family of a ``model_type`` among the vision-language ones known here (its longest
+    name that ``model_type`` is, or starts with followed by ``_``: ``qwen3_vl_moe_text`` ->
+    ``qwen3_vl_moe``), or None."""
+    if not isinstance(model_type, str):
+        return None
+    known = [*_INTERLEAVED_AXES, *_SECTIONED_AXES, *_NOT_EXPRESSIBLE]
+    matches = [f for f in known if model_type == f or model_type.startswith(f + "_")]
+    return max(matches, key=len) if matches else None
+
+
+def _is_per_layer_type(raw: Mapping[str, Any]) -> bool:
+    """``{"full_attention": {...}, "sliding_attention": {...}}`` rather than one dict."""
+    values = list(raw.values())
+    return (
+        bool(values)
+        and all(v is None or isinstance(v, Mapping) for v in values)
+        and any(isinstance(v, Mapping) for v in values)
+    )
+
+
+class _HfRope:
+    """One ``config.json`` resolved as the model's code would: text config, per-layer-type
+    RoPE parameters, layer types, per-layer head overrides."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        if not isinstance(config, Mapping):
+            raise TypeError(
+                f"RopeConfig.from_hf: config must be a dict, got {type(config).__name__}"
+            )
+        text = config.get("text_config")
+        if isinstance(text, Mapping) and "num_attention_heads" not in config:
+            config = {"model_type": config.get("model_type"), **text}
+        self.config = config
+        self.model_type = config.get("model_type")
+        self.vlm = _vlm_family(self.model_type)
+        if self.vlm in _NOT_EXPRESSIBLE:
+            raise ValueError(
+                f"RopeConfig.from_hf: {self.model_type!r} uses {_NOT_EXPRESSIBLE[self.vlm]}, "
+                "which RopeConfig cannot express"
+            )
+        self.family = _LAYERED.get(self.model_type) if isinstance(self.model_type, str) else None
+        raw = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"RopeConfig.from_hf: rope_scaling must be a dict, got {raw!r}")
+        self.per_type: dict[str, dict[str, Any] | None] | None = None
+        if self.family is not None:
+            self.per_type = self._family_parameters(self.family)
+        elif _is_per_layer_type(raw):
+            self.per_type = {k: None if v is None else dict(v) for k, v in raw.items()}
+        self.flat = None if self.per_type is not None else dict(raw)
+
+    def _family_parameters(self, family: _LayeredFamily) -> dict[str, dict[str, Any] | None]:
+        """HF's ``convert_rope_params_to_dict`` of the family, on either config.json format."""
+        config = self.config
+        nested = config.get("rope_parameters")
+        if nested is not None and not (isinstance(nested, Mapping) and _is_per_layer_type(nested)):
+            raise ValueError(
+                f"RopeConfig.from_hf: a {self.model_type} config's rope_parameters must be a dict "
+                f"per layer type ({FULL}, {SLIDING}), got {nested!r}"
+            )
+        source = nested if nested is not None else family.defaults
+        per_type = {k: None if v is None else copy.deepcopy(dict(v)) for k, v in source.items()}
+        flat = config.get("rope_scaling")
+        if nested is None and isinstance(flat, Mapping) and flat:
+            for layer_type in family.scaling_to:
+                per_type[layer_type] = {**(per_type.get(layer_type) or {}), **flat}
+        for layer_type, (key, default) in family.theta_keys.items():
+            entry = per_type.setdefault(layer_type, {"rope_type": "default"})
+            if entry is not None:
+                theta = config.get(key)
+                entry.setdefault("rope_theta", default if theta is None else theta)
+        return per_type
+
+    # ------------------------------------------------------------------------------ layers
+    def layer_types(self) -> list[str] | None:
+        """The type of each layer: ``layer_types``, else the family's pattern; None when the
+        model has one RoPE for all its layers and no list."""
+        given = self.config.get("layer_types")
+        if given:
+            return [str(t) for t in given]
+        if self.family is None:
+            return None
+        n_layers = self._n_layers()
+        kinds = [FULL if self.family.is_full(i, self.config) else SLIDING for i in range(n_layers)]
+        if self.family.global_head and kinds:
+            kinds[-1] = FULL  # Gemma 4 forces its last layer to full attention
+        return kinds
+
+    def _n_layers(self) -> int:
+        if self.config.get("num_hidden_layers") is None:
+            raise ValueError("RopeConfig.from_hf: config.json has no 'num_hidden_layers'")
+        return int(self.config["num_hidden_layers"])
+
+    def uses_rope(self, index: int) -> bool:
+        """False for the layers SmolLM3 and Llama 4 leave unrotated (``no_rope_layers[i] == 0``,
+        by default every ``no_rope_layer_interval``-th, 4)."""
+        if self.model_type not in _NO_ROPE_FAMILIES:
+            return True
+        flags = self.config.get("no_rope_layers")
+        if flags:
+            return bool(flags[index])
+        return (index + 1) % int(self.config.get("no_rope_layer_interval") or 4) != 0
+
+    def overrides(self, index: int, layer_type: str | None) -> dict[str, Any]:
+        """Head sizes layer ``index`` sets apart from the model's (``per_layer_config``, or
+        Gemma 4's ``global_head_dim`` on its full-attention layers)."""
+        per_layer = self.config.get("per_layer_config")
+        if isinstance(per_layer, Mapping):
+            entry = per_layer.get(str(index), per_layer.get(index)) or {}
+            keys = ("head_dim", "num_key_value_heads", "num_attention_heads")
+            return {k: entry[k] for k in keys if k in entry}
+        if self.family is None or not self.family.global_head or layer_type != FULL:
+            return {}
+        found = {"head_dim": int(self.config.get("global_head_dim") or 512)}
+        kv = self.config.get("num_global_key_value_heads")
+        if kv is not None and self.config.get("attention_k_eq_v", False):
+            found["num_key_value_heads"] = int(kv)
+        return found
+
+    # ------------------------------------------------------------------------------ one config
+    def parameters(self, layer_type: str | None) -> dict[str, Any] | None:
+        """The RoPE parameter dict of ``layer_type`` (None: the layer type rotates nothing)."""
+        if self.per_type is None:
+            known = self.layer_types()
+            if layer_type is not None and known is not None and layer_type not in known:
+                raise ValueError(
+                    f"RopeConfig.from_hf: layer_type {layer_type!r} is not in the config's "
+                    f"layer_types {sorted(set(known))}"
+                )
+            return dict(self.flat or {})
+        if layer_type is None:
+            raise ValueError(
+                f"RopeConfig.from_hf: this {self.model_type or 'model'} config gives each layer "
+                f"type its own RoPE ({', '.join(sorted(self.per_type))}); pass layer_type=..., or "
+                "use RopeConfig.from_hf_layers for one config per layer"
+            )
+        if layer_type not in self.per_type:
+            raise ValueError(
+                f"RopeConfig.from_hf: no RoPE parameters for layer_type {layer_type!r}; the config "
+                f"has {sorted(self.per_type)}"
+            )
+        entry = self.per_type[layer_type]
+        return None if entry is None else dict(entry)
+
+    def build(
+        self,
+        params: dict[str, Any],
+        heads: Mapping[str, Any],
+        max_seq_len: int | None,
+        layout: RopeLayout | str | None,
+    ) -> RopeConfig:
+        from mila_py.components.rope_config import RopeConfig, RopeLayout
+
+        config = {**self.config, **heads}
+        try:
+            n_heads = int(config["num_attention_heads"])
+            hidden = int(config["hidden_size"])
+            max_pos = int(config["max_position_embeddings"])
+        except KeyError as exc:
+            raise ValueError(f"RopeConfig.from_hf: config.json has no {exc.args[0]!r}") from None
+        n_kv = int(config.get("num_key_value_heads") or n_heads)
+        head_dim = int(config.get("head_dim") or hidden // n_heads)
+        base = params.get("rope_theta", config.get("rope_theta", 10000.0))
+        prf = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        name = rope_type_name(params)
+        rotary_dim = 2 * int(prf * head_dim // 2) if name == "proportional" else int(head_dim * prf)
+        if rotary_dim % 2:
+            raise ValueError(
+                f"RopeConfig.from_hf: head_dim {head_dim} * partial_rotary_factor {prf} = "
+                f"{rotary_dim} rotated channels is odd"
+            )
+        for key in ("rope_theta", "partial_rotary_factor", "type", "interleaved"):
+            params.pop(key, None)  # "interleaved": Qwen3-Omni's, which transformers ignores
+        params.pop("rope_type", None)
+        if self.vlm is not None:  # the model's code: its default section, its axis assignment
+            params.setdefault("mrope_section", _DEFAULT_SECTIONS[self.vlm])
+            params["mrope_interleaved"] = self.vlm in _INTERLEAVED_AXES
+        original = "original_max_position_embeddings"
+        if name == "dynamic":
+            params[original] = max_pos  # HF 5.x: dynamic always scales from max_position_embeddings
+        elif name in ("llama3", "yarn", "longrope"):
+            if config.get(original) is not None:
+                params[original] = int(config[original])
+            elif params.get(original) is None:
+                params[original] = max_pos
+            if name in ("yarn", "longrope") and params.get("factor") is None:
+                params["factor"] = max_pos / params[original]
+        scaling = None if name == "default" and not params else {"rope_type": name, **params}
+        if layout is None:
+            layout = RopeLayout.INTERLEAVED if self.vlm in _PAIRED_LAYOUT else RopeLayout.HALF
+        return RopeConfig(
+            channels=n_heads * head_dim,
+            n_heads=n_heads,
+            n_kv_heads=n_kv,
+            max_seq_len=int(max_seq_len or max_pos),
+            base=float(base),
+            rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
+            layout=layout,
+            scaling=scaling,
+        )
+
+
+def rope_config_from_hf(
+    config: Mapping[str, Any],
+    *,
+    layer_type: str | None = None,
+    max_seq_len: int | None = None,
+    layout: RopeLayout | str | None = None,
+) -> RopeConfig:
+    """See :meth:`RopeConfig.from_hf`."""
+    hf = _HfRope(config)
+    params = hf.parameters(layer_type)
+    if params is None:
+        raise ValueError(
+            f"RopeConfig.from_hf: layer_type {layer_type!r} rotates nothing (its rope_parameters "
+            "are null)"
+        )
+    heads: dict[str, Any] = {}
+    kinds = hf.layer_types() if layer_type is not None else None
+    if kinds is not None:
+        found = {
+            tuple(sorted(hf.overrides(i, t).items()))
+            for i, t in enumerate(kinds)
+            if t == layer_type
+        }
+        if len(found) > 1:
+            raise ValueError(
+                f"RopeConfig.from_hf: the {layer_type} layers differ in head sizes "
+                f"({sorted(found)}); use RopeConfig.from_hf_layers"
+            )
+        heads = dict(found.pop()) if found else {}
+    return hf.build(params, heads, max_seq_len, layout)
+
+
+def rope_configs_from_hf_layers(
+    config: Mapping[str, Any],
+    *,
+    max_seq_len: int | None = None,
+    layout: RopeLayout | str | None = None,
+) -> list[RopeConfig | None]:
+    """See :meth:`RopeConfig.from_hf_layers`."""
+    hf = _HfRope(config)
+    n_layers = hf._n_layers()
+    kinds = hf.layer_types()
+    if kinds is not None and len(kinds) != n_layers:
+        raise ValueError(
+            f"RopeConfig.from_hf_layers: layer_types has {len(kinds)} entries for "
+            f"{n_layers} num_hidden_layers"
+        )
+    made: dict[Any, RopeConfig | None] = {}
+    result: list[RopeConfig | None] = []
+    for index in range(n_layers):
+        layer_type = kinds[index] if kinds is not None else None
+        if hf.per_type is None:
+            layer_type = None  # one RoPE for every layer type
+        heads = hf.overrides(index, kinds[index] if kinds is not None else None)
+        rotates = hf.uses_rope(index) and (hf.per_type is None or layer_type in hf.per_type)
+        key = (layer_type, tuple(sorted(heads.items())), rotates)
+        if key not in made:
+            params = hf.parameters(layer_type) if rotates else None
+            made[key] = None if params is None else hf.build(params, heads, max_seq_len, layout)
+        result.append(made[key])
+    return result

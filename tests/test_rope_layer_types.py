@@ -1,0 +1,343 @@
+"""RoPE per layer type and per layer: ``RopeConfig.from_hf(layer_type=...)`` and ``from_hf_layers``.
+
+Models such as Gemma 3 rotate their sliding-window layers and their full-attention layers with
+different parameters. Each case is a ``config.json`` dict as it lies on disk (transformers 4.x
+flat keys, or the 5.x per-layer-type ``rope_parameters``); transformers' own config class and
+rotary module of that model give the reference: its cos/sin rotate Q and K as HF's
+``apply_rotary_pos_emb`` does, and mila_py's Rope must rotate them the same. Config-only
+checks (layer patterns, errors) run without transformers.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import pytest
+from rope_helpers import make_rope, random_qk
+
+from mila_py.components import RopeConfig
+
+SMALL = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_hidden_layers": 6,
+    "max_position_embeddings": 256,
+}
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+#: name -> (transformers config class, modeling module, config.json dict)
+CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "gemma3-legacy": (
+        "Gemma3TextConfig",
+        "gemma3",
+        {
+            **SMALL,
+            "model_type": "gemma3_text",
+            "rope_theta": 1e6,
+            "rope_local_base_freq": 1e4,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+            "sliding_window_pattern": 3,
+        },
+    ),
+    "gemma3-nested": (
+        "Gemma3TextConfig",
+        "gemma3",
+        {
+            **SMALL,
+            "model_type": "gemma3_text",
+            "rope_parameters": {
+                FULL: {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "rope_theta": 1e6,
+                    "original_max_position_embeddings": 64,
+                },
+                SLIDING: {"rope_type": "default", "rope_theta": 2e4},
+            },
+            "layer_types": [SLIDING, FULL, SLIDING, SLIDING, FULL, FULL],
+        },
+    ),
+    "gemma3n-legacy": (
+        "Gemma3nTextConfig",
+        "gemma3n",
+        {**SMALL, "model_type": "gemma3n_text", "rope_theta": 5e5, "rope_local_base_freq": 2e4},
+    ),
+    "modernbert-legacy": (
+        "ModernBertConfig",
+        "modernbert",
+        {
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 6,
+            "max_position_embeddings": 256,
+            "model_type": "modernbert",
+            "global_rope_theta": 160000.0,
+            "local_rope_theta": 10000.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+            "global_attn_every_n_layers": 2,
+        },
+    ),
+    "olmo3-legacy": (
+        "Olmo3Config",
+        "olmo3",
+        {
+            **SMALL,
+            "model_type": "olmo3",
+            "rope_theta": 5e5,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    "gemma4-legacy": (
+        "Gemma4TextConfig",
+        "gemma4",
+        {**SMALL, "model_type": "gemma4_text", "global_head_dim": 32},
+    ),
+    "mimo-v2-flash": (
+        "MiMoV2FlashConfig",
+        "mimo_v2_flash",
+        {**SMALL, "model_type": "mimo_v2_flash", "head_dim": 24, "hidden_size": 96},
+    ),
+}
+POSITIONS = np.arange(90, 122)  # past the YaRN cases' original 64
+
+
+@pytest.fixture
+def hf() -> Any:
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    yield transformers
+    logger.setLevel(level)
+
+
+def _hf_config(transformers: Any, case: str) -> Any:
+    cls_name, _, config_json = CASES[case]
+    kwargs = {k: v for k, v in config_json.items() if k != "model_type"}
+    return getattr(transformers, cls_name)(**kwargs)
+
+
+def _hf_rotary(transformers: Any, case: str, hf_config: Any) -> Any:
+    import importlib
+
+    module = importlib.import_module(
+        f"transformers.models.{CASES[case][1]}.modeling_{CASES[case][1]}"
+    )
+    (cls,) = [
+        getattr(module, n)
+        for n in dir(module)
+        if n.endswith("RotaryEmbedding") and "Vision" not in n and "Audio" not in n
+    ]
+    return cls(hf_config)
+
+
+def _hf_rotate(emb: Any, layer_type: str, x: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
+    """HF's rotation of ``x [1, T, heads*head_dim]`` at POSITIONS: cos/sin from the model's
+    rotary module for ``layer_type``, rotate_half over the first ``cos.shape[-1]`` channels."""
+    import torch
+
+    tokens = x.shape[1]
+    t = torch.from_numpy(x.reshape(1, tokens, heads, head_dim)).transpose(1, 2)
+    cos, sin = emb(t, torch.from_numpy(POSITIONS[None]), layer_type)
+    rot = cos.shape[-1]
+    cos, sin = cos[:, None], sin[:, None]
+    head, rest = t[..., :rot], t[..., rot:]
+    half = torch.cat((-head[..., rot // 2 :], head[..., : rot // 2]), dim=-1)
+    out = torch.cat((head * cos + half * sin, rest), dim=-1)
+    return out.transpose(1, 2).reshape(1, tokens, -1).numpy()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_layer_type_rotates_as_the_models_own_rotary_module(hf: Any, case: str) -> None:
+    hf_config = _hf_config(hf, case)
+    emb = _hf_rotary(hf, case, hf_config)
+    config_json = CASES[case][2]
+    layers = RopeConfig.from_hf_layers(config_json, max_seq_len=256)
+    assert len(layers) == hf_config.num_hidden_layers
+    rng = np.random.default_rng(11)
+    for layer_type in sorted(set(hf_config.layer_types)):
+        cfg = RopeConfig.from_hf(config_json, layer_type=layer_type, max_seq_len=256)
+        index = list(hf_config.layer_types).index(layer_type)
+        assert layers[index] == cfg
+        q, k = random_qk(rng, cfg, 1, len(POSITIONS))
+        want_q = _hf_rotate(emb, layer_type, q, cfg.n_heads, cfg.head_dim)
+        want_k = _hf_rotate(emb, layer_type, k, cfg.n_kv_heads, cfg.head_dim)
+        rope = make_rope(cfg, 1, len(POSITIONS))
+        rope.rotate(q, k, POSITIONS)
+        atol = 5e-6 + 2e-7 * int(POSITIONS.max()) * rope.attention_scaling
+        np.testing.assert_allclose(q, want_q, rtol=0, atol=atol, err_msg=layer_type)
+        np.testing.assert_allclose(k, want_k, rtol=0, atol=atol, err_msg=layer_type)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_layer_pattern_matches_the_config_class(hf: Any, case: str) -> None:
+    """Without ``layer_types`` the family's default pattern gives each layer its type."""
+    hf_config = _hf_config(hf, case)
+    config_json = CASES[case][2]
+    layers = RopeConfig.from_hf_layers(config_json, max_seq_len=256)
+    by_type = {
+        t: RopeConfig.from_hf(config_json, layer_type=t, max_seq_len=256)
+        for t in set(hf_config.layer_types)
+    }
+    assert layers == [by_type[t] for t in hf_config.layer_types]
+    # layers that resolve alike share one config object (one table through get_rope)
+    assert len({id(c) for c in layers}) == len(by_type)
+
+
+def test_gemma3_legacy_keys_per_layer_type() -> None:
+    config_json = CASES["gemma3-legacy"][2]
+    full = RopeConfig.from_hf(config_json, layer_type=FULL)
+    sliding = RopeConfig.from_hf(config_json, layer_type=SLIDING)
+    assert (full.base, full.rope_type, full.scaling["factor"]) == (1e6, "linear", 8.0)
+    assert (sliding.base, sliding.scaling) == (1e4, None)
+    types = [FULL if c == full else SLIDING for c in RopeConfig.from_hf_layers(config_json)]
+    assert types == [SLIDING, SLIDING, FULL] * 2  # sliding_window_pattern 3
+    # the multimodal wrapper reads its text_config the same way
+    wrapped = {"model_type": "gemma3", "text_config": config_json}
+    assert RopeConfig.from_hf(wrapped, layer_type=FULL) == full
+
+
+def test_missing_legacy_keys_take_the_family_defaults() -> None:
+    bare = {k: v for k, v in SMALL.items()}
+    gemma3 = {**bare, "model_type": "gemma3_text"}
+    assert RopeConfig.from_hf(gemma3, layer_type=FULL).base == 1e6
+    assert RopeConfig.from_hf(gemma3, layer_type=SLIDING).base == 1e4
+    modernbert = {**bare, "model_type": "modernbert"}
+    assert RopeConfig.from_hf(modernbert, layer_type=FULL).base == 160000.0
+    # ModernBERT's flat rope_scaling reaches both layer types; Gemma 3's only the full ones
+    scaled = {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    assert RopeConfig.from_hf({**modernbert, **scaled}, layer_type=SLIDING).rope_type == "linear"
+    assert RopeConfig.from_hf({**gemma3, **scaled}, layer_type=SLIDING).rope_type == "default"
+
+
+def test_gemma4_full_layers_are_wider_and_proportional() -> None:
+    legacy = CASES["gemma4-legacy"][2]
+    full = RopeConfig.from_hf(legacy, layer_type=FULL)
+    sliding = RopeConfig.from_hf(legacy, layer_type=SLIDING)
+    assert (full.head_dim, full.rope_type, full.rotated_dim, full.base) == (
+        32,
+        "proportional",
+        8,
+        1e6,
+    )
+    assert (sliding.head_dim, sliding.rope_type, sliding.base) == (16, "default", 1e4)
+    layers = RopeConfig.from_hf_layers(legacy)
+    assert [c.head_dim for c in layers] == [16] * 5 + [32]
+    seven = RopeConfig.from_hf_layers({**legacy, "num_hidden_layers": 7})
+    assert [c.head_dim for c in seven] == [16] * 5 + [32, 32]  # the last layer is always full
+    # transformers 5.x writes the same model with per_layer_config and nested rope_parameters
+    written = {
+        **SMALL,
+        "model_type": "gemma4_text",
+        "rope_parameters": {
+            SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+            FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+        },
+        "layer_types": [SLIDING] * 5 + [FULL],
+        "per_layer_config": {"5": {"head_dim": 32}},
+    }
+    assert RopeConfig.from_hf_layers(written) == layers
+    assert RopeConfig.from_hf(written, layer_type=FULL) == full
+
+
+def test_gemma4_global_kv_heads_only_with_k_eq_v() -> None:
+    legacy = {**CASES["gemma4-legacy"][2], "num_global_key_value_heads": 1}
+    assert RopeConfig.from_hf(legacy, layer_type=FULL).n_kv_heads == 2
+    k_eq_v = {**legacy, "attention_k_eq_v": True}
+    assert RopeConfig.from_hf(k_eq_v, layer_type=FULL).n_kv_heads == 1
+    assert RopeConfig.from_hf(k_eq_v, layer_type=SLIDING).n_kv_heads == 2
+
+
+@pytest.mark.parametrize("model_type", ["smollm3", "llama4_text"])
+def test_no_rope_layers_rotate_nothing(model_type: str) -> None:
+    config_json = {**SMALL, "num_hidden_layers": 8, "model_type": model_type, "rope_theta": 2e6}
+    layers = RopeConfig.from_hf_layers(config_json)
+    assert [c is not None for c in layers] == [True, True, True, False] * 2  # HF's default
+    explicit = {**config_json, "no_rope_layers": [0, 1, 1, 1, 1, 1, 1, 0]}
+    layers = RopeConfig.from_hf_layers(explicit)
+    assert [c is not None for c in layers] == [False] + [True] * 6 + [False]
+    assert layers[1] == RopeConfig.from_hf(explicit)
+    # a model that does not read no_rope_layers rotates every layer
+    assert None not in RopeConfig.from_hf_layers({**explicit, "model_type": "llama"})
+
+
+def test_no_rope_layers_match_hf_defaults(hf: Any) -> None:
+    for cls_name, model_type in (("SmolLM3Config", "smollm3"), ("Llama4TextConfig", "llama4_text")):
+        hf_config = getattr(hf, cls_name)(**{**SMALL, "num_hidden_layers": 12})
+        config_json = {**SMALL, "num_hidden_layers": 12, "model_type": model_type}
+        layers = RopeConfig.from_hf_layers(config_json)
+        assert [int(c is not None) for c in layers] == list(hf_config.no_rope_layers)
+
+
+def test_null_or_missing_layer_type_entry_rotates_nothing() -> None:
+    config_json = {
+        **SMALL,
+        "model_type": "some_hybrid",
+        "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 1e4}, FULL: None},
+        "layer_types": [SLIDING, FULL, "conv", SLIDING, FULL, SLIDING],
+    }
+    layers = RopeConfig.from_hf_layers(config_json)
+    assert [c is not None for c in layers] == [True, False, False, True, False, True]
+    assert layers[0] == RopeConfig.from_hf(config_json, layer_type=SLIDING)
+    with pytest.raises(ValueError, match="rotates nothing"):
+        RopeConfig.from_hf(config_json, layer_type=FULL)
+    with pytest.raises(ValueError, match=r"no RoPE parameters for layer_type 'conv'"):
+        RopeConfig.from_hf(config_json, layer_type="conv")
+
+
+def test_per_layer_type_config_needs_a_layer_type() -> None:
+    config_json = CASES["gemma3-nested"][2]
+    with pytest.raises(ValueError, match=r"own RoPE \(full_attention, sliding_attention\)"):
+        RopeConfig.from_hf(config_json)
+    unknown = {**config_json, "model_type": None}  # no family: the nested dict alone decides
+    with pytest.raises(ValueError, match="pass layer_type"):
+        RopeConfig.from_hf(unknown)
+    assert RopeConfig.from_hf(unknown, layer_type=FULL) == RopeConfig.from_hf(
+        config_json, layer_type=FULL
+    )
+
+
+def test_flat_config_gives_every_layer_type_the_same_rope() -> None:
+    config_json = {
+        **SMALL,
+        "model_type": "qwen2",
+        "rope_theta": 1e6,
+        "layer_types": [FULL, SLIDING] * 3,
+    }
+    plain = RopeConfig.from_hf(config_json)
+    assert RopeConfig.from_hf(config_json, layer_type=SLIDING) == plain
+    assert RopeConfig.from_hf_layers(config_json) == [plain] * 6
+    with pytest.raises(ValueError, match=r"'chunked_attention' is not in the config's layer_types"):
+        RopeConfig.from_hf(config_json, layer_type="chunked_attention")
+
+
+def test_bad_configs_are_refused() -> None:
+    with pytest.raises(ValueError, match="layer_types has 2 entries for 6 num_hidden_layers"):
+        RopeConfig.from_hf_layers({**SMALL, "layer_types": [FULL, FULL]})
+    with pytest.raises(ValueError, match="no 'num_hidden_layers'"):
+        RopeConfig.from_hf_layers({k: v for k, v in SMALL.items() if k != "num_hidden_layers"})
+    with pytest.raises(ValueError, match="must be a dict per layer type"):
+        RopeConfig.from_hf(
+            {**SMALL, "model_type": "gemma3_text", "rope_parameters": {"rope_type": "default"}},
+            layer_type=FULL,
+        )
+    with pytest.raises(TypeError, match="config must be a dict"):
+        RopeConfig.from_hf_layers([("hidden_size", 64)])  # type: ignore[arg-type]
+    # Gemma 4 layers of one type whose per_layer_config differs cannot share one config
+    uneven = {
+        **CASES["gemma4-legacy"][2],
+        "layer_types": [SLIDING, FULL, SLIDING, FULL, SLIDING, FULL],
+        "per_layer_config": {"1": {"head_dim": 32}, "3": {"head_dim": 64}},
+    }
+    with pytest.raises(ValueError, match="differ in head sizes"):
+        RopeConfig.from_hf(uneven, layer_type=FULL)
+    assert [c.head_dim for c in RopeConfig.from_hf_layers(uneven)] == [16, 32, 16, 64, 16, 16]

@@ -38,6 +38,7 @@ def test_every_block_is_covered() -> None:
     markers = [
         "rope.set_training_mode",
         "mrope_section=",
+        "from_hf_layers",
         "import cupy",
         "server.generate",
         "from_pretrained",
@@ -78,6 +79,19 @@ def test_mrope_block(tmp_path: Path, monkeypatch: Any) -> None:
     rope.rotate(q, k, positions)
     np.testing.assert_allclose(q, want_q, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(k, want_k, rtol=2e-5, atol=2e-5)
+
+
+def test_per_layer_block(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
+    from mila_py.components import RopeConfig
+
+    ns = _run(_block("from_hf_layers"), {}, tmp_path, monkeypatch)
+    layers, full = ns["layers"], ns["full"]
+    assert len(layers) == 34 and len({id(t) for t in ns["tables"]}) == 2
+    assert [i for i, c in enumerate(layers) if c == full] == [5, 11, 17, 23, 29]
+    sliding = RopeConfig.from_hf(ns["gemma3"], layer_type="sliding_attention", max_seq_len=8192)
+    assert all(c == sliding for i, c in enumerate(layers) if i % 6 != 5)
+    # the comment in the block says what it prints
+    assert capsys.readouterr().out.split() == ["1000000.0", "8.0", "10000.0", "2"]
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA_REASON)

@@ -348,6 +348,19 @@ class RopeConfig:
         ``global_head_dim``) are read as their code reads them. :meth:`from_hf_layers` gives
         the config of every layer.
 
+        Families: the pair layout is the one the family's code applies to q/k as HF stores the
+        weights: ``(2i, 2i + 1)`` for GPT-J, CodeGen, Cohere (1, 2), Helium, GLM, GLM-4,
+        ERNIE-4.5, Moonshine, Llama 4, RoFormer; halves for the rest. Partial rotary comes from
+        ``partial_rotary_factor``, else GPT-NeoX's ``rotary_pct``, GPT-J's ``rotary_dim``, or
+        the factor the family's config class defaults to (Phi, StableLM, Persimmon, GLM);
+        GPT-NeoX's ``rotary_emb_base`` is its theta. Multi-head latent attention (a
+        ``qk_rope_head_dim``: DeepSeek-V2/V3, Kimi-K2, MiniCPM3, ...) gives the config of the
+        RoPE part: ``qk_rope_head_dim`` channels per query head and one shared key head,
+        paired ``(2i, 2i + 1)`` unless ``rope_interleave`` is false (MiniCPM3 by halves); HF
+        writes those pairs back in half order, which changes no attention score. DeepSeek-V4
+        (RoPE on the last channels), Kimi-Linear (none) and nanochat (rotation by -theta) are
+        refused.
+
         Args:
             config: the parsed ``config.json``.
             layer_type: which layer type's RoPE (``"full_attention"``, ``"sliding_attention"``,
@@ -355,7 +368,7 @@ class RopeConfig:
                 against ``layer_types`` otherwise.
             max_seq_len: table size; defaults to ``max_position_embeddings``.
             layout: ``"half"`` or ``"interleaved"``; None picks the one of the ``model_type``
-                (``"half"`` for Llama-family checkpoints).
+                (see Families above; ``"half"`` for Llama-family checkpoints).
 
         Raises:
             ValueError: a missing key or a config RopeConfig cannot express.

@@ -42,8 +42,36 @@ _DEFAULT_SECTIONS = {
     **dict.fromkeys(("qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe", "cosmos3_edge"), (24, 20, 20)),
     **dict.fromkeys(("qwen3_5", "qwen3_5_moe", "qwen4_exp"), (11, 11, 10)),
 }
-#: families that pair channels (2i, 2i + 1) (``rotate_half_llm``)
+#: vision-language families that pair channels (2i, 2i + 1) (``rotate_half_llm``)
 _PAIRED_LAYOUT = frozenset({"glm4v", "glm_ocr"})
+#: text families whose code pairs channels (2i, 2i + 1) of q/k as HF stores the weights
+#: (``rotate_every_two``, ``view_as_complex``, ``rotate_half_llm``, Cohere's ``::2``);
+#: ``model_type`` without a ``_text`` suffix
+_PAIRED_TYPES = frozenset(
+    {"gptj", "codegen", "cohere", "cohere2", "cohere2_moe", "helium", "glm", "glm4", "ernie4_5",
+     "ernie4_5_moe", "moonshine", "moonshine_streaming", "llama4", "roformer",
+     "openai_privacy_filter", "blt", "blt_local_encoder", "blt_local_decoder",
+     "blt_global_transformer", "blt_patcher"}
+)  # fmt: skip
+#: multi-head latent attention families whose code rotates its separate RoPE head in the half
+#: layout (the others pair (2i, 2i + 1) unless ``rope_interleave`` is false)
+_MLA_HALF = frozenset({"minicpm3"})
+#: ``partial_rotary_factor`` of a family's config class, for a config.json without one
+_PARTIAL_DEFAULTS = {
+    **dict.fromkeys(("gpt_neox", "stablelm"), 0.25),
+    **dict.fromkeys(("persimmon", "phi", "glm", "glm4", "glm4_moe"), 0.5),
+    "moonshine": 0.9,
+    "moonshine_streaming": 0.8,
+}
+#: families whose ``rotary_dim`` key (default 64) counts the rotated channels
+_ROTARY_DIM_TYPES = frozenset({"gptj", "codegen"})
+#: text families refused, with what their code does that RopeConfig cannot express
+_REFUSED = {
+    "deepseek_v4": "RoPE on the last channels of each head (and a second RoPE for its "
+    "compressed keys)",
+    "kimi_linear": "no RoPE: its latent attention has no rotated part",
+    "nanochat": "a rotation by -theta (its rotate_half is cat(x2, -x1))",
+}
 _NOT_EXPRESSIBLE = {
     "ernie4_5_vl_moe": "M-RoPE over reordered frequencies (h w h w ... t t)",
     "hunyuan_vl": "xD-RoPE (four sections over the doubled channels) with NTK alpha",
@@ -134,6 +162,19 @@ _LAYERED: dict[str, _LayeredFamily] = {
 }
 #: families whose ``no_rope_layers[i] == 0`` marks a layer without RoPE (the name is HF's)
 _NO_ROPE_FAMILIES = frozenset({"smollm3", "llama4", "llama4_text"})
+#: families whose full-attention layers have no RoPE (Cohere 2 rotates its sliding layers only)
+_SLIDING_ONLY = frozenset({"cohere2", "cohere2_moe"})
+#: layer patterns of one-RoPE families whose layers differ in rotating or not
+_FLAT_PATTERNS: dict[str, Callable[[int, Mapping[str, Any]], bool]] = {
+    "cohere2": lambda i, config: (i + 1) % int(config.get("sliding_window_pattern") or 4) == 0,
+}
+
+
+def _text_type(model_type: Any) -> str | None:
+    """``model_type`` without a ``_text`` suffix (``llama4_text`` -> ``llama4``)."""
+    if not isinstance(model_type, str):
+        return None
+    return model_type.removesuffix("_text")
 
 
 def _vlm_family(model_type: Any) -> str | None:
@@ -177,6 +218,12 @@ class _HfRope:
                 f"RopeConfig.from_hf: {self.model_type!r} uses {_NOT_EXPRESSIBLE[self.vlm]}, "
                 "which RopeConfig cannot express"
             )
+        self.text_type = _text_type(self.model_type)
+        if self.text_type in _REFUSED:
+            raise ValueError(
+                f"RopeConfig.from_hf: {self.model_type!r} uses {_REFUSED[self.text_type]}, "
+                "which RopeConfig cannot express"
+            )
         self.family = _LAYERED.get(self.model_type) if isinstance(self.model_type, str) else None
         raw = config.get("rope_parameters") or config.get("rope_scaling") or {}
         if not isinstance(raw, Mapping):
@@ -217,6 +264,9 @@ class _HfRope:
         given = self.config.get("layer_types")
         if given:
             return [str(t) for t in given]
+        pattern = _FLAT_PATTERNS.get(self.text_type or "")
+        if self.family is None and pattern is not None:
+            return [FULL if pattern(i, self.config) else SLIDING for i in range(self._n_layers())]
         if self.family is None:
             return None
         n_layers = self._n_layers()
@@ -230,15 +280,33 @@ class _HfRope:
             raise ValueError("RopeConfig.from_hf: config.json has no 'num_hidden_layers'")
         return int(self.config["num_hidden_layers"])
 
-    def uses_rope(self, index: int) -> bool:
-        """False for the layers SmolLM3 and Llama 4 leave unrotated (``no_rope_layers[i] == 0``,
-        by default every ``no_rope_layer_interval``-th, 4)."""
-        if self.model_type not in _NO_ROPE_FAMILIES:
-            return True
-        flags = self.config.get("no_rope_layers")
-        if flags:
-            return bool(flags[index])
-        return (index + 1) % int(self.config.get("no_rope_layer_interval") or 4) != 0
+    def uses_rope(self, index: int, layer_type: str | None) -> bool:
+        """False for the layers a model leaves unrotated: SmolLM3's and Llama 4's
+        ``no_rope_layers[i] == 0`` (by default every ``no_rope_layer_interval``-th, 4), and
+        Cohere 2's full-attention layers (Cohere 2 MoE's dense prefix layers rotate when its
+        ``prefix_dense_sliding_window_pattern`` is 1)."""
+        if self.model_type in _NO_ROPE_FAMILIES:
+            flags = self.config.get("no_rope_layers")
+            if flags:
+                return bool(flags[index])
+            return (index + 1) % int(self.config.get("no_rope_layer_interval") or 4) != 0
+        if self.text_type in _SLIDING_ONLY and layer_type != SLIDING:
+            if layer_type is None:
+                raise ValueError(
+                    f"RopeConfig.from_hf: a {self.model_type} config needs layer_types to tell "
+                    "which layers rotate"
+                )
+            if self.text_type != "cohere2_moe":
+                return False
+            mlp = self.config.get("mlp_layer_types")
+            if not mlp:
+                raise ValueError(
+                    "RopeConfig.from_hf: a cohere2_moe config needs mlp_layer_types to tell "
+                    "which full-attention layers rotate"
+                )
+            pattern = self.config.get("prefix_dense_sliding_window_pattern", 1)
+            return mlp[index] == "dense" and pattern == 1
+        return True
 
     def overrides(self, index: int, layer_type: str | None) -> dict[str, Any]:
         """Head sizes layer ``index`` sets apart from the model's (``per_layer_config``, or
@@ -281,6 +349,40 @@ class _HfRope:
         entry = self.per_type[layer_type]
         return None if entry is None else dict(entry)
 
+    def _rotated(self, params: Mapping[str, Any], name: str, head_dim: int) -> int:
+        """Channels rotated per head, counted as the family's code counts them:
+        ``partial_rotary_factor``, else GPT-NeoX's ``rotary_pct``, GPT-J's and CodeGen's
+        ``rotary_dim`` (default 64), a legacy ``rotary_dim`` (MiniMax-M2), or the factor the
+        family's config class defaults to."""
+        config = self.config
+        prf = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+        if prf is None:
+            if config.get("rotary_pct") is not None:
+                prf = config["rotary_pct"]
+            elif self.text_type in _ROTARY_DIM_TYPES:
+                given = config.get("rotary_dim", 64)
+                return head_dim if given is None else int(given)
+            elif config.get("rotary_dim") is not None:
+                return int(config["rotary_dim"])
+            else:
+                prf = _PARTIAL_DEFAULTS.get(self.text_type or "", 1.0)
+        prf = float(prf)
+        rotary = 2 * int(prf * head_dim // 2) if name == "proportional" else int(head_dim * prf)
+        if rotary % 2:
+            raise ValueError(
+                f"RopeConfig.from_hf: head_dim {head_dim} * partial_rotary_factor {prf} = "
+                f"{rotary} rotated channels is odd"
+            )
+        return rotary
+
+    def _paired(self, mla: bool) -> bool:
+        """Whether the family's code pairs channels (2i, 2i + 1)."""
+        if mla:
+            return self.text_type not in _MLA_HALF and bool(
+                self.config.get("rope_interleave", True)
+            )
+        return self.text_type in _PAIRED_TYPES or self.vlm in _PAIRED_LAYOUT
+
     def build(
         self,
         params: dict[str, Any],
@@ -299,15 +401,14 @@ class _HfRope:
             raise ValueError(f"RopeConfig.from_hf: config.json has no {exc.args[0]!r}") from None
         n_kv = int(config.get("num_key_value_heads") or n_heads)
         head_dim = int(config.get("head_dim") or hidden // n_heads)
-        base = params.get("rope_theta", config.get("rope_theta", 10000.0))
-        prf = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        mla = config.get("qk_rope_head_dim") is not None
+        if mla:  # latent attention: a RoPE head per query head and one key head shared by all
+            head_dim, n_kv = int(config["qk_rope_head_dim"]), 1
+        base = params.get("rope_theta")
+        for key in ("rope_theta", "rotary_emb_base"):  # rotary_emb_base: GPT-NeoX's, 4.x
+            base = config.get(key) if base is None else base
         name = rope_type_name(params)
-        rotary_dim = 2 * int(prf * head_dim // 2) if name == "proportional" else int(head_dim * prf)
-        if rotary_dim % 2:
-            raise ValueError(
-                f"RopeConfig.from_hf: head_dim {head_dim} * partial_rotary_factor {prf} = "
-                f"{rotary_dim} rotated channels is odd"
-            )
+        rotary_dim = head_dim if mla else self._rotated(params, name, head_dim)
         for key in ("rope_theta", "partial_rotary_factor", "type", "interleaved"):
             params.pop(key, None)  # "interleaved": Qwen3-Omni's, which transformers ignores
         params.pop("rope_type", None)
@@ -326,13 +427,13 @@ class _HfRope:
                 params["factor"] = max_pos / params[original]
         scaling = None if name == "default" and not params else {"rope_type": name, **params}
         if layout is None:
-            layout = RopeLayout.INTERLEAVED if self.vlm in _PAIRED_LAYOUT else RopeLayout.HALF
+            layout = RopeLayout.INTERLEAVED if self._paired(mla) else RopeLayout.HALF
         return RopeConfig(
             channels=n_heads * head_dim,
             n_heads=n_heads,
             n_kv_heads=n_kv,
             max_seq_len=int(max_seq_len or max_pos),
-            base=float(base),
+            base=10000.0 if base is None else float(base),
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
             layout=layout,
             scaling=scaling,
@@ -357,6 +458,17 @@ def rope_config_from_hf(
     heads: dict[str, Any] = {}
     kinds = hf.layer_types() if layer_type is not None else None
     if kinds is not None:
+        rotating = {hf.uses_rope(i, t) for i, t in enumerate(kinds) if t == layer_type}
+        if rotating == {False}:
+            raise ValueError(
+                f"RopeConfig.from_hf: the {layer_type} layers of this {hf.model_type} model "
+                "rotate nothing"
+            )
+        if len(rotating) > 1:
+            raise ValueError(
+                f"RopeConfig.from_hf: some {layer_type} layers of this {hf.model_type} model "
+                "rotate and some do not; use RopeConfig.from_hf_layers"
+            )
         found = {
             tuple(sorted(hf.overrides(i, t).items()))
             for i, t in enumerate(kinds)
@@ -393,7 +505,8 @@ def rope_configs_from_hf_layers(
         if hf.per_type is None:
             layer_type = None  # one RoPE for every layer type
         heads = hf.overrides(index, kinds[index] if kinds is not None else None)
-        rotates = hf.uses_rope(index) and (hf.per_type is None or layer_type in hf.per_type)
+        kind = kinds[index] if kinds is not None else None
+        rotates = hf.uses_rope(index, kind) and (hf.per_type is None or layer_type in hf.per_type)
         key = (layer_type, tuple(sorted(heads.items())), rotates)
         if key not in made:
             params = hf.parameters(layer_type) if rotates else None

@@ -1,0 +1,327 @@
+"""``RopeConfig.from_hf`` across model families: pair layout, partial rotary keys, latent attention.
+
+Each case is a ``config.json`` dict as it lies on disk, often with the transformers 4.x keys
+(GPT-NeoX's ``rotary_pct``, GPT-J's ``rotary_dim``); the reference is that model's own
+transformers code: its config class, its rotary module and its apply function, on the q/k layout
+of its own projections. mila_py's Rope, configured by ``from_hf`` alone (layout included), must
+rotate the same Q and K to the same values. Config-only checks run without transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+import numpy as np
+import pytest
+from rope_helpers import make_rope, random_qk
+
+from mila_py.components import RopeConfig, RopeLayout
+
+BASE = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "max_position_embeddings": 256,
+    "rope_theta": 10000.0,
+}
+HALF, PAIRS = RopeLayout.HALF, RopeLayout.INTERLEAVED
+
+#: name -> (config class, modeling module, config.json, expected layout, rotated channels)
+CASES: dict[str, tuple[str, str, dict[str, Any], RopeLayout, int]] = {
+    "cohere": ("CohereConfig", "cohere", {"model_type": "cohere"}, PAIRS, 16),
+    "helium": ("HeliumConfig", "helium", {"model_type": "helium", "head_dim": 16}, PAIRS, 16),
+    "glm": ("GlmConfig", "glm", {"model_type": "glm", "head_dim": 16}, PAIRS, 8),
+    "glm4": ("Glm4Config", "glm4", {"model_type": "glm4", "head_dim": 16}, PAIRS, 8),
+    "ernie4_5": (
+        "Ernie4_5Config",
+        "ernie4_5",
+        {"model_type": "ernie4_5", "head_dim": 16},
+        PAIRS,
+        16,
+    ),
+    "stablelm": ("StableLmConfig", "stablelm", {"model_type": "stablelm"}, HALF, 4),
+    "phi": ("PhiConfig", "phi", {"model_type": "phi"}, HALF, 8),
+    "persimmon": ("PersimmonConfig", "persimmon", {"model_type": "persimmon"}, HALF, 8),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        "gpt_neox",
+        {
+            "model_type": "gpt_neox",
+            "rotary_pct": 0.5,
+            "rotary_emb_base": 20000.0,
+            "rope_theta": None,
+        },
+        HALF,
+        8,
+    ),
+    "minimax_m2": (
+        "MiniMaxM2Config",
+        "minimax_m2",
+        {"model_type": "minimax_m2", "head_dim": 16, "rotary_dim": 8},
+        HALF,
+        8,
+    ),
+    "glm4_moe": ("Glm4MoeConfig", "glm4_moe", {"model_type": "glm4_moe", "head_dim": 16}, HALF, 8),
+}
+MLA = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "v_head_dim": 16}
+#: multi-head latent attention: the RoPE part of each head, one shared key head
+MLA_CASES: dict[str, tuple[str, str, dict[str, Any], RopeLayout]] = {
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "deepseek_v3",
+        {
+            "model_type": "deepseek_v3",
+            **MLA,
+            "qk_rope_head_dim": 8,
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+        },
+        PAIRS,
+    ),
+    "deepseek_v3-half": (
+        "DeepseekV3Config",
+        "deepseek_v3",
+        {"model_type": "deepseek_v3", **MLA, "qk_rope_head_dim": 8, "rope_interleave": False},
+        HALF,
+    ),
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        "deepseek_v2",
+        {"model_type": "deepseek_v2", **MLA, "qk_rope_head_dim": 8},
+        PAIRS,
+    ),
+    "minicpm3": (
+        "MiniCPM3Config",
+        "minicpm3",
+        {"model_type": "minicpm3", **MLA, "qk_rope_head_dim": 8, "q_lora_rank": 32},
+        HALF,
+    ),
+}
+POSITIONS = np.arange(40, 72)  # past YaRN's original 64 for half of them
+
+
+@pytest.fixture
+def torch() -> Any:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    yield torch
+    logger.setLevel(level)
+
+
+def _config(cls_name: str, config_json: dict[str, Any]) -> Any:
+    import transformers
+
+    kwargs = {k: v for k, v in config_json.items() if k != "model_type" and v is not None}
+    return getattr(transformers, cls_name)(**{**BASE, **kwargs})
+
+
+def _module(name: str) -> Any:
+    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+
+
+def _rotary(module: Any, hf_config: Any) -> Any:
+    (cls,) = [
+        getattr(module, n)
+        for n in dir(module)
+        if n.endswith("RotaryEmbedding") and not n.startswith(("Vision", "Audio"))
+        and "Vision" not in n and "Audio" not in n
+    ]  # fmt: skip
+    return cls(hf_config)
+
+
+def _heads(torch: Any, x: np.ndarray, heads: int) -> Any:
+    """``[1, T, H*d]`` -> torch ``[1, H, T, d]``."""
+    return torch.from_numpy(x.reshape(1, x.shape[1], heads, -1)).transpose(1, 2)
+
+
+def _flat(t: Any) -> np.ndarray:
+    return t.transpose(1, 2).reshape(1, t.shape[2], -1).numpy()
+
+
+def _ours(cfg: RopeConfig, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    q, k = q.copy(), k.copy()
+    make_rope(cfg, 1, len(POSITIONS)).rotate(q, k, POSITIONS)
+    return q, k
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_family_rotates_as_its_own_code(torch: Any, case: str) -> None:
+    cls_name, module_name, config_json, layout, rotated = CASES[case]
+    cfg = RopeConfig.from_hf({**BASE, **config_json})
+    assert (cfg.layout, cfg.rotated_dim) == (layout, rotated)
+    hf_config = _config(cls_name, config_json)
+    module = _module(module_name)
+    q, k = random_qk(np.random.default_rng(2), cfg, 1, len(POSITIONS))
+    tq, tk = _heads(torch, q, cfg.n_heads), _heads(torch, k, cfg.n_kv_heads)
+    cos, sin = _rotary(module, hf_config)(tq, torch.from_numpy(POSITIONS[None]))
+    rot = cos.shape[-1]
+    assert rot == rotated
+    rq, rk = module.apply_rotary_pos_emb(tq[..., :rot], tk[..., :rot], cos, sin)
+    want_q = _flat(torch.cat((rq, tq[..., rot:]), dim=-1))
+    want_k = _flat(torch.cat((rk, tk[..., rot:]), dim=-1))
+    got_q, got_k = _ours(cfg, q, k)
+    np.testing.assert_allclose(got_q, want_q, rtol=0, atol=3e-5)
+    np.testing.assert_allclose(got_k, want_k, rtol=0, atol=3e-5)
+
+
+@pytest.mark.parametrize("case", list(MLA_CASES))
+def test_latent_attention_rope_head(torch: Any, case: str) -> None:
+    """MLA rotates a separate ``qk_rope_head_dim`` part of each query head and one key head;
+    HF's ``apply_rotary_pos_emb_interleave`` reads pairs (2i, 2i + 1) and writes them in half
+    order, the same dot products as mila_py's in-place pairs."""
+    cls_name, module_name, config_json, layout = MLA_CASES[case]
+    cfg = RopeConfig.from_hf({**BASE, **config_json})
+    assert (cfg.layout, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads) == (layout, 8, 4, 1)
+    hf_config = _config(cls_name, config_json)
+    module = _module(module_name)
+    q, k = random_qk(np.random.default_rng(4), cfg, 1, len(POSITIONS))
+    tq, tk = _heads(torch, q, 4), _heads(torch, k, 1)
+    emb = _rotary(module, hf_config)
+    position_ids = torch.from_numpy(POSITIONS[None])
+    got_q, got_k = _ours(cfg, q, k)
+    if module_name == "deepseek_v2":  # complex multiplication on (2i, 2i + 1)
+        freqs_cis = emb(tq, position_ids)
+        rq, rk = module.apply_rotary_emb(tq, tk, freqs_cis)
+    else:
+        cos, sin = emb(tq, position_ids)
+        apply = (
+            module.apply_rotary_pos_emb_interleave
+            if getattr(hf_config, "rope_interleave", False)
+            else module.apply_rotary_pos_emb
+        )
+        rq, rk = apply(tq, tk, cos, sin)
+        if apply is not module.apply_rotary_pos_emb:  # back to the pairs' own places
+            order = np.argsort(np.concatenate([np.arange(0, 8, 2), np.arange(1, 8, 2)]))
+            rq, rk = rq[..., order], rk[..., order]
+    atol = 3e-5 * max(1.0, make_rope(cfg, 1, 1).attention_scaling)
+    np.testing.assert_allclose(got_q, _flat(rq), rtol=0, atol=atol)
+    np.testing.assert_allclose(got_k, _flat(rk), rtol=0, atol=atol)
+
+
+def test_llama4_pairs_as_complex_numbers(torch: Any) -> None:
+    config_json = {"model_type": "llama4_text", "head_dim": 16, "rope_theta": 500000.0}
+    cfg = RopeConfig.from_hf({**BASE, **config_json})
+    assert cfg.layout == PAIRS
+    hf_config = _config("Llama4TextConfig", config_json)
+    module = _module("llama4")
+    q, k = random_qk(np.random.default_rng(6), cfg, 1, len(POSITIONS))
+    tq = torch.from_numpy(q.reshape(1, len(POSITIONS), 4, 16))
+    tk = torch.from_numpy(k.reshape(1, len(POSITIONS), 2, 16))
+    freqs_cis = _rotary(module, hf_config)(tq, torch.from_numpy(POSITIONS[None]))
+    rq, rk = module.apply_rotary_emb(tq, tk, freqs_cis)
+    got_q, got_k = _ours(cfg, q, k)
+    np.testing.assert_allclose(got_q, rq.reshape(1, len(POSITIONS), -1).numpy(), atol=3e-5)
+    np.testing.assert_allclose(got_k, rk.reshape(1, len(POSITIONS), -1).numpy(), atol=3e-5)
+
+
+@pytest.mark.parametrize("module_name", ["gptj", "codegen"])
+def test_gptj_rotary_dim_every_two(torch: Any, module_name: str) -> None:
+    """GPT-J and CodeGen rotate the first ``rotary_dim`` channels, pairs (2i, 2i + 1)."""
+    config_json = {"model_type": module_name, "n_embd": 64, "n_head": 4, "rotary_dim": 8}
+    flat = {**BASE, **config_json, "num_key_value_heads": 4}
+    cfg = RopeConfig.from_hf(flat)
+    assert (cfg.layout, cfg.rotated_dim, cfg.head_dim) == (PAIRS, 8, 16)
+    module = _module(module_name)
+    q, k = random_qk(np.random.default_rng(8), cfg, 1, len(POSITIONS))
+    table = module.create_sinusoidal_positions(256, 8)[torch.from_numpy(POSITIONS)][None]
+    sin, cos = torch.split(table, 4, dim=-1)
+
+    def hf(x: np.ndarray) -> np.ndarray:
+        t = torch.from_numpy(x.reshape(1, len(POSITIONS), 4, 16))
+        out = torch.cat((module.apply_rotary_pos_emb(t[..., :8], sin, cos), t[..., 8:]), dim=-1)
+        return out.reshape(1, len(POSITIONS), -1).numpy()
+
+    got_q, got_k = _ours(cfg, q, k)
+    np.testing.assert_allclose(got_q, hf(q), atol=3e-5)
+    np.testing.assert_allclose(got_k, hf(k), atol=3e-5)
+
+
+# -------------------------------------------------------------------------- config-only checks
+def test_rotary_keys_without_transformers() -> None:
+    neox = {**BASE, "model_type": "gpt_neox", "rope_theta": None}
+    assert RopeConfig.from_hf(neox).rotated_dim == 4  # GPTNeoXConfig's default rotary_pct 0.25
+    assert RopeConfig.from_hf({**neox, "rotary_pct": 1.0}).rotated_dim == 16
+    assert RopeConfig.from_hf({**neox, "rotary_emb_base": 20000.0}).base == 20000.0
+    gptj = {**BASE, "model_type": "gptj"}
+    assert RopeConfig.from_hf({**gptj, "head_dim": 128, "hidden_size": 512}).rotated_dim == 64
+    assert RopeConfig.from_hf({**gptj, "rotary_dim": None}).rotated_dim == 16  # whole head
+    # an explicit partial_rotary_factor wins over the legacy keys
+    assert (
+        RopeConfig.from_hf({**neox, "rotary_pct": 1.0, "partial_rotary_factor": 0.5}).rotated_dim
+        == 8
+    )
+    # a Llama-family config rotates all and pairs by halves
+    plain = RopeConfig.from_hf({**BASE, "model_type": "llama", "rotary_dim": None})
+    assert (plain.rotated_dim, plain.layout) == (16, HALF)
+
+
+def test_layout_argument_overrides_the_family() -> None:
+    cohere = {**BASE, "model_type": "cohere"}
+    assert RopeConfig.from_hf(cohere, layout="half").layout == HALF
+    assert RopeConfig.from_hf({**BASE, "model_type": "llama"}, layout="interleaved").layout == PAIRS
+
+
+@pytest.mark.parametrize(
+    ("model_type", "message"),
+    [
+        ("deepseek_v4", "last channels of each head"),
+        ("kimi_linear", "no RoPE"),
+        ("nanochat", "rotation by -theta"),
+    ],
+)
+def test_families_it_cannot_express_are_refused(model_type: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        RopeConfig.from_hf({**BASE, "model_type": model_type})
+
+
+def test_cohere2_rotates_its_sliding_layers_only() -> None:
+    config_json = {**BASE, "model_type": "cohere2", "num_hidden_layers": 8, "head_dim": 16}
+    layers = RopeConfig.from_hf_layers(config_json)
+    assert [c is not None for c in layers] == [True, True, True, False] * 2
+    assert layers[0] == RopeConfig.from_hf(config_json, layer_type="sliding_attention")
+    assert layers[0].layout == PAIRS
+    with pytest.raises(
+        ValueError, match="full_attention layers of this cohere2 model rotate nothing"
+    ):
+        RopeConfig.from_hf(config_json, layer_type="full_attention")
+    moe = {
+        **config_json,
+        "model_type": "cohere2_moe",
+        "layer_types": ["full_attention", "sliding_attention", "full_attention", "full_attention"],
+        "mlp_layer_types": ["dense", "sparse", "sparse", "dense"],
+        "num_hidden_layers": 4,
+    }
+    assert [c is not None for c in RopeConfig.from_hf_layers(moe)] == [True, True, False, True]
+    with pytest.raises(ValueError, match=r"some full_attention layers .* rotate and some do not"):
+        RopeConfig.from_hf(moe, layer_type="full_attention")
+    no_rope = {**moe, "prefix_dense_sliding_window_pattern": 4}
+    assert [c is not None for c in RopeConfig.from_hf_layers(no_rope)] == [
+        False,
+        True,
+        False,
+        False,
+    ]
+    with pytest.raises(ValueError, match="needs mlp_layer_types"):
+        RopeConfig.from_hf_layers({**moe, "mlp_layer_types": None})
+
+
+def test_no_rope_layer_type_of_llama4() -> None:
+    """Llama 4 names its RoPE layers chunked_attention and its NoPE layers full_attention."""
+    config_json = {**BASE, "model_type": "llama4_text", "num_hidden_layers": 4,
+                   "layer_types": ["chunked_attention"] * 3 + ["full_attention"]}  # fmt: skip
+    with pytest.raises(ValueError, match="rotate nothing"):
+        RopeConfig.from_hf(config_json, layer_type="full_attention")
+    assert RopeConfig.from_hf(config_json, layer_type="chunked_attention").layout == PAIRS

@@ -325,3 +325,18 @@ def test_no_rope_layer_type_of_llama4() -> None:
     with pytest.raises(ValueError, match="rotate nothing"):
         RopeConfig.from_hf(config_json, layer_type="full_attention")
     assert RopeConfig.from_hf(config_json, layer_type="chunked_attention").layout == PAIRS
+
+
+def test_mistral_query_scaling_is_refused_with_the_way_out() -> None:
+    """Ministral 3 / Mistral 4 scale Q by position after RoPE (``llama_4_scaling_beta``)."""
+    yarn = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 16384,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "max_position_embeddings": 262144}  # fmt: skip
+    config_json = {**BASE, "model_type": "ministral3", "max_position_embeddings": 262144}
+    with pytest.raises(ValueError, match=r"queries by 1 \+ beta \* log"):
+        RopeConfig.from_hf(
+            {**config_json, "rope_parameters": {**yarn, "llama_4_scaling_beta": 0.1}},
+            max_seq_len=1024,
+        )
+    cfg = RopeConfig.from_hf({**config_json, "rope_parameters": yarn}, max_seq_len=1024)
+    assert cfg.rope_type == "yarn" and "max_position_embeddings" not in cfg.scaling

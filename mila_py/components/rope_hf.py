@@ -409,9 +409,19 @@ class _HfRope:
             base = config.get(key) if base is None else base
         name = rope_type_name(params)
         rotary_dim = head_dim if mla else self._rotated(params, name, head_dim)
-        for key in ("rope_theta", "partial_rotary_factor", "type", "interleaved"):
-            params.pop(key, None)  # "interleaved": Qwen3-Omni's, which transformers ignores
-        params.pop("rope_type", None)
+        if params.get("llama_4_scaling_beta") is not None:
+            raise ValueError(
+                "RopeConfig.from_hf: llama_4_scaling_beta (Ministral 3, Mistral 4) scales the "
+                "queries by 1 + beta * log(1 + floor(position / "
+                "original_max_position_embeddings)) after RoPE, which Rope does not do; below "
+                "that length the factor is 1, so drop the key from the config if your contexts "
+                "stay there, or apply the factor to Q in attention"
+            )
+        # "interleaved": Qwen3-Omni's, and "max_position_embeddings": Mistral's copy of the
+        # model's; transformers ignores both
+        for key in ("rope_theta", "partial_rotary_factor", "type", "interleaved", "rope_type"):
+            params.pop(key, None)
+        params.pop("max_position_embeddings", None)
         if self.vlm is not None:  # the model's code: its default section, its axis assignment
             params.setdefault("mrope_section", _DEFAULT_SECTIONS[self.vlm])
             params["mrope_interleaved"] = self.vlm in _INTERLEAVED_AXES

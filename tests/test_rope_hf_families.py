@@ -251,21 +251,126 @@ def test_gptj_rotary_dim_every_two(torch: Any, module_name: str) -> None:
 
 # -------------------------------------------------------------------------- config-only checks
 def test_rotary_keys_without_transformers() -> None:
-    neox = {**BASE, "model_type": "gpt_neox", "rope_theta": None}
+    neox = {k: v for k, v in BASE.items() if k != "rope_theta"} | {"model_type": "gpt_neox"}
     assert RopeConfig.from_hf(neox).rotated_dim == 4  # GPTNeoXConfig's default rotary_pct 0.25
     assert RopeConfig.from_hf({**neox, "rotary_pct": 1.0}).rotated_dim == 16
     assert RopeConfig.from_hf({**neox, "rotary_emb_base": 20000.0}).base == 20000.0
+    # GPT-NeoX's config class reads rotary_pct/rotary_emb_base, not the top-level 5.x names;
+    # its rope_parameters win over both
+    ignored = {**neox, "rotary_pct": 1.0, "partial_rotary_factor": 0.5, "rope_theta": 3e4}
+    assert (RopeConfig.from_hf(ignored).rotated_dim, RopeConfig.from_hf(ignored).base) == (
+        16,
+        10000.0,
+    )
+    nested = {**ignored, "rope_parameters": {"rope_type": "default", "rope_theta": 3e4,
+                                             "partial_rotary_factor": 0.5}}  # fmt: skip
+    assert (RopeConfig.from_hf(nested).rotated_dim, RopeConfig.from_hf(nested).base) == (8, 3e4)
     gptj = {**BASE, "model_type": "gptj"}
     assert RopeConfig.from_hf({**gptj, "head_dim": 128, "hidden_size": 512}).rotated_dim == 64
     assert RopeConfig.from_hf({**gptj, "rotary_dim": None}).rotated_dim == 16  # whole head
-    # an explicit partial_rotary_factor wins over the legacy keys
-    assert (
-        RopeConfig.from_hf({**neox, "rotary_pct": 1.0, "partial_rotary_factor": 0.5}).rotated_dim
-        == 8
-    )
+    codegen = {**BASE, "model_type": "codegen", "head_dim": 128, "hidden_size": 512}
+    assert RopeConfig.from_hf(codegen).rotated_dim == 64  # CodeGenConfig's default rotary_dim
     # a Llama-family config rotates all and pairs by halves
     plain = RopeConfig.from_hf({**BASE, "model_type": "llama", "rotary_dim": None})
     assert (plain.rotated_dim, plain.layout) == (16, HALF)
+
+
+def test_gpt2_style_names_of_gptj() -> None:
+    """GPT-J's config.json says n_head/n_embd/n_positions (HF's attribute_map)."""
+    config_json = {"model_type": "gptj", "n_head": 16, "n_embd": 4096, "n_positions": 2048,
+                   "n_layer": 28, "rotary_dim": 64}  # fmt: skip
+    cfg = RopeConfig.from_hf(config_json)
+    assert (cfg.n_heads, cfg.head_dim, cfg.rotated_dim, cfg.max_seq_len) == (16, 256, 64, 2048)
+    assert cfg.layout == PAIRS and len(RopeConfig.from_hf_layers(config_json)) == 28
+
+
+#: model_type -> the pair layout of its code on q/k as HF stores the weights (written from the
+#: transformers sources, not from mila_py's tables)
+LAYOUTS = {
+    **dict.fromkeys(
+        ("gptj", "codegen", "cohere", "cohere2", "cohere2_moe", "helium", "glm", "glm4",
+         "ernie4_5", "ernie4_5_moe", "moonshine", "moonshine_streaming", "llama4_text",
+         "llama4", "roformer", "openai_privacy_filter", "blt", "blt_local_encoder",
+         "blt_local_decoder", "blt_global_transformer", "blt_patcher"),
+        PAIRS,
+    ),
+    **dict.fromkeys(
+        ("llama", "mistral", "qwen2", "qwen3", "gpt_neox", "phi", "phi3", "stablelm", "gemma",
+         "gemma2", "olmo2", "glm4_moe", "gpt_oss", "chameleon", "minimax", "persimmon"),
+        HALF,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", list(LAYOUTS))
+def test_pair_layout_of_each_family(model_type: str) -> None:
+    config_json = {**BASE, "model_type": model_type, "head_dim": 16, "rotary_dim": None}
+    assert RopeConfig.from_hf(config_json).layout == LAYOUTS[model_type]
+
+
+@pytest.mark.parametrize(
+    ("model_type", "layout"),
+    [("deepseek_v2", PAIRS), ("deepseek_v3", PAIRS), ("glm4_moe_lite", PAIRS), ("youtu", PAIRS),
+     ("mistral4", PAIRS), ("minicpm3", HALF), ("hy_v4", HALF)],
+)  # fmt: skip
+def test_pair_layout_of_latent_attention_families(model_type: str, layout: RopeLayout) -> None:
+    config_json = {**BASE, "model_type": model_type, "qk_rope_head_dim": 8}
+    assert RopeConfig.from_hf(config_json).layout == layout
+    with pytest.raises(ValueError, match="qk_rope_head_dim is 0"):
+        RopeConfig.from_hf({**config_json, "qk_rope_head_dim": 0})
+
+
+#: families whose config class has a theta or rotated fraction other than 10 000 and 1
+CLASS_DEFAULTS = [
+    "cohere", "helium", "ernie4_5", "ernie4_5_moe", "llama4_text", "blt", "openai_privacy_filter",
+    "smollm3", "minimax_m2", "gpt_neox", "stablelm", "persimmon", "phi", "glm", "glm4",
+    "glm4_moe", "moonshine", "moonshine_streaming", "qwen3_next", "nemotron",
+    "recurrent_gemma", "qwen3_5_text", "qwen3_5_moe_text", "glm4v_moe_text",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", CLASS_DEFAULTS)
+def test_missing_keys_take_the_config_class_defaults(torch: Any, model_type: str) -> None:
+    """A config.json without ``rope_theta``/``partial_rotary_factor`` means what the model's
+    config class defaults to."""
+    from transformers import CONFIG_MAPPING
+
+    # the multimodal ones need heads their default M-RoPE sections fit
+    head_dim = {"qwen3_5_text": 256, "qwen3_5_moe_text": 256, "glm4v_moe_text": 128}.get(
+        model_type, 16
+    )
+    bare = {"hidden_size": 4 * head_dim, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": head_dim, "num_hidden_layers": 2, "max_position_embeddings": 256}  # fmt: skip
+    hf = CONFIG_MAPPING[model_type](**bare)
+    want = hf.rope_parameters
+    cfg = RopeConfig.from_hf({**bare, "model_type": model_type})
+    assert cfg.base == want["rope_theta"]
+    assert cfg.rotated_dim == int(head_dim * want.get("partial_rotary_factor", 1.0))
+
+
+def test_moonshine_streaming_default_only_without_rope_parameters() -> None:
+    bare = {**BASE, "model_type": "moonshine_streaming", "head_dim": 20, "hidden_size": 80}
+    assert RopeConfig.from_hf(bare).rotated_dim == 16  # its class default 0.8
+    given = {**bare, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    assert RopeConfig.from_hf(given).rotated_dim == 20  # HF then rotates the whole head
+
+
+def test_llama4_scout_rope_scaling(torch: Any) -> None:
+    """Llama 4 Scout's llama3 scaling has low_freq_factor == high_freq_factor == 1."""
+    from transformers import Llama4TextConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    config_json = {**BASE, "model_type": "llama4_text", "head_dim": 128, "hidden_size": 512,
+                   "rope_theta": 500000.0, "rope_scaling": scaling,
+                   "max_position_embeddings": 10485760}  # fmt: skip
+    cfg = RopeConfig.from_hf(config_json, max_seq_len=64)
+    hf_config = Llama4TextConfig(**{k: v for k, v in config_json.items() if k != "model_type"})
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, None)
+    got, _ = make_rope(cfg, 1, 1).table.frequencies()
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want.double().numpy(), rtol=2e-6)
 
 
 def test_layout_argument_overrides_the_family() -> None:

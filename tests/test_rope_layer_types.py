@@ -341,3 +341,89 @@ def test_bad_configs_are_refused() -> None:
     with pytest.raises(ValueError, match="differ in head sizes"):
         RopeConfig.from_hf(uneven, layer_type=FULL)
     assert [c.head_dim for c in RopeConfig.from_hf_layers(uneven)] == [16, 32, 16, 64, 16, 16]
+
+
+def test_gemma4_per_layer_config_as_transformers_writes_it(hf: Any) -> None:
+    """transformers 5.x writes per_layer_config keys zero-padded ("05")."""
+    hf_config = hf.Gemma4TextConfig(
+        **{**SMALL, "num_hidden_layers": 12, "global_head_dim": 32, "attention_k_eq_v": True,
+           "num_global_key_value_heads": 1}
+    )  # fmt: skip
+    written = hf_config.to_dict()
+    assert any(len(k) == 2 and k.startswith("0") for k in written["per_layer_config"])
+    layers = RopeConfig.from_hf_layers(written)
+    want = [
+        (hf_config.per_layer_config[i].head_dim, hf_config.per_layer_config[i].num_key_value_heads)
+        for i in range(12)
+    ]
+    assert [(c.head_dim, c.n_kv_heads) for c in layers] == want
+    assert RopeConfig.from_hf(written, layer_type=FULL) == layers[5]
+
+
+def test_gemma4_defaults_and_refusals() -> None:
+    bare = {**SMALL, "model_type": "gemma4_text"}
+    assert RopeConfig.from_hf(bare, layer_type=FULL).head_dim == 512  # global_head_dim default
+    padded = {**bare, "layer_types": [SLIDING] * 6, "per_layer_config": {"05": {"head_dim": 64,
+              "num_attention_heads": 2}}}  # fmt: skip
+    last = RopeConfig.from_hf_layers(padded)[5]
+    assert (last.head_dim, last.n_heads, last.base) == (64, 2, 1e6)  # forced to full attention
+    with pytest.raises(ValueError, match="reads no flat rope_scaling"):
+        RopeConfig.from_hf({**bare, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+                           layer_type=FULL)  # fmt: skip
+
+
+def test_mimo_sliding_layers_have_twice_the_key_heads() -> None:
+    config_json = CASES["mimo-v2-flash"][2]
+    full = RopeConfig.from_hf(config_json, layer_type=FULL)
+    sliding = RopeConfig.from_hf(config_json, layer_type=SLIDING)
+    assert (full.n_kv_heads, sliding.n_kv_heads) == (2, 4)
+    # an entry without partial_rotary_factor takes the model code's 0.334
+    nested = {**config_json, "rope_parameters": {FULL: {"rope_type": "default", "rope_theta": 5e6},
+              SLIDING: {"rope_type": "default", "rope_theta": 1e4}}}  # fmt: skip
+    assert RopeConfig.from_hf(nested, layer_type=FULL).rotated_dim == 8
+
+
+def test_gemma3_flat_scaling_over_nested_parameters_and_null_entries() -> None:
+    nested = {FULL: {"rope_type": "default", "rope_theta": 1e6}, SLIDING: None}
+    config_json = {**SMALL, "model_type": "gemma3_text", "rope_parameters": nested,
+                   "rope_scaling": {"type": "linear", "factor": 8.0}}  # fmt: skip
+    full = RopeConfig.from_hf(config_json, layer_type=FULL)
+    assert (full.rope_type, full.scaling["factor"], full.base) == ("linear", 8.0, 1e6)
+    sliding = RopeConfig.from_hf(config_json, layer_type=SLIDING)  # null: the default RoPE
+    assert (sliding.rope_type, sliding.base) == ("default", 1e4)
+    modernbert = {**SMALL, "model_type": "modernbert", "rope_scaling": {"type": "linear",
+                  "factor": 2.0}}  # fmt: skip
+    assert RopeConfig.from_hf(modernbert, layer_type=SLIDING).rope_type == "linear"
+    assert [c.base for c in RopeConfig.from_hf_layers(modernbert)] == [160000.0, 1e4, 1e4] * 2
+
+
+def test_olmo3_layers_share_the_checkpoint_theta() -> None:
+    config_json = {**SMALL, "model_type": "olmo3", "rope_theta": 1e5, "num_hidden_layers": 8}
+    layers = RopeConfig.from_hf_layers(config_json)
+    assert {c.base for c in layers} == {1e5}
+    assert [c.scaling is None for c in layers] == [True] * 8
+
+
+def test_nested_parameters_need_layer_types() -> None:
+    config_json = {**CASES["gemma3-nested"][2], "model_type": "some_model"}
+    del config_json["layer_types"]
+    with pytest.raises(ValueError, match="no layer_types to say which layer is which"):
+        RopeConfig.from_hf_layers(config_json)
+
+
+def test_no_rope_families_without_layer_types() -> None:
+    llama4 = {**SMALL, "model_type": "llama4_text", "num_hidden_layers": 8}
+    with pytest.raises(ValueError, match="full_attention layers of this llama4_text model rotate"):
+        RopeConfig.from_hf(llama4, layer_type=FULL)
+    assert RopeConfig.from_hf(llama4, layer_type="chunked_attention") == RopeConfig.from_hf(llama4)
+    with pytest.raises(ValueError, match="'sliding_attention' is not in the config's layer_types"):
+        RopeConfig.from_hf(llama4, layer_type=SLIDING)
+    smollm3 = {**SMALL, "model_type": "smollm3", "num_hidden_layers": 8,
+               "use_sliding_window": True, "sliding_window": 64}  # fmt: skip
+    assert RopeConfig.from_hf(smollm3, layer_type=FULL) == RopeConfig.from_hf(smollm3)
+    with pytest.raises(ValueError, match="rotate nothing"):
+        RopeConfig.from_hf(smollm3, layer_type=SLIDING)  # its NoPE layers slide
+    large = {**SMALL, "model_type": "mistral_large4_text", "qk_rope_head_dim": 8}
+    assert [c is not None for c in RopeConfig.from_hf_layers(large)] == [True] * 3 + [False] + [
+        True
+    ] * 2

@@ -359,7 +359,7 @@ def _cfg_with(scaling: Any, rotary_dim: int = 0) -> RopeConfig:
         ({"rope_type": "llama3", "factor": 8, "high_freq_factor": 4}, "low_freq_factor"),
         ({"rope_type": "llama3", "low_freq_factor": 1, "high_freq_factor": 4}, "factor"),
         (
-            {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4, "high_freq_factor": 4},
+            {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4, "high_freq_factor": 2},
             "high_freq_factor",
         ),
         (

@@ -341,19 +341,25 @@ class RopeConfig:
 
         Layer types: models whose layers rotate differently (Gemma 3's sliding layers with theta
         10 000, its full layers with 1 000 000 and a linear factor; ModernBERT; OLMo 3; Gemma 4,
-        whose full layers are wider; MiMo-V2-Flash) give ``rope_parameters`` per layer type.
-        Name the type with ``layer_type``; the transformers 4.x keys of these families
-        (``rope_local_base_freq``, ``global_rope_theta``/``local_rope_theta``, a flat
-        ``rope_scaling`` that HF applies to the full layers only, Gemma 4's
-        ``global_head_dim``) are read as their code reads them. :meth:`from_hf_layers` gives
-        the config of every layer.
+        whose full layers are wider; MiMo-V2-Flash, whose sliding layers have twice the key
+        heads) give ``rope_parameters`` per layer type. Name the type with ``layer_type``; the
+        transformers 4.x keys of these families are read as their code reads them:
+        ``rope_local_base_freq``, ``global_rope_theta``/``local_rope_theta``, a flat
+        ``rope_scaling`` (Gemma 3 and OLMo 3 apply it to their full layers, ModernBERT to
+        both, Gemma 4 and MiMo read none), Gemma 4's ``global_head_dim`` and the zero-padded
+        ``per_layer_config`` keys transformers 5.x writes. Without ``layer_types``, each
+        family's own pattern decides (Gemma 3's ``sliding_window_pattern``, Llama 4's
+        ``no_rope_layers``, ...). :meth:`from_hf_layers` gives the config of every layer.
 
         Families: the pair layout is the one the family's code applies to q/k as HF stores the
         weights: ``(2i, 2i + 1)`` for GPT-J, CodeGen, Cohere (1, 2), Helium, GLM, GLM-4,
-        ERNIE-4.5, Moonshine, Llama 4, RoFormer; halves for the rest. Partial rotary comes from
-        ``partial_rotary_factor``, else GPT-NeoX's ``rotary_pct``, GPT-J's ``rotary_dim``, or
-        the factor the family's config class defaults to (Phi, StableLM, Persimmon, GLM);
-        GPT-NeoX's ``rotary_emb_base`` is its theta. Multi-head latent attention (a
+        ERNIE-4.5, Moonshine, Llama 4, RoFormer, BLT; halves for the rest. Partial rotary comes
+        from ``partial_rotary_factor``, else GPT-NeoX's ``rotary_pct``, GPT-J's ``rotary_dim``,
+        or the factor the family's config class defaults to (Phi, StableLM, Persimmon, GLM,
+        Qwen3-Next, Nemotron, ...); GPT-NeoX's ``rotary_emb_base`` is its theta. A missing
+        ``rope_theta`` is the class default of the families that differ from 10 000 (Cohere,
+        Helium, ERNIE-4.5, Llama 4, SmolLM3, MiniMax-M2, ...). GPT-J's ``n_head``/``n_embd``
+        names are read too. Multi-head latent attention (a
         ``qk_rope_head_dim``: DeepSeek-V2/V3, Kimi-K2, MiniCPM3, ...) gives the config of the
         RoPE part: ``qk_rope_head_dim`` channels per query head and one shared key head,
         paired ``(2i, 2i + 1)`` unless ``rope_interleave`` is false (MiniCPM3 by halves); HF
@@ -393,9 +399,10 @@ class RopeConfig:
         For models whose layers differ: the type of layer ``i`` is ``layer_types[i]`` (or the
         pattern the family's code derives when the list is missing, e.g. Gemma 3's
         ``sliding_window_pattern``), each type takes its own entry of a per-layer-type
-        ``rope_parameters`` (a null or missing entry: no RoPE), ``per_layer_config`` (Gemma 4)
-        sets head sizes per layer, and SmolLM3's and Llama 4's ``no_rope_layers`` leave layers
-        unrotated. Layers that resolve alike share one (equal) config, so :func:`get_rope` gives
+        ``rope_parameters`` (a null or missing entry: no RoPE, except in Gemma 3/3n, ModernBERT
+        and OLMo 3, whose code fills in the default), ``per_layer_config`` (Gemma 4) sets head
+        sizes per layer, and SmolLM3's, Llama 4's and Mistral Large 3's ``no_rope_layers`` and
+        Cohere 2's full-attention layers are unrotated. Layers that resolve alike share one (equal) config, so :func:`get_rope` gives
         them one table. A model with one RoPE gives the same config for every layer.
 
         Args:
@@ -403,7 +410,8 @@ class RopeConfig:
             max_seq_len, layout: as in :meth:`from_hf`.
 
         Raises:
-            ValueError: as :meth:`from_hf`, or ``layer_types`` of the wrong length.
+            ValueError: as :meth:`from_hf`, ``layer_types`` of the wrong length, or
+                per-layer-type parameters without ``layer_types`` or a family pattern.
         """
         from mila_py.components.rope_hf import rope_configs_from_hf_layers
 

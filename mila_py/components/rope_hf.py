@@ -55,13 +55,36 @@ _PAIRED_TYPES = frozenset(
 )  # fmt: skip
 #: multi-head latent attention families whose code rotates its separate RoPE head in the half
 #: layout (the others pair (2i, 2i + 1) unless ``rope_interleave`` is false)
-_MLA_HALF = frozenset({"minicpm3"})
+_MLA_HALF = frozenset({"minicpm3", "hy_v4"})
 #: ``partial_rotary_factor`` of a family's config class, for a config.json without one
 _PARTIAL_DEFAULTS = {
-    **dict.fromkeys(("gpt_neox", "stablelm"), 0.25),
-    **dict.fromkeys(("persimmon", "phi", "glm", "glm4", "glm4_moe"), 0.5),
+    **dict.fromkeys(("gpt_neox", "stablelm", "qwen3_next", "qwen3_5", "qwen3_5_moe"), 0.25),
+    **dict.fromkeys(
+        ("persimmon", "phi", "glm", "glm4", "glm4_moe", "glm4v_moe", "nemotron", "recurrent_gemma"),
+        0.5,
+    ),
     "moonshine": 0.9,
     "moonshine_streaming": 0.8,
+}
+#: families whose class default applies only to a config.json without RoPE parameters
+_PARTIAL_DEFAULT_WITHOUT_PARAMS = frozenset({"moonshine_streaming"})
+#: GPT-NeoX reads ``rotary_pct`` and ``rotary_emb_base`` and ignores the top-level
+#: ``partial_rotary_factor`` and ``rope_theta``
+_NEOX = frozenset({"gpt_neox", "gpt_neox_japanese"})
+#: ``rope_theta`` of a family's config class, for a config.json without one (else 10 000)
+_DEFAULT_THETAS = {
+    **dict.fromkeys(("cohere", "ernie4_5", "ernie4_5_moe", "llama4", "blt"), 500000.0),
+    "helium": 100000.0,
+    "openai_privacy_filter": 150000.0,
+    "smollm3": 2e6,
+    "minimax_m2": 5e6,
+}
+#: the GPT-2 style names HF's ``attribute_map`` gives GPT-J and CodeGen configs
+_ALIASES = {
+    "num_attention_heads": "n_head",
+    "hidden_size": "n_embd",
+    "max_position_embeddings": "n_positions",
+    "num_hidden_layers": "n_layer",
 }
 #: families whose ``rotary_dim`` key (default 64) counts the rotated channels
 _ROTARY_DIM_TYPES = frozenset({"gptj", "codegen"})
@@ -97,8 +120,12 @@ class _LayeredFamily:
         theta_keys: per layer type, the flat key that holds its ``rope_theta`` in a
             transformers 4.x ``config.json`` and the default when that key is missing too.
         scaling_to: the layer types a flat ``rope_scaling`` dict applies to.
+            Empty: the family's code reads none (one in config.json is refused).
         is_full: the default layer pattern: whether layer ``i`` is a full-attention layer.
-        global_head: Gemma 4: full-attention layers use ``global_head_dim`` (default 512).
+        global_head: Gemma 4: full-attention layers use ``global_head_dim`` (default 512), and
+            the last layer is always a full-attention one.
+        kv_factor: per layer type, a multiple of ``num_key_value_heads`` its layers use.
+        partial: the factor of an entry without ``partial_rotary_factor``.
     """
 
     defaults: Mapping[str, Mapping[str, Any] | None]
@@ -106,6 +133,8 @@ class _LayeredFamily:
     scaling_to: tuple[str, ...] = (FULL,)
     is_full: Callable[[int, Mapping[str, Any]], bool] = _EVERY_SIXTH
     global_head: bool = False
+    kv_factor: Mapping[str, int] = field(default_factory=dict)
+    partial: float | None = None
 
 
 _BOTH_DEFAULT = {SLIDING: {"rope_type": "default"}, FULL: {"rope_type": "default"}}
@@ -129,8 +158,9 @@ _LAYERED: dict[str, _LayeredFamily] = {
         _LayeredFamily(_BOTH_DEFAULT, _GEMMA3_THETAS, is_full=_full_every(5)),
     ),
     **dict.fromkeys(("modernbert", "modernbert-decoder"), _MODERNBERT),
-    # HF's Olmo3Config pops rope_theta for the full layers and so gives the sliding ones the
-    # class default; both rotate with the checkpoint's theta in the model, as here.
+    # transformers 5.x's Olmo3Config pops rope_theta for the full layers and so gives the
+    # sliding ones its class default (5e5, which every released checkpoint uses); here both
+    # take the checkpoint's theta, as OLMo 3's own training code does.
     "olmo3": _LayeredFamily(
         _BOTH_DEFAULT,
         {FULL: ("rope_theta", 500000.0), SLIDING: ("rope_theta", 500000.0)},
@@ -158,10 +188,12 @@ _LAYERED: dict[str, _LayeredFamily] = {
         },
         scaling_to=(),
         is_full=_full_every(6, first=True),
+        kv_factor={SLIDING: 2},  # its sliding layers have twice the key heads
+        partial=0.334,
     ),
 }
 #: families whose ``no_rope_layers[i] == 0`` marks a layer without RoPE (the name is HF's)
-_NO_ROPE_FAMILIES = frozenset({"smollm3", "llama4", "llama4_text"})
+_NO_ROPE_FAMILIES = frozenset({"smollm3", "llama4", "mistral_large4"})
 #: families whose full-attention layers have no RoPE (Cohere 2 rotates its sliding layers only)
 _SLIDING_ONLY = frozenset({"cohere2", "cohere2_moe"})
 #: layer patterns of one-RoPE families whose layers differ in rotating or not
@@ -210,7 +242,9 @@ class _HfRope:
         text = config.get("text_config")
         if isinstance(text, Mapping) and "num_attention_heads" not in config:
             config = {"model_type": config.get("model_type"), **text}
-        self.config = config
+        aliases = {k: config[a] for k, a in _ALIASES.items() if k not in config and a in config}
+        self.config: Mapping[str, Any] = {**config, **aliases} if aliases else config
+        config = self.config
         self.model_type = config.get("model_type")
         self.vlm = _vlm_family(self.model_type)
         if self.vlm in _NOT_EXPRESSIBLE:
@@ -247,14 +281,27 @@ class _HfRope:
         source = nested if nested is not None else family.defaults
         per_type = {k: None if v is None else copy.deepcopy(dict(v)) for k, v in source.items()}
         flat = config.get("rope_scaling")
-        if nested is None and isinstance(flat, Mapping) and flat:
+        if isinstance(flat, Mapping) and flat and not _is_per_layer_type(flat):
+            if not family.scaling_to:
+                raise ValueError(
+                    f"RopeConfig.from_hf: {self.model_type} reads no flat rope_scaling; give "
+                    f"rope_parameters per layer type ({FULL}, {SLIDING})"
+                )
+            flat = dict(flat)
+            if "type" in flat and "rope_type" not in flat:  # the 4.x name
+                flat["rope_type"] = flat.pop("type")
             for layer_type in family.scaling_to:
                 per_type[layer_type] = {**(per_type.get(layer_type) or {}), **flat}
         for layer_type, (key, default) in family.theta_keys.items():
-            entry = per_type.setdefault(layer_type, {"rope_type": "default"})
-            if entry is not None:
-                theta = config.get(key)
-                entry.setdefault("rope_theta", default if theta is None else theta)
+            # these families' code gives a null or missing entry the default RoPE
+            entry = per_type.get(layer_type) or {"rope_type": "default"}
+            theta = config.get(key)
+            entry.setdefault("rope_theta", default if theta is None else theta)
+            per_type[layer_type] = entry
+        if family.partial is not None:
+            for params in per_type.values():
+                if params is not None:
+                    params.setdefault("partial_rotary_factor", family.partial)
         return per_type
 
     # ------------------------------------------------------------------------------ layers
@@ -263,7 +310,12 @@ class _HfRope:
         model has one RoPE for all its layers and no list."""
         given = self.config.get("layer_types")
         if given:
-            return [str(t) for t in given]
+            kinds = [str(t) for t in given]
+            if self.family is not None and self.family.global_head and kinds:
+                kinds[-1] = FULL  # Gemma 4 forces its last layer to full attention
+            return kinds
+        if self.text_type in _NO_ROPE_FAMILIES:
+            return self._no_rope_layer_types()
         pattern = _FLAT_PATTERNS.get(self.text_type or "")
         if self.family is None and pattern is not None:
             return [FULL if pattern(i, self.config) else SLIDING for i in range(self._n_layers())]
@@ -275,6 +327,19 @@ class _HfRope:
             kinds[-1] = FULL  # Gemma 4 forces its last layer to full attention
         return kinds
 
+    def _no_rope_layer_types(self) -> list[str] | None:
+        """Llama 4 names its RoPE layers chunked_attention and the others full_attention;
+        SmolLM3's NoPE layers slide when ``use_sliding_window`` is set."""
+        rotates = [self.uses_rope(i, None) for i in range(self._n_layers())]
+        if self.text_type == "llama4":
+            return ["chunked_attention" if r else FULL for r in rotates]
+        if self.text_type == "smollm3":
+            slide = bool(self.config.get("use_sliding_window")) and (
+                self.config.get("sliding_window") is not None
+            )
+            return [SLIDING if slide and not r else FULL for r in rotates]
+        return None
+
     def _n_layers(self) -> int:
         if self.config.get("num_hidden_layers") is None:
             raise ValueError("RopeConfig.from_hf: config.json has no 'num_hidden_layers'")
@@ -285,7 +350,7 @@ class _HfRope:
         ``no_rope_layers[i] == 0`` (by default every ``no_rope_layer_interval``-th, 4), and
         Cohere 2's full-attention layers (Cohere 2 MoE's dense prefix layers rotate when its
         ``prefix_dense_sliding_window_pattern`` is 1)."""
-        if self.model_type in _NO_ROPE_FAMILIES:
+        if self.text_type in _NO_ROPE_FAMILIES:
             flags = self.config.get("no_rope_layers")
             if flags:
                 return bool(flags[index])
@@ -311,17 +376,21 @@ class _HfRope:
     def overrides(self, index: int, layer_type: str | None) -> dict[str, Any]:
         """Head sizes layer ``index`` sets apart from the model's (``per_layer_config``, or
         Gemma 4's ``global_head_dim`` on its full-attention layers)."""
+        found: dict[str, Any] = {}
+        family = self.family
+        if family is not None and layer_type is not None and layer_type in family.kv_factor:
+            n_kv = self.config.get("num_key_value_heads") or self.config["num_attention_heads"]
+            found["num_key_value_heads"] = int(n_kv) * family.kv_factor[layer_type]
         per_layer = self.config.get("per_layer_config")
-        if isinstance(per_layer, Mapping):
-            entry = per_layer.get(str(index), per_layer.get(index)) or {}
+        if isinstance(per_layer, Mapping):  # transformers 5.x writes the keys zero-padded
+            entry = {int(k): v for k, v in per_layer.items()}.get(index) or {}
             keys = ("head_dim", "num_key_value_heads", "num_attention_heads")
-            return {k: entry[k] for k in keys if k in entry}
-        if self.family is None or not self.family.global_head or layer_type != FULL:
-            return {}
-        found = {"head_dim": int(self.config.get("global_head_dim") or 512)}
-        kv = self.config.get("num_global_key_value_heads")
-        if kv is not None and self.config.get("attention_k_eq_v", False):
-            found["num_key_value_heads"] = int(kv)
+            return found | {k: entry[k] for k in keys if k in entry}
+        if family is not None and family.global_head and layer_type == FULL:
+            found["head_dim"] = int(self.config.get("global_head_dim") or 512)
+            kv = self.config.get("num_global_key_value_heads")
+            if kv is not None and self.config.get("attention_k_eq_v", False):
+                found["num_key_value_heads"] = int(kv)
         return found
 
     # ------------------------------------------------------------------------------ one config
@@ -355,15 +424,22 @@ class _HfRope:
         ``rotary_dim`` (default 64), a legacy ``rotary_dim`` (MiniMax-M2), or the factor the
         family's config class defaults to."""
         config = self.config
-        prf = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+        prf = params.get("partial_rotary_factor")
+        if prf is None and self.text_type in _NEOX:
+            prf = config.get("rotary_pct")
+            if prf is None:
+                prf = _PARTIAL_DEFAULTS.get(self.text_type or "", 1.0)
         if prf is None:
-            if config.get("rotary_pct") is not None:
-                prf = config["rotary_pct"]
-            elif self.text_type in _ROTARY_DIM_TYPES:
+            prf = config.get("partial_rotary_factor")
+        if prf is None:
+            has_params = bool(config.get("rope_parameters") or config.get("rope_scaling"))
+            if self.text_type in _ROTARY_DIM_TYPES:
                 given = config.get("rotary_dim", 64)
                 return head_dim if given is None else int(given)
             elif config.get("rotary_dim") is not None:
                 return int(config["rotary_dim"])
+            elif has_params and self.text_type in _PARTIAL_DEFAULT_WITHOUT_PARAMS:
+                prf = 1.0
             else:
                 prf = _PARTIAL_DEFAULTS.get(self.text_type or "", 1.0)
         prf = float(prf)
@@ -404,9 +480,17 @@ class _HfRope:
         mla = config.get("qk_rope_head_dim") is not None
         if mla:  # latent attention: a RoPE head per query head and one key head shared by all
             head_dim, n_kv = int(config["qk_rope_head_dim"]), 1
+            if head_dim <= 0:
+                raise ValueError(
+                    f"RopeConfig.from_hf: qk_rope_head_dim is {head_dim}: this model's latent "
+                    "attention rotates nothing"
+                )
         base = params.get("rope_theta")
-        for key in ("rope_theta", "rotary_emb_base"):  # rotary_emb_base: GPT-NeoX's, 4.x
+        neox = self.text_type in _NEOX  # reads rotary_emb_base, not a top-level rope_theta
+        for key in ("rotary_emb_base",) if neox else ("rope_theta", "rotary_emb_base"):
             base = config.get(key) if base is None else base
+        if base is None:
+            base = _DEFAULT_THETAS.get(self.text_type or "", 10000.0)
         name = rope_type_name(params)
         rotary_dim = head_dim if mla else self._rotated(params, name, head_dim)
         if params.get("llama_4_scaling_beta") is not None:
@@ -443,7 +527,7 @@ class _HfRope:
             n_heads=n_heads,
             n_kv_heads=n_kv,
             max_seq_len=int(max_seq_len or max_pos),
-            base=10000.0 if base is None else float(base),
+            base=float(base),
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
             layout=layout,
             scaling=scaling,
@@ -503,6 +587,11 @@ def rope_configs_from_hf_layers(
     hf = _HfRope(config)
     n_layers = hf._n_layers()
     kinds = hf.layer_types()
+    if kinds is None and hf.per_type is not None:
+        raise ValueError(
+            "RopeConfig.from_hf_layers: the config gives RoPE per layer type "
+            f"({', '.join(sorted(hf.per_type))}) but no layer_types to say which layer is which"
+        )
     if kinds is not None and len(kinds) != n_layers:
         raise ValueError(
             f"RopeConfig.from_hf_layers: layer_types has {len(kinds)} entries for "

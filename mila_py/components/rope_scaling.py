@@ -329,6 +329,8 @@ def _llama3(head_dim: int, rotary_dim: int, base: float, max_seq_len: int, param
     high_freq_wavelen = old_context / high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    if high_freq_factor == low_freq_factor:  # Llama 4: no band to smooth over
+        return scaled, 1.0
     smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
@@ -393,10 +395,10 @@ def _check_llama3(head_dim: int, rotary_dim: int, max_seq_len: int, params: Any)
     _check_factor("llama3", params)
     _positive("llama3", params, "low_freq_factor")
     _positive("llama3", params, "high_freq_factor")
-    if float(params["high_freq_factor"]) <= float(params["low_freq_factor"]):
+    if float(params["high_freq_factor"]) < float(params["low_freq_factor"]):
         raise ValueError(
-            "rope_type 'llama3': high_freq_factor must be > low_freq_factor, got "
-            f"{params['high_freq_factor']} <= {params['low_freq_factor']}"
+            "rope_type 'llama3': high_freq_factor must be >= low_freq_factor, got "
+            f"{params['high_freq_factor']} < {params['low_freq_factor']}"
         )
 
 

@@ -445,3 +445,21 @@ def test_mistral_query_scaling_is_refused_with_the_way_out() -> None:
         )
     cfg = RopeConfig.from_hf({**config_json, "rope_parameters": yarn}, max_seq_len=1024)
     assert cfg.rope_type == "yarn" and "max_position_embeddings" not in cfg.scaling
+
+
+HEAD_DIM_DEFAULTS = ["gemma3_text", "gemma3n_text", "gemma2", "mimo_v2_flash", "cohere2_moe",
+                     "qwen3", "helium", "glm", "glm4", "ernie4_5", "llama4_text", "minimax_m2",
+                     "qwen3_next", "cohere2", "llama"]  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", HEAD_DIM_DEFAULTS)
+def test_missing_head_dim_is_the_config_class_default(torch: Any, model_type: str) -> None:
+    from transformers import CONFIG_MAPPING
+
+    bare = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 4,
+            "num_hidden_layers": 2, "max_position_embeddings": 256}  # fmt: skip
+    hf = CONFIG_MAPPING[model_type](**bare)
+    config_json = {**bare, "model_type": model_type}
+    layered = ("mimo_v2_flash", "gemma3_text", "gemma3n_text")
+    layer_type = "sliding_attention" if model_type in layered else None
+    assert RopeConfig.from_hf(config_json, layer_type=layer_type).head_dim == hf.head_dim

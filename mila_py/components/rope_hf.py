@@ -79,6 +79,16 @@ _DEFAULT_THETAS = {
     "smollm3": 2e6,
     "minimax_m2": 5e6,
 }
+#: ``head_dim`` of a family's config class where it is not ``hidden_size // heads``
+_DEFAULT_HEAD_DIMS = {
+    **dict.fromkeys(
+        ("gemma", "gemma2", "gemma3", "gemma3n", "gemma4", "qwen3_next", "qwen3_5"), 256
+    ),
+    **dict.fromkeys(
+        ("qwen3", "cohere2_moe", "helium", "glm", "glm4", "ernie4_5", "llama4", "minimax_m2"), 128
+    ),
+    "mimo_v2_flash": 192,
+}
 #: the GPT-2 style names HF's ``attribute_map`` gives GPT-J and CodeGen configs
 _ALIASES = {
     "num_attention_heads": "n_head",
@@ -476,7 +486,11 @@ class _HfRope:
         except KeyError as exc:
             raise ValueError(f"RopeConfig.from_hf: config.json has no {exc.args[0]!r}") from None
         n_kv = int(config.get("num_key_value_heads") or n_heads)
-        head_dim = int(config.get("head_dim") or hidden // n_heads)
+        head_dim = int(
+            config.get("head_dim")
+            or _DEFAULT_HEAD_DIMS.get(self.text_type or "")
+            or hidden // n_heads
+        )
         mla = config.get("qk_rope_head_dim") is not None
         if mla:  # latent attention: a RoPE head per query head and one key head shared by all
             head_dim, n_kv = int(config["qk_rope_head_dim"]), 1

@@ -463,3 +463,26 @@ def test_missing_head_dim_is_the_config_class_default(torch: Any, model_type: st
     layered = ("mimo_v2_flash", "gemma3_text", "gemma3n_text")
     layer_type = "sliding_attention" if model_type in layered else None
     assert RopeConfig.from_hf(config_json, layer_type=layer_type).head_dim == hf.head_dim
+
+
+@pytest.mark.parametrize("model_type", ["exaone4", "exaone_moe"])
+def test_exaone4_rotates_its_sliding_layers_only(model_type: str) -> None:
+    config_json = {**BASE, "model_type": model_type, "num_hidden_layers": 8, "head_dim": 16}
+    layers = RopeConfig.from_hf_layers(config_json)
+    assert [c is not None for c in layers] == [True, True, True, False] * 2
+    string = {**config_json, "sliding_window_pattern": "LLG"}
+    assert [c is not None for c in RopeConfig.from_hf_layers(string)] == [True, True, False] * 2 + [
+        True,
+        True,
+    ]
+    no_window = {**config_json, "sliding_window": None, "layer_types": ["full_attention"] * 8}
+    assert None not in RopeConfig.from_hf_layers(no_window)
+
+
+def test_exaone4_layer_types_match_the_config_class(torch: Any) -> None:
+    from transformers import Exaone4Config
+
+    hf = Exaone4Config(**{**BASE, "num_hidden_layers": 8, "head_dim": 16})
+    layers = RopeConfig.from_hf_layers({**BASE, "model_type": "exaone4", "num_hidden_layers": 8,
+                                        "head_dim": 16})  # fmt: skip
+    assert [c is not None for c in layers] == [t == "sliding_attention" for t in hf.layer_types]

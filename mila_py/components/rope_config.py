@@ -402,7 +402,7 @@ class RopeConfig:
         ``rope_parameters`` (a null or missing entry: no RoPE, except in Gemma 3/3n, ModernBERT
         and OLMo 3, whose code fills in the default), ``per_layer_config`` (Gemma 4) sets head
         sizes per layer, and SmolLM3's, Llama 4's and Mistral Large 3's ``no_rope_layers`` and
-        Cohere 2's full-attention layers are unrotated. Layers that resolve alike share one (equal) config, so :func:`get_rope` gives
+        the full-attention layers of Cohere 2 and EXAONE 4 are unrotated. Layers that resolve alike share one (equal) config, so :func:`get_rope` gives
         them one table. A model with one RoPE gives the same config for every layer.
 
         Args:

@@ -204,11 +204,26 @@ _LAYERED: dict[str, _LayeredFamily] = {
 }
 #: families whose ``no_rope_layers[i] == 0`` marks a layer without RoPE (the name is HF's)
 _NO_ROPE_FAMILIES = frozenset({"smollm3", "llama4", "mistral_large4"})
-#: families whose full-attention layers have no RoPE (Cohere 2 rotates its sliding layers only)
-_SLIDING_ONLY = frozenset({"cohere2", "cohere2_moe"})
+#: families whose full-attention layers have no RoPE (Cohere 2 rotates its sliding layers
+#: only; EXAONE 4 too, when it has a ``sliding_window``)
+_SLIDING_ONLY = frozenset({"cohere2", "cohere2_moe", "exaone4", "exaone_moe"})
+_EXAONE = frozenset({"exaone4", "exaone_moe"})
+
+
+def _exaone_full(i: int, config: Mapping[str, Any]) -> bool:
+    """EXAONE 4's pattern: every ``sliding_window_pattern``-th layer is full (default 4), or
+    the ``"G"`` layers of a string pattern such as ``"LLLG"``."""
+    pattern = config.get("sliding_window_pattern", 4)
+    if isinstance(pattern, str):
+        return pattern[i % len(pattern)].upper() == "G"
+    return (i + 1) % int(pattern or 4) == 0
+
+
 #: layer patterns of one-RoPE families whose layers differ in rotating or not
 _FLAT_PATTERNS: dict[str, Callable[[int, Mapping[str, Any]], bool]] = {
     "cohere2": lambda i, config: (i + 1) % int(config.get("sliding_window_pattern") or 4) == 0,
+    "exaone4": _exaone_full,
+    "exaone_moe": _exaone_full,
 }
 
 
@@ -358,13 +373,16 @@ class _HfRope:
     def uses_rope(self, index: int, layer_type: str | None) -> bool:
         """False for the layers a model leaves unrotated: SmolLM3's and Llama 4's
         ``no_rope_layers[i] == 0`` (by default every ``no_rope_layer_interval``-th, 4), and
-        Cohere 2's full-attention layers (Cohere 2 MoE's dense prefix layers rotate when its
-        ``prefix_dense_sliding_window_pattern`` is 1)."""
+        Cohere 2's and EXAONE 4's full-attention layers (Cohere 2 MoE's dense prefix layers
+        rotate when its ``prefix_dense_sliding_window_pattern`` is 1; EXAONE 4's all rotate
+        without a ``sliding_window``)."""
         if self.text_type in _NO_ROPE_FAMILIES:
             flags = self.config.get("no_rope_layers")
             if flags:
                 return bool(flags[index])
             return (index + 1) % int(self.config.get("no_rope_layer_interval") or 4) != 0
+        if self.text_type in _EXAONE and self.config.get("sliding_window", 4096) is None:
+            return True  # without a window every layer rotates
         if self.text_type in _SLIDING_ONLY and layer_type != SLIDING:
             if layer_type is None:
                 raise ValueError(

@@ -427,3 +427,28 @@ def test_no_rope_families_without_layer_types() -> None:
     assert [c is not None for c in RopeConfig.from_hf_layers(large)] == [True] * 3 + [False] + [
         True
     ] * 2
+
+
+def test_gemma3_hub_text_config_leaves_out_class_defaults(hf: Any) -> None:
+    """google/gemma-3-4b-it's config.json: the text_config gives only what differs from
+    Gemma3TextConfig's defaults."""
+    text = {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240,
+            "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024}  # fmt: skip
+    config_json = {"model_type": "gemma3", "text_config": text}
+    hf_text = hf.Gemma3TextConfig(**{k: v for k, v in text.items() if k != "model_type"})
+    for layer_type in (FULL, SLIDING):
+        cfg = RopeConfig.from_hf(config_json, layer_type=layer_type, max_seq_len=64)
+        params = hf_text.rope_parameters[layer_type]
+        assert (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.base) == (
+            hf_text.num_attention_heads,
+            hf_text.num_key_value_heads,
+            hf_text.head_dim,
+            params["rope_theta"],
+        )
+        assert cfg.rope_type == params["rope_type"]
+    layers = RopeConfig.from_hf_layers(config_json, max_seq_len=64)
+    assert [c.base for c in layers] == [
+        hf_text.rope_parameters[t]["rope_theta"] for t in hf_text.layer_types
+    ]
+    assert RopeConfig.from_hf(text, layer_type=FULL).max_seq_len == 131072

@@ -89,6 +89,14 @@ _DEFAULT_HEAD_DIMS = {
     ),
     "mimo_v2_flash": 192,
 }
+#: sizes of a family's config class that Hub configs leave out when they equal it (Gemma 3's
+#: multimodal ``text_config``)
+_DEFAULT_SIZES = {
+    "gemma3": {"hidden_size": 2304, "num_attention_heads": 8, "num_key_value_heads": 4,
+               "max_position_embeddings": 131072, "num_hidden_layers": 26},
+    "gemma3n": {"hidden_size": 2048, "num_attention_heads": 8, "num_key_value_heads": 2,
+                "max_position_embeddings": 32768, "num_hidden_layers": 35},
+}  # fmt: skip
 #: the GPT-2 style names HF's ``attribute_map`` gives GPT-J and CodeGen configs
 _ALIASES = {
     "num_attention_heads": "n_head",
@@ -268,7 +276,8 @@ class _HfRope:
         if isinstance(text, Mapping) and "num_attention_heads" not in config:
             config = {"model_type": config.get("model_type"), **text}
         aliases = {k: config[a] for k, a in _ALIASES.items() if k not in config and a in config}
-        self.config: Mapping[str, Any] = {**config, **aliases} if aliases else config
+        sizes = _DEFAULT_SIZES.get(_text_type(config.get("model_type")) or "", {})
+        self.config: Mapping[str, Any] = {**sizes, **config, **aliases}
         config = self.config
         self.model_type = config.get("model_type")
         self.vlm = _vlm_family(self.model_type)

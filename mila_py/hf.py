@@ -125,8 +125,6 @@ def llama_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
         raise TypeError(f"llama_config_from_hf: config must be a dict, got {type(config).__name__}")
     problems: list[str] = []
     model_type = config.get("model_type")
-    if model_type == "qwen3" and config.get("head_dim") is None:
-        config = {**config, "head_dim": 128}  # Qwen3Config's default, not hidden // heads
     if model_type not in SUPPORTED_MODEL_TYPES:
         problems.append(
             f"model_type={model_type!r}: only {', '.join(SUPPORTED_MODEL_TYPES)} checkpoints are "
@@ -183,8 +181,8 @@ def llama_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
     assert rope is not None
     n_heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
-    head_dim = config.get("head_dim")
-    if head_dim is not None and hidden % n_heads == 0 and int(head_dim) == hidden // n_heads:
+    head_dim: int | None = rope.head_dim  # Qwen3's missing head_dim is its class's 128
+    if hidden % n_heads == 0 and head_dim == hidden // n_heads:
         head_dim = None
     return LlamaConfig(
         vocab_size=int(config["vocab_size"]),

@@ -9,7 +9,9 @@ own transformers code decides beyond the ``config.json`` keys lives in the table
   10 000 and its full layers with 1 000 000): what a transformers 4.x ``config.json`` (flat
   keys such as ``rope_local_base_freq``) means per layer type, and which layer is which type
   when the config has no ``layer_types``;
-- layers that rotate nothing (SmolLM3's and Llama 4's ``no_rope_layers``).
+- layers that rotate nothing (``no_rope_layers``, Cohere 2's full layers);
+- pair layouts, latent-attention RoPE heads, and the defaults of each config class (one table,
+  merged under the config so that every key is read one way).
 """
 
 from __future__ import annotations
@@ -56,47 +58,47 @@ _PAIRED_TYPES = frozenset(
 #: multi-head latent attention families whose code rotates its separate RoPE head in the half
 #: layout (the others pair (2i, 2i + 1) unless ``rope_interleave`` is false)
 _MLA_HALF = frozenset({"minicpm3", "hy_v4"})
-#: ``partial_rotary_factor`` of a family's config class, for a config.json without one
-_PARTIAL_DEFAULTS = {
-    **dict.fromkeys(("gpt_neox", "stablelm", "qwen3_next", "qwen3_5", "qwen3_5_moe"), 0.25),
-    **dict.fromkeys(
-        ("persimmon", "phi", "glm", "glm4", "glm4_moe", "glm4v_moe", "nemotron", "recurrent_gemma"),
-        0.5,
-    ),
-    "moonshine": 0.9,
-    "moonshine_streaming": 0.8,
-}
-#: families whose class default applies only to a config.json without RoPE parameters
-_PARTIAL_DEFAULT_WITHOUT_PARAMS = frozenset({"moonshine_streaming"})
+
+
+def _defaults(keys: tuple[str, ...], **values: Any) -> dict[str, dict[str, Any]]:
+    return {k: dict(values) for k in keys}
+
+
+#: what a family's config class takes for a key its config.json leaves out, where that differs
+#: from the generic reading (theta 10 000, the whole head rotated, ``hidden_size // heads``);
+#: merged under the config, so every key is then read the one way. Keyed by ``model_type``
+#: without ``_text``.
+_CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    **_defaults(("stablelm",), partial_rotary_factor=0.25),
+    **_defaults(("qwen3_next", "qwen3_5"), partial_rotary_factor=0.25, head_dim=256),
+    **_defaults(("qwen3_5_moe",), partial_rotary_factor=0.25),
+    **_defaults(("persimmon", "phi", "glm4_moe", "glm4v_moe", "nemotron", "recurrent_gemma"),
+                partial_rotary_factor=0.5),
+    **_defaults(("glm", "glm4"), partial_rotary_factor=0.5, head_dim=128),
+    "moonshine": {"partial_rotary_factor": 0.9},
+    "moonshine_streaming": {"partial_rotary_factor": 0.8},  # only without rope_parameters
+    "gpt_neox": {"rotary_pct": 0.25},
+    **_defaults(("gptj", "codegen"), rotary_dim=64),
+    **_defaults(("cohere", "ernie4_5_moe", "blt"), rope_theta=500000.0),
+    **_defaults(("ernie4_5", "llama4"), rope_theta=500000.0, head_dim=128),
+    "helium": {"rope_theta": 100000.0, "head_dim": 128},
+    "openai_privacy_filter": {"rope_theta": 150000.0},
+    "smollm3": {"rope_theta": 2e6},
+    "minimax_m2": {"rope_theta": 5e6, "head_dim": 128},
+    **_defaults(("gemma", "gemma2", "gemma4"), head_dim=256),
+    **_defaults(("qwen3", "cohere2_moe"), head_dim=128),
+    "mimo_v2_flash": {"head_dim": 192},
+    # the sizes Hub configs leave out (Gemma 3's multimodal text_config)
+    "gemma3": {"head_dim": 256, "hidden_size": 2304, "num_attention_heads": 8,
+               "num_key_value_heads": 4, "max_position_embeddings": 131072,
+               "num_hidden_layers": 26},
+    "gemma3n": {"head_dim": 256, "hidden_size": 2048, "num_attention_heads": 8,
+                "num_key_value_heads": 2, "max_position_embeddings": 32768,
+                "num_hidden_layers": 35},
+}  # fmt: skip
 #: GPT-NeoX reads ``rotary_pct`` and ``rotary_emb_base`` and ignores the top-level
 #: ``partial_rotary_factor`` and ``rope_theta``
 _NEOX = frozenset({"gpt_neox", "gpt_neox_japanese"})
-#: ``rope_theta`` of a family's config class, for a config.json without one (else 10 000)
-_DEFAULT_THETAS = {
-    **dict.fromkeys(("cohere", "ernie4_5", "ernie4_5_moe", "llama4", "blt"), 500000.0),
-    "helium": 100000.0,
-    "openai_privacy_filter": 150000.0,
-    "smollm3": 2e6,
-    "minimax_m2": 5e6,
-}
-#: ``head_dim`` of a family's config class where it is not ``hidden_size // heads``
-_DEFAULT_HEAD_DIMS = {
-    **dict.fromkeys(
-        ("gemma", "gemma2", "gemma3", "gemma3n", "gemma4", "qwen3_next", "qwen3_5"), 256
-    ),
-    **dict.fromkeys(
-        ("qwen3", "cohere2_moe", "helium", "glm", "glm4", "ernie4_5", "llama4", "minimax_m2"), 128
-    ),
-    "mimo_v2_flash": 192,
-}
-#: sizes of a family's config class that Hub configs leave out when they equal it (Gemma 3's
-#: multimodal ``text_config``)
-_DEFAULT_SIZES = {
-    "gemma3": {"hidden_size": 2304, "num_attention_heads": 8, "num_key_value_heads": 4,
-               "max_position_embeddings": 131072, "num_hidden_layers": 26},
-    "gemma3n": {"hidden_size": 2048, "num_attention_heads": 8, "num_key_value_heads": 2,
-                "max_position_embeddings": 32768, "num_hidden_layers": 35},
-}  # fmt: skip
 #: the GPT-2 style names HF's ``attribute_map`` gives GPT-J and CodeGen configs
 _ALIASES = {
     "num_attention_heads": "n_head",
@@ -104,8 +106,6 @@ _ALIASES = {
     "max_position_embeddings": "n_positions",
     "num_hidden_layers": "n_layer",
 }
-#: families whose ``rotary_dim`` key (default 64) counts the rotated channels
-_ROTARY_DIM_TYPES = frozenset({"gptj", "codegen"})
 #: text families refused, with what their code does that RopeConfig cannot express
 _REFUSED = {
     "deepseek_v4": "RoPE on the last channels of each head (and a second RoPE for its "
@@ -168,13 +168,10 @@ _MODERNBERT = _LayeredFamily(
     scaling_to=(FULL, SLIDING),
     is_full=lambda i, config: i % int(config.get("global_attn_every_n_layers") or 3) == 0,
 )
-#: model_type -> its family (text and multimodal names alike)
+#: model_type without ``_text`` -> its family (text and multimodal names alike)
 _LAYERED: dict[str, _LayeredFamily] = {
-    **dict.fromkeys(("gemma3", "gemma3_text"), _GEMMA3),
-    **dict.fromkeys(
-        ("gemma3n", "gemma3n_text"),
-        _LayeredFamily(_BOTH_DEFAULT, _GEMMA3_THETAS, is_full=_full_every(5)),
-    ),
+    "gemma3": _GEMMA3,
+    "gemma3n": _LayeredFamily(_BOTH_DEFAULT, _GEMMA3_THETAS, is_full=_full_every(5)),
     **dict.fromkeys(("modernbert", "modernbert-decoder"), _MODERNBERT),
     # transformers 5.x's Olmo3Config pops rope_theta for the full layers and so gives the
     # sliding ones its class default (5e5, which every released checkpoint uses); here both
@@ -184,20 +181,13 @@ _LAYERED: dict[str, _LayeredFamily] = {
         {FULL: ("rope_theta", 500000.0), SLIDING: ("rope_theta", 500000.0)},
         is_full=_full_every(4),
     ),
-    **dict.fromkeys(
-        ("gemma4", "gemma4_text"),
-        _LayeredFamily(
-            {
-                SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
-                FULL: {
-                    "rope_type": "proportional",
-                    "partial_rotary_factor": 0.25,
-                    "rope_theta": 1e6,
-                },
-            },
-            scaling_to=(),
-            global_head=True,
-        ),
+    "gemma4": _LayeredFamily(
+        {
+            SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+            FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+        },
+        scaling_to=(),
+        global_head=True,
     ),
     "mimo_v2_flash": _LayeredFamily(
         {
@@ -276,8 +266,11 @@ class _HfRope:
         if isinstance(text, Mapping) and "num_attention_heads" not in config:
             config = {"model_type": config.get("model_type"), **text}
         aliases = {k: config[a] for k, a in _ALIASES.items() if k not in config and a in config}
-        sizes = _DEFAULT_SIZES.get(_text_type(config.get("model_type")) or "", {})
-        self.config: Mapping[str, Any] = {**sizes, **config, **aliases}
+        defaults = dict(_CLASS_DEFAULTS.get(_text_type(config.get("model_type")) or "", {}))
+        has_params = config.get("rope_parameters") or config.get("rope_scaling")
+        if has_params and _text_type(config.get("model_type")) == "moonshine_streaming":
+            defaults.pop("partial_rotary_factor")  # its class default is part of its default dict
+        self.config: Mapping[str, Any] = {**defaults, **config, **aliases}
         config = self.config
         self.model_type = config.get("model_type")
         self.vlm = _vlm_family(self.model_type)
@@ -292,7 +285,7 @@ class _HfRope:
                 f"RopeConfig.from_hf: {self.model_type!r} uses {_REFUSED[self.text_type]}, "
                 "which RopeConfig cannot express"
             )
-        self.family = _LAYERED.get(self.model_type) if isinstance(self.model_type, str) else None
+        self.family = _LAYERED.get(self.text_type or "")
         raw = config.get("rope_parameters") or config.get("rope_scaling") or {}
         if not isinstance(raw, Mapping):
             raise ValueError(f"RopeConfig.from_hf: rope_scaling must be a dict, got {raw!r}")
@@ -457,29 +450,16 @@ class _HfRope:
 
     def _rotated(self, params: Mapping[str, Any], name: str, head_dim: int) -> int:
         """Channels rotated per head, counted as the family's code counts them:
-        ``partial_rotary_factor``, else GPT-NeoX's ``rotary_pct``, GPT-J's and CodeGen's
-        ``rotary_dim`` (default 64), a legacy ``rotary_dim`` (MiniMax-M2), or the factor the
-        family's config class defaults to."""
+        ``partial_rotary_factor`` (GPT-NeoX: ``rotary_pct``), else a ``rotary_dim`` (GPT-J,
+        CodeGen, MiniMax-M2; null: the whole head); class defaults are in the config already."""
         config = self.config
         prf = params.get("partial_rotary_factor")
-        if prf is None and self.text_type in _NEOX:
-            prf = config.get("rotary_pct")
-            if prf is None:
-                prf = _PARTIAL_DEFAULTS.get(self.text_type or "", 1.0)
         if prf is None:
-            prf = config.get("partial_rotary_factor")
-        if prf is None:
-            has_params = bool(config.get("rope_parameters") or config.get("rope_scaling"))
-            if self.text_type in _ROTARY_DIM_TYPES:
-                given = config.get("rotary_dim", 64)
-                return head_dim if given is None else int(given)
-            elif config.get("rotary_dim") is not None:
-                return int(config["rotary_dim"])
-            elif has_params and self.text_type in _PARTIAL_DEFAULT_WITHOUT_PARAMS:
-                prf = 1.0
-            else:
-                prf = _PARTIAL_DEFAULTS.get(self.text_type or "", 1.0)
-        prf = float(prf)
+            prf = config.get("rotary_pct" if self.text_type in _NEOX else "partial_rotary_factor")
+        if prf is None and "rotary_dim" in config:
+            given = config["rotary_dim"]
+            return head_dim if given is None else int(given)
+        prf = 1.0 if prf is None else float(prf)
         rotary = 2 * int(prf * head_dim // 2) if name == "proportional" else int(head_dim * prf)
         if rotary % 2:
             raise ValueError(
@@ -513,11 +493,7 @@ class _HfRope:
         except KeyError as exc:
             raise ValueError(f"RopeConfig.from_hf: config.json has no {exc.args[0]!r}") from None
         n_kv = int(config.get("num_key_value_heads") or n_heads)
-        head_dim = int(
-            config.get("head_dim")
-            or _DEFAULT_HEAD_DIMS.get(self.text_type or "")
-            or hidden // n_heads
-        )
+        head_dim = int(config.get("head_dim") or hidden // n_heads)
         mla = config.get("qk_rope_head_dim") is not None
         if mla:  # latent attention: a RoPE head per query head and one key head shared by all
             head_dim, n_kv = int(config["qk_rope_head_dim"]), 1
@@ -531,7 +507,7 @@ class _HfRope:
         for key in ("rotary_emb_base",) if neox else ("rope_theta", "rotary_emb_base"):
             base = config.get(key) if base is None else base
         if base is None:
-            base = _DEFAULT_THETAS.get(self.text_type or "", 10000.0)
+            base = 10000.0
         name = rope_type_name(params)
         rotary_dim = head_dim if mla else self._rotated(params, name, head_dim)
         if params.get("llama_4_scaling_beta") is not None:

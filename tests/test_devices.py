@@ -7,8 +7,11 @@ import subprocess
 import sys
 import types
 
+import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mila_py.devices as devices
 from mila_py.devices import (
@@ -21,6 +24,7 @@ from mila_py.devices import (
     create_execution_context,
 )
 from mila_py.devices import cuda as cuda_module
+from mila_py.devices.overlap import arrays_overlap, same_view, self_overlaps
 
 CPU0 = DeviceId(DeviceType.CPU, 0)
 
@@ -376,3 +380,84 @@ def test_cuda_context_owns_a_stream_and_allocates_on_its_device() -> None:
         a += 1
     ctx.synchronize()
     np.testing.assert_array_equal(ctx.to_host(a), np.ones((4, 4), np.float32))
+
+
+# ---------------------------------------------------------------------------------- overlap
+
+
+class _DeviceLikeArray:
+    """An array known only by address, shape, strides and dtype (as a CuPy or Numba device array
+    is to the host): exercises the path that never touches NumPy's own arrays."""
+
+    def __init__(self, x: np.ndarray) -> None:
+        self.shape, self.strides, self.dtype, self.size = x.shape, x.strides, x.dtype, x.size
+        self.__cuda_array_interface__ = {"data": (x.__array_interface__["data"][0], False)}
+
+
+def _views(draw: st.DrawFn, buffer: np.ndarray) -> np.ndarray:
+    """A random view of ``buffer`` [6, 7, 8]: a slice with steps (negative too) per axis, maybe
+    transposed."""
+    index = []
+    for n in buffer.shape:
+        start = draw(st.integers(0, n - 1))
+        stop = draw(st.integers(start + 1, n))
+        step = draw(st.sampled_from([1, 1, 2, 3, -1]))
+        index.append(
+            slice(start, stop, step)
+            if step > 0
+            else slice(stop - 1, None if start == 0 else start - 1, step)
+        )
+    view = buffer[tuple(index)]
+    return view.transpose(draw(st.permutations(range(3))))
+
+
+@st.composite
+def _view_pairs(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
+    buffer = np.zeros((6, 7, 8), np.float32)
+    return _views(draw, buffer), _views(draw, buffer)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_view_pairs())
+def test_arrays_overlap_is_numpys_exact_answer_on_either_path(pair) -> None:
+    a, b = pair
+    expected = bool(np.shares_memory(a, b))
+    assert arrays_overlap(a, b) is expected
+    assert arrays_overlap(_DeviceLikeArray(a), _DeviceLikeArray(b)) is expected
+    assert arrays_overlap(a, np.zeros(a.shape, a.dtype)) is False
+
+
+def test_fused_qkv_views_do_not_overlap_but_an_off_by_one_split_does() -> None:
+    qkv = np.zeros((2, 5, 48), ml_dtypes.bfloat16)  # 16-bit: NumPy cannot buffer it, we can
+    q, k, v = qkv[..., :32], qkv[..., 32:40], qkv[..., 40:]
+    for wrap in (lambda x: x, _DeviceLikeArray):
+        assert not arrays_overlap(wrap(q), wrap(k)) and not arrays_overlap(wrap(k), wrap(v))
+        assert arrays_overlap(wrap(qkv[..., :33]), wrap(k))
+        assert arrays_overlap(wrap(q[1:]), wrap(qkv[1, 4]))
+    assert not arrays_overlap(q[:, :0], q) and same_view(q, qkv[..., :32])
+    assert not same_view(q, q[:, ::-1]) and not same_view(q, q.astype(np.float16))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    st.lists(st.integers(-24, 24), min_size=3, max_size=3),
+)
+def test_self_overlaps_never_misses_a_shared_address(shape, strides) -> None:
+    base = np.zeros(400, np.float32)[200:]  # room for negative strides
+    strides = tuple(4 * s for s in strides[: len(shape)])
+    x = np.lib.stride_tricks.as_strided(base, tuple(shape), strides)
+    addresses = [
+        sum(i * s for i, s in zip(index, strides, strict=True)) for index in np.ndindex(*shape)
+    ]
+    if len(set(addresses)) < len(addresses):  # brute force: two elements at one address
+        assert self_overlaps(x) and self_overlaps(_DeviceLikeArray(x))
+
+
+@settings(max_examples=200, deadline=None)
+@given(_view_pairs())
+def test_views_numpy_makes_never_self_overlap(pair) -> None:
+    for view in pair:
+        assert not self_overlaps(view) and not self_overlaps(_DeviceLikeArray(view))
+        assert not self_overlaps(view.reshape(-1) if view.flags.c_contiguous else view)
+    assert self_overlaps(np.broadcast_to(np.zeros(3, np.float32), (2, 3)))

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numpy.lib.stride_tricks import as_strided
 from rope_helpers import (
     BACKEND_PARAMS,
     BF16,
@@ -399,6 +400,27 @@ def test_backward_returns_component_owned_buffers(backend: str, rng) -> None:
     np.testing.assert_allclose(grads[0], 2 * first, rtol=1e-6, atol=1e-6)
 
 
+def test_backward_refuses_gradients_that_lie_in_the_other_output_buffer(backend: str, rng) -> None:
+    """The results of one backward passed back swapped (dq in the dk_in buffer) would be
+    overwritten before they are read: refused, nothing changed. Passed back in their own
+    buffers, they are rotated in place correctly."""
+    cfg = rope_config((3, 3))
+    rope = make_rope(cfg, 2, 4, mode=TRAINING, backend=backend)
+    dq, dk = random_qk(rng, cfg, 2, 4)
+    first_q, first_k = rope.backward(dq, dk)
+    saved_q, saved_k = first_q.copy(), first_k.copy()
+    for args, name in (((first_k, first_q), "dq"), ((dq, first_q[:, :, :]), "dk")):
+        with pytest.raises(ValueError, match=f"{name} lies in this component's"):
+            rope.backward(*args)
+        _assert_bit_identical(first_q, saved_q)
+        _assert_bit_identical(first_k, saved_k)
+    dq_in, dk_in = rope.backward(first_q, first_k)  # each in its own buffer: in place
+    ref_q, ref_k = reference(cfg, saved_q, saved_k, arange_positions(2, 4), inverse=True)
+    assert np.shares_memory(dq_in, first_q)
+    assert_close(dq_in, ref_q, FP32)
+    assert_close(dk_in, ref_k, FP32)
+
+
 def _loss(rope: Rope, q: np.ndarray, k: np.ndarray, wq, wk, positions) -> float:
     x, y = q.copy(), k.copy()
     rope.rotate(x, y, positions)
@@ -536,6 +558,11 @@ class _DuckArray:
         return self._x
 
 
+def _overlapping_views(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """Q and K views of one buffer whose channels overlap by 4 (an off-by-4 fused QKV split)."""
+    return buf[:, :, :Q_W], buf[:, :, Q_W - 4 : Q_W - 4 + K_W], 3
+
+
 F32 = np.float32
 #: (id, method, args(q, k, dq, dk), exception, message pattern); q [2, 4, 24], k [2, 4, 8]
 BAD_CALLS: list[tuple[str, str, Callable[..., tuple], type[Exception], str]] = [
@@ -566,6 +593,21 @@ BAD_CALLS: list[tuple[str, str, Callable[..., tuple], type[Exception], str]] = [
     ("k-duck", "forward", lambda q, k, *_: (q, _DuckArray(k)), TypeError, "must be an array"),
     ("q-read-only", "forward", lambda q, k, *_: (_readonly(q), k), ValueError, "read-only"),
     ("k-read-only", "prefill", lambda q, k, *_: (q, _readonly(k), 3), ValueError, "read-only"),
+    ("k-inside-q", "forward", lambda q, k, *_: (q, q[:, :, 8:16]), ValueError, "share memory"),
+    (
+        "q-k-views-overlap",
+        "prefill",
+        lambda q, k, *_: _overlapping_views(np.concatenate([q, k], axis=2)),
+        ValueError,
+        "share memory",
+    ),
+    (
+        "q-rows-alias",
+        "forward",
+        lambda q, k, *_: (as_strided(q, q.shape, (0, *q.strides[1:])), k),
+        ValueError,
+        "elements that share memory",
+    ),
     ("offset-negative", "prefill", lambda q, k, *_: (q, k, -1), ValueError, ">= 0"),
     ("offset-float", "prefill", lambda q, k, *_: (q, k, 1.0), TypeError, "int"),
     ("offset-bool", "prefill", lambda q, k, *_: (q, k, True), TypeError, "int"),
@@ -882,6 +924,20 @@ def test_get_rope_shares_one_table_per_table_configuration() -> None:
         rope_config((4, 1), max_seq_len=512, scaling={"rope_type": "linear", "factor": 2.0}),
     ):
         assert get_rope(other) is not table
+    # spellings of one table share it: the default type named, the type or the theta repeated
+    for scaling in (
+        {"rope_type": "default"},
+        {"type": "default", "rope_theta": cfg.base},
+        {"rope_type": "default", "partial_rotary_factor": 1.0},
+    ):
+        assert get_rope(rope_config((4, 1), max_seq_len=512, scaling=scaling)) is table
+    linear = get_rope(rope_config((4, 1), max_seq_len=512, scaling={"type": "linear", "factor": 2}))
+    assert linear is not table and linear is get_rope(
+        rope_config((4, 1), max_seq_len=512, scaling={"factor": 2, "rope_type": "linear"})
+    )
+    assert linear is not get_rope(
+        rope_config((4, 1), max_seq_len=512, scaling={"rope_type": "linear", "factor": 3})
+    )
     assert table.cos.dtype == np.float32 and table.sin.dtype == np.float32
     assert table.cos.shape == (512, HEAD_DIM // 2)
     with pytest.raises(TypeError):

@@ -142,6 +142,29 @@ def test_rotation_matches_llama_rotary_embedding(name: str, where: str) -> None:
     assert attention == pytest.approx(emb.attention_scaling, rel=1e-6)
 
 
+def test_dynamic_matches_one_hf_module_through_a_growing_generation() -> None:
+    """One HF rotary module across the calls of a generation (prefill past the original length,
+    then decode steps), as the README says: mila_py's per-call frequencies agree at each call.
+    A shorter call past the original length after a longer one is where they part: HF keeps the
+    longest length it saw, mila_py computes the call's own (documented, no history)."""
+    config_json = _config_json(ROPE_PARAMETERS["dynamic"])
+    cfg = RopeConfig.from_hf(config_json, max_seq_len=TABLE)
+    hf_config = LlamaConfig(**{**config_json, "rope_parameters": dict(ROPE_PARAMETERS["dynamic"])})
+    emb = LlamaRotaryEmbedding(hf_config)
+    table = make_rope(cfg, 1, 1).table
+    x = torch.zeros(1, HEADS, 1, HEAD_DIM)
+    calls = [np.arange(0, 200), np.array([200]), np.array([201]), np.array([202])]
+    for positions in calls:
+        emb(x, torch.from_numpy(positions[None]))
+        got, _ = table.frequencies(int(positions.max()) + 1)
+        np.testing.assert_allclose(got, emb.inv_freq.double().numpy(), rtol=2e-6)
+    emb(x, torch.from_numpy(np.arange(140, 160)[None]))  # shorter, still past 128
+    got, _ = table.frequencies(160)
+    assert not np.allclose(got, emb.inv_freq.double().numpy(), rtol=1e-3)
+    np.testing.assert_allclose(got, table.frequencies(160)[0])  # history-free: same again
+    np.testing.assert_allclose(emb.inv_freq.double().numpy(), table.frequencies(203)[0], rtol=2e-6)
+
+
 @pytest.mark.parametrize("name", ["linear", "dynamic", "yarn", "llama3", "longrope"])
 def test_partial_rotary_frequencies_match_rope_init_functions(name: str) -> None:
     parameters = dict(ROPE_PARAMETERS[name], partial_rotary_factor=0.5)

@@ -17,6 +17,7 @@ from mila_py.build_context import BuildContext
 from mila_py.component import Component
 from mila_py.components.rope_config import RopeConfig, RopeLayout
 from mila_py.devices import DeviceLike
+from mila_py.devices.overlap import arrays_overlap, same_view, self_overlaps
 from mila_py.ops.operation import PositionalPairedOp
 from mila_py.ops.registry import create_op, find_op
 from mila_py.precision import Precision
@@ -223,6 +224,7 @@ class Rope(Component):
         n_b = dq.shape[0]
         dq_in = self._input_gradients["dq_in"][:n_b, :n_t]
         dk_in = self._input_gradients["dk_in"][:n_b, :n_t]
+        self._check_not_in_outputs((dq, dk), (dq_in, dk_in))
         if positions is None:
             if n_t > self.config.max_seq_len:
                 raise ValueError(
@@ -282,6 +284,12 @@ class Rope(Component):
                 )
             if writeable and not _is_writeable(x):
                 raise ValueError(f"{self._describe()}: {name} is read-only; RoPE rotates in place")
+            if writeable and self_overlaps(x):
+                raise ValueError(
+                    f"{self._describe()}: {name} has elements that share memory (shape "
+                    f"{tuple(x.shape)}, strides {tuple(x.strides)}); RoPE rotates in place and "
+                    "would turn them more than once; pass a copy"
+                )
         n_b, n_t = q.shape[0], q.shape[1]
         if k.shape[0] != n_b or k.shape[1] != n_t:
             raise ValueError(
@@ -293,7 +301,26 @@ class Rope(Component):
                 f"{self._describe()}: [B={n_b}, T={n_t}] exceeds the build shape "
                 f"[B={self._max_batch}, T={self._max_tokens}]"
             )
+        if writeable and arrays_overlap(q, k):
+            raise ValueError(
+                f"{self._describe()}: {names[0]} and {names[1]} share memory; RoPE rotates both in "
+                "place and would turn the shared elements twice (views of a fused QKV buffer "
+                "must take disjoint channels)"
+            )
         return int(n_t)
+
+    def _check_not_in_outputs(self, grads: tuple[Any, Any], outs: tuple[Any, Any]) -> None:
+        """Refuse upstream gradients that lie in the gradient buffers backward writes (a
+        previous backward's results passed back): they would be overwritten before they are
+        read. Each may be its own output buffer, exactly (the rotation is then in place)."""
+        for grad, name, own in zip(grads, ("dq", "dk"), ("dq_in", "dk_in"), strict=True):
+            for out, out_name in zip(outs, ("dq_in", "dk_in"), strict=True):
+                if arrays_overlap(grad, out) and not (out_name == own and same_view(grad, out)):
+                    raise ValueError(
+                        f"{self._describe()}: {name} lies in this component's {out_name} buffer "
+                        "(a previous backward's result), which backward overwrites before it "
+                        "reads it; pass a copy"
+                    )
 
     def _check_int(self, value: Any, name: str) -> int:
         try:

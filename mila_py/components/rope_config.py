@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from mila_py.components.rope_scaling import (
+    BOOKKEEPING_KEYS,
     RopeType,
     check_scaling,
     get_rope_type,
@@ -303,13 +304,17 @@ class RopeConfig:
         return get_rope_type(self.rope_type)
 
     def table_key(self) -> tuple[Any, ...]:
-        """What determines the cos/sin table (layout and head counts do not)."""
+        """What determines the cos/sin table (layout and head counts do not), with the type
+        (:attr:`rope_type_entry`) beside it: the scaling parameters, sorted, without the keys
+        that name the type or repeat ``base`` and ``rotary_dim``, so ``None`` and
+        ``{"rope_type": "default"}``, or ``type`` and ``rope_type``, share one table."""
+        params = (self.scaling or {}).items()
         return (
             self.head_dim,
             self.rotated_dim,
             float(self.base),
             self.max_seq_len,
-            self.scaling,
+            tuple(sorted((k, v) for k, v in params if k not in BOOKKEEPING_KEYS)),
         )
 
     @classmethod

@@ -15,7 +15,10 @@ A type is a function ``(head_dim, rotary_dim, base, max_seq_len, params) -> (inv
 in every ``RopeConfig``, ``get_rope`` and ``Rope``.
 
 Length-dependent types (``dynamic``, ``longrope``) choose their parameters from the largest
-position of each call, as HF does: ``seq_len = max(position) + 1``.
+position of each call: ``seq_len = max(position) + 1``. ``longrope`` switches as HF does; HF's
+``dynamic`` module also keeps the longest length it has seen (until a call falls below the
+original length), which matters only when a shorter call past the original length follows a
+longer one. mila_py keeps no such history.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ __all__ = [
 RopeTypeFn = Callable[[int, int, float, int, Mapping[str, Any]], tuple[np.ndarray, float]]
 
 #: keys any scaling dict may carry (HF bookkeeping that has no effect on the tables)
-_IGNORED_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+BOOKKEEPING_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"})
 
 
 @dataclass(frozen=True)
@@ -175,7 +178,7 @@ def check_scaling(
     if missing:
         raise ValueError(f"rope_type {name!r} needs the key(s) {missing} in scaling; got {params}")
     if "*" not in entry.optional:
-        unknown = sorted(params.keys() - entry.required - entry.optional - _IGNORED_KEYS)
+        unknown = sorted(params.keys() - entry.required - entry.optional - BOOKKEEPING_KEYS)
         if unknown:
             raise ValueError(
                 f"rope_type {name!r} does not take the key(s) {unknown}; it takes "

@@ -1,0 +1,106 @@
+"""Whether arrays share memory, for NumPy and CuPy arrays alike, from addresses and strides only.
+
+Ops that write in place (``Rope`` rotates Q and K where they lie) must refuse inputs that
+overlap: an element reached twice is rotated twice. NumPy's exact solver
+(:func:`numpy.shares_memory`) answers for any two strided arrays; device arrays are described to
+it by address, shape and strides (an ``__array_interface__`` that NumPy never dereferences), so
+the answer costs microseconds on the host and nothing on the GPU, where ``cupy.shares_memory``
+would sort every element's address.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any
+
+import numpy as np
+
+__all__ = ["arrays_overlap", "same_view", "self_overlaps"]
+
+
+_Geometry = tuple[int, tuple[int, ...], tuple[int, ...], int]
+
+
+def _geometry(x: Any) -> _Geometry:
+    """``(address, shape, strides, itemsize)`` of a NumPy or CuPy (or CUDA-interface) array."""
+    if isinstance(x, np.ndarray):  # (x.data is a memoryview, which bfloat16 cannot make)
+        ptr = int(x.__array_interface__["data"][0])
+    elif hasattr(getattr(x, "data", None), "ptr"):  # cupy.ndarray
+        ptr = int(x.data.ptr)
+    else:
+        ptr = int(x.__cuda_array_interface__["data"][0])
+    return ptr, tuple(x.shape), tuple(x.strides), int(x.dtype.itemsize)
+
+
+def _span(ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> range:
+    """Bytes ``[first, last + itemsize)`` an array can touch."""
+    low = ptr + sum(s * (n - 1) for n, s in zip(shape, strides, strict=True) if s < 0)
+    high = ptr + sum(s * (n - 1) for n, s in zip(shape, strides, strict=True) if s > 0)
+    return range(low, high + itemsize)
+
+
+def _address_view(geometry: _Geometry) -> np.ndarray:
+    """A NumPy array with the same addresses (never read or written): input for the solver."""
+    ptr, shape, strides, itemsize = geometry
+    holder = types.SimpleNamespace(
+        __array_interface__={
+            "data": (ptr, True),
+            "shape": shape,
+            "strides": strides,
+            "typestr": f"|V{itemsize}",
+            "version": 3,
+        }
+    )
+    return np.asarray(holder)
+
+
+def arrays_overlap(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` (on the same device) have an element address in common.
+
+    Exact: views of one fused QKV buffer that take disjoint channels do not overlap, though
+    their address ranges interleave.
+    """
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return bool(np.shares_memory(a, b))
+    if a.size == 0 or b.size == 0:
+        return False
+    ga, gb = _geometry(a), _geometry(b)
+    ra, rb = _span(*ga), _span(*gb)
+    if ra.stop <= rb.start or rb.stop <= ra.start:
+        return False
+    return _solve(ga, gb)
+
+
+@functools.lru_cache(maxsize=256)
+def _solve(ga: _Geometry, gb: _Geometry) -> bool:
+    """NumPy's exact answer for two geometries; cached, as a decode loop passes the same views
+    of its buffers at every step."""
+    return bool(np.shares_memory(_address_view(ga), _address_view(gb)))
+
+
+def same_view(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are the same elements in the same order (address, shape, strides
+    and item size all equal): an op may then read and write them in place."""
+    return _geometry(a) == _geometry(b)
+
+
+def self_overlaps(x: Any) -> bool:
+    """Whether two elements of ``x`` may share an address (a stride of 0, or strides that
+    step inside another axis's extent, as ``as_strided`` and broadcast views can make).
+
+    Sufficient test: axes sorted by ``|stride|`` must each step past everything the smaller
+    axes span. Arrays NumPy or CuPy create (slices, transposes, reshapes) always pass.
+    """
+    flags = getattr(x, "flags", None)
+    if flags is not None and (flags.c_contiguous or flags.f_contiguous):
+        return False
+    _, shape, strides, itemsize = _geometry(x)
+    if 0 in shape:
+        return False
+    span = itemsize
+    for stride, n in sorted((abs(s), n) for n, s in zip(shape, strides, strict=True) if n > 1):
+        if stride < span:
+            return True
+        span += stride * (n - 1)
+    return False

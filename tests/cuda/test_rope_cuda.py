@@ -693,6 +693,34 @@ def test_the_op_itself_refuses_positions_past_the_table(rng) -> None:
     assert bits(q) == bits(q0) and bits(k) == bits(k0)
 
 
+@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
+def test_q_and_k_sharing_memory_are_refused_before_launch(precision: Precision, rng) -> None:
+    """Device arrays are told apart by address and strides on the host: disjoint views of one
+    fused buffer pass; an off-by-4 split, a stride-0 batch axis and a dk inside the dq_in
+    buffer are refused with nothing changed."""
+    cfg = rope_config((3, 1), head_dim=8, max_seq_len=64)
+    rope = cuda_rope_of(cfg, 2, 4, mode=TRAINING, precision=precision)
+    q0, k0 = random_qk(rng, cfg, 2, 4, precision)
+    fused0 = np.concatenate([q0, k0], axis=2)
+    fused = up(fused0)
+    with pytest.raises(ValueError, match="share memory"):
+        rope.forward(fused[:, :, :24], fused[:, :, 20:28])
+    q = up(q0)
+    aliased = cupy.lib.stride_tricks.as_strided(q, q.shape, (0, *q.strides[1:]))
+    with pytest.raises(ValueError, match="elements that share memory"):
+        rope.forward(aliased, up(k0))
+    assert bits(fused) == bits(fused0) and bits(q) == bits(q0)
+    first_q, first_k = rope.backward(up(q0), up(k0))
+    saved = bits(first_q), bits(first_k)
+    with pytest.raises(ValueError, match="dk lies in this component's dq_in"):
+        rope.backward(up(q0), first_q[:, :, :8])
+    assert (bits(first_q), bits(first_k)) == saved
+    rope.forward(fused[:, :, :24], fused[:, :, 24:])  # disjoint: rotated
+    ref_q, ref_k = reference(cfg, q0, k0, arange_positions(2, 4))
+    assert_close(down(fused)[:, :, :24], ref_q, precision)
+    assert_close(down(fused)[:, :, 24:], ref_k, precision)
+
+
 def test_host_arrays_are_refused_with_the_device_in_the_message(rng) -> None:
     cfg = rope_config((3, 1), head_dim=8)
     rope = cuda_rope_of(cfg, 2, 4)

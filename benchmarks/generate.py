@@ -6,13 +6,15 @@ that GPU:
 
 - prefill tokens/s: a 256-token prompt (mila_py: ``prefill``; HF: one forward with its cache);
 - decode tokens/s and ms per token: 64 greedy tokens after the prompt (mila_py: ``decode`` per
-  token; HF: ``generate(do_sample=False)`` minus its prefill);
+  token, the 64th included though its token is never used; HF: ``generate(max_new_tokens=64)``
+  minus ``generate(max_new_tokens=1)`` in the same run, both greedy, over the 63 decode steps
+  that separate them);
 - a check that both produce the same greedy tokens;
 - the weight-streaming floor of decode: the matrix-vector products of one token through every
   weight matrix of the model (the same arrays, nothing else), timed in the same run. Decode of
   one sequence reads every weight once per token, so no fp32 implementation beats it.
 
-Each side runs ``--repeat`` times (the first warms caches and allocators); the best run counts.
+Each side runs once to warm caches and allocators, then ``--repeat`` times; the best run counts.
 
 Needs torch and transformers (test-only references). Run: ``python benchmarks/generate.py
 [--device CUDA:0]`` (on a GPU, CuPy too; every timed region ends with a device synchronize).
@@ -45,7 +47,7 @@ SIZES = {
 
 
 def run_mila(model: Llama, prompt: np.ndarray, new: int) -> tuple[float, float, list[int]]:
-    """(prefill seconds, decode seconds, greedy tokens) of one mila_py generation.
+    """(prefill seconds, decode seconds per token, greedy tokens) of one mila_py generation.
 
     The greedy choice is made on the model's device; ``int()`` brings one id to the host per
     token, as a serving loop would.
@@ -61,7 +63,7 @@ def run_mila(model: Llama, prompt: np.ndarray, new: int) -> tuple[float, float, 
         tokens.append(int(token[0]))
         logits = model.decode(token, prompt.shape[1] + i)
     model.synchronize()
-    return prefill, time.perf_counter() - start, tokens
+    return prefill, (time.perf_counter() - start) / new, tokens
 
 
 def gemv_floor(model: Llama, repeat: int) -> float:
@@ -89,22 +91,29 @@ def gemv_floor(model: Llama, repeat: int) -> float:
 def run_hf(
     torch: Any, hf: Any, prompt: np.ndarray, new: int, device: str = "cpu"
 ) -> tuple[float, float, list[int]]:
-    """The same for Hugging Face: a cached forward, then ``generate`` minus that prefill."""
+    """The same for Hugging Face: a cached forward (prefill), and the decode steps as the time
+    of ``generate`` for ``new`` tokens minus that for one (both prefill and pick a first token),
+    per step."""
     ids = torch.from_numpy(prompt).to(device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    with torch.no_grad():
+
+    def timed(call: Any) -> tuple[float, Any]:
         sync()
         start = time.perf_counter()
-        hf(ids, use_cache=True)
+        result = call()
         sync()
-        prefill = time.perf_counter() - start
-        start = time.perf_counter()
-        out = hf.generate(
-            ids, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0
+        return time.perf_counter() - start, result
+
+    def generate(n: int) -> Any:
+        return hf.generate(
+            ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
         )
-        sync()
-        total = time.perf_counter() - start
-    return prefill, total - prefill, out[0, prompt.shape[1] :].tolist()
+
+    with torch.no_grad():
+        prefill, _ = timed(lambda: hf(ids, use_cache=True))
+        first, _ = timed(lambda: generate(1))
+        total, out = timed(lambda: generate(new))
+    return prefill, (total - first) / (new - 1), out[0, prompt.shape[1] :].tolist()
 
 
 def main() -> None:
@@ -115,6 +124,10 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="*", default=list(SIZES))
     parser.add_argument("--device", default="CPU", help="CPU or CUDA:N (mila_py and HF both)")
     args = parser.parse_args()
+    if args.new < 2 or args.repeat < 1:
+        parser.error(
+            "--new must be >= 2 (HF's decode is generate(new) - generate(1)), --repeat >= 1"
+        )
     device = DeviceId.parse(args.device)
     on_gpu = device.device_type is DeviceType.CUDA
     torch_device = f"cuda:{device.index}" if on_gpu else "cpu"
@@ -147,13 +160,17 @@ def main() -> None:
             )
         hf = hf.to(torch_device)
 
-        runs_m = [run_mila(model, prompt, args.new) for _ in range(args.repeat)]
-        runs_h = [run_hf(torch, hf, prompt, args.new, torch_device) for _ in range(args.repeat)]
+        # one warm-up run each (caches, allocators, lazy initialisation), then the timed runs
+        runs_m = [run_mila(model, prompt, args.new) for _ in range(args.repeat + 1)][1:]
+        runs_h = [run_hf(torch, hf, prompt, args.new, torch_device) for _ in range(args.repeat + 1)]
+        runs_h = runs_h[1:]
         mila_prefill = min(r[0] for r in runs_m)
         mila_decode = min(r[1] for r in runs_m)
         tokens = runs_m[0][2]
         hf_prefill = min(r[0] for r in runs_h)
-        hf_decode = max(min(r[1] for r in runs_h), 1e-9)
+        hf_decode = min(r[1] for r in runs_h)
+        if hf_decode <= 0:
+            raise SystemExit(f"HF decode timed <= 0 ({hf_decode} s): too noisy; run again")
         same = runs_h[0][2] == tokens
         floor = gemv_floor(model, 5)
         rows.append((name, params, mila_prefill, hf_prefill, mila_decode, hf_decode, same, floor))
@@ -167,12 +184,13 @@ def main() -> None:
     )
     print(header)
     print("-" * len(header))
-    # floor: tokens/s if decode did nothing but stream every weight matrix once per token
+    # floor: tokens/s if decode did nothing but stream every weight matrix once per token;
+    # md, hd: decode seconds per token
     for name, params, mp, hp, md, hd, same, floor in rows:
         print(
             f"{name:<7} {params / 1e6:6.1f}M | {args.prompt / mp:18,.0f} {args.prompt / hp:8,.0f} "
-            f"{hp / mp:6.2f} | {args.new / md:17,.0f} {args.new / hd:7,.0f} {hd / md:6.2f} "
-            f"{1 / floor:7,.0f} | {md / args.new * 1e3:13.2f} {hd / args.new * 1e3:6.2f} | {same}"
+            f"{hp / mp:6.2f} | {1 / md:17,.0f} {1 / hd:7,.0f} {hd / md:6.2f} "
+            f"{1 / floor:7,.0f} | {md * 1e3:13.2f} {hd * 1e3:6.2f} | {same}"
         )
 
 

@@ -2,7 +2,8 @@
 
 By default the corpus is the Python standard library's own source code (every Python install has
 it); ``--data PATH`` trains on any text file instead. Prints a progress bar with the loss and
-tokens/s, then the held-out loss before and after training and a short greedy sample.
+tokens/s, then the held-out loss before and after training and the memory table of the build.
+``examples/train_and_generate.py`` goes on to generate text with the trained weights.
 
 Run: ``python examples/train_llama.py --steps 200`` (``--help`` for the model and run options).
 """

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from layer_helpers import move_optional_parameters
@@ -103,6 +105,21 @@ def test_greedy_generate_is_argmax_of_the_full_recomputation(weights: str) -> No
     np.testing.assert_array_equal(out[:6], prompt)
     for i in range(6, 14):  # every token is the argmax of an uncached forward over its prefix
         assert out[i] == reference_logits(weights, out[None, :i])[0, -1].argmax()
+
+
+def test_generation_past_the_context_is_cut_with_a_warning(weights: str) -> None:
+    """A build with a context of 32: a 28-token prompt leaves room for 5 new tokens (the last
+    is never fed back), so asking for 20 gives 5 and says so; asking for 5 says nothing."""
+    prompt = tokens(1, 28, seed=9)[0]
+    model = make(weights, RuntimeMode.INFERENCE, (1, 32), prefill=8)
+    with pytest.warns(UserWarning, match="max_new_tokens=20 cut to 5"):
+        out = model.generate(prompt, max_new_tokens=20)
+    assert out.shape == (33,)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        np.testing.assert_array_equal(model.generate(prompt, max_new_tokens=5), out)
+    with pytest.warns(UserWarning, match="cut to 5"):
+        assert len(list(model.stream(prompt, max_new_tokens=6))) == 5
 
 
 def test_sampling_is_seeded_and_top_k_one_is_greedy(weights: str) -> None:

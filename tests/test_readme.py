@@ -2,8 +2,9 @@
 from the API.
 
 Each ```python block of README.md is executed in a fresh namespace, in a temporary directory (the
-blocks write files). Names a block leaves to the reader (``B``, ``tokens``, the checkpoint path)
-are filled in by the test; the CUDA block runs only where CuPy sees a GPU. Besides raising
+blocks write files), exactly as a reader would paste it: the Hugging Face block's checkpoint is
+written by the test where the block says ``path/to/llama``; the CUDA block runs only where CuPy
+sees a GPU. Besides raising
 nothing, each block's results are checked for shape and meaning.
 """
 
@@ -104,24 +105,18 @@ def test_cuda_block(tmp_path: Path, monkeypatch: Any) -> None:
 
 
 def test_training_and_serving(tmp_path: Path, monkeypatch: Any) -> None:
-    rng = np.random.default_rng(0)
-    b, t = 2, 16
-    prompt = rng.integers(0, 256, size=10)
-    given = {
-        "B": b,
-        "T": t,
-        "tokens": rng.integers(0, 256, size=(b, t)),
-        "targets": rng.integers(0, 256, size=(b, t)),
-        "prompt": prompt,
-        "next_token": np.array([7]),
-        "position": prompt.size,
-    }
-    ns = _run(_block("server.generate"), dict(given), tmp_path, monkeypatch)
+    ns = _run(_block("server.generate"), {}, tmp_path, monkeypatch)
     assert (tmp_path / "llama.safetensors").is_file()
     assert np.isfinite(ns["loss"]) and ns["loss"] > 0
     assert ns["last"].shape == (1, 256) and ns["step"].shape == (1, 256)
+    prompt = ns["prompt"]
     out = ns["ids"]
     assert out.shape == (prompt.size + 32,) and np.array_equal(out[: prompt.size], prompt)
+    # the decode step continues the prefill: its logits are those of a full forward
+    full = np.concatenate([prompt, ns["next_token"]])
+    server = ns["server"]
+    server.reset()
+    np.testing.assert_allclose(ns["step"], server.prefill(full[None]), rtol=1e-4, atol=1e-5)
     # the served weights are the trained ones
     for (name, trained), (_, served) in zip(
         ns["model"].named_parameters(), ns["server"].named_parameters(), strict=True
@@ -140,9 +135,8 @@ def test_hugging_face_block(tmp_path: Path, monkeypatch: Any) -> None:
     source = Llama("llama", cfg, device="CPU")
     source.build(BuildContext((1, 8), RuntimeMode.TRAINING))
     save_hf_checkpoint(source, tmp_path / "path" / "to" / "llama")
-    prompt_ids = np.arange(5)
-    ns = _run(_block("from_pretrained"), {"prompt_ids": prompt_ids}, tmp_path, monkeypatch)
-    out, trainer = ns["out"], ns["trainer"]
+    ns = _run(_block("from_pretrained"), {}, tmp_path, monkeypatch)
+    out, trainer, prompt_ids = ns["out"], ns["trainer"], np.asarray(ns["prompt_ids"])
     assert out.shape == (5 + 32,) and np.array_equal(out[:5], prompt_ids)
     assert trainer.build_context.is_training and trainer.build_context.input_shape == (4, 512)
     for (name, want), (_, got) in zip(

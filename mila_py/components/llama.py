@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -486,7 +487,8 @@ class Llama(Network):
         those are prefilled together, right-padded to the longest, and each then decodes from
         its own length (the padding's cache rows are overwritten before any query can see them).
         Greedy decoding gives every row the tokens it gets alone; every row gets the same number
-        of new tokens, at most ``context_length - T + 1`` for the longest prompt's ``T``.
+        of new tokens, at most ``context_length - T + 1`` for the longest prompt's ``T`` (a
+        larger ``max_new_tokens`` is cut to that with a ``UserWarning``).
 
         Greedy when ``temperature == 0``; otherwise samples from ``softmax(logits / T)``
         restricted to the ``top_k`` most likely tokens and the smallest set whose probability
@@ -512,7 +514,16 @@ class Llama(Network):
         token iterator, what the prompt came as)`` (see :meth:`_prompt_rows`)."""
         self._require_inference("generate()")
         rows, lengths, kind = self._prompt_rows(prompt)
-        steps = self._token_steps(rows, lengths, *self._sampling(*args))
+        sampling = self._sampling(*args)
+        room = self.context_length - rows.shape[1] + 1
+        if sampling[0] > room:
+            warnings.warn(
+                f"{self._describe()}: max_new_tokens={sampling[0]} cut to {room}: a prompt of "
+                f"{rows.shape[1]} tokens leaves room for {room} in the context of "
+                f"{self.context_length}",
+                stacklevel=3,
+            )
+        steps = self._token_steps(rows, lengths, *sampling)
         return rows, lengths, steps, kind
 
     def _token_steps(

@@ -435,6 +435,9 @@ def test_fused_qkv_views_do_not_overlap_but_an_off_by_one_split_does() -> None:
         assert arrays_overlap(wrap(qkv[..., :33]), wrap(k))
         assert arrays_overlap(wrap(q[1:]), wrap(qkv[1, 4]))
     assert not arrays_overlap(q[:, :0], q) and same_view(q, qkv[..., :32])
+    owner = np.zeros(4, np.float32)  # arrays that own their memory: overlap only themselves
+    assert arrays_overlap(owner, owner) and not arrays_overlap(owner, np.zeros(4, np.float32))
+    assert not arrays_overlap(np.zeros(0), np.zeros(0)) and arrays_overlap(owner, owner[1:])
     assert not same_view(q, q[:, ::-1]) and not same_view(q, q.astype(np.float16))
 
 

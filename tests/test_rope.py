@@ -400,6 +400,68 @@ def test_backward_returns_component_owned_buffers(backend: str, rng) -> None:
     np.testing.assert_allclose(grads[0], 2 * first, rtol=1e-6, atol=1e-6)
 
 
+TORCH_DTYPES = {FP32: "float32", FP16: "float16", BF16: "bfloat16"}
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=str)
+def test_torch_tensors_are_rotated_in_place_without_a_copy(
+    backend: str, precision: Precision, rng
+) -> None:
+    """Every call takes torch CPU tensors as they are (views of their memory, bf16 included):
+    prefill, rotate, decode at per-sequence torch positions, backward; Q and K as views of one
+    fused torch QKV tensor too. Overlapping views are refused with the tensor unchanged."""
+    torch = pytest.importorskip("torch")
+    cfg = rope_config((4, 2))
+    rope = make_rope(cfg, 2, 5, mode=TRAINING, precision=precision, backend=backend)
+    dtype = getattr(torch, TORCH_DTYPES[precision])
+    q0, k0 = random_qk(rng, cfg, 2, 5, precision)
+    width = cfg.channels + cfg.kv_channels
+    qkv = torch.from_numpy(np.concatenate([q0, k0], axis=2).astype(np.float32)).to(dtype)
+    qkv = torch.cat([qkv, torch.ones(2, 5, 3, dtype=dtype)], dim=2)  # a V-like tail
+    q, k = qkv[:, :, : cfg.channels], qkv[:, :, cfg.channels : width]
+
+    def host(t: Any) -> np.ndarray:  # a float32 copy (for FP32, .float() is the tensor itself)
+        return t.float().numpy().copy()
+
+    rope.prefill(q, k, 1000)
+    ref_q, ref_k = reference(cfg, q0, k0, arange_positions(2, 5, 1000))
+    assert_close(host(q), ref_q, precision)
+    assert_close(host(k), ref_k, precision)
+    assert (host(qkv[:, :, width:]) == 1).all()
+
+    rotated = host(qkv)
+    positions = torch.tensor([[3, 9, 0, 2047, 5], [1, 1, 1, 1, 1]])
+    rope.rotate(q, k, positions)
+    ref_q, ref_k = reference(
+        cfg, rotated[:, :, : cfg.channels], rotated[:, :, cfg.channels : width], positions.numpy()
+    )
+    assert_close(host(q), ref_q, precision)
+    assert_close(host(k), ref_k, precision)
+
+    one_q, one_k = q[:, :1].clone(), k[:, :1].clone()
+    start_q, start_k = host(one_q), host(one_k)
+    rope.decode(one_q, one_k, torch.tensor([7, 2047]))
+    ref_q, ref_k = reference(cfg, start_q, start_k, np.array([[7], [2047]]))
+    assert_close(host(one_q), ref_q, precision)
+    assert_close(host(one_k), ref_k, precision)
+
+    dq_in, dk_in = rope.backward(q, k)
+    ref_q, ref_k = reference(cfg, host(q), host(k), arange_positions(2, 5), inverse=True)
+    assert isinstance(dq_in, np.ndarray)
+    assert_close(dq_in, ref_q, precision)
+    assert_close(dk_in, ref_k, precision)
+
+    before = host(qkv)
+    with pytest.raises(ValueError, match="share memory"):
+        rope.forward(q, qkv[:, :, 4 : 4 + cfg.kv_channels])
+    assert np.array_equal(host(qkv), before) and not np.array_equal(before, rotated)
+    with pytest.raises(TypeError, match="dtype"):
+        rope.forward(q.double(), k.double())
+    with pytest.raises((BufferError, RuntimeError), match=r"(?i)grad"):
+        rope.forward(q.clone().requires_grad_(), k)
+    assert np.array_equal(host(qkv), before)
+
+
 def test_backward_refuses_gradients_that_lie_in_the_other_output_buffer(backend: str, rng) -> None:
     """The results of one backward passed back swapped (dq in the dk_in buffer) would be
     overwritten before they are read: refused, nothing changed. Passed back in their own

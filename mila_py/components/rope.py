@@ -41,6 +41,11 @@ class Rope(Component):
     Every call validates before touching data: a call that raises leaves Q, K and the component
     unchanged.
 
+    Q and K may also be another library's arrays on the component's device, such as torch
+    tensors (CPU or CUDA, FP16 and BF16 included) or anything speaking DLPack or the CUDA array
+    interface: they are rotated in place through a view of their memory, with no copy, and on
+    a GPU the producer's stream is ordered after the kernel before the call returns.
+
     Length-dependent scaling (``dynamic``, ``longrope``) picks its frequencies from the largest
     position of each call, as Hugging Face does. With a KV cache this means keys cached while the
     context was short were rotated with other frequencies than later queries use: exact for a
@@ -142,15 +147,20 @@ class Rope(Component):
         Raises:
             ValueError: a negative offset, or ``position_offset + T > max_seq_len``.
         """
-        n_t = self._check_qk(q, k)
-        offset = self._check_int(position_offset, "position_offset")
-        last = offset + n_t - 1
-        if last >= self.config.max_seq_len:
-            raise ValueError(
-                f"{self._describe()}: position {last} (offset {offset} + T {n_t} - 1) is beyond "
-                f"the table: positions must be < max_seq_len = {self.config.max_seq_len}"
-            )
-        self._op.apply(q, k, offset=offset, seq_len=last + 1)
+        q, k = self._device_arrays(q, k)
+        try:
+            n_t = self._check_qk(q, k)
+            offset = self._check_int(position_offset, "position_offset")
+            last = offset + n_t - 1
+            if last >= self.config.max_seq_len:
+                raise ValueError(
+                    f"{self._describe()}: position {last} (offset {offset} + T {n_t} - 1) is "
+                    f"beyond the table: positions must be < max_seq_len = "
+                    f"{self.config.max_seq_len}"
+                )
+            self._op.apply(q, k, offset=offset, seq_len=last + 1)
+        finally:
+            self._release_foreign()
 
     def decode(self, q: Any, k: Any, position: Any) -> None:
         """Rotate one token per sequence in place.
@@ -161,20 +171,24 @@ class Rope(Component):
             position: an int for every sequence, or one int per sequence ``[B]``; with an
                 M-RoPE config also ``[3, B]`` (a position per axis and sequence).
         """
-        n_t = self._check_qk(q, k)
-        if n_t != 1:
-            raise ValueError(f"{self._describe()}: decode takes T == 1, got T = {n_t}")
-        if isinstance(position, int | np.integer) and not isinstance(position, bool):
-            offset = self._check_int(position, "position")
-            if offset >= self.config.max_seq_len:
-                raise ValueError(
-                    f"{self._describe()}: position {offset} is beyond the table: positions must "
-                    f"be < max_seq_len = {self.config.max_seq_len}"
-                )
-            self._op.apply(q, k, offset=offset, seq_len=offset + 1)
-            return
-        positions = self._check_positions(position, (q.shape[0],), "position")
-        self._apply_positions(q, k, positions[..., None])
+        q, k = self._device_arrays(q, k)
+        try:
+            n_t = self._check_qk(q, k)
+            if n_t != 1:
+                raise ValueError(f"{self._describe()}: decode takes T == 1, got T = {n_t}")
+            if isinstance(position, int | np.integer) and not isinstance(position, bool):
+                offset = self._check_int(position, "position")
+                if offset >= self.config.max_seq_len:
+                    raise ValueError(
+                        f"{self._describe()}: position {offset} is beyond the table: positions "
+                        f"must be < max_seq_len = {self.config.max_seq_len}"
+                    )
+                self._op.apply(q, k, offset=offset, seq_len=offset + 1)
+                return
+            positions = self._check_positions(position, (q.shape[0],), "position")
+            self._apply_positions(q, k, positions[..., None])
+        finally:
+            self._release_foreign()
 
     def _decode_at(self, q: Any, k: Any, position: int) -> None:
         """:meth:`decode` at one int position, for a parent that checked what it passes: ``q``
@@ -194,9 +208,13 @@ class Rope(Component):
                 without the leading axis put a token at the same position on every axis, as
                 Hugging Face does for text.
         """
-        self._check_qk(q, k)
-        positions = self._check_positions(positions, q.shape[:2], "positions")
-        self._apply_positions(q, k, positions)
+        q, k = self._device_arrays(q, k)
+        try:
+            self._check_qk(q, k)
+            positions = self._check_positions(positions, q.shape[:2], "positions")
+            self._apply_positions(q, k, positions)
+        finally:
+            self._release_foreign()
 
     def backward(self, dq: Any, dk: Any, positions: Any = None) -> tuple[Any, Any]:
         """Gradients w.r.t. the inputs of the rotation: ``R^T dq``, ``R^T dk``.
@@ -220,31 +238,53 @@ class Rope(Component):
                 f"{self._describe()} was built for INFERENCE and has no gradient buffers; "
                 "build with RuntimeMode.TRAINING to call backward()"
             )
-        n_t = self._check_qk(dq, dk, names=("dq", "dk"), writeable=False)
-        n_b = dq.shape[0]
-        dq_in = self._input_gradients["dq_in"][:n_b, :n_t]
-        dk_in = self._input_gradients["dk_in"][:n_b, :n_t]
-        self._check_not_in_outputs((dq, dk), (dq_in, dk_in))
-        if positions is None:
-            if n_t > self.config.max_seq_len:
-                raise ValueError(
-                    f"{self._describe()}: T = {n_t} exceeds max_seq_len = {self.config.max_seq_len}"
+        dq, dk = self._device_arrays(dq, dk)
+        try:
+            n_t = self._check_qk(dq, dk, names=("dq", "dk"), writeable=False)
+            n_b = dq.shape[0]
+            dq_in = self._input_gradients["dq_in"][:n_b, :n_t]
+            dk_in = self._input_gradients["dk_in"][:n_b, :n_t]
+            self._check_not_in_outputs((dq, dk), (dq_in, dk_in))
+            if positions is None:
+                if n_t > self.config.max_seq_len:
+                    raise ValueError(
+                        f"{self._describe()}: T = {n_t} exceeds max_seq_len = "
+                        f"{self.config.max_seq_len}"
+                    )
+                self._op.apply(
+                    dq, dk, offset=0, seq_len=n_t, inverse=True, q_out=dq_in, k_out=dk_in
                 )
-            self._op.apply(dq, dk, offset=0, seq_len=n_t, inverse=True, q_out=dq_in, k_out=dk_in)
-        else:
-            pos = self._check_positions(positions, (n_b, n_t), "positions")
-            self._op.apply(
-                dq,
-                dk,
-                positions=pos,
-                seq_len=int(pos.max()) + 1,
-                inverse=True,
-                q_out=dq_in,
-                k_out=dk_in,
-            )
+            else:
+                pos = self._check_positions(positions, (n_b, n_t), "positions")
+                self._op.apply(
+                    dq,
+                    dk,
+                    positions=pos,
+                    seq_len=int(pos.max()) + 1,
+                    inverse=True,
+                    q_out=dq_in,
+                    k_out=dk_in,
+                )
+        finally:
+            self._release_foreign()
         return dq_in, dk_in
 
     # ------------------------------------------------------------------ checks
+    def _device_arrays(self, q: Any, k: Any) -> tuple[Any, Any]:
+        """Q and K as arrays of this device: another library's arrays there (a torch tensor,
+        anything with ``__dlpack__`` or ``__cuda_array_interface__``) become views of the same
+        memory, so they rotate in place; anything else comes back unchanged for the checks to
+        accept or refuse. Calls that take them end with :meth:`_release_foreign`."""
+        ctx = self._context
+        if ctx is None:  # not placed yet: the checks say so
+            return q, k
+        return ctx.as_device_array(q), ctx.as_device_array(k)
+
+    def _release_foreign(self) -> None:
+        """Order the producers of adopted arrays (torch's stream) after this call's launches."""
+        if self._context is not None:
+            self._context.release_foreign()
+
     def _apply_positions(self, q: Any, k: Any, positions: np.ndarray) -> None:
         self._op.apply(q, k, positions=positions, seq_len=int(positions.max()) + 1)
 

@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 
 from mila_py.devices.device import DeviceId, DeviceType
-from mila_py.devices.execution_context import ExecutionContext, torch_of
+from mila_py.devices.execution_context import ExecutionContext, torch_bits_view, torch_of
 
 __all__ = ["CpuExecutionContext"]
 
@@ -57,7 +57,7 @@ class CpuExecutionContext(ExecutionContext):
             return array
         torch = torch_of(array)
         if torch is not None and array.dtype == torch.bfloat16:
-            return np.from_dlpack(array.view(torch.int16)).view(ml_dtypes.bfloat16)
+            return np.from_dlpack(torch_bits_view(torch, array)).view(ml_dtypes.bfloat16)
         return np.from_dlpack(array)
 
 

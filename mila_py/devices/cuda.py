@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from mila_py.devices.device import DeviceId, DeviceType
-from mila_py.devices.execution_context import ExecutionContext, torch_of
+from mila_py.devices.execution_context import ExecutionContext, torch_bits_view, torch_of
 
 __all__ = ["CudaExecutionContext", "cuda_device_count", "import_cupy", "shared_context"]
 
@@ -235,7 +235,7 @@ class CudaExecutionContext(ExecutionContext):
                 return cupy.from_dlpack(array)
             except Exception:  # a CuPy whose DLPack import predates bfloat16
                 pass
-        bits = cupy.from_dlpack(array.view(torch.int16))
+        bits = cupy.from_dlpack(torch_bits_view(torch, array))
         return bits.view(_BFLOAT16 if self.bfloat16_native else np.uint16)
 
 

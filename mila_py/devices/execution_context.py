@@ -14,7 +14,7 @@ import numpy as np
 
 from mila_py.devices.device import DeviceId, DeviceType
 
-__all__ = ["ExecutionContext", "torch_of"]
+__all__ = ["ExecutionContext", "torch_bits_view", "torch_of"]
 
 
 class ExecutionContext(abc.ABC):
@@ -72,3 +72,15 @@ def torch_of(array: Any) -> Any:
     if torch is not None and isinstance(array, torch.Tensor):
         return torch
     return None
+
+
+def torch_bits_view(torch: Any, tensor: Any) -> Any:
+    """An ``int16`` view of a torch ``bfloat16`` tensor's bits, for a DLPack import that has no
+    bfloat16. Refuses a tensor that requires grad, as torch's own DLPack export does for every
+    dtype (a view of its bits would let in-place work bypass autograd)."""
+    if tensor.requires_grad:
+        raise RuntimeError(
+            "Can't export tensors that require gradient, use tensor.detach() (a bfloat16 tensor "
+            "that requires grad cannot be rotated or filled in place)"
+        )
+    return tensor.view(torch.int16)

@@ -43,6 +43,7 @@ import numpy as np
 
 from mila_py.components.llama import Llama, LlamaConfig
 from mila_py.components.rope_config import RopeConfig
+from mila_py.components.rope_scaling import rope_type_name
 from mila_py.serialization import assign_parameters
 
 __all__ = [
@@ -257,6 +258,9 @@ def llama_config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
     model_type = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias != cfg.out_bias else "llama"
     head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
     scaling = _plain(dict(cfg.rope_scaling)) if cfg.rope_scaling else None
+    if scaling is not None:  # the legacy "type" key written as transformers 5 names it
+        scaling = {"rope_type": rope_type_name(scaling), **scaling}
+        scaling.pop("type", None)
     rope_parameters = {"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_base}
     out: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[model_type]],
@@ -394,7 +398,8 @@ def hf_to_mila(tensors: Mapping[str, Any], cfg: LlamaConfig) -> dict[str, np.nda
 
     Names may carry the ``model.`` prefix (``LlamaForCausalLM``) or not (a bare ``LlamaModel``).
     ``*.rotary_emb.inv_freq`` buffers are ignored. With ``cfg.tie_embeddings`` a
-    ``lm_head.weight`` equal to the embedding is dropped. Arrays keep their dtype.
+    ``lm_head.weight`` equal to the embedding is dropped, and one stored alone is the embedding
+    (as transformers ties them on load). Arrays keep their dtype.
 
     Returns:
         ``{mila name: array}`` in ``Llama.named_parameters()`` order.
@@ -414,8 +419,8 @@ def hf_to_mila(tensors: Mapping[str, Any], cfg: LlamaConfig) -> dict[str, np.nda
         named[full] = array
     if cfg.tie_embeddings and "lm_head.weight" in named:
         head = named.pop("lm_head.weight")
-        embed = named.get("model.embed_tokens.weight")
-        if embed is None or np.shape(head) != np.shape(embed) or not np.array_equal(head, embed):
+        embed = named.setdefault("model.embed_tokens.weight", head)  # tied: either names both
+        if np.shape(head) != np.shape(embed) or not np.array_equal(head, embed):
             problems.append(
                 "unexpected: lm_head.weight differs from model.embed_tokens.weight but the "
                 "config ties them (tie_word_embeddings=true)"

@@ -49,10 +49,13 @@ class AdamW:
         weight_decay: float = 0.01,
         decay: Callable[[str, Any], bool] = _default_decay,
     ) -> None:
-        if not lr > 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or not eps > 0:
-            raise ValueError(f"AdamW: bad hyper-parameters lr={lr} betas={betas} eps={eps}")
-        if weight_decay < 0:
-            raise ValueError(f"AdamW: weight_decay must be >= 0, got {weight_decay}")
+        # written so that NaN fails every test
+        if not 0 < lr < math.inf or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1:
+            raise ValueError(f"AdamW: bad hyper-parameters lr={lr} betas={betas}")
+        if not 0 < eps < math.inf:
+            raise ValueError(f"AdamW: eps must be finite and > 0, got {eps}")
+        if not 0 <= weight_decay < math.inf:
+            raise ValueError(f"AdamW: weight_decay must be finite and >= 0, got {weight_decay}")
         self.model = model
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self._pairs = _pairs(model)

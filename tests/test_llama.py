@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from layer_helpers import assert_same_optimizer_state, move_optional_parameters
@@ -252,6 +254,49 @@ def test_save_load_round_trip_and_mismatch_report(tmp_path) -> None:  # type: ig
         np.testing.assert_array_equal(p, q)
 
 
+@pytest.mark.parametrize("key", ["rope_type", "type"])
+def test_hf_checkpoint_round_trip_keeps_the_scaling(tmp_path, key: str) -> None:  # type: ignore[no-untyped-def]
+    """save_hf_checkpoint writes the legacy ``type`` key as transformers 5's ``rope_type``, so
+    from_pretrained reads back the same scaling and the same logits."""
+    from mila_py.hf import save_hf_checkpoint
+
+    model = built(rope_scaling={key: "linear", "factor": 3.0})
+    save_hf_checkpoint(model, tmp_path / "ckpt")
+    written = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert written["rope_parameters"]["rope_type"] == "linear"
+    assert "type" not in written["rope_parameters"]
+    loaded = Llama.from_pretrained(
+        tmp_path / "ckpt", runtime_mode=RuntimeMode.TRAINING, batch_size=B, seq_len=T
+    )
+    assert loaded.config.rope_scaling["factor"] == 3.0
+    np.testing.assert_allclose(loaded.forward(tokens()), model.forward(tokens()), atol=1e-6)
+
+
+def test_tied_checkpoint_storing_only_lm_head_loads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A tied checkpoint whose shared matrix is stored as ``lm_head.weight`` alone loads as
+    transformers loads it (the embedding is that matrix); one storing two different matrices
+    is still refused."""
+    from safetensors.numpy import load_file, save_file
+
+    from mila_py.hf import save_hf_checkpoint
+
+    model = built(tie=True)
+    folder = tmp_path / "ckpt"
+    save_hf_checkpoint(model, folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    loaded = Llama.from_pretrained(
+        folder, runtime_mode=RuntimeMode.TRAINING, batch_size=B, seq_len=T
+    )
+    np.testing.assert_array_equal(loaded.embed_tokens.weight, model.embed_tokens.weight)
+    np.testing.assert_allclose(loaded.forward(tokens()), model.forward(tokens()), atol=1e-6)
+    tensors["model.embed_tokens.weight"] = tensors["lm_head.weight"] + 1
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lm_head\.weight differs"):
+        Llama.from_pretrained(folder)
+
+
 def test_adamw_step_matches_the_formula() -> None:
     model = built()
     model.forward(tokens())
@@ -332,6 +377,54 @@ def test_cpu_adamw_op_settles_the_backend_when_created(monkeypatch: pytest.Monke
     monkeypatch.setenv("MILA_PY_CPU_BACKEND", "numpy")
     assert fused.accepts(p, p, p, p) is _fused_layers.AVAILABLE  # read at creation, not per call
     assert not op().accepts(p, p, p, p)  # an op created now takes the array code
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_bad_calls_leave_every_gradient_and_activation_alone(tie: bool) -> None:
+    """A forward at a position a TRAINING build cannot take, and dlogits of the wrong dtype
+    or shape, raise before anything is written: the next backward gives the gradients of the
+    last good forward, tied head included."""
+    ids = tokens(1)
+    dlogits = np.random.default_rng(2).standard_normal((B, T, 32)).astype(np.float32)
+    reference = built(tie=tie)
+    reference.forward(ids)
+    reference.backward(dlogits)
+    want = [g.copy() for g in reference.get_gradients()]
+
+    model = built(tie=tie)
+    model.forward(ids)
+    with pytest.raises(ValueError, match="position 0"):
+        model.forward(tokens(3), position_offset=1)
+    with pytest.raises(ValueError, match="position_offset"):
+        model.forward(tokens(3), position_offset=-1)
+    for bad, error in ((dlogits.astype(np.float64), TypeError), (dlogits[:1], ValueError)):
+        with pytest.raises(error, match=r"dlogits|dy"):
+            model.backward(bad)
+        assert all(not g.any() for g in model.get_gradients())
+    model.backward(dlogits)
+    for got, expected in zip(model.get_gradients(), want, strict=True):
+        np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"weight_decay": float("nan")},
+        {"weight_decay": -0.1},
+        {"weight_decay": float("inf")},
+        {"lr": float("nan")},
+        {"lr": float("inf")},
+        {"lr": 0.0},
+        {"eps": float("nan")},
+        {"eps": 0.0},
+        {"betas": (1.0, 0.999)},
+        {"betas": (0.9, float("nan"))},
+    ],
+    ids=str,
+)
+def test_adamw_refuses_hyper_parameters_that_are_not_finite(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match="AdamW"):
+        AdamW(built(), **kwargs)
 
 
 def test_clip_grad_norm() -> None:

@@ -261,6 +261,45 @@ def test_bad_stop_tokens_are_refused(weights: str, kwargs: dict, error: type) ->
         model.generate(tokens(1, 4), 4, **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        ({"temperature": float("nan")}, ValueError, "temperature"),
+        ({"temperature": float("inf")}, ValueError, "temperature"),
+        ({"temperature": -0.5}, ValueError, "temperature"),
+        ({"temperature": "1"}, TypeError, "temperature"),
+        ({"temperature": 1.0, "top_k": 2.5}, TypeError, "top_k"),
+        ({"temperature": 1.0, "top_k": 0}, ValueError, "top_k"),
+        ({"temperature": 1.0, "top_p": float("nan")}, ValueError, "top_p"),
+    ],
+    ids=str,
+)
+def test_bad_sampling_is_refused_before_any_work(
+    weights: str, kwargs: dict, error: type, pattern: str
+) -> None:
+    model = make(weights, RuntimeMode.INFERENCE, (1, 32))
+    model.prefill(tokens(1, 6))
+    caches = [block.self_attn._state["k_cache"].copy() for block in model.layers]
+    with pytest.raises(error, match=pattern):
+        model.generate(tokens(1, 4, seed=3), 4, **kwargs)
+    for block, cache in zip(model.layers, caches, strict=True):
+        np.testing.assert_array_equal(block.self_attn._state["k_cache"], cache)
+
+
+def test_a_bad_id_in_a_later_chunk_leaves_the_cache_alone(weights: str) -> None:
+    """prefill checks every chunk's ids before the first chunk writes the cache, so a
+    conversation survives a bad continuation."""
+    model = make(weights, RuntimeMode.INFERENCE, (1, 32), prefill=4)
+    conversation = tokens(1, 12)
+    model.prefill(conversation)
+    want = model.decode(np.array([7]), 12)
+    branch = tokens(1, 10, seed=4)
+    branch[0, 9] = CFG.vocab_size  # in the third chunk
+    with pytest.raises(ValueError, match="out of range"):
+        model.prefill(branch, position_offset=2)
+    np.testing.assert_array_equal(model.decode(np.array([7]), 12), want)
+
+
 def test_memory_prediction_and_inference_is_smaller(weights: str) -> None:
     model = Llama("llama", CFG, device="CPU")
     infer_ctx = BuildContext((1, 64), RuntimeMode.INFERENCE, prefill_size=8)
@@ -419,7 +458,11 @@ def test_decode_plan_serves_each_batch_size_and_refuses_bad_input(weights: str) 
     for bad in (True, 5.7, np.array([5.0, 6.0]), np.array([], dtype=np.int64), [1, 2, 3]):
         with pytest.raises(TypeError, match="decode positions must be an int or 2 ints"):
             model.decode(x[:, 6], bad)
+    for bad_tokens in (x[:1, 5:7], x[:, 6, None, None], np.array(3)):  # not one per sequence
+        with pytest.raises(ValueError, match="one token per sequence"):
+            model.decode(bad_tokens, 6)
     for block, cache in zip(model.layers, caches, strict=True):
         np.testing.assert_array_equal(block.self_attn._state["k_cache"], cache)
     both = model.decode(x[:, 6], 6)
     np.testing.assert_allclose(both, reference_logits(weights, x[:, :7])[:, 6], atol=1e-5)
+    np.testing.assert_array_equal(model.decode(x[:, 6:7], 6), both)  # [B, 1] is [B]

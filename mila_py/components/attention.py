@@ -275,18 +275,24 @@ class GroupedQueryAttention(CompositeComponent):
         if not self.is_built:
             raise RuntimeError(f"{self._describe()}: forward() needs a built component")
         cfg = self.config
+        inference = self.build_context.is_inference
+        # the positions first: a call that raises writes nothing (the projection's buffers
+        # hold what the next backward reads)
+        n_t = x.shape[1] if getattr(x, "ndim", 0) == 3 else 0
+        end = position_offset + n_t
+        if inference and (position_offset < 0 or end > self.context_length):
+            raise ValueError(
+                f"{self._describe()}: positions {position_offset}..{end - 1} do not fit the "
+                f"KV cache of {self.context_length} tokens"
+            )
+        if not inference and position_offset:
+            raise ValueError(f"{self._describe()}: TRAINING builds run from position 0")
         qkv = self.qkv_proj.forward(x)  # [B, T, (Hq + 2 Hk) d]
         q, k, v = self._split_qkv(qkv)
         q, k = self._normalized(q, k)
-        n_b, n_t = x.shape[0], x.shape[1]
+        n_b = x.shape[0]
         out = self._state["attn_out"][:n_b, :n_t]
-        if self.build_context.is_inference:
-            end = position_offset + n_t
-            if position_offset < 0 or end > self.context_length:
-                raise ValueError(
-                    f"{self._describe()}: positions {position_offset}..{end - 1} do not fit the "
-                    f"KV cache of {self.context_length} tokens"
-                )
+        if inference:
             self.rope.prefill(q, k, position_offset)
             k_cache = self._state["k_cache"][:n_b]
             v_cache = self._state["v_cache"][:n_b]
@@ -303,8 +309,6 @@ class GroupedQueryAttention(CompositeComponent):
                 q_offset=position_offset,
             )
             return self.o_proj._forward(out)  # its own buffer
-        if position_offset:
-            raise ValueError(f"{self._describe()}: TRAINING builds run from position 0")
         self.rope.forward(q, k)
         full = self._state["probs"]  # [B, Hk, g, T, T] of the build; a call's own leading part
         probs_buf = leading_view(full, (n_b, *full.shape[1:3], n_t, n_t))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -330,10 +331,19 @@ class Llama(Network):
         """
         if not self.is_built:
             raise RuntimeError(f"{self._describe()}: forward() needs a built network")
+        offset = _as_position(position_offset, self._describe())
+        if offset and self.build_context.is_training:  # refused before any buffer is written
+            raise ValueError(f"{self._describe()}: TRAINING builds run from position 0")
+        n_t = tokens.shape[1] if getattr(tokens, "ndim", 0) == 2 else 0
+        if offset + n_t > self.context_length:
+            raise ValueError(
+                f"{self._describe()}: positions {offset}..{offset + n_t - 1} do not fit the "
+                f"context of {self.context_length} tokens"
+            )
         with _active(self.execution_context):
             h = self.embed_tokens.forward(tokens)
             for block in self.layers:
-                h = block.forward(h, position_offset)
+                h = block.forward(h, offset)
             return self._head(h)
 
     def _head(self, h: Any) -> Any:
@@ -383,8 +393,12 @@ class Llama(Network):
         n_t, chunk = tokens.shape[1], self.chunk_size
         h = None
         with _active(self.execution_context):
+            # every chunk's ids before the first chunk writes the cache
+            self.embed_tokens._check_ints(tokens[:, :chunk], "tokens")
+            self.embed_tokens.check_ids(tokens)
             for start in range(0, n_t, chunk):
-                h = self.embed_tokens.forward(tokens[:, start : start + chunk])
+                piece = tokens[:, start : start + chunk]
+                h = self.embed_tokens._lookup(piece, tuple(piece.shape))
                 for block in self.layers:
                     h = block.forward(h, offset + start)
             last = self.execution_context.xp.ascontiguousarray(h[:, -1:])  # type: ignore[index]
@@ -414,7 +428,13 @@ class Llama(Network):
         """
         self._require_inference("decode()")
         ctx = self.execution_context
-        token = _on_device(ctx, token).reshape(-1, 1)
+        token = _on_device(ctx, token)
+        if not (token.ndim == 1 or (token.ndim == 2 and token.shape[1] == 1)):
+            raise ValueError(
+                f"{self._describe()}: decode takes one token per sequence, [B] (or [B, 1]), got "
+                f"shape {tuple(token.shape)}; use prefill for several tokens"
+            )
+        token = token.reshape(-1, 1)
         n_b = token.shape[0]
         positions, lowest, highest = check_decode_positions(
             position, n_b, self.context_length, self._describe(), ctx.to_host
@@ -621,10 +641,20 @@ class Llama(Network):
             raise TypeError(
                 f"{self._describe()}: max_new_tokens must be an int, got {max_new_tokens!r}"
             )
-        if max_new_tokens < 0 or temperature < 0:
-            raise ValueError(f"{self._describe()}: max_new_tokens and temperature must be >= 0")
-        if top_p is not None and not 0 < top_p <= 1:
+        if max_new_tokens < 0:
+            raise ValueError(f"{self._describe()}: max_new_tokens must be >= 0")
+        if isinstance(temperature, bool) or not isinstance(temperature, int | float | np.number):
+            raise TypeError(
+                f"{self._describe()}: temperature must be a number, got {temperature!r}"
+            )
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(
+                f"{self._describe()}: temperature must be finite and >= 0, got {temperature}"
+            )
+        if top_p is not None and not 0 < top_p <= 1:  # (NaN fails too)
             raise ValueError(f"{self._describe()}: top_p must be in (0, 1], got {top_p}")
+        if top_k is not None and not is_int(top_k):
+            raise TypeError(f"{self._describe()}: top_k must be an int or None, got {top_k!r}")
         if top_k is not None and top_k < 1:
             raise ValueError(f"{self._describe()}: top_k must be >= 1, got {top_k}")
         stop, pad = self._stop_tokens(eos_token_id, pad_token_id)
@@ -698,14 +728,33 @@ class Llama(Network):
             weight = self.embed_tokens._parameters["weight"]
             grad = self.embed_tokens._gradients["weight"]
             dim, vocab = self.config.dim, self.config.vocab_size
-            grad += dlogits.reshape(-1, vocab).T @ h.reshape(-1, dim)
             n_b, n_t = h.shape[0], h.shape[1]
+            # checked as the untied head's Linear checks it, before any gradient is touched
+            self._check_dlogits(dlogits, (n_b, n_t, vocab), weight.dtype)
+            grad += dlogits.reshape(-1, vocab).T @ h.reshape(-1, dim)
             dh = self._state["dnorm"][:n_b, :n_t]
             xp.matmul(dlogits, weight, out=dh)
         dh = self.norm.backward(dh)
         for block in reversed(self.layers):
             dh = block.backward(dh)
         self.embed_tokens.backward(dh)
+
+    def _check_dlogits(self, dlogits: Any, shape: tuple[int, ...], dtype: Any) -> None:
+        ctx = self.execution_context
+        if not ctx.is_device_array(dlogits):
+            raise TypeError(
+                f"{self._describe()}: dlogits must be an array on {ctx.device_id}, got "
+                f"{type(dlogits).__module__}.{type(dlogits).__name__}"
+            )
+        if dlogits.dtype != dtype:
+            raise TypeError(
+                f"{self._describe()}: dlogits has dtype {dlogits.dtype}; expected {dtype}"
+            )
+        if tuple(dlogits.shape) != shape:
+            raise ValueError(
+                f"{self._describe()}: dlogits must have the shape of the last forward's logits "
+                f"{list(shape)}, got {list(dlogits.shape)}"
+            )
 
     @classmethod
     def from_pretrained(

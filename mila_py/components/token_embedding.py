@@ -97,6 +97,12 @@ class TokenEmbedding(Layer):
         """
         self._require_built("forward()")
         shape = self._check_ints(tokens, "tokens")
+        self.check_ids(tokens)
+        return self._lookup(tokens, shape)
+
+    def check_ids(self, tokens: Any) -> None:
+        """Refuse ids outside ``[0, vocab_size)`` (``tokens``: integers of this device, any
+        shape), for a caller that looks up in pieces and must know before the first one."""
         if tokens.size:
             low, high = int(tokens.min()), int(tokens.max())
             if low < 0 or high >= self.config.vocab_size:
@@ -105,6 +111,9 @@ class TokenEmbedding(Layer):
                     f"{self._describe()}: token id {bad} is out of range: ids must be in "
                     f"[0, vocab_size = {self.config.vocab_size})"
                 )
+
+    def _lookup(self, tokens: Any, shape: tuple[int, ...]) -> Any:
+        """:meth:`forward` of checked ``tokens`` of ``shape``."""
         y = self._view("output", (*shape, self.config.dim))
         if self.build_context.is_training:
             kept = self._view("tokens", shape)

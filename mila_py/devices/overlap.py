@@ -33,11 +33,17 @@ def _geometry(x: Any) -> _Geometry:
     return ptr, tuple(x.shape), tuple(x.strides), int(x.dtype.itemsize)
 
 
-def _span(ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> range:
+def _bounds(geometry: _Geometry) -> tuple[int, int]:
     """Bytes ``[first, last + itemsize)`` an array can touch."""
-    low = ptr + sum(s * (n - 1) for n, s in zip(shape, strides, strict=True) if s < 0)
-    high = ptr + sum(s * (n - 1) for n, s in zip(shape, strides, strict=True) if s > 0)
-    return range(low, high + itemsize)
+    ptr, shape, strides, itemsize = geometry
+    low = high = ptr
+    for n, stride in zip(shape, strides, strict=False):  # equal lengths; strict costs time
+        if n > 1:
+            if stride < 0:
+                low += stride * (n - 1)
+            else:
+                high += stride * (n - 1)
+    return low, high + itemsize
 
 
 def _address_view(geometry: _Geometry) -> np.ndarray:
@@ -68,8 +74,8 @@ def arrays_overlap(a: Any, b: Any) -> bool:
     if a.size == 0 or b.size == 0:
         return False
     ga, gb = _geometry(a), _geometry(b)
-    ra, rb = _span(*ga), _span(*gb)
-    if ra.stop <= rb.start or rb.stop <= ra.start:
+    (a_low, a_high), (b_low, b_high) = _bounds(ga), _bounds(gb)
+    if a_high <= b_low or b_high <= a_low:
         return False
     return _solve(ga, gb)
 

@@ -387,12 +387,18 @@ def test_cuda_context_owns_a_stream_and_allocates_on_its_device() -> None:
 
 
 class _DeviceLikeArray:
-    """An array known only by address, shape, strides and dtype (as a CuPy or Numba device array
-    is to the host): exercises the path that never touches NumPy's own arrays."""
+    """An array known only by its ``__cuda_array_interface__`` (address, shape, strides, None
+    for C order, and type), as another library's device array is: exercises the path that
+    never touches NumPy's own arrays."""
 
     def __init__(self, x: np.ndarray) -> None:
-        self.shape, self.strides, self.dtype, self.size = x.shape, x.strides, x.dtype, x.size
-        self.__cuda_array_interface__ = {"data": (x.__array_interface__["data"][0], False)}
+        self.__cuda_array_interface__ = {
+            "data": (x.__array_interface__["data"][0], False),
+            "shape": x.shape,
+            "strides": None if x.flags.c_contiguous else x.strides,
+            "typestr": x.dtype.str,
+            "version": 3,
+        }
 
 
 def _views(draw: st.DrawFn, buffer: np.ndarray) -> np.ndarray:
@@ -436,6 +442,9 @@ def test_fused_qkv_views_do_not_overlap_but_an_off_by_one_split_does() -> None:
         assert arrays_overlap(wrap(qkv[..., :33]), wrap(k))
         assert arrays_overlap(wrap(q[1:]), wrap(qkv[1, 4]))
     assert not arrays_overlap(q[:, :0], q) and same_view(q, qkv[..., :32])
+    scalar = qkv[0, 0, 33:34].reshape(())  # 0-d, C order: strides None in the interface
+    assert arrays_overlap(_DeviceLikeArray(scalar), _DeviceLikeArray(k))
+    assert not arrays_overlap(_DeviceLikeArray(scalar), _DeviceLikeArray(q))
     owner = np.zeros(4, np.float32)  # arrays that own their memory: overlap only themselves
     assert arrays_overlap(owner, owner) and not arrays_overlap(owner, np.zeros(4, np.float32))
     assert not arrays_overlap(np.zeros(0), np.zeros(0)) and arrays_overlap(owner, owner[1:])

@@ -268,6 +268,8 @@ def test_bad_stop_tokens_are_refused(weights: str, kwargs: dict, error: type) ->
         ({"temperature": float("inf")}, ValueError, "temperature"),
         ({"temperature": -0.5}, ValueError, "temperature"),
         ({"temperature": "1"}, TypeError, "temperature"),
+        ({"temperature": 1j}, TypeError, "temperature"),
+        ({"temperature": np.array([0.5, 0.7])}, TypeError, "temperature"),
         ({"temperature": 1.0, "top_k": 2.5}, TypeError, "top_k"),
         ({"temperature": 1.0, "top_k": 0}, ValueError, "top_k"),
         ({"temperature": 1.0, "top_p": float("nan")}, ValueError, "top_p"),
@@ -284,6 +286,15 @@ def test_bad_sampling_is_refused_before_any_work(
         model.generate(tokens(1, 4, seed=3), 4, **kwargs)
     for block, cache in zip(model.layers, caches, strict=True):
         np.testing.assert_array_equal(block.self_attn._state["k_cache"], cache)
+
+
+def test_temperature_takes_numpy_numbers(weights: str) -> None:
+    model = make(weights, RuntimeMode.INFERENCE, (1, 32))
+    prompt = tokens(1, 4, seed=3)
+    want = model.generate(prompt, 4, temperature=0.7, seed=1)
+    for temperature in (np.float32(0.7), np.array(0.7)):
+        got = model.generate(prompt, 4, temperature=temperature, seed=1)
+        np.testing.assert_array_equal(got, want)
 
 
 def test_a_bad_id_in_a_later_chunk_leaves_the_cache_alone(weights: str) -> None:
@@ -458,7 +469,7 @@ def test_decode_plan_serves_each_batch_size_and_refuses_bad_input(weights: str) 
     for bad in (True, 5.7, np.array([5.0, 6.0]), np.array([], dtype=np.int64), [1, 2, 3]):
         with pytest.raises(TypeError, match="decode positions must be an int or 2 ints"):
             model.decode(x[:, 6], bad)
-    for bad_tokens in (x[:1, 5:7], x[:, 6, None, None], np.array(3)):  # not one per sequence
+    for bad_tokens in (x[:1, 5:7], x[:, 6, None, None], x[None, :, 6]):  # not one per sequence
         with pytest.raises(ValueError, match="one token per sequence"):
             model.decode(bad_tokens, 6)
     for block, cache in zip(model.layers, caches, strict=True):
@@ -466,3 +477,4 @@ def test_decode_plan_serves_each_batch_size_and_refuses_bad_input(weights: str) 
     both = model.decode(x[:, 6], 6)
     np.testing.assert_allclose(both, reference_logits(weights, x[:, :7])[:, 6], atol=1e-5)
     np.testing.assert_array_equal(model.decode(x[:, 6:7], 6), both)  # [B, 1] is [B]
+    np.testing.assert_array_equal(model.decode(int(x[0, 6]), 6), one)  # a scalar is [1]

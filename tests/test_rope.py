@@ -462,6 +462,40 @@ def test_torch_tensors_are_rotated_in_place_without_a_copy(
     assert np.array_equal(host(qkv), before)
 
 
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda rope, q, k: rope.forward(q, k),
+        lambda rope, q, k: rope.decode(q[:, :1], k[:, :1], 3),
+        lambda rope, q, k: rope.rotate(q, k, np.arange(4)),
+        lambda rope, q, k: rope.backward(q, k),
+    ],
+    ids=["forward", "decode", "rotate", "backward"],
+)
+def test_foreign_producers_are_released_even_when_adopting_k_fails(
+    call: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, rng
+) -> None:
+    """Q adopted, then K's export raises: the call still ends by ordering Q's producer (on a
+    GPU, a stream left recorded would be waited on by an unrelated later call)."""
+    cfg = rope_config((4, 2))
+    rope = make_rope(cfg, 2, 4, mode=TRAINING)
+    ctx = rope.execution_context
+    events: list[str] = []
+
+    def adopt(array: Any) -> Any:
+        events.append("adopt")
+        if len(events) == 2:
+            raise BufferError("cannot export")
+        return array
+
+    monkeypatch.setattr(ctx, "as_device_array", adopt)
+    monkeypatch.setattr(ctx, "release_foreign", lambda: events.append("release"))
+    q, k = random_qk(rng, cfg, 2, 4)
+    with pytest.raises(BufferError):
+        call(rope, q, k)
+    assert events == ["adopt", "adopt", "release"]
+
+
 def test_backward_refuses_gradients_that_lie_in_the_other_output_buffer(backend: str, rng) -> None:
     """The results of one backward passed back swapped (dq in the dk_in buffer) would be
     overwritten before they are read: refused, nothing changed. Passed back in their own

@@ -429,10 +429,11 @@ class Llama(Network):
         self._require_inference("decode()")
         ctx = self.execution_context
         token = _on_device(ctx, token)
-        if not (token.ndim == 1 or (token.ndim == 2 and token.shape[1] == 1)):
+        if not (token.ndim <= 1 or (token.ndim == 2 and token.shape[1] == 1)):
             raise ValueError(
-                f"{self._describe()}: decode takes one token per sequence, [B] (or [B, 1]), got "
-                f"shape {tuple(token.shape)}; use prefill for several tokens"
+                f"{self._describe()}: decode takes one token per sequence, [B] ([B, 1] and a "
+                f"scalar for B = 1 too), got shape {tuple(token.shape)}; use prefill for "
+                "several tokens"
             )
         token = token.reshape(-1, 1)
         n_b = token.shape[0]
@@ -643,10 +644,14 @@ class Llama(Network):
             )
         if max_new_tokens < 0:
             raise ValueError(f"{self._describe()}: max_new_tokens must be >= 0")
-        if isinstance(temperature, bool) or not isinstance(temperature, int | float | np.number):
+        try:
+            if isinstance(temperature, bool | str | bytes) or np.iscomplexobj(temperature):
+                raise TypeError
+            temperature = float(temperature)  # ints, floats, NumPy scalars and 0-d arrays
+        except (TypeError, ValueError):
             raise TypeError(
-                f"{self._describe()}: temperature must be a number, got {temperature!r}"
-            )
+                f"{self._describe()}: temperature must be a real number, got {temperature!r}"
+            ) from None
         if not (math.isfinite(temperature) and temperature >= 0):
             raise ValueError(
                 f"{self._describe()}: temperature must be finite and >= 0, got {temperature}"

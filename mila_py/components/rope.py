@@ -147,8 +147,8 @@ class Rope(Component):
         Raises:
             ValueError: a negative offset, or ``position_offset + T > max_seq_len``.
         """
-        q, k = self._device_arrays(q, k)
         try:
+            q, k = self._device_arrays(q, k)
             n_t = self._check_qk(q, k)
             offset = self._check_int(position_offset, "position_offset")
             last = offset + n_t - 1
@@ -171,8 +171,8 @@ class Rope(Component):
             position: an int for every sequence, or one int per sequence ``[B]``; with an
                 M-RoPE config also ``[3, B]`` (a position per axis and sequence).
         """
-        q, k = self._device_arrays(q, k)
         try:
+            q, k = self._device_arrays(q, k)
             n_t = self._check_qk(q, k)
             if n_t != 1:
                 raise ValueError(f"{self._describe()}: decode takes T == 1, got T = {n_t}")
@@ -208,8 +208,8 @@ class Rope(Component):
                 without the leading axis put a token at the same position on every axis, as
                 Hugging Face does for text.
         """
-        q, k = self._device_arrays(q, k)
         try:
+            q, k = self._device_arrays(q, k)
             self._check_qk(q, k)
             positions = self._check_positions(positions, q.shape[:2], "positions")
             self._apply_positions(q, k, positions)
@@ -238,8 +238,8 @@ class Rope(Component):
                 f"{self._describe()} was built for INFERENCE and has no gradient buffers; "
                 "build with RuntimeMode.TRAINING to call backward()"
             )
-        dq, dk = self._device_arrays(dq, dk)
         try:
+            dq, dk = self._device_arrays(dq, dk)
             n_t = self._check_qk(dq, dk, names=("dq", "dk"), writeable=False)
             n_b = dq.shape[0]
             dq_in = self._input_gradients["dq_in"][:n_b, :n_t]
@@ -274,7 +274,8 @@ class Rope(Component):
         """Q and K as arrays of this device: another library's arrays there (a torch tensor,
         anything with ``__dlpack__`` or ``__cuda_array_interface__``) become views of the same
         memory, so they rotate in place; anything else comes back unchanged for the checks to
-        accept or refuse. Calls that take them end with :meth:`_release_foreign`."""
+        accept or refuse. Called inside the ``try`` whose ``finally`` runs
+        :meth:`_release_foreign`, so a producer taken before an error is still ordered."""
         ctx = self._context
         if ctx is None:  # not placed yet: the checks say so
             return q, k

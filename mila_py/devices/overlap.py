@@ -23,13 +23,24 @@ _Geometry = tuple[int, tuple[int, ...], tuple[int, ...], int]
 
 
 def _geometry(x: Any) -> _Geometry:
-    """``(address, shape, strides, itemsize)`` of a NumPy or CuPy (or CUDA-interface) array."""
+    """``(address, shape, strides, itemsize)`` of a NumPy or CuPy array, or of anything with a
+    ``__cuda_array_interface__`` (strides None: C order)."""
     if isinstance(x, np.ndarray):  # (x.data is a memoryview, which bfloat16 cannot make)
         ptr = int(x.__array_interface__["data"][0])
     elif hasattr(getattr(x, "data", None), "ptr"):  # cupy.ndarray
         ptr = int(x.data.ptr)
     else:
-        ptr = int(x.__cuda_array_interface__["data"][0])
+        interface = x.__cuda_array_interface__
+        shape = tuple(int(n) for n in interface["shape"])
+        itemsize = np.dtype(interface["typestr"]).itemsize
+        strides = interface.get("strides")
+        if strides is None:  # C order
+            steps, step = [], itemsize
+            for n in reversed(shape):
+                steps.append(step)
+                step *= n
+            strides = steps[::-1]
+        return int(interface["data"][0]), shape, tuple(int(s) for s in strides), itemsize
     return ptr, tuple(x.shape), tuple(x.strides), int(x.dtype.itemsize)
 
 
@@ -71,9 +82,9 @@ def arrays_overlap(a: Any, b: Any) -> bool:
         if a.flags.owndata and b.flags.owndata:  # two allocations never overlap
             return a is b and a.size > 0
         return bool(np.shares_memory(a, b))
-    if a.size == 0 or b.size == 0:
-        return False
     ga, gb = _geometry(a), _geometry(b)
+    if 0 in ga[1] or 0 in gb[1]:
+        return False
     (a_low, a_high), (b_low, b_high) = _bounds(ga), _bounds(gb)
     if a_high <= b_low or b_high <= a_low:
         return False

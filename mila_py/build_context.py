@@ -64,14 +64,20 @@ class BuildContext:
             raise TypeError(
                 f"BuildContext: runtime_mode must be a RuntimeMode, got {self.runtime_mode!r}"
             )
-        if isinstance(self.prefill_size, bool) or not isinstance(self.prefill_size, int):
-            raise TypeError(f"BuildContext: prefill_size must be an int, got {self.prefill_size!r}")
-        if self.prefill_size < 0:
-            raise ValueError(f"BuildContext: prefill_size must be >= 0, got {self.prefill_size}")
-        if self.initialize_parameters is None:
-            object.__setattr__(
-                self, "initialize_parameters", self.runtime_mode is RuntimeMode.TRAINING
+        prefill = self.prefill_size
+        if isinstance(prefill, bool) or not isinstance(prefill, int | _np_integer()):
+            raise TypeError(f"BuildContext: prefill_size must be an int, got {prefill!r}")
+        if prefill < 0:
+            raise ValueError(f"BuildContext: prefill_size must be >= 0, got {prefill}")
+        object.__setattr__(self, "prefill_size", int(prefill))
+        init = self.initialize_parameters
+        if init is None:
+            init = self.runtime_mode is RuntimeMode.TRAINING
+        elif not isinstance(init, bool | _np_bool()):
+            raise TypeError(
+                f"BuildContext: initialize_parameters must be True, False or None, got {init!r}"
             )
+        object.__setattr__(self, "initialize_parameters", bool(init))
 
     @property
     def is_training(self) -> bool:
@@ -98,3 +104,9 @@ def _np_integer() -> type:
     import numpy as np
 
     return np.integer
+
+
+def _np_bool() -> type:
+    import numpy as np
+
+    return np.bool_

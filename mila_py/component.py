@@ -97,6 +97,7 @@ class Component(metaclass=_ComponentMeta):
         )
         self._context: ExecutionContext | None = None
         self._owns_context = False
+        self._parent: Component | None = None  # the composite this one was added to
         self._build_context: BuildContext | None = None
         self._training_mode: TrainingMode | None = None
         self._parameters: dict[str, Any] = {}

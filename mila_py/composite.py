@@ -31,6 +31,21 @@ class CompositeComponent(Component):
     ) -> None:
         super().__init__(name, device=device, precision=precision)
         self._components: dict[str, Component] = {}
+        self._fixed_children = False
+
+    def _fix_children(self) -> None:
+        """Close the set of children (composites whose build knows each child by name: an
+        attention's projections, a block's parts); later adds and removals are refused."""
+        self._fixed_children = True
+
+    def _check_open(self, what: str) -> None:
+        if self.is_built:
+            raise RuntimeError(f"{self._describe()} is built; children can only be {what} before")
+        if self._fixed_children:
+            raise RuntimeError(
+                f"{self._describe()} has a fixed set of children {list(self._components)}; "
+                f"none can be {what}"
+            )
 
     # ------------------------------------------------------------------ children
     def add_component(self, child: Component) -> CompositeComponent:
@@ -38,16 +53,21 @@ class CompositeComponent(Component):
 
         Raises:
             TypeError: ``child`` is not a Component.
-            RuntimeError: the composite is built, or the child already has an execution context
-                (a standalone component cannot join a tree).
+            RuntimeError: the composite is built or has a fixed set of children, the child
+                already belongs to a composite, or it already has an execution context (a
+                standalone component cannot join a tree).
             ValueError: a child of that name exists.
         """
         if not isinstance(child, Component):
             raise TypeError(f"{self._describe()}: add_component() needs a Component, got {child!r}")
-        if self.is_built:
-            raise RuntimeError(f"{self._describe()} is built; children can only be added before")
+        self._check_open("added")
         if child.name in self._components:
             raise ValueError(f"{self._describe()} already has a child named '{child.name}'")
+        if child._parent is not None:
+            raise RuntimeError(
+                f"{child._describe()} already belongs to {child._parent._describe()}; remove it "
+                "there first (remove_component)"
+            )
         if child.has_execution_context:
             raise RuntimeError(
                 f"{child._describe()} already has an execution context ({child.device_id}); "
@@ -58,6 +78,7 @@ class CompositeComponent(Component):
         if self.has_execution_context:
             child.set_execution_context(self.execution_context)
         self._components[child.name] = child
+        child._parent = self
         return self
 
     def get_component(self, name: str) -> Component:
@@ -82,6 +103,8 @@ class CompositeComponent(Component):
         Raises:
             KeyError: naming the first missing step.
         """
+        if not isinstance(path, str):
+            raise TypeError(f"{self._describe()}: find_component needs a str path, got {path!r}")
         found = _find(self, path)
         if found is None:
             first = path.split(".", 1)[0]
@@ -99,23 +122,23 @@ class CompositeComponent(Component):
         own, it leaves without the tree's execution context and can join another tree.
 
         Raises:
-            RuntimeError: after build.
+            RuntimeError: after build, or on a composite with a fixed set of children.
             KeyError: no such child.
         """
-        if self.is_built:
-            raise RuntimeError(f"{self._describe()} is built; children can only be removed before")
+        self._check_open("removed")
         child = self.get_component(name)
         del self._components[name]
+        child._parent = None
         child._release_context()  # free to join another tree
         return child
 
     def clear_components(self) -> None:
         """Remove every child (before build only); each can join another tree."""
-        if self.is_built:
-            raise RuntimeError(f"{self._describe()} is built; children can only be removed before")
+        self._check_open("removed")
         children = list(self._components.values())
         self._components.clear()
         for child in children:
+            child._parent = None
             child._release_context()
 
     @property

@@ -11,7 +11,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from mila_py.devices.device import DeviceType
+from mila_py.devices.device import DeviceId, DeviceType
 
 __all__ = ["DEVICE_PRECISIONS", "Precision"]
 
@@ -40,8 +40,14 @@ class Precision(enum.Enum):
         """
         return self.numpy_dtype
 
-    def is_supported_on(self, device_type: DeviceType) -> bool:
-        return self in DEVICE_PRECISIONS[device_type]
+    def is_supported_on(self, device: DeviceType | str) -> bool:
+        """Whether ``device`` (a DeviceType, or a device string such as ``"CUDA:0"``) stores
+        this precision."""
+        if not isinstance(device, DeviceType):
+            if not isinstance(device, str):
+                raise TypeError(f"is_supported_on: expected a DeviceType or str, got {device!r}")
+            device = DeviceId.parse(device).device_type
+        return self in DEVICE_PRECISIONS[device]
 
     @classmethod
     def from_dtype(cls, dtype: Any) -> Precision:

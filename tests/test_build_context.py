@@ -135,8 +135,22 @@ def test_negative_prefill_size_raises_value_error(prefill: int) -> None:
         {"input_shape": (2, 3), "runtime_mode": TrainingMode.NORMAL},
         {"input_shape": (2, 3), "runtime_mode": TRAIN, "prefill_size": 1.5},
         {"input_shape": (2, 3), "runtime_mode": TRAIN, "prefill_size": True},
+        {"input_shape": (2, 3), "runtime_mode": INFER, "initialize_parameters": "no"},
+        {"input_shape": (2, 3), "runtime_mode": INFER, "initialize_parameters": []},
+        {"input_shape": (2, 3), "runtime_mode": INFER, "initialize_parameters": 1},
     ],
 )
 def test_wrong_types_raise_type_error(kwargs) -> None:
     with pytest.raises(TypeError):
         BuildContext(**kwargs)
+
+
+def test_numpy_values_are_normalized() -> None:
+    import numpy as np
+
+    ctx = BuildContext(
+        (np.int64(2), 3), INFER, initialize_parameters=np.bool_(True), prefill_size=np.int32(2)
+    )
+    assert ctx == BuildContext((2, 3), INFER, initialize_parameters=True, prefill_size=2)
+    assert type(ctx.prefill_size) is int and ctx.initialize_parameters is True
+    assert hash(ctx) == hash(BuildContext((2, 3), INFER, True, 2))

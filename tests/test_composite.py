@@ -221,6 +221,55 @@ def test_remove_component_before_build() -> None:
     assert [child.name for child in comp] == ["a", "c", "b"]
 
 
+def test_a_child_belongs_to_one_composite_at_a_time() -> None:
+    """Adding a child that has a parent is refused (removing it from one parent would take the
+    context the other gave it); once removed, or cleared, it can join another."""
+    child = Component("c")
+    first, second = block("first", child), CompositeComponent("second")
+    with pytest.raises(RuntimeError, match="already belongs to CompositeComponent 'first'"):
+        second.add_component(child)
+    assert len(second) == 0
+    net = Network("net", device="CPU").add_component(first)
+    assert child.has_execution_context
+    second.add_component(first.remove_component("c"))
+    assert not child.has_execution_context and second.get_component("c") is child
+    second.clear_components()
+    first.add_component(child)
+    assert child.execution_context is net.execution_context
+
+
+def test_composites_with_a_fixed_set_of_children_refuse_changes() -> None:
+    """Composites whose build knows each child by name (SwiGLU, attention, a Llama block, a
+    Llama) refuse added and removed children instead of failing at build or later."""
+    from mila_py.components import (
+        AttentionConfig,
+        GroupedQueryAttention,
+        Llama,
+        LlamaBlock,
+        LlamaConfig,
+        SwiGLU,
+        SwiGLUConfig,
+    )
+
+    llama = LlamaConfig(vocab_size=16, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=8,
+                        max_seq_len=8)  # fmt: skip
+    fixed = [
+        SwiGLU("mlp", SwiGLUConfig(8, 16)),
+        GroupedQueryAttention("attn", AttentionConfig(8, 2, 1, max_seq_len=8)),
+        LlamaBlock("block", llama),
+        Llama("llama", llama, device="CPU"),
+    ]
+    for composite in fixed:
+        children = list(composite.components)
+        with pytest.raises(RuntimeError, match="fixed set of children"):
+            composite.add_component(Component("extra"))
+        with pytest.raises(RuntimeError, match="fixed set of children"):
+            composite.remove_component(children[0])
+        with pytest.raises(RuntimeError, match="fixed set of children"):
+            composite.clear_components()
+        assert list(composite.components) == children
+
+
 def test_clear_components_before_build() -> None:
     comp = block("comp", Component("a"), Component("b"))
     comp.clear_components()

@@ -88,8 +88,9 @@ def test_device_id_does_not_order_against_other_types() -> None:
     ("device_type", "index", "error"),
     [
         (DeviceType.CUDA, -1, ValueError),
-        (DeviceType.CUDA, 1.0, ValueError),
-        (DeviceType.CUDA, True, ValueError),
+        (DeviceType.CUDA, 1.0, TypeError),
+        (DeviceType.CUDA, True, TypeError),
+        (DeviceType.CUDA, "1", TypeError),
         (DeviceType.CPU, 1, ValueError),
         ("CUDA", 0, TypeError),
         (None, 0, TypeError),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import pytest
@@ -229,6 +230,10 @@ def test_inference_build_is_smaller_and_cannot_backward() -> None:
     assert infer.get_memory_stats().total_bytes < train.get_memory_stats().total_bytes
     with pytest.raises(RuntimeError, match="TRAINING"):
         infer.backward(np.zeros((B, T, 32), dtype=np.float32))
+    with pytest.raises(RuntimeError, match="TRAINING"):  # a block of it, too
+        infer.layers[0].backward(np.zeros((B, T, 16), dtype=np.float32))
+    with pytest.raises(RuntimeError, match="TRAINING"):  # and one that is not built
+        Llama("unbuilt", tiny(), device="CPU").layers[0].backward(None)
 
 
 def test_save_load_round_trip_and_mismatch_report(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -473,3 +478,53 @@ def test_training_brings_the_loss_down() -> None:
         opt.step()
         model.zero_gradients()
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "pattern"),
+    [
+        (lambda: tiny(dim=16.0), TypeError, "dim must be an int"),
+        (lambda: tiny(n_layers="2"), TypeError, "n_layers must be an int"),
+        (lambda: tiny(dim=0), ValueError, "dim must be > 0"),
+        (lambda: tiny(norm_eps="x"), TypeError, "norm_eps must be a number"),
+        (lambda: tiny(norm_eps=float("nan")), ValueError, "norm_eps must be finite"),
+        (lambda: tiny(head_dim="4"), TypeError, "head_dim must be an int"),
+        (lambda: tiny(head_dim=0), ValueError, "head_dim must be > 0"),
+    ],
+    ids=[
+        "float-dim",
+        "str-layers",
+        "zero-dim",
+        "str-eps",
+        "nan-eps",
+        "str-head-dim",
+        "zero-head-dim",
+    ],
+)
+def test_config_fields_of_the_wrong_type_or_value(make: Any, error: type, pattern: str) -> None:
+    with pytest.raises(error, match=pattern):
+        make()
+
+
+def test_wrong_types_raise_type_error_and_leave_the_state_alone() -> None:
+    from mila_py.components import AttentionConfig, GroupedQueryAttention
+
+    assert tiny(dim=np.int64(16)).dim == 16  # NumPy ints are ints
+    model = built(RuntimeMode.INFERENCE)
+    with pytest.raises(TypeError, match="BuildContext"):
+        model.required_memory((B, T))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="str path"):
+        model.find_component(None)  # type: ignore[arg-type]
+    attn = GroupedQueryAttention("attn", AttentionConfig(16, 4, 2, max_seq_len=16), device="CPU")
+    attn.build(BuildContext((1, 8, 16), RuntimeMode.INFERENCE, initialize_parameters=True))
+    x = np.ones((1, 2, 16), np.float32)
+    attn.forward(x, 0)
+    state = {name: a.copy() for name, a in attn.qkv_proj._state.items()}
+    with pytest.raises(TypeError, match="position_offset must be an int"):
+        attn.forward(x, 1.5)
+    with pytest.raises(ValueError, match=r"decode takes x \[B, 1, dim\]"):
+        attn.decode(x, 3)
+    with pytest.raises(ValueError, match=r"decode takes x \[B, 1, dim\]"):
+        attn.decode(None, 3)
+    for name, saved in state.items():  # nothing written by the failed calls
+        np.testing.assert_array_equal(attn.qkv_proj._state[name], saved)

@@ -96,3 +96,14 @@ def test_fp64_is_a_cpu_only_reference_precision() -> None:
     assert Precision.FP64.is_supported_on(DeviceType.CPU)
     assert not Precision.FP64.is_supported_on(DeviceType.CUDA)
     assert Precision.from_dtype(np.float64) is Precision.FP64
+
+
+def test_is_supported_on_takes_device_strings() -> None:
+    assert Precision.FP32.is_supported_on("CPU") is Precision.FP32.is_supported_on(DeviceType.CPU)
+    assert Precision.BF16.is_supported_on("cuda:1") is Precision.BF16.is_supported_on(
+        DeviceType.CUDA
+    )
+    with pytest.raises(ValueError):
+        Precision.FP32.is_supported_on("tpu")
+    with pytest.raises(TypeError):
+        Precision.FP32.is_supported_on(None)  # type: ignore[arg-type]

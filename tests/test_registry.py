@@ -230,3 +230,20 @@ def test_ops_created_through_the_registry_keep_their_protocol(cpu_ctx) -> None:
     assert isinstance(op, PositionalPairedOp)
     op.decode(None, None, 17)
     assert op.last == ("decode", 17)
+
+
+def test_lookups_by_the_wrong_types_raise_type_error(cpu_ctx) -> None:
+    """A string device or precision would find nothing and report a registered op as
+    missing; a non-Operation would be registered and fail only when created."""
+    _register_fp_op("TestOnlyOp_types")
+    for device, precision in (("CPU", FP32), (CPU, "FP32"), (CPU, None)):
+        with pytest.raises(TypeError, match="must be a"):
+            find_op("TestOnlyOp_types", device, precision)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="must be a"):
+            is_supported("TestOnlyOp_types", device, precision)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="ExecutionContext"):
+        create_op("TestOnlyOp_types", None, {}, FP32)  # type: ignore[arg-type]
+    for not_an_op in (42, object, lambda ctx, cfg, p: None):
+        with pytest.raises(TypeError, match="Operation subclasses"):
+            register_op("TestOnlyOp_bad_class", CPU, [FP32])(not_an_op)  # type: ignore[type-var]
+    assert not is_supported("TestOnlyOp_bad_class", CPU, FP32)

@@ -40,7 +40,7 @@ def is_bool(value: Any) -> bool:
 
 def check_sizes(config: Any, *names: str) -> None:
     """Raise unless each field ``names`` of ``config`` is an int > 0 (TypeError / ValueError
-    naming the config class and the field)."""
+    naming the config class and the field); NumPy integers are stored as Python ints."""
     owner = type(config).__name__
     for name in names:
         value = getattr(config, name)
@@ -48,6 +48,8 @@ def check_sizes(config: Any, *names: str) -> None:
             raise TypeError(f"{owner}: {name} must be an int, got {value!r}")
         if value <= 0:
             raise ValueError(f"{owner}: {name} must be > 0, got {value}")
+        if type(value) is not int:
+            object.__setattr__(config, name, int(value))  # (frozen dataclasses too)
 
 
 def check_finite(config: Any, name: str, *, positive: bool = False) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from mila_py.build_context import BuildContext
-from mila_py.components._layer import is_int, leading_view
+from mila_py.components._layer import check_sizes, is_int, leading_view
 from mila_py.components.linear import Linear, LinearConfig
 from mila_py.components.rms_norm import RmsNorm, RmsNormConfig
 from mila_py.components.rope import Rope
@@ -64,10 +64,9 @@ class AttentionConfig:
         self.validate()
 
     def validate(self) -> None:
-        for name in ("dim", "n_heads", "n_kv_heads", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"AttentionConfig: {name} must be a positive int, got {value!r}")
+        check_sizes(self, "dim", "n_heads", "n_kv_heads", "max_seq_len")
+        if self.head_dim is not None:
+            check_sizes(self, "head_dim")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"AttentionConfig: n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})"
@@ -175,6 +174,7 @@ class GroupedQueryAttention(CompositeComponent):
         for child in (self.qkv_proj, self.q_norm, self.k_norm, self.rope, self.o_proj):
             if child is not None:
                 self.add_component(child)
+        self._fix_children()
         self._op: Any = None
         self._saved: tuple[Any, ...] | None = None
 
@@ -275,6 +275,10 @@ class GroupedQueryAttention(CompositeComponent):
         if not self.is_built:
             raise RuntimeError(f"{self._describe()}: forward() needs a built component")
         cfg = self.config
+        if not is_int(position_offset):
+            raise TypeError(
+                f"{self._describe()}: position_offset must be an int, got {position_offset!r}"
+            )
         inference = self.build_context.is_inference
         # the positions first: a call that raises writes nothing (the projection's buffers
         # hold what the next backward reads)
@@ -326,14 +330,17 @@ class GroupedQueryAttention(CompositeComponent):
         if not self.is_built or not self.build_context.is_inference:
             raise RuntimeError(f"{self._describe()}: decode() needs an INFERENCE build")
         cfg = self.config
+        if getattr(x, "ndim", 0) != 3 or x.shape[1] != 1:
+            raise ValueError(
+                f"{self._describe()}: decode takes x [B, 1, dim], got "
+                f"{getattr(x, 'shape', type(x).__name__)}"
+            )
         n_b = x.shape[0]
         checked, lowest, highest = check_decode_positions(
             positions, n_b, self.context_length, self._describe(), self.execution_context.to_host
         )
         pos = None if isinstance(checked, int) else checked
-        qkv = self.qkv_proj.forward(x)  # checks x
-        if x.shape[1] != 1:
-            raise ValueError(f"{self._describe()}: decode takes x [B, 1, dim], got {x.shape}")
+        qkv = self.qkv_proj.forward(x)  # checks the rest of x
         q, k, v = self._split_qkv(qkv)
         q, k = self._normalized(q, k)
         uniform = lowest == highest

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from mila_py.build_context import BuildContext
-from mila_py.components._layer import is_bool, is_int, leading_view
+from mila_py.components._layer import check_finite, check_sizes, is_bool, is_int, leading_view
 from mila_py.components.attention import (
     AttentionConfig,
     GroupedQueryAttention,
@@ -82,15 +82,11 @@ class LlamaConfig:
         self.validate()
 
     def validate(self) -> None:
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"LlamaConfig: {name} must be a positive int, got {value!r}")
+        check_sizes(self, "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim")
         for name in ("tie_embeddings", "qkv_bias", "out_bias", "qk_norm", "mlp_bias"):
             if not is_bool(getattr(self, name)):
                 raise TypeError(f"LlamaConfig: {name} must be a bool, got {getattr(self, name)!r}")
-        if not self.norm_eps > 0:
-            raise ValueError(f"LlamaConfig: norm_eps must be > 0, got {self.norm_eps!r}")
+        check_finite(self, "norm_eps", positive=True)
         self.attention_config()
 
     def attention_config(self) -> AttentionConfig:
@@ -160,6 +156,7 @@ class LlamaBlock(CompositeComponent):
             self.mlp_residual,
         ):
             self.add_component(child)
+        self._fix_children()
 
     def _on_building(self, build_context: BuildContext) -> None:
         shape = build_context.input_shape
@@ -216,10 +213,12 @@ class LlamaBlock(CompositeComponent):
 
     def backward(self, dy: Any) -> Any:
         """``dy [B, T, dim] -> dx [B, T, dim]``; accumulates every parameter gradient."""
+        if not self.is_built or not self.build_context.is_training:
+            raise RuntimeError(f"{self._describe()}: backward() needs a TRAINING build")
         xp = self.execution_context.xp
+        skip, branch = self.mlp_residual.backward(dy)  # the one check of dy
         n_b, n_t = dy.shape[0], dy.shape[1]
         dh = self._state["dhidden"][:n_b, :n_t]
-        skip, branch = self.mlp_residual.backward(dy)
         xp.add(skip, self.post_attention_layernorm.backward(self.mlp.backward(branch)), out=dh)
         dx = self._state["dinput"][:n_b, :n_t]
         skip, branch = self.attn_residual.backward(dh)
@@ -264,6 +263,7 @@ class Llama(Network):
                 "lm_head", LinearConfig(config.dim, config.vocab_size), precision=precision
             )
             self.add_component(self.lm_head)
+        self._fix_children()
         self._hidden: Any = None
         #: decode plans per batch size on INFERENCE builds (None on TRAINING builds)
         self._plans: dict[int, tuple[DecodePositions, list[Any], Any]] | None = None
@@ -311,6 +311,10 @@ class Llama(Network):
         """The :class:`MemoryStats` a build with ``build_context`` will have, without building
         this model: a twin is built (parameters not initialized, so its zeroed pages are never
         touched) and measured."""
+        if not isinstance(build_context, BuildContext):
+            raise TypeError(
+                f"{self._describe()}: required_memory needs a BuildContext, got {build_context!r}"
+            )
         twin = Llama(self.name, self.config, device=self.device_id, precision=self.precision)
         twin.build(
             BuildContext(

@@ -83,6 +83,7 @@ class SwiGLU(Layer, CompositeComponent):
         self.down_proj = Linear("down_proj", out_of, precision=precision)
         for child in (self.gate_proj, self.up_proj, self.down_proj):
             self.add_component(child)
+        self._fix_children()
 
     def _on_building(self, build_context: BuildContext) -> None:
         dim, hidden = self.config.dim, self.config.hidden_dim

@@ -38,8 +38,10 @@ class DeviceId:
     def __post_init__(self) -> None:
         if not isinstance(self.device_type, DeviceType):
             raise TypeError(f"DeviceId: device_type must be a DeviceType, got {self.device_type!r}")
-        if isinstance(self.index, bool) or not isinstance(self.index, int) or self.index < 0:
-            raise ValueError(f"DeviceId: index must be a non-negative int, got {self.index!r}")
+        if isinstance(self.index, bool) or not isinstance(self.index, int):
+            raise TypeError(f"DeviceId: index must be an int, got {self.index!r}")
+        if self.index < 0:
+            raise ValueError(f"DeviceId: index must be >= 0, got {self.index}")
         if self.device_type is DeviceType.CPU and self.index != 0:
             raise ValueError(f"DeviceId: there is one CPU device (index 0), got CPU:{self.index}")
 

@@ -72,6 +72,8 @@ def register_op(
         raise ValueError(f"register_op({name!r}): precisions must be non-empty Precision values")
 
     def decorator(cls: T) -> T:
+        if not (isinstance(cls, type) and issubclass(cls, Operation)):
+            raise TypeError(f"register_op({name!r}): decorates Operation subclasses, got {cls!r}")
         key = (name, device_type)
         with _LOCK:
             existing = _REGISTRY.get(key)
@@ -110,7 +112,12 @@ def registered_ops() -> list[RegisteredOp]:
 
 
 def is_supported(name: str, device_type: DeviceType, precision: Precision) -> bool:
-    """True if an op ``name`` exists for ``device_type`` and supports ``precision``."""
+    """True if an op ``name`` exists for ``device_type`` and supports ``precision``.
+
+    Raises:
+        TypeError: ``device_type`` is not a DeviceType or ``precision`` not a Precision.
+    """
+    _check_key("is_supported", device_type, precision)
     _load_op_modules()
     entry = _REGISTRY.get((name, device_type))
     return entry is not None and precision in entry.precisions
@@ -131,7 +138,9 @@ def find_op(name: str, device_type: DeviceType, precision: Precision) -> type[Op
 
     Raises:
         OpNotFoundError: naming all three and listing what is registered.
+        TypeError: ``device_type`` is not a DeviceType or ``precision`` not a Precision.
     """
+    _check_key("find_op", device_type, precision)
     _load_op_modules()
     entry = _REGISTRY.get((name, device_type))
     if entry is None or precision not in entry.precisions:
@@ -143,6 +152,24 @@ def find_op(name: str, device_type: DeviceType, precision: Precision) -> type[Op
 
 
 def create_op(name: str, context: ExecutionContext, config: Any, precision: Precision) -> Operation:
-    """Instantiate the op ``name`` for ``context``'s device at ``precision``."""
+    """Instantiate the op ``name`` for ``context``'s device at ``precision``.
+
+    Raises:
+        TypeError: ``context`` is not an ExecutionContext (or a bad precision type).
+        OpNotFoundError: see :func:`find_op`.
+    """
+    if not isinstance(context, ExecutionContext):
+        raise TypeError(
+            f"create_op({name!r}): context must be an ExecutionContext, got {context!r}"
+        )
     cls = find_op(name, context.device_type, precision)
     return cls(context, config, precision)
+
+
+def _check_key(what: str, device_type: Any, precision: Any) -> None:
+    """Refuse lookups by the wrong types (a string "CPU" or "FP32" would find nothing and
+    report the op as missing)."""
+    if not isinstance(device_type, DeviceType):
+        raise TypeError(f"{what}: device_type must be a DeviceType, got {device_type!r}")
+    if not isinstance(precision, Precision):
+        raise TypeError(f"{what}: precision must be a Precision, got {precision!r}")

@@ -68,6 +68,13 @@ class MemoryStats:
             **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
         )
 
+    def __radd__(self, other: object) -> MemoryStats:
+        """``0 + stats`` is ``stats``, so ``sum(list_of_stats)`` works. (Sums add what each
+        one counted: a buffer two networks share appears in both.)"""
+        if other == 0:
+            return self
+        return NotImplemented
+
     @property
     def device_total_bytes(self) -> int:
         return self.device_parameter_bytes + self.device_gradient_bytes + self.device_state_bytes

@@ -67,11 +67,14 @@ def test_addition_is_fieldwise() -> None:
     assert a + MemoryStats() == a
     assert a == _stats(1, 2, 3, 4, 5, 6)  # operands unchanged
     assert sum([a, b, a], MemoryStats()) == _stats(12, 24, 36, 48, 60, 72)
+    assert sum([a, b, a]) == _stats(12, 24, 36, 48, 60, 72)  # from sum's start of 0
 
 
 def test_adding_something_else_raises_type_error() -> None:
     with pytest.raises(TypeError):
         _ = MemoryStats() + 5  # type: ignore[operator]
+    with pytest.raises(TypeError):
+        _ = 5 + MemoryStats()  # type: ignore[operator]
 
 
 def test_totals() -> None:

@@ -266,7 +266,10 @@ class Component(metaclass=_ComponentMeta):
         return self._training_mode is TrainingMode.NORMAL
 
     def set_training_mode(self, mode: TrainingMode) -> None:
-        """Switch a TRAINING build between NORMAL and EVAL; the same mode is a no-op.
+        """Switch a TRAINING build, and every component in it, between NORMAL and EVAL.
+
+        A no-op when the whole subtree is in ``mode`` already; a composite in ``mode`` whose
+        child was switched on its own brings that child back (as ``torch.nn.Module.train``).
 
         Raises:
             TypeError: ``mode`` is not a TrainingMode.
@@ -281,7 +284,7 @@ class Component(metaclass=_ComponentMeta):
                 f"{self._describe()} was built for INFERENCE and always runs in EVAL; "
                 "build it with RuntimeMode.TRAINING to train"
             )
-        if mode is self._training_mode:
+        if all(node._training_mode is mode for node in self._walk()):
             return
         self._on_training_mode_changing(mode)
         self._training_mode = mode

@@ -485,6 +485,12 @@ def test_training_mode_propagates_to_every_child() -> None:
     assert [c for c in a.calls if c[0] == "mode"] == [("mode", TrainingMode.EVAL)]
     net.train()
     assert all(n.training_mode is TrainingMode.NORMAL for n in (net, a, b))
+    # a child switched on its own comes back with its network, which is in the mode already
+    b.eval()
+    a_calls = len(a.calls)
+    net.train()
+    assert all(n.training_mode is TrainingMode.NORMAL for n in (net, a, b))
+    assert b.calls[-1] == ("mode", TrainingMode.NORMAL) and len(a.calls) == a_calls  # a: no-op
 
 
 def test_failing_child_mode_switch_restores_the_children_already_switched() -> None:

@@ -33,6 +33,7 @@ from mila_py.devices import DeviceId, DeviceLike, DeviceType, create_execution_c
 from mila_py.devices.execution_context import ExecutionContext
 from mila_py.memory import MemoryCategory, MemoryLocation, MemoryStats
 from mila_py.ops.operation import Operation
+from mila_py.ops.registry import OpNotFoundError
 from mila_py.precision import Precision
 
 __all__ = ["Component"]
@@ -159,6 +160,14 @@ class Component(metaclass=_ComponentMeta):
         self._context = context
         try:
             self._on_execution_context_set()
+        except OpNotFoundError as exc:
+            _restore(snapshot)
+            if exc.args and str(exc.args[0]).startswith("no op"):  # the leaf: name it
+                raise OpNotFoundError(
+                    f"{self._describe()} ({self.precision} on {context.device_id}): {exc}; "
+                    "construct it with a precision that device supports"
+                ) from None
+            raise
         except BaseException:
             # Restore the whole subtree: a nested composite may have handed the context to
             # grandchildren before a later sibling's hook raised.

@@ -626,3 +626,20 @@ def test_repr_of_an_unbuilt_composite() -> None:
     assert "unbuilt" in text
     assert "params=0" in text
     assert text.splitlines()[1].startswith("  Linear('a'")
+
+
+def test_a_child_whose_op_is_missing_is_named_when_it_joins() -> None:
+    """A precision its device lacks is found when the child gets the context: the error names
+    the child, its precision and the device, and the network is left as it was."""
+    from mila_py.components import Linear, LinearConfig
+    from mila_py.ops.registry import OpNotFoundError
+
+    child = Linear("half", LinearConfig(4, 4), precision=Precision.FP16)
+    net = Network("net", device="CPU")
+    with pytest.raises(OpNotFoundError, match=r"Linear 'half' \(FP16 on CPU:0\): no op 'LinearOp'"):
+        net.add_component(child)
+    assert len(net) == 0 and not child.has_execution_context
+    block_of_it = CompositeComponent("blk").add_component(Linear("deep", LinearConfig(4, 4),
+                                                                 precision=Precision.FP16))  # fmt: skip
+    with pytest.raises(OpNotFoundError, match=r"^Linear 'deep' \(FP16 on CPU:0\)"):
+        net.add_component(block_of_it)  # named once, by the leaf, not again by its parent

@@ -89,14 +89,27 @@ def assign_init_names(root: Any) -> None:
     """Give every descendant of ``root`` its dotted path below ``root`` as its init name.
 
     The paths are those of ``root.named_parameters()`` without the parameter name (a child
-    ``mlp`` of a block ``layer3`` of the root seeds with ``"layer3.mlp"``), so they are unique
-    in the tree and independent of the root's own name.
+    ``mlp`` of a block ``layer3`` of the root seeds with ``"layer3.mlp"``), independent of the
+    root's own name.
+
+    Raises:
+        ValueError: two components have one path (a child named ``"a.b"`` beside a child ``a``
+            with a child ``b``): their parameters would share names and initial values, and
+            no save could tell them apart. Nothing is assigned then.
     """
+    found: dict[str, Any] = {}
 
     def visit(node: Any, prefix: str) -> None:
         for child in node._children():
             path = prefix + child.name
-            set_init_name(child, path)
+            if path in found:
+                raise ValueError(
+                    f"{found[path]._describe()} and {child._describe()} both have the path "
+                    f"'{path}' below {root._describe()}: rename one (dots in names join paths)"
+                )
+            found[path] = child
             visit(child, path + ".")
 
     visit(root, "")
+    for path, child in found.items():
+        set_init_name(child, path)

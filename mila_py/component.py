@@ -217,8 +217,10 @@ class Component(metaclass=_ComponentMeta):
 
         Raises:
             TypeError: if ``build_context`` is not a BuildContext.
-            RuntimeError: if already built or no execution context is set.
-            ValueError: if the subclass rejects the context (e.g. a shape that fits no config).
+            RuntimeError: if already built, no execution context is set, or the component is
+                part of a tree (the root builds every part, with the context each needs).
+            ValueError: if the subclass rejects the context (e.g. a shape that fits no config),
+                or two components of the tree have one dotted path.
         """
         if not isinstance(build_context, BuildContext):
             raise TypeError(
@@ -231,8 +233,16 @@ class Component(metaclass=_ComponentMeta):
                 f"{self._describe()} cannot be built without an execution context: construct it "
                 "with device=... or add it to a Network"
             )
-        snapshot = self._snapshot()
         depth = getattr(_BUILDING, "depth", 0)
+        if depth == 0 and self._parent is not None:
+            root = self._parent
+            while root._parent is not None:
+                root = root._parent
+            raise RuntimeError(
+                f"{self._describe()} belongs to {self._parent._describe()}: a tree is built from "
+                f"its root ({root._describe()}), which builds each part with the context it needs"
+            )
+        snapshot = self._snapshot()
         if depth == 0:  # the root of this build: seed every descendant by its dotted path
             from mila_py.init import assign_init_names
 

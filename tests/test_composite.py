@@ -331,13 +331,16 @@ def test_a_removed_child_leaves_the_context_behind_and_joins_another_tree() -> N
     assert leaf.execution_context is net.execution_context and leaf.out_features == 6
     net.build(train_ctx())
     assert net.find_component("other.leaf").get_parameters()[0].shape == (6, 4)
-    # a child built on its own keeps its context (and its arrays)
-    built_leaf = Linear("built")
-    holder = block("holder", built_leaf)
-    Network("owner").add_component(holder)
-    built_leaf.build(train_ctx())
-    holder.remove_component("built")
-    assert built_leaf.is_built and built_leaf.has_execution_context
+    # a part of a tree is built by the tree's root, never on its own (its network could not
+    # build it again); refused with nothing changed, and the tree builds
+    part = Linear("part")
+    holder = block("holder", part)
+    owner = Network("owner").add_component(holder)
+    with pytest.raises(RuntimeError, match="built from its root \\(Network 'owner'\\)"):
+        part.build(train_ctx())
+    assert not part.is_built and part.get_parameters() == []
+    owner.build(train_ctx())
+    assert part.is_built
     # a real layer drops its op with the context and makes a new one in its next tree
     from mila_py.components import Rope, RopeConfig
 

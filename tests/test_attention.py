@@ -65,6 +65,28 @@ def test_forward_matches_naive_loop(hq: int, hk: int, kernels: str) -> None:
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("bad", [math.nan, math.inf], ids=["nan", "inf"])
+def test_a_non_finite_key_reaches_only_the_queries_that_see_it(kernels: str, bad: float) -> None:
+    """Masked scores are set, not added to: NaN + -inf would be NaN and poison the row max of
+    queries that never see the key (both paths agree, as torch's flash kernel does)."""
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((1, 4, 8))  # 2 query heads of 4 over 1 key/value head
+    k, v = rng.standard_normal((1, 4, 4)), rng.standard_normal((1, 4, 4))
+    k[0, 3] = bad  # key 3: only query 3 sees it
+    out = np.empty_like(q)
+    with np.errstate(invalid="ignore"):  # inf * 0 in the scores of the query that sees it
+        attention_forward(q, k, v, 2, 1, 0.5, out, **forward_hooks(kernels))
+    clean = k.copy()
+    clean[0, 3] = 0.0
+    want = naive_attention(q[:, :3], clean, v, 2, 1, 0.5)
+    np.testing.assert_allclose(out[:, :3], want, rtol=1e-12, atol=1e-12)
+    ragged = np.empty_like(q[:, :1])  # ragged decode: a sequence that sees keys 0..2 only
+    with np.errstate(invalid="ignore"):
+        attention_forward(q[:, 2:3], k, v, 2, 1, 0.5, ragged, causal=False, visible=np.array([3]))
+    np.testing.assert_allclose(ragged, want[:, 2:3], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
 def test_query_offset_sees_the_cache(kernels: str) -> None:
     rng = np.random.default_rng(3)
     q = rng.standard_normal((1, 2, 8))

@@ -33,10 +33,14 @@ def _split(x: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
     return x.reshape(n_b, n_t, heads, head_dim).transpose(0, 2, 1, 3)
 
 
+def _future(n_tq: int, n_tk: int, q_offset: int) -> np.ndarray:
+    """``[Tq, Tk]``: True where query ``t`` may not see key ``s`` (``s > q_offset + t``)."""
+    return np.arange(n_tk)[None, :] > (q_offset + np.arange(n_tq))[:, None]
+
+
 def _causal_bias(n_tq: int, n_tk: int, q_offset: int, dtype: np.dtype) -> np.ndarray:
     """``[Tq, Tk]``: 0 where query ``t`` may see key ``s`` (``s <= q_offset + t``), else -inf."""
-    future = np.arange(n_tk)[None, :] > (q_offset + np.arange(n_tq))[:, None]
-    return np.where(future, -np.inf, 0.0).astype(dtype)
+    return np.where(_future(n_tq, n_tk, q_offset), -np.inf, 0.0).astype(dtype)
 
 
 def _visible_bias(visible: Any, n_tk: int, dtype: Any, xp: Any = np) -> Any:
@@ -94,10 +98,13 @@ def attention_forward(
     if softmax is not None and bias is None:
         softmax(scores.reshape(-1, n_tq, n_tk), q_offset, causal)
     else:
+        # masked scores are set to -inf, not added to: a NaN or inf in a key no query may see
+        # (a cache row not written yet) must not reach the rows that cannot see it
         if bias is not None:
             scores += bias
+            np.copyto(scores, -np.inf, where=np.isneginf(bias))
         elif causal:
-            scores += _causal_bias(n_tq, n_tk, q_offset, scores.dtype)
+            np.copyto(scores, -np.inf, where=_future(n_tq, n_tk, q_offset))
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)

@@ -3,8 +3,9 @@
 Per row ``z [V]`` with target ``t`` (rows whose target is ``ignore_index`` are skipped)::
 
     forward   lse  = m + log(sum_v exp(z_v - m)),  m = max_v z_v     # [N], kept for backward
-              loss = sum_{valid rows} (lse - z_t) / count            # accumulated in float64
-    backward  dz   = (exp(z - lse) - onehot(t)) * scale              # [N, V]; 0 on ignored rows
+              loss = sum_{valid rows} ((m - z_t) + log(sum)) / count   # in float64
+    backward  dz   = (p - onehot(t)) * scale, p = exp(z - lse) / sum_v exp(z_v - lse)
+                                                                     # [N, V]; 0 on ignored rows
 
 ``scale`` is ``dloss / count`` for the mean. Subtracting the row maximum keeps ``exp`` finite;
 rows are processed in cache-sized blocks, so temporaries stay small however large ``V`` is.
@@ -49,18 +50,23 @@ def softmax_cross_entropy_forward(
     """
     z2 = as_rows(logits)  # [N, V]
     lse1 = out_flat(lse)  # [N]
+    # the loss from max and log-sum apart, in float64: lse rounded to the logits' dtype loses
+    # log(sum) next to a large max (logits of 1e4 lose ~1e-4 of the loss)
+    row_max = np.empty(z2.shape[0], np.float64)
+    log_sum = np.empty(z2.shape[0], np.float64)
     for s in row_blocks(z2.shape[0], z2.shape[1]):
         zb = z2[s]
         m = zb.max(axis=1)  # [n]
         e = zb - m[:, None]  # [n, V]
         np.exp(e, out=e)
-        np.log(e.sum(axis=1), out=lse1[s])
-        lse1[s] += m
+        log_sum[s] = np.log(e.sum(axis=1, dtype=np.float64))
+        row_max[s] = m
+        lse1[s] = row_max[s] + log_sum[s]
     rows, cols = _counted(targets, ignore_index)
     if rows.size == 0:
         return math.nan, 0
     picked = z2[rows, cols].astype(np.float64)  # [count] target logits
-    total = float(np.sum(lse1[rows].astype(np.float64) - picked))
+    total = float(np.sum((row_max[rows] - picked) + log_sum[rows]))
     return total / rows.size, int(rows.size)
 
 
@@ -88,7 +94,9 @@ def softmax_cross_entropy_backward(
         db = d2[s]
         np.subtract(z2[s], lse1[s, None], out=db)
         np.exp(db, out=db)  # softmax: z - lse <= 0, so exp <= 1
-        db *= scale
+        # divided by its sum: lse rounded next to a large max puts one factor on the whole
+        # row (logits of 1e4: 1e-5 relative), which the sum takes out
+        db *= scale / db.sum(axis=1, keepdims=True)
     rows, cols = _counted(targets, ignore_index)
     d2[rows, cols] -= scale
     d2[targets.reshape(-1) == ignore_index] = 0

@@ -99,8 +99,9 @@ class AdamW:
             m *= beta1
             m += (1.0 - beta1) * g
             v *= beta2
-            v += (1.0 - beta2) * (g * g)
-            denom = xp.sqrt(v / correction2)
+            v += (1.0 - beta2) * g * g  # scaled, then squared, as torch: no early overflow
+            denom = xp.sqrt(v)  # sqrt first, then the correction, as torch: v / c2 overflows first
+            denom /= math.sqrt(correction2)
             denom += eps
             p -= step_size * (m / denom)
 

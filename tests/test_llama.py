@@ -327,6 +327,25 @@ def test_adamw_step_matches_the_formula() -> None:
         np.testing.assert_allclose(p, expected, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["array-code", "fused"])
+def test_adamw_scales_before_squaring_so_huge_gradients_still_step(fused: bool) -> None:
+    """(1 - beta2) * g * g left to right, as torch: g = 1e20 squares to inf in float32, but
+    0.001 * g * g does not; the first step then moves every weight by lr (m_hat / sqrt(v_hat)
+    = sign(g)), where an infinite v froze the weights for good."""
+    lin = Linear("lin", LinearConfig(3, 2), device="CPU")
+    lin.build(BuildContext((1, 3), RuntimeMode.TRAINING))
+    lin.weight[...] = 1.0
+    opt = AdamW(lin, lr=0.1, weight_decay=0.0)
+    if not fused:
+        opt._fused = None
+    elif opt._fused is None:
+        pytest.skip("Numba is not installed or MILA_PY_CPU_BACKEND=numpy")
+    lin.get_gradients()[0][...] = np.float32(1e20)
+    opt.step()
+    np.testing.assert_allclose(lin.weight, 0.9, rtol=1e-6)
+    assert np.isfinite(opt._v[0]).all()
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_cpu_fused_adamw_equals_the_array_code_bit_for_bit(dtype) -> None:  # type: ignore[no-untyped-def]
     from mila_py.ops.cpu import _fused_layers
@@ -366,8 +385,9 @@ def test_cpu_fused_adamw_takes_fortran_order_and_refuses_mixed_layouts() -> None
     p, g = (np.asfortranarray(rng.standard_normal((4, 6)).astype(np.float32)) for _ in range(2))
     m, v = np.zeros_like(p), np.zeros_like(p)
     kw = {"decay": 0.99, "betas": (0.9, 0.999), "correction2": 0.001, "eps": 1e-8}
+    v1 = np.float32(0.001) * g * g
     expected = p * np.float32(0.99) - np.float32(0.1) * (
-        (np.float32(0.1) * g) / (np.sqrt(np.float32(0.001) * (g * g) / np.float32(0.001)) + 1e-8)
+        (np.float32(0.1) * g) / (np.sqrt(v1) / np.float32(np.sqrt(0.001)) + 1e-8)
     )
     op.step(p, g, m, v, step_size=0.1, **kw)
     np.testing.assert_allclose(p, expected, rtol=1e-6)

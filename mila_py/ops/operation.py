@@ -4,6 +4,7 @@ the fused AdamW update ops."""
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -187,8 +188,8 @@ class FusedAdamW(Operation):
 
         p = p * decay                              (parameters that decay)
         m = m * beta1 + (1 - beta1) * g
-        v = v * beta2 + (1 - beta2) * (g * g)
-        p = p - step_size * (m / (sqrt(v / correction2) + eps))
+        v = v * beta2 + (1 - beta2) * g * g
+        p = p - step_size * (m / (sqrt(v) / sqrt(correction2) + eps))
 
     Subclasses implement :meth:`_update` and may narrow :meth:`accepts`.
     """
@@ -239,7 +240,7 @@ class FusedAdamW(Operation):
         t = p.dtype.type  # NumPy rounds each Python float to the parameter's dtype
         scalars = (
             t(1.0 if decay is None else decay), t(beta1), t(1.0 - beta1), t(beta2), t(1.0 - beta2),
-            t(correction2), t(eps), t(step_size),
+            t(math.sqrt(correction2)), t(eps), t(step_size),
         )  # fmt: skip
         self._update(p, g, m, v, decay is not None, scalars)
 
@@ -247,5 +248,5 @@ class FusedAdamW(Operation):
         self, p: Any, g: Any, m: Any, v: Any, decays: bool, scalars: tuple[Any, ...]
     ) -> None:
         """Run the kernel: ``scalars`` are ``(decay, beta1, 1 - beta1, beta2, 1 - beta2,
-        correction2, eps, step_size)`` in the parameter's dtype."""
+        sqrt(correction2), eps, step_size)`` in the parameter's dtype."""
         raise NotImplementedError

@@ -35,7 +35,7 @@ def _adamw(
     one_minus_beta1,
     beta2,
     one_minus_beta2,
-    correction2,
+    correction2_sqrt,
     eps,
     step_size,
 ):
@@ -46,8 +46,8 @@ def _adamw(
         if decays:
             pi = pi * decay
         mi = m[i] * beta1 + one_minus_beta1 * gi
-        vi = v[i] * beta2 + one_minus_beta2 * (gi * gi)
-        denom = np.sqrt(vi / correction2) + eps
+        vi = v[i] * beta2 + one_minus_beta2 * gi * gi
+        denom = np.sqrt(vi) / correction2_sqrt + eps
         p[i] = pi - step_size * (mi / denom)
         m[i] = mi
         v[i] = vi

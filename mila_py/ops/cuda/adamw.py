@@ -6,8 +6,8 @@ with NumPy's float32 roundings in the same order::
 
     p = p * decay                              (parameters that decay)
     m = m * beta1 + (1 - beta1) * g
-    v = v * beta2 + (1 - beta2) * (g * g)
-    p = p - step_size * (m / (sqrt(v / correction2) + eps))
+    v = v * beta2 + (1 - beta2) * g * g        (scaled, then squared, as torch)
+    p = p - step_size * (m / (sqrt(v) / sqrt(correction2) + eps))   (as torch orders them)
 
 Every scalar arrives as the float32 that NumPy would round the Python float to.
 """
@@ -30,7 +30,7 @@ ADAMW_CUDA_SOURCE = r"""
 extern "C" __global__ void adamw_step(
     float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
     float* __restrict__ v, long long n, int decays, float decay, float beta1,
-    float one_minus_beta1, float beta2, float one_minus_beta2, float correction2, float eps,
+    float one_minus_beta1, float beta2, float one_minus_beta2, float correction2_sqrt, float eps,
     float step_size)
 {
     const long long stride = (long long)blockDim.x * gridDim.x;
@@ -42,8 +42,8 @@ extern "C" __global__ void adamw_step(
         }
         const float mi = __fadd_rn(__fmul_rn(m[i], beta1), __fmul_rn(one_minus_beta1, gi));
         const float vi = __fadd_rn(
-            __fmul_rn(v[i], beta2), __fmul_rn(one_minus_beta2, __fmul_rn(gi, gi)));
-        const float denom = __fadd_rn(sqrtf(__fdiv_rn(vi, correction2)), eps);
+            __fmul_rn(v[i], beta2), __fmul_rn(__fmul_rn(one_minus_beta2, gi), gi));
+        const float denom = __fadd_rn(__fdiv_rn(sqrtf(vi), correction2_sqrt), eps);
         p[i] = __fsub_rn(pi, __fmul_rn(step_size, __fdiv_rn(mi, denom)));
         m[i] = mi;
         v[i] = vi;

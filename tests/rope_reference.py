@@ -77,6 +77,10 @@ def frequencies(
         inv[:half] = 1.0 / _powers(base, head_dim, half)
         return inv / float(params.get("factor", 1.0)), 1.0
 
+    if kind == "ntk_alpha":  # HunYuan: base * alpha^(head_dim / (head_dim - 2)), fixed
+        stretched = base * float(params["alpha"]) ** (head_dim / (head_dim - 2.0))
+        return 1.0 / _powers(stretched, dim, half), 1.0
+
     if kind == "dynamic":
         original = _original(params, max_seq_len)
         factor = float(params["factor"])

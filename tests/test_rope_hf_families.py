@@ -28,6 +28,7 @@ BASE = {
     "rope_theta": 10000.0,
 }
 HALF, PAIRS = RopeLayout.HALF, RopeLayout.INTERLEAVED
+NTK_ALPHA = {"type": "dynamic", "alpha": 1000.0, "factor": 1.0}  # as HunYuan-7B's config.json
 
 #: name -> (config class, modeling module, config.json, expected layout, rotated channels)
 CASES: dict[str, tuple[str, str, dict[str, Any], RopeLayout, int]] = {
@@ -65,6 +66,21 @@ CASES: dict[str, tuple[str, str, dict[str, Any], RopeLayout, int]] = {
         8,
     ),
     "glm4_moe": ("Glm4MoeConfig", "glm4_moe", {"model_type": "glm4_moe", "head_dim": 16}, HALF, 8),
+    # HunYuan's "dynamic" with an alpha is fixed NTK scaling: the base times alpha^(d / (d - 2))
+    "hunyuan_v1_dense": (
+        "HunYuanDenseV1Config",
+        "hunyuan_v1_dense",
+        {"model_type": "hunyuan_v1_dense", "head_dim": 16, "rope_scaling": NTK_ALPHA},
+        HALF,
+        16,
+    ),
+    "hunyuan_v1_moe": (
+        "HunYuanMoEV1Config",
+        "hunyuan_v1_moe",
+        {"model_type": "hunyuan_v1_moe", "head_dim": 16, "rope_scaling": NTK_ALPHA},
+        HALF,
+        16,
+    ),
 }
 MLA = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "v_head_dim": 16}
 #: multi-head latent attention: the RoPE part of each head, one shared key head

@@ -122,6 +122,7 @@ def _scalings(n: int) -> dict[str, dict[str, Any] | None]:
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": ORIG,
         },
+        "ntk-alpha": {"rope_type": "ntk_alpha", "alpha": 1000.0},
         "proportional": {"rope_type": "proportional"},
         "proportional-factor": {"rope_type": "proportional", "factor": 2.0},
     }
@@ -376,6 +377,11 @@ def _cfg_with(scaling: Any, rotary_dim: int = 0) -> RopeConfig:
         ({**_longrope(8), "attention_factor": -1.0}, "attention_factor"),
         ({**_longrope(8), "beta_fast": 32}, "beta_fast"),
         ({"rope_type": "proportional", "factor": 0}, "factor"),
+        ({"rope_type": "ntk_alpha"}, "alpha"),
+        ({"rope_type": "ntk_alpha", "alpha": 0}, "alpha"),
+        ({"rope_type": "ntk_alpha", "alpha": float("inf")}, "alpha"),
+        ({"rope_type": "ntk_alpha", "alpha": 10, "factor": 1}, "factor"),
+        ({"rope_type": "dynamic", "factor": 1, "alpha": 10}, "alpha"),  # HunYuan's spelling
     ],
 )
 def test_bad_scaling_dicts_raise(scaling: dict[str, Any], pattern: str) -> None:

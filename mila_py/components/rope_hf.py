@@ -225,6 +225,20 @@ _FLAT_PATTERNS: dict[str, Callable[[int, Mapping[str, Any]], bool]] = {
 }
 
 
+#: families whose rotary module reads a "dynamic" dict with an ``alpha`` as fixed NTK scaling
+_NTK_ALPHA_FAMILIES = frozenset({"hunyuan_v1_dense", "hunyuan_v1_moe"})
+
+
+def _ntk_alpha(params: dict[str, Any]) -> dict[str, Any]:
+    """HunYuan's ``{"type": "dynamic", "alpha": a, ...}`` as its code reads it: the base
+    stretched by ``a^(d / (d - 2))``, nothing length-dependent (the other keys are unused)."""
+    if rope_type_name(params) != "dynamic" or not params.get("alpha"):
+        return params
+    kept: dict[str, Any] = {"rope_type": "ntk_alpha", "alpha": params["alpha"]}
+    kept.update((k, params[k]) for k in ("rope_theta", "partial_rotary_factor") if k in params)
+    return kept
+
+
 def _text_type(model_type: Any) -> str | None:
     """``model_type`` without a ``_text`` suffix (``llama4_text`` -> ``llama4``)."""
     if not isinstance(model_type, str):
@@ -295,6 +309,8 @@ class _HfRope:
         elif _is_per_layer_type(raw):
             self.per_type = {k: None if v is None else dict(v) for k, v in raw.items()}
         self.flat = None if self.per_type is not None else dict(raw)
+        if self.text_type in _NTK_ALPHA_FAMILIES and self.flat:
+            self.flat = _ntk_alpha(self.flat)
 
     def _family_parameters(self, family: _LayeredFamily) -> dict[str, dict[str, Any] | None]:
         """HF's ``convert_rope_params_to_dict`` of the family, on either config.json format."""

@@ -238,6 +238,12 @@ def _proportional(
     return inv_freq / float(params.get("factor", 1.0)), 1.0
 
 
+def _ntk_alpha(head_dim: int, rotary_dim: int, base: float, max_seq_len: int, params: Any) -> Any:
+    # HunYuan's fixed NTK scaling: the base stretched by alpha^(d / (d - 2)), d = head_dim
+    stretched = base * float(params["alpha"]) ** (head_dim / (head_dim - 2))
+    return default_inv_freq(stretched, rotary_dim), 1.0
+
+
 def _dynamic(head_dim: int, rotary_dim: int, base: float, max_seq_len: int, params: Any) -> Any:
     original = _original_len(params, max_seq_len)
     seq_len = max(int(params.get("seq_len", 0)), original)
@@ -347,6 +353,12 @@ def _check_linear(head_dim: int, rotary_dim: int, max_seq_len: int, params: Any)
     _positive("linear", params, "factor")
 
 
+def _check_ntk_alpha(head_dim: int, rotary_dim: int, max_seq_len: int, params: Any) -> None:
+    _positive("ntk_alpha", params, "alpha")
+    if head_dim <= 2:
+        raise ValueError(f"rope_type 'ntk_alpha' needs head_dim > 2, got {head_dim}")
+
+
 def _check_dynamic(head_dim: int, rotary_dim: int, max_seq_len: int, params: Any) -> None:
     _check_factor("dynamic", params)
 
@@ -410,6 +422,9 @@ register_rope_type("default", _default, optional=())
 register_rope_type("linear", _linear, required=("factor",), optional=(), validate=_check_linear)
 register_rope_type(
     "proportional", _proportional, optional=("factor",), validate=_check_proportional
+)
+register_rope_type(
+    "ntk_alpha", _ntk_alpha, required=("alpha",), optional=(), validate=_check_ntk_alpha
 )
 register_rope_type(
     "dynamic",

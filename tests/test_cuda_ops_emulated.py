@@ -277,6 +277,8 @@ def test_attention_decode_matches_cpu(ctx: EmulatedContext, rng, ragged: bool) -
     end = int(pos.max()) + 1
     k, v = cache[:, :end, : hk * d], cache[:, :end, hk * d :]
     if ragged:  # the component's bias: -inf past each sequence's position
+        cache[:, 10, : hk * d] = np.nan  # a key sequences 0 and 2 must not see (a V of NaN
+        # would reach every row through 0 * NaN in the matmul, as in torch)
         visible = np.arange(end)[None, :] <= pos[:, None]
         bias = np.where(visible, 0.0, -np.inf).astype(np.float32)[:, None, None, None, :]
         kwargs: dict[str, Any] = {"bias": bias, "causal": False}
@@ -285,10 +287,13 @@ def test_attention_decode_matches_cpu(ctx: EmulatedContext, rng, ragged: bool) -
     out_buf = np.zeros((n_b, 4, hq * d), np.float32)
     out, out_ref = out_buf[:, :1], np.empty((n_b, 1, hq * d), np.float32)
     q_before = q.copy()
-    p = CudaAttentionOp(ctx, None, FP32).forward(q, k, v, hq, hk, scale, out=out, **kwargs)
-    p_ref = cpu_attention_forward(q, k, v, hq, hk, scale, out_ref, **kwargs)
+    with np.errstate(invalid="ignore"):
+        p = CudaAttentionOp(ctx, None, FP32).forward(q, k, v, hq, hk, scale, out=out, **kwargs)
+        p_ref = cpu_attention_forward(q, k, v, hq, hk, scale, out_ref, **kwargs)
     close(p, p_ref, atol=1e-6)
     close(out, out_ref, atol=1e-6)
+    if ragged:  # the NaN row reaches only the sequence that sees it
+        assert np.isfinite(out[[0, 2]]).all() and np.isnan(out[1]).all()
     np.testing.assert_array_equal(q, q_before)  # a decode Q is contiguous per head: not scaled
     assert not out_buf[:, 1:].any()
 

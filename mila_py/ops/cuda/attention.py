@@ -241,6 +241,8 @@ def attention_forward(
     if bias is not None:
         scores5 = scores.reshape(shape5)
         scores5 += bias
+        # masked scores set, not only added to: NaN + -inf is NaN (as the CPU op does)
+        xp.copyto(scores5, -np.inf, where=xp.isneginf(bias))
     softmax(scores.reshape(-1, n_tk), n_tq, q_offset, causal and bias is None)
     o = xp.matmul(scores, _heads(v, n_kv_heads, head_dim))  # [B, Hk, g*Tq, d]
     _write_heads(out, o.reshape(n_b, n_heads, n_tq, head_dim), n_heads, head_dim)

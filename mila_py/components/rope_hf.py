@@ -31,7 +31,7 @@ __all__ = ["rope_config_from_hf", "rope_configs_from_hf_layers"]
 #: vision-language model families whose text RoPE is M-RoPE, by how their code assigns axes
 _INTERLEAVED_AXES = frozenset(
     {"qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe", "qwen4_exp",
-     "cosmos3_edge"}
+     "cosmos3_edge", "cohere_compass"}
 )  # fmt: skip
 _SECTIONED_AXES = frozenset(
     {"qwen2_vl", "qwen2_5_vl", "qwen2_5_omni", "glm4v", "glm4v_moe", "glm_image", "glm_ocr",
@@ -41,7 +41,10 @@ _SECTIONED_AXES = frozenset(
 _DEFAULT_SECTIONS = {
     **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen2_5_omni", "paddleocr_vl"), (16, 24, 24)),
     **dict.fromkeys(("glm4v", "glm4v_moe", "glm_image", "glm_ocr"), (8, 12, 12)),
-    **dict.fromkeys(("qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe", "cosmos3_edge"), (24, 20, 20)),
+    **dict.fromkeys(
+        ("qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe", "cosmos3_edge", "cohere_compass"),
+        (24, 20, 20),
+    ),
     **dict.fromkeys(("qwen3_5", "qwen3_5_moe", "qwen4_exp"), (11, 11, 10)),
 }
 #: vision-language families that pair channels (2i, 2i + 1) (``rotate_half_llm``)
@@ -88,6 +91,7 @@ _CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     **_defaults(("gemma", "gemma2", "gemma4"), head_dim=256),
     **_defaults(("qwen3", "cohere2_moe"), head_dim=128),
     "mimo_v2_flash": {"head_dim": 192},
+    "jetmoe": {"kv_channels": 128},
     # the sizes Hub configs leave out (Gemma 3's multimodal text_config)
     "gemma3": {"head_dim": 256, "hidden_size": 2304, "num_attention_heads": 8,
                "num_key_value_heads": 4, "max_position_embeddings": 131072,
@@ -105,6 +109,24 @@ _ALIASES = {
     "hidden_size": "n_embd",
     "max_position_embeddings": "n_positions",
     "num_hidden_layers": "n_layer",
+}
+#: keys a family's config class stores under its own name (its ``attribute_map`` or the
+#: attribute its attention reads), by ``model_type`` without ``_text``
+_FAMILY_ALIASES: dict[str, dict[str, str]] = {
+    "jetmoe": {"head_dim": "kv_channels"},
+    "zamba2": {"head_dim": "attention_head_dim"},
+    "moonshine": {
+        "num_attention_heads": "decoder_num_attention_heads",
+        "num_key_value_heads": "decoder_num_key_value_heads",
+        "num_hidden_layers": "decoder_num_hidden_layers",
+    },
+    "bailing_hybrid": {"max_position_embeddings": "model_max_length"},
+}
+#: families whose RoPE is switched by a key: (key, the value that turns it on, class default)
+_ROPE_SWITCHES: dict[str, tuple[str, Any, Any]] = {
+    "esm": ("position_embedding_type", "rotary", "absolute"),
+    "granitemoehybrid": ("position_embedding_type", "rope", None),
+    "zamba2": ("use_mem_rope", True, False),
 }
 #: text families refused, with what their code does that RopeConfig cannot express
 _REFUSED = {
@@ -279,8 +301,19 @@ class _HfRope:
         text = config.get("text_config")
         if isinstance(text, Mapping) and "num_attention_heads" not in config:
             config = {"model_type": config.get("model_type"), **text}
-        aliases = {k: config[a] for k, a in _ALIASES.items() if k not in config and a in config}
-        defaults = dict(_CLASS_DEFAULTS.get(_text_type(config.get("model_type")) or "", {}))
+        family_type = _text_type(config.get("model_type")) or ""
+        renamed = {**_ALIASES, **_FAMILY_ALIASES.get(family_type, {})}
+        defaults = dict(_CLASS_DEFAULTS.get(family_type, {}))
+        merged = {**defaults, **config}
+        aliases = {
+            k: merged[a]
+            for k, a in renamed.items()
+            if config.get(k) is None and merged.get(a) is not None
+        }
+        if family_type == "zamba2" and config.get("head_dim") is None and "head_dim" not in aliases:
+            hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+            if hidden and heads:  # its class: attention_head_dim = 2 * hidden_size // heads
+                aliases["head_dim"] = 2 * int(hidden) // int(heads)
         has_params = config.get("rope_parameters") or config.get("rope_scaling")
         if has_params and _text_type(config.get("model_type")) == "moonshine_streaming":
             defaults.pop("partial_rotary_factor")  # its class default is part of its default dict
@@ -299,6 +332,14 @@ class _HfRope:
                 f"RopeConfig.from_hf: {self.model_type!r} uses {_REFUSED[self.text_type]}, "
                 "which RopeConfig cannot express"
             )
+        switch = _ROPE_SWITCHES.get(self.text_type or "")
+        #: why this config has no RoPE at all (its family's switch is off), else None
+        self.rope_off: str | None = None
+        if switch is not None:
+            key, on, default = switch
+            value = config.get(key, default)
+            if value != on:
+                self.rope_off = f"{key}={value!r} (RoPE needs {key}={on!r})"
         self.family = _LAYERED.get(self.text_type or "")
         raw = config.get("rope_parameters") or config.get("rope_scaling") or {}
         if not isinstance(raw, Mapping):
@@ -502,12 +543,18 @@ class _HfRope:
         from mila_py.components.rope_config import RopeConfig, RopeLayout
 
         config = {**self.config, **heads}
+        if config.get("max_position_embeddings") is None and max_seq_len is not None:
+            config["max_position_embeddings"] = max_seq_len  # (Recurrent Gemma has none)
         try:
             n_heads = int(config["num_attention_heads"])
             hidden = int(config["hidden_size"])
             max_pos = int(config["max_position_embeddings"])
-        except KeyError as exc:
-            raise ValueError(f"RopeConfig.from_hf: config.json has no {exc.args[0]!r}") from None
+        except (KeyError, TypeError) as exc:
+            missing = exc.args[0] if isinstance(exc, KeyError) else "max_position_embeddings"
+            raise ValueError(
+                f"RopeConfig.from_hf: config.json has no {missing!r}"
+                + (" (pass max_seq_len=...)" if missing == "max_position_embeddings" else "")
+            ) from None
         n_kv = int(config.get("num_key_value_heads") or n_heads)
         head_dim = int(config.get("head_dim") or hidden // n_heads)
         mla = config.get("qk_rope_head_dim") is not None
@@ -542,6 +589,13 @@ class _HfRope:
         if self.vlm is not None:  # the model's code: its default section, its axis assignment
             params.setdefault("mrope_section", _DEFAULT_SECTIONS[self.vlm])
             params["mrope_interleaved"] = self.vlm in _INTERLEAVED_AXES
+            section = [int(n) for n in params["mrope_section"]]
+            if params["mrope_interleaved"] and len(section) == 3:
+                # interleaving sets only the height and width frequencies; every other one
+                # stays temporal, so a section short of the rotated pairs gives axis 0 the rest
+                spare = rotary_dim // 2 - sum(section)
+                if spare > 0:
+                    params["mrope_section"] = [section[0] + spare, *section[1:]]
         original = "original_max_position_embeddings"
         if name == "dynamic":
             params[original] = max_pos  # HF 5.x: dynamic always scales from max_position_embeddings
@@ -576,6 +630,10 @@ def rope_config_from_hf(
 ) -> RopeConfig:
     """See :meth:`RopeConfig.from_hf`."""
     hf = _HfRope(config)
+    if hf.rope_off is not None:
+        raise ValueError(
+            f"RopeConfig.from_hf: this {hf.model_type} config has no RoPE: {hf.rope_off}"
+        )
     params = hf.parameters(layer_type)
     if params is None:
         raise ValueError(
@@ -619,6 +677,8 @@ def rope_configs_from_hf_layers(
     """See :meth:`RopeConfig.from_hf_layers`."""
     hf = _HfRope(config)
     n_layers = hf._n_layers()
+    if hf.rope_off is not None:  # the family's switch is off: no layer rotates
+        return [None] * n_layers
     kinds = hf.layer_types()
     if kinds is None and hf.per_type is not None:
         raise ValueError(

@@ -57,3 +57,16 @@ def cuda(library: Any) -> Iterator[None]:
 
     with emulated_cuda_devices(library):
         yield
+
+
+@pytest.fixture
+def quiet_transformers() -> Iterator[None]:
+    """transformers' logger at ERROR for the test (config classes warn about keys the tests set
+    on purpose); request it with ``pytestmark = pytest.mark.usefixtures("quiet_transformers")``."""
+    import logging
+
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    yield
+    logger.setLevel(level)

@@ -10,7 +10,6 @@ matter (``test_scaling_matters`` checks that dropping the scaling is visible).
 from __future__ import annotations
 
 import json
-import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -106,13 +105,7 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _quiet_transformers() -> Any:
-    logger = logging.getLogger("transformers")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    yield
-    logger.setLevel(level)
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 
 def make_hf(seed: int = 0, **overrides: Any) -> Any:

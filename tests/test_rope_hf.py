@@ -8,7 +8,6 @@ float32) and the rotation of Q and K must agree with ``LlamaRotaryEmbedding`` +
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
@@ -76,13 +75,7 @@ POSITIONS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _quiet_transformers() -> Any:
-    logger = logging.getLogger("transformers")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    yield
-    logger.setLevel(level)
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 
 def _config_json(parameters: dict[str, Any], **extra: Any) -> dict[str, Any]:

@@ -11,7 +11,6 @@ config.json) and rotary module, with HF's ``rotate_half`` rotation written out h
 from __future__ import annotations
 
 import importlib
-import logging
 from typing import Any
 
 import numpy as np
@@ -24,13 +23,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def _quiet() -> Any:
-    logger = logging.getLogger("transformers")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    yield
-    logger.setLevel(level)
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 
 def _family(package: str, config_class: str, rotary: str, **kwargs: Any) -> tuple[Any, Any]:

@@ -173,3 +173,54 @@ def test_interleaved_mrope_leaves_the_rest_to_the_temporal_axis(
     per_axis = np.stack([np.arange(6) * 3, rng.integers(0, 40, 6), rng.integers(0, 40, 6)])
     _compare(cfg, rotary, per_axis, **layer)
     _compare(cfg, rotary, np.stack([POSITIONS] * 3), **layer)  # text: one position per axis
+
+
+def test_granite_swa_rotates_each_layer_with_its_own_theta() -> None:
+    """``layer_rope_theta`` gives each layer its theta, 0 for none (one rotary module per
+    theta in the model's code); from_hf without a layer cannot say which one."""
+    import copy
+
+    kinds = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    hf_config, _ = _family(
+        "granite_swa", "GraniteSWAConfig", "GraniteSWARotaryEmbedding",
+        num_hidden_layers=4, layer_types=kinds, layer_rope_theta=[1e4, 0, 1e6, 1e4],
+    )  # fmt: skip
+    layers = RopeConfig.from_hf_layers(hf_config.to_dict())
+    assert [None if c is None else c.base for c in layers] == [1e4, None, 1e6, 1e4]
+    theta_config = copy.deepcopy(hf_config)  # as the model builds its theta-1e6 module
+    theta_config.rope_parameters = {**hf_config.rope_parameters, "rope_theta": 1e6}
+    module = importlib.import_module("transformers.models.granite_swa.modeling_granite_swa")
+    _compare(layers[2], module.GraniteSWARotaryEmbedding(theta_config), POSITIONS)
+    with pytest.raises(ValueError, match="different thetas"):
+        RopeConfig.from_hf(hf_config.to_dict())
+    same = copy.deepcopy(hf_config.to_dict())
+    same["layer_rope_theta"] = [5e5] * 4
+    assert RopeConfig.from_hf(same).base == 5e5
+
+
+def test_muse_layers_without_theta_have_no_rope() -> None:
+    """Muse reads ``layer_rope_theta`` as on/off only (its one rotary module has the model's
+    theta): by default every 4th layer from the end, its full-attention layers, rotates
+    nothing."""
+    hf_config, rotary = _family(
+        "muse_glimmer", "MuseGlimmerTextConfig", "MuseGlimmerTextRotaryEmbedding",
+        num_hidden_layers=8,
+    )  # fmt: skip
+    as_json = hf_config.to_dict()
+    layers = RopeConfig.from_hf_layers(as_json)
+    assert [c is None for c in layers] == [t == 0 for t in as_json["layer_rope_theta"]]
+    sliding = RopeConfig.from_hf(as_json, layer_type="sliding_attention")
+    _compare(sliding, rotary, POSITIONS)
+    with pytest.raises(ValueError, match="rotate nothing"):
+        RopeConfig.from_hf(as_json, layer_type="full_attention")
+
+
+def test_laguna_reads_its_heads_per_layer() -> None:
+    hf_config, _ = _family(
+        "laguna", "LagunaConfig", "LagunaRotaryEmbedding",
+        num_hidden_layers=4, num_attention_heads_per_layer=[48, 64, 48, 32],
+        layer_types=["full_attention"] * 4,
+    )  # fmt: skip
+    layers = RopeConfig.from_hf_layers(hf_config.to_dict())
+    assert [c.n_heads for c in layers] == [48, 64, 48, 32]  # type: ignore[union-attr]
+    assert len({id(c) for c in layers}) == 3  # equal layers share one config

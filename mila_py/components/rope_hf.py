@@ -122,6 +122,11 @@ _FAMILY_ALIASES: dict[str, dict[str, str]] = {
     },
     "bailing_hybrid": {"max_position_embeddings": "model_max_length"},
 }
+#: families with a ``layer_rope_theta`` list (0 = the layer has no RoPE): Granite-SWA rotates
+#: each layer with its own theta; Muse's code reads only zero or not (its one rotary module
+#: has the model's theta)
+_LAYER_THETA_OWN = frozenset({"granite_swa", "granitemoe_swa"})
+_LAYER_THETA_SWITCH = frozenset({"muse_glimmer", "muse_spark"})
 #: families whose RoPE is switched by a key: (key, the value that turns it on, class default)
 _ROPE_SWITCHES: dict[str, tuple[str, Any, Any]] = {
     "esm": ("position_embedding_type", "rotary", "absolute"),
@@ -435,6 +440,9 @@ class _HfRope:
         Cohere 2's and EXAONE 4's full-attention layers (Cohere 2 MoE's dense prefix layers
         rotate when its ``prefix_dense_sliding_window_pattern`` is 1; EXAONE 4's all rotate
         without a ``sliding_window``)."""
+        thetas = self.layer_thetas()
+        if thetas is not None and not thetas[index]:
+            return False
         if self.text_type in _NO_ROPE_FAMILIES:
             flags = self.config.get("no_rope_layers")
             if flags:
@@ -460,10 +468,28 @@ class _HfRope:
             return mlp[index] == "dense" and pattern == 1
         return True
 
+    def layer_thetas(self) -> list[float] | None:
+        """``layer_rope_theta`` of the families that read it (Muse's class default when the
+        config has none: every 4th layer from the end without RoPE), else None."""
+        if self.text_type not in _LAYER_THETA_OWN | _LAYER_THETA_SWITCH:
+            return None
+        thetas = self.config.get("layer_rope_theta")
+        if thetas is None and self.text_type in _LAYER_THETA_SWITCH:
+            n = self._n_layers()
+            return [0.0 if (n - 1 - i) % 4 == 0 else 1.0 for i in range(n)]
+        return None if thetas is None else [float(t) for t in thetas]
+
     def overrides(self, index: int, layer_type: str | None) -> dict[str, Any]:
         """Head sizes layer ``index`` sets apart from the model's (``per_layer_config``, or
-        Gemma 4's ``global_head_dim`` on its full-attention layers)."""
+        Gemma 4's ``global_head_dim`` on its full-attention layers, Laguna's
+        ``num_attention_heads_per_layer``), and Granite-SWA's theta of the layer."""
         found: dict[str, Any] = {}
+        thetas = self.layer_thetas()
+        if thetas is not None and self.text_type in _LAYER_THETA_OWN and thetas[index]:
+            found["rope_theta"] = thetas[index]
+        heads_per_layer = self.config.get("num_attention_heads_per_layer")
+        if heads_per_layer:
+            found["num_attention_heads"] = int(heads_per_layer[index])
         family = self.family
         if family is not None and layer_type is not None and layer_type in family.kv_factor:
             n_kv = self.config.get("num_key_value_heads") or self.config["num_attention_heads"]
@@ -565,7 +591,7 @@ class _HfRope:
                     f"RopeConfig.from_hf: qk_rope_head_dim is {head_dim}: this model's latent "
                     "attention rotates nothing"
                 )
-        base = params.get("rope_theta")
+        base = heads.get("rope_theta", params.get("rope_theta"))  # a layer's own theta first
         neox = self.text_type in _NEOX  # reads rotary_emb_base, not a top-level rope_theta
         for key in ("rotary_emb_base",) if neox else ("rope_theta", "rotary_emb_base"):
             base = config.get(key) if base is None else base
@@ -665,6 +691,20 @@ def rope_config_from_hf(
                 f"({sorted(found)}); use RopeConfig.from_hf_layers"
             )
         heads = dict(found.pop()) if found else {}
+    elif hf.layer_thetas() is not None or hf.config.get("num_attention_heads_per_layer"):
+        n_layers = hf._n_layers()
+        each = {
+            tuple(sorted(hf.overrides(i, None).items()))
+            for i in range(n_layers)
+            if hf.uses_rope(i, None)
+        }
+        if len(each) > 1:
+            raise ValueError(
+                f"RopeConfig.from_hf: the layers of this {hf.model_type} model rotate with "
+                "different thetas or head counts (layer_rope_theta, "
+                "num_attention_heads_per_layer); use RopeConfig.from_hf_layers"
+            )
+        heads = dict(each.pop()) if each else {}
     return hf.build(params, heads, max_seq_len, layout)
 
 

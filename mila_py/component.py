@@ -162,11 +162,13 @@ class Component(metaclass=_ComponentMeta):
             self._on_execution_context_set()
         except OpNotFoundError as exc:
             _restore(snapshot)
-            if exc.args and str(exc.args[0]).startswith("no op"):  # the leaf: name it
-                raise OpNotFoundError(
+            if getattr(exc, "component", None) is None:  # the leaf whose op is missing: name it
+                named = OpNotFoundError(
                     f"{self._describe()} ({self.precision} on {context.device_id}): {exc}; "
                     "construct it with a precision that device supports"
-                ) from None
+                )
+                named.component = self  # type: ignore[attr-defined]
+                raise named from None
             raise
         except BaseException:
             # Restore the whole subtree: a nested composite may have handed the context to

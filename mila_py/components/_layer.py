@@ -52,6 +52,29 @@ def check_sizes(config: Any, *names: str) -> None:
             object.__setattr__(config, name, int(value))  # (frozen dataclasses too)
 
 
+def check_device_array(owner: Any, x: Any, name: str) -> None:
+    """Raise TypeError (naming ``owner``) unless ``x`` is an array of ``owner``'s device."""
+    ctx = owner.execution_context
+    if not ctx.is_device_array(x):
+        raise TypeError(
+            f"{owner._describe()}: {name} must be an array on {ctx.device_id} "
+            f"({ctx.xp.__name__}.ndarray), got {type(x).__module__}.{type(x).__name__}"
+        )
+
+
+def check_grad(owner: Any, dy: Any, name: str, shape: tuple[int, ...], dtype: Any) -> None:
+    """Raise unless ``dy`` is an array of ``owner``'s device, of ``dtype`` and exactly
+    ``shape`` (the last forward's output): TypeError / ValueError naming ``owner``."""
+    check_device_array(owner, dy, name)
+    if dy.dtype != dtype:
+        raise TypeError(f"{owner._describe()}: {name} has dtype {dy.dtype}; expected {dtype}")
+    if tuple(dy.shape) != tuple(shape):
+        raise ValueError(
+            f"{owner._describe()}: {name} must have the shape of the last forward output "
+            f"{list(shape)}, got {list(dy.shape)}"
+        )
+
+
 def check_finite(config: Any, name: str, *, positive: bool = False) -> None:
     """Raise unless field ``name`` of ``config`` is a finite number (and > 0 when ``positive``)."""
     owner, value = type(config).__name__, getattr(config, name)
@@ -185,12 +208,7 @@ class Layer(Component):
             raise RuntimeError(f"{self._describe()}: backward() needs a forward() first")
 
     def _check_device_array(self, x: Any, name: str) -> None:
-        ctx = self.execution_context
-        if not ctx.is_device_array(x):
-            raise TypeError(
-                f"{self._describe()}: {name} must be an array on {ctx.device_id} "
-                f"({ctx.xp.__name__}.ndarray), got {type(x).__module__}.{type(x).__name__}"
-            )
+        check_device_array(self, x, name)
 
     def _check_lead(self, x: Any, name: str, expected: str, lead: tuple[int, ...]) -> None:
         if any(n > m for n, m in zip(lead, self._max_lead, strict=True)):
@@ -246,13 +264,4 @@ class Layer(Component):
 
     def _check_grad(self, dy: Any, name: str, shape: tuple[int, ...]) -> None:
         """Validate an upstream gradient: this device, this dtype, exactly ``shape``."""
-        self._check_device_array(dy, name)
-        if dy.dtype != self._dtype:
-            raise TypeError(
-                f"{self._describe()}: {name} has dtype {dy.dtype}; expected {self._dtype}"
-            )
-        if tuple(dy.shape) != tuple(shape):
-            raise ValueError(
-                f"{self._describe()}: {name} must have the shape of the last forward output "
-                f"{list(shape)}, got {list(dy.shape)}"
-            )
+        check_grad(self, dy, name, shape, self._dtype)

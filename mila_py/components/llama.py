@@ -26,7 +26,14 @@ from typing import Any
 import numpy as np
 
 from mila_py.build_context import BuildContext
-from mila_py.components._layer import check_finite, check_sizes, is_bool, is_int, leading_view
+from mila_py.components._layer import (
+    check_finite,
+    check_grad,
+    check_sizes,
+    is_bool,
+    is_int,
+    leading_view,
+)
 from mila_py.components.attention import (
     AttentionConfig,
     GroupedQueryAttention,
@@ -739,7 +746,7 @@ class Llama(Network):
             dim, vocab = self.config.dim, self.config.vocab_size
             n_b, n_t = h.shape[0], h.shape[1]
             # checked as the untied head's Linear checks it, before any gradient is touched
-            self._check_dlogits(dlogits, (n_b, n_t, vocab), weight.dtype)
+            check_grad(self, dlogits, "dlogits", (n_b, n_t, vocab), weight.dtype)
             grad += dlogits.reshape(-1, vocab).T @ h.reshape(-1, dim)
             dh = self._state["dnorm"][:n_b, :n_t]
             xp.matmul(dlogits, weight, out=dh)
@@ -747,23 +754,6 @@ class Llama(Network):
         for block in reversed(self.layers):
             dh = block.backward(dh)
         self.embed_tokens.backward(dh)
-
-    def _check_dlogits(self, dlogits: Any, shape: tuple[int, ...], dtype: Any) -> None:
-        ctx = self.execution_context
-        if not ctx.is_device_array(dlogits):
-            raise TypeError(
-                f"{self._describe()}: dlogits must be an array on {ctx.device_id}, got "
-                f"{type(dlogits).__module__}.{type(dlogits).__name__}"
-            )
-        if dlogits.dtype != dtype:
-            raise TypeError(
-                f"{self._describe()}: dlogits has dtype {dlogits.dtype}; expected {dtype}"
-            )
-        if tuple(dlogits.shape) != shape:
-            raise ValueError(
-                f"{self._describe()}: dlogits must have the shape of the last forward's logits "
-                f"{list(shape)}, got {list(dlogits.shape)}"
-            )
 
     @classmethod
     def from_pretrained(

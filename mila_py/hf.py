@@ -41,6 +41,7 @@ from typing import Any
 import ml_dtypes  # also registers numpy's "bfloat16" dtype, which safetensors.numpy needs
 import numpy as np
 
+from mila_py.components._layer import is_int
 from mila_py.components.llama import Llama, LlamaConfig
 from mila_py.components.rope_config import RopeConfig
 from mila_py.components.rope_scaling import rope_type_name
@@ -521,7 +522,7 @@ def eos_token_ids(path: str | os.PathLike[str]) -> list[int] | None:
         if value is None:
             continue
         ids = value if isinstance(value, list) else [value]
-        if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        if not ids or not all(is_int(i) for i in ids):
             raise ValueError(f"eos_token_ids: {file} has eos_token_id={value!r}, not int ids")
         return ids
     return None

@@ -555,6 +555,7 @@ class Llama(Network):
                 f"{self.context_length}",
                 stacklevel=3,
             )
+            sampling = (room, *sampling[1:])
         steps = self._token_steps(rows, lengths, *sampling)
         return rows, lengths, steps, kind
 
@@ -572,8 +573,7 @@ class Llama(Network):
     ) -> Iterator[np.ndarray]:
         """The generator behind :meth:`stream`, of checked arguments."""
         ctx = self.execution_context
-        n_b, n_t = rows.shape
-        steps = min(steps, self.context_length - n_t + 1)
+        n_b, n_t = rows.shape  # steps: cut to the context by _start
         finished = np.zeros(n_b, dtype=bool)
         logits = self.prefill(rows)
         position: Any = n_t

@@ -158,7 +158,7 @@ class RopeConfig:
                     f"RopeConfig: scaling carries {key}={value!r} but {key}={field!r}; give it once"
                 )
             object.__setattr__(self, key, value)
-        if params.get("rope_type", params.get("type")) == "mrope":  # Qwen2-VL's legacy name
+        if rope_type_name(params) == "mrope":  # Qwen2-VL's legacy name
             params.pop("type", None)
             params["rope_type"] = "default"
         object.__setattr__(self, "scaling", FrozenDict(params))

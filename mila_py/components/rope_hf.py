@@ -17,6 +17,7 @@ own transformers code decides beyond the ``config.json`` keys lives in the table
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -320,7 +321,7 @@ class _HfRope:
             if hidden and heads:  # its class: attention_head_dim = 2 * hidden_size // heads
                 aliases["head_dim"] = 2 * int(hidden) // int(heads)
         has_params = config.get("rope_parameters") or config.get("rope_scaling")
-        if has_params and _text_type(config.get("model_type")) == "moonshine_streaming":
+        if has_params and family_type == "moonshine_streaming":
             defaults.pop("partial_rotary_factor")  # its class default is part of its default dict
         self.config: Mapping[str, Any] = {**defaults, **config, **aliases}
         config = self.config
@@ -440,7 +441,7 @@ class _HfRope:
         Cohere 2's and EXAONE 4's full-attention layers (Cohere 2 MoE's dense prefix layers
         rotate when its ``prefix_dense_sliding_window_pattern`` is 1; EXAONE 4's all rotate
         without a ``sliding_window``)."""
-        thetas = self.layer_thetas()
+        thetas = self.layer_thetas
         if thetas is not None and not thetas[index]:
             return False
         if self.text_type in _NO_ROPE_FAMILIES:
@@ -468,6 +469,7 @@ class _HfRope:
             return mlp[index] == "dense" and pattern == 1
         return True
 
+    @functools.cached_property
     def layer_thetas(self) -> list[float] | None:
         """``layer_rope_theta`` of the families that read it (Muse's class default when the
         config has none: every 4th layer from the end without RoPE), else None."""
@@ -484,7 +486,7 @@ class _HfRope:
         Gemma 4's ``global_head_dim`` on its full-attention layers, Laguna's
         ``num_attention_heads_per_layer``), and Granite-SWA's theta of the layer."""
         found: dict[str, Any] = {}
-        thetas = self.layer_thetas()
+        thetas = self.layer_thetas
         if thetas is not None and self.text_type in _LAYER_THETA_OWN and thetas[index]:
             found["rope_theta"] = thetas[index]
         heads_per_layer = self.config.get("num_attention_heads_per_layer")
@@ -571,16 +573,12 @@ class _HfRope:
         config = {**self.config, **heads}
         if config.get("max_position_embeddings") is None and max_seq_len is not None:
             config["max_position_embeddings"] = max_seq_len  # (Recurrent Gemma has none)
-        try:
-            n_heads = int(config["num_attention_heads"])
-            hidden = int(config["hidden_size"])
-            max_pos = int(config["max_position_embeddings"])
-        except (KeyError, TypeError) as exc:
-            missing = exc.args[0] if isinstance(exc, KeyError) else "max_position_embeddings"
-            raise ValueError(
-                f"RopeConfig.from_hf: config.json has no {missing!r}"
-                + (" (pass max_seq_len=...)" if missing == "max_position_embeddings" else "")
-            ) from None
+        needed = ("num_attention_heads", "hidden_size", "max_position_embeddings")
+        missing = [key for key in needed if config.get(key) is None]
+        if missing:
+            hint = " (or pass max_seq_len=...)" if missing == ["max_position_embeddings"] else ""
+            raise ValueError(f"RopeConfig.from_hf: config.json has no {missing[0]!r}{hint}")
+        n_heads, hidden, max_pos = (int(config[key]) for key in needed)
         n_kv = int(config.get("num_key_value_heads") or n_heads)
         head_dim = int(config.get("head_dim") or hidden // n_heads)
         mla = config.get("qk_rope_head_dim") is not None
@@ -691,7 +689,7 @@ def rope_config_from_hf(
                 f"({sorted(found)}); use RopeConfig.from_hf_layers"
             )
         heads = dict(found.pop()) if found else {}
-    elif hf.layer_thetas() is not None or hf.config.get("num_attention_heads_per_layer"):
+    elif hf.layer_thetas is not None or hf.config.get("num_attention_heads_per_layer"):
         n_layers = hf._n_layers()
         each = {
             tuple(sorted(hf.overrides(i, None).items()))
@@ -733,12 +731,10 @@ def rope_configs_from_hf_layers(
     made: dict[Any, RopeConfig | None] = {}
     result: list[RopeConfig | None] = []
     for index in range(n_layers):
-        layer_type = kinds[index] if kinds is not None else None
-        if hf.per_type is None:
-            layer_type = None  # one RoPE for every layer type
-        heads = hf.overrides(index, kinds[index] if kinds is not None else None)
         kind = kinds[index] if kinds is not None else None
-        rotates = hf.uses_rope(index, kind) and (hf.per_type is None or layer_type in hf.per_type)
+        layer_type = None if hf.per_type is None else kind  # None: one RoPE for every type
+        heads = hf.overrides(index, kind)
+        rotates = hf.uses_rope(index, kind) and (hf.per_type is None or kind in hf.per_type)
         key = (layer_type, tuple(sorted(heads.items())), rotates)
         if key not in made:
             params = hf.parameters(layer_type) if rotates else None

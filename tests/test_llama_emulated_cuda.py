@@ -150,13 +150,16 @@ def test_decode_plan_equals_the_component_path(
     for model in models:
         model.prefill(x[:, :7])
     for position in range(7, 30):
-        # one position for all until 15, then sequence 0 falls back by 4 (ragged); B=1 at 20
+        # one position for all until 15, then sequence 0 falls back by 4 (ragged); at 20 it
+        # goes on alone (B=1), and sequence 1 then continues a step behind
         if position < 15:
             n_b, where = 2, position
-        elif position == 20:
-            n_b, where = 1, position
-        else:
+        elif position < 20:
             n_b, where = 2, np.array([position - 4, position])
+        elif position == 20:
+            n_b, where = 1, position - 4
+        else:
+            n_b, where = 2, np.array([position - 4, position - 1])
         got = planned.decode(x[:n_b, position], where)
         want = components._decode_components(x[:n_b, position, None], where)
         assert np.abs(want).max() > 0.1  # real logits, not those of zero weights

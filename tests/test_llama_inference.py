@@ -384,6 +384,69 @@ def test_reset_zeroes_every_cache(weights: str) -> None:
         training.reset()
 
 
+def test_the_cache_refuses_positions_it_does_not_hold(weights: str) -> None:
+    """A prefill or decode may only continue what each sequence has cached: a position past
+    it would attend to cache rows never written. Refused before anything is written; a
+    rewind (an earlier position) drops what lay past it."""
+    x = tokens(2, 12, seed=9)
+    full = reference_logits(weights, x)
+    model = make(weights, RuntimeMode.INFERENCE, (2, 32), prefill=4)
+    assert model.cached_lengths == (0, 0)
+    model.prefill(x[:, :6])
+    assert model.cached_lengths == (6, 6)
+    caches = [b.self_attn._state[k] for b in model.layers for k in ("k_cache", "v_cache")]
+    before = [c.copy() for c in caches]
+    with pytest.raises(ValueError, match=r"sequence 0 has positions 0\.\.5 .* position 7"):
+        model.decode(x[:, 6], 7)
+    with pytest.raises(ValueError, match=r"sequence 1 has positions 0\.\.5"):
+        model.decode(x[:, 6], np.array([6, 9]))
+    with pytest.raises(ValueError, match="never written"):
+        model.prefill(x[:, 6:9], position_offset=7)
+    with pytest.raises(ValueError, match="never written"):
+        model.layers[1].self_attn.decode(np.ones((2, 1, CFG.dim), np.float32), 8)
+    for cache, old in zip(caches, before, strict=True):
+        np.testing.assert_array_equal(cache, old)
+    assert model.cached_lengths == (6, 6)
+    np.testing.assert_allclose(model.decode(x[:, 6], 6), full[:, 6], rtol=1e-5, atol=1e-5)
+    # sequence 1 rewinds to position 3: what it held past that is gone
+    model.decode(x[:, 3], np.array([7, 3]))
+    assert model.cached_lengths == (8, 4)
+    assert model.layers[0].self_attn.cached_lengths == (8, 4)  # one record for all layers
+    with pytest.raises(ValueError, match=r"sequence 1 has positions 0\.\.3"):
+        model.decode(x[:, 7], 7)
+    # a shorter batch leaves the other sequences as they are
+    model.prefill(x[:1, :2])
+    assert model.cached_lengths == (2, 4)
+    model.reset()
+    assert model.cached_lengths == (0, 0)
+    with pytest.raises(ValueError, match="sequence 0 has no positions"):
+        model.decode(x[:, 0], 1)
+    np.testing.assert_allclose(model.decode(x[:, 0], 0), full[:, 0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="INFERENCE"):
+        _ = make(weights, RuntimeMode.TRAINING, (1, 8)).cached_lengths
+
+
+def test_standalone_attention_refuses_positions_its_cache_does_not_hold() -> None:
+    from mila_py.components import AttentionConfig, GroupedQueryAttention
+
+    cfg = AttentionConfig(dim=16, n_heads=2, n_kv_heads=1, max_seq_len=16)
+    attn = GroupedQueryAttention("attn", cfg, device="CPU")
+    attn.build(BuildContext((1, 8, 16), RuntimeMode.INFERENCE, prefill_size=4))
+    x = np.random.default_rng(0).standard_normal((1, 4, 16)).astype(np.float32)
+    with pytest.raises(ValueError, match="no positions"):
+        attn.forward(x, 1)
+    assert not attn._state["k_cache"].any()
+    attn.forward(x, 0)
+    attn.forward(x[:, :2], 4)
+    assert attn.cached_lengths == (6,)
+    with pytest.raises(ValueError, match=r"0\.\.5"):
+        attn.decode(x[:, :1], 7)
+    attn.decode(x[:, :1], 6)
+    assert attn.cached_lengths == (7,)
+    attn.reset_cache()
+    assert attn.cached_lengths == (0,)
+
+
 DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 12}
 
 

@@ -21,7 +21,7 @@ from mila_py.ops.operation import DecodePositions
 from mila_py.ops.registry import create_op
 from mila_py.precision import Precision
 
-__all__ = ["AttentionConfig", "GroupedQueryAttention"]
+__all__ = ["AttentionConfig", "CachedLengths", "GroupedQueryAttention"]
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,51 @@ def check_decode_positions(
     return checked, lowest, highest
 
 
+class CachedLengths:
+    """How many leading positions of each sequence's KV cache hold keys and values written
+    since the last reset (host ints; a model's layers share one).
+
+    A call may only continue what is cached: a prefill chunk or decode token at position ``p``
+    of sequence ``b`` needs ``p <= lengths[b]``, since its query attends to every position
+    before ``p`` (a larger ``p`` would read rows never written, silently). Afterwards the
+    sequence holds ``0 .. p + T - 1``: whatever lay past that (a rewound turn) is dropped.
+    """
+
+    __slots__ = ("lengths",)
+
+    def __init__(self, n_b: int) -> None:
+        self.lengths = [0] * n_b
+
+    def check(self, first: Any, n_b: int, who: str) -> None:
+        """Refuse a call whose first position (an int, or host ints ``[n_b]``) of some sequence
+        ``b < n_b`` lies past ``lengths[b]``."""
+        have = self.lengths[:n_b]
+        if isinstance(first, int):
+            if first <= min(have):
+                return
+            wanted = [first] * n_b
+        else:
+            wanted = [int(p) for p in first]
+        for b, (p, n) in enumerate(zip(wanted, have, strict=True)):
+            if p > n:
+                cached = f"positions 0..{n - 1}" if n else "no positions"
+                raise ValueError(
+                    f"{who}: sequence {b} has {cached} in its KV cache; position {p} would "
+                    f"attend to {n}..{p - 1}, never written (continue from a position <= {n}, "
+                    "or prefill from position 0)"
+                )
+
+    def mark(self, first: Any, count: int, n_b: int) -> None:
+        """Sequences ``b < n_b`` now hold positions ``0 .. first[b] + count - 1``."""
+        if isinstance(first, int):
+            self.lengths[:n_b] = [first + count] * n_b
+        else:
+            self.lengths[:n_b] = [int(p) + count for p in first]
+
+    def reset(self) -> None:
+        self.lengths[:] = [0] * len(self.lengths)
+
+
 class GroupedQueryAttention(CompositeComponent):
     """Causal self-attention: ``o_proj(softmax(QK^T * scale + causal) V)`` with RoPE on Q and K.
 
@@ -177,6 +222,7 @@ class GroupedQueryAttention(CompositeComponent):
         self._fix_children()
         self._op: Any = None
         self._saved: tuple[Any, ...] | None = None
+        self._cached: CachedLengths | None = None  # INFERENCE builds
 
     def _on_execution_context_set(self) -> None:
         super()._on_execution_context_set()
@@ -210,6 +256,7 @@ class GroupedQueryAttention(CompositeComponent):
         if build_context.is_inference:
             self._add_state("k_cache", self._allocate((n_b, n_t, cfg.kv_width)))
             self._add_state("v_cache", self._allocate((n_b, n_t, cfg.kv_width)))
+        self._cached = CachedLengths(n_b) if build_context.is_inference else None
         if build_context.is_training:
             groups = cfg.n_heads // cfg.n_kv_heads
             self._add_state("probs", self._allocate((n_b, cfg.n_kv_heads, groups, n_t, n_t)))
@@ -258,12 +305,21 @@ class GroupedQueryAttention(CompositeComponent):
         """Tokens the KV cache holds (INFERENCE builds)."""
         return int(self._state["k_cache"].shape[1])
 
+    @property
+    def cached_lengths(self) -> tuple[int, ...]:
+        """Positions ``0 .. n - 1`` each sequence of the build holds in the KV cache
+        (INFERENCE builds; see :class:`CachedLengths`)."""
+        if self._cached is None:
+            raise RuntimeError(f"{self._describe()}: cached_lengths needs an INFERENCE build")
+        return tuple(self._cached.lengths)
+
     def reset_cache(self) -> None:
-        """Zero the KV cache (INFERENCE builds)."""
-        if not self.is_built or not self.build_context.is_inference:
+        """Zero the KV cache (INFERENCE builds): every sequence then holds no position."""
+        if self._cached is None:
             raise RuntimeError(f"{self._describe()}: reset_cache() needs an INFERENCE build")
         self._state["k_cache"][...] = 0
         self._state["v_cache"][...] = 0
+        self._cached.reset()
 
     def forward(self, x: Any, position_offset: int = 0) -> Any:
         """``x [B, T, dim] -> [B, T, dim]`` (a view of ``o_proj``'s output buffer).
@@ -291,6 +347,8 @@ class GroupedQueryAttention(CompositeComponent):
             )
         if not inference and position_offset:
             raise ValueError(f"{self._describe()}: TRAINING builds run from position 0")
+        if inference and n_t:
+            self._cached.check(position_offset, x.shape[0], self._describe())  # type: ignore[union-attr]
         qkv = self.qkv_proj.forward(x)  # [B, T, (Hq + 2 Hk) d]
         q, k, v = self._split_qkv(qkv)
         q, k = self._normalized(q, k)
@@ -302,6 +360,7 @@ class GroupedQueryAttention(CompositeComponent):
             v_cache = self._state["v_cache"][:n_b]
             k_cache[:, position_offset:end] = k
             v_cache[:, position_offset:end] = v
+            self._cached.mark(position_offset, n_t, n_b)  # type: ignore[union-attr]
             self._op.forward(
                 q,
                 k_cache[:, :end],
@@ -339,6 +398,7 @@ class GroupedQueryAttention(CompositeComponent):
         checked, lowest, highest = check_decode_positions(
             positions, n_b, self.context_length, self._describe(), self.execution_context.to_host
         )
+        self._cached.check(checked, n_b, self._describe())  # type: ignore[union-attr]
         pos = None if isinstance(checked, int) else checked
         qkv = self.qkv_proj.forward(x)  # checks the rest of x
         q, k, v = self._split_qkv(qkv)
@@ -364,6 +424,7 @@ class GroupedQueryAttention(CompositeComponent):
             v_cache[rows, pos_d] = v[:, 0]
             end = highest + 1
             visible = pos + 1  # host ints: sequence b sees its keys 0 .. pos[b]
+        self._cached.mark(checked, 1, n_b)  # type: ignore[union-attr]
         out = self._state["attn_out"][:n_b, :1]
         self._op.forward(
             q,

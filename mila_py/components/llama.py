@@ -36,6 +36,7 @@ from mila_py.components._layer import (
 )
 from mila_py.components.attention import (
     AttentionConfig,
+    CachedLengths,
     GroupedQueryAttention,
     check_decode_positions,
 )
@@ -274,6 +275,7 @@ class Llama(Network):
         self._hidden: Any = None
         #: decode plans per batch size on INFERENCE builds (None on TRAINING builds)
         self._plans: dict[int, tuple[DecodePositions, list[Any], Any]] | None = None
+        self._cached: CachedLengths | None = None  # INFERENCE builds
 
     def _on_building(self, build_context: BuildContext) -> None:
         shape = build_context.input_shape
@@ -300,6 +302,10 @@ class Llama(Network):
         # decode plans per batch size (INFERENCE builds), see _decode_plan, and on the CPU the
         # attention scores of one sequence, which every layer's decode step uses in turn
         self._plans = {} if build_context.is_inference else None
+        # one record of the cached positions for every layer (they cache the same positions)
+        self._cached = CachedLengths(n_b) if build_context.is_inference else None
+        for block in self.layers:
+            block.self_attn._cached = self._cached
         if self._plans is not None and self.device_id.device_type is DeviceType.CPU:
             self._add_state("decode_scores", self._allocate((self.config.n_heads * n_t,)))
 
@@ -407,6 +413,7 @@ class Llama(Network):
             # every chunk's ids before the first chunk writes the cache
             self.embed_tokens._check_ints(tokens[:, :chunk], "tokens")
             self.embed_tokens.check_ids(tokens)
+            self._cached.check(offset, tokens.shape[0], self._describe())  # type: ignore[union-attr]
             for start in range(0, n_t, chunk):
                 piece = tokens[:, start : start + chunk]
                 h = self.embed_tokens._lookup(piece, tuple(piece.shape))
@@ -424,6 +431,14 @@ class Llama(Network):
         self._require_inference("reset()")
         for block in self.layers:
             block.self_attn.reset_cache()
+
+    @property
+    def cached_lengths(self) -> tuple[int, ...]:
+        """How many positions (``0 .. n - 1``) each sequence of the build holds in the KV cache
+        (INFERENCE builds). A prefill or decode must start at a position ``<= n`` of its
+        sequence, and leaves it holding exactly the positions up to its last token."""
+        self._require_inference("cached_lengths")
+        return tuple(self._cached.lengths)  # type: ignore[union-attr]
 
     def decode(self, token: Any, position: Any) -> Any:
         """One token per sequence through the cached context.
@@ -451,12 +466,14 @@ class Llama(Network):
         positions, lowest, highest = check_decode_positions(
             position, n_b, self.context_length, self._describe(), ctx.to_host
         )
+        self._cached.check(positions, n_b, self._describe())  # type: ignore[union-attr]
         with _active(ctx):
             self.embed_tokens.forward(token)  # checks the ids; writes the plan's input buffer
             cell, steps, logits = self._decode_plan(n_b)
             cell.set(positions, lowest, highest)
             for step in steps:
                 step()
+            self._cached.mark(positions, 1, n_b)  # type: ignore[union-attr]
             return logits[:, 0].copy()
 
     def _decode_components(self, token: Any, position: Any) -> Any:

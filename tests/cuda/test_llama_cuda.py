@@ -419,11 +419,13 @@ def test_decode_plan_equals_the_component_path(tmp_path, rng, tie: bool, extras:
     for model in (planned, components):
         model.prefill(x[:, :7])
     for position in range(7, 36):
+        # ragged from 15 (sequence 0 four behind); at 20 sequence 0 goes on alone (B=1) and
+        # sequence 1 then continues a step behind
         n_b, where = 2, position
         if position == 20:
-            n_b = 1
+            n_b, where = 1, position - 4
         elif position > 14:
-            where = np.array([position - 4, position])
+            where = np.array([position - 4, position - (position > 20)])
             if position % 2:
                 where = dev(where)
         got = planned.decode(x[:n_b, position], where)

@@ -82,7 +82,7 @@ def main() -> None:
         rng = np.random.default_rng(0)
         model.prefill(rng.integers(0, CFG.vocab_size, size=(args.batch, 32)))
         token = rng.integers(0, CFG.vocab_size, size=args.batch)
-        column = token.reshape(-1, 1)
+        column = ctx.to_device(token.reshape(-1, 1))  # the components take device arrays
         at: Any = np.arange(32 - args.batch + 1, 33) if args.ragged else 32
         cases: dict[str, Callable[[], object]] = {
             "components (checked calls)": lambda: model._decode_components(column, at),

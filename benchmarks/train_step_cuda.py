@@ -113,6 +113,9 @@ def gpu_time_by_call() -> Iterator[dict[str, list[Any]]]:
     def wrap(owner: Any, attr: str, label: str) -> None:
         original = getattr(owner, attr)
 
+        if getattr(original, "timed", False):  # inherited from a class wrapped already
+            return
+
         def timed(*args: Any, **kwargs: Any) -> Any:
             current = cupy.cuda.get_current_stream()
             start, end = cupy.cuda.Event(), cupy.cuda.Event()
@@ -123,6 +126,7 @@ def gpu_time_by_call() -> Iterator[dict[str, list[Any]]]:
                 end.record(current)
                 events[label].append((start, end))
 
+        timed.timed = True  # type: ignore[attr-defined]
         patched.append((owner, attr, original))
         setattr(owner, attr, timed)
 
@@ -131,7 +135,7 @@ def gpu_time_by_call() -> Iterator[dict[str, list[Any]]]:
     for entry in registry.registered_ops():
         if entry.device_type is DeviceType.CUDA:
             for method in ("forward", "backward", "step", "apply"):
-                if method in vars(entry.cls):
+                if callable(getattr(entry.cls, method, None)):  # inherited ones too
                     wrap(entry.cls, method, f"{entry.cls.__name__}.{method}")
     try:
         yield events
@@ -200,8 +204,8 @@ def main() -> None:
                 ),
             )
         )
-    except ImportError as exc:
-        print(f"(PyTorch skipped: {exc})")
+    except Exception as exc:  # not installed, or failing on this GPU: mila_py's rows still print
+        print(f"(PyTorch skipped: {type(exc).__name__}: {exc})")
 
     name = cupy.cuda.runtime.getDeviceProperties(device.index)["name"]
     name = name.decode() if isinstance(name, bytes) else name

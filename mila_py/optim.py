@@ -60,8 +60,9 @@ class AdamW:
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self._pairs = _pairs(model)
         xp = model.execution_context.xp
-        self._m = [xp.zeros_like(p) for _, p, _ in self._pairs]
-        self._v = [xp.zeros_like(p) for _, p, _ in self._pairs]
+        with model.execution_context.activate():  # on the parameters' device
+            self._m = [xp.zeros_like(p) for _, p, _ in self._pairs]
+            self._v = [xp.zeros_like(p) for _, p, _ in self._pairs]
         self._decays = [decay(name, p) for name, p, _ in self._pairs]
         self.step_count = 0
         # A device with a fused update kernel (CUDA) runs it per parameter; the array code

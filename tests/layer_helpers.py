@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -125,3 +126,13 @@ def move_optional_parameters(
             p[...] = bias * rng.standard_normal(p.shape)
         if name.endswith("norm.weight"):
             p += norm * rng.standard_normal(p.shape)
+
+
+def cpu_stats_of_a_cuda_build(stats: Any, model: Any) -> Any:
+    """The memory stats a CPU build of the built CUDA Llama ``model`` has, from the CUDA
+    build's ``stats``: the same bytes plus, on INFERENCE builds, the CPU decode kernel's
+    attention scores (``n_heads * context`` values), which the CUDA kernel keeps on chip."""
+    extra = 0
+    if model.build_context.is_inference:
+        extra = model.config.n_heads * model.context_length * model.precision.numpy_dtype.itemsize
+    return dataclasses.replace(stats, device_state_bytes=stats.device_state_bytes + extra)

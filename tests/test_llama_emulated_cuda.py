@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from kernel_emulator import COMPILER, EmulatedContext
-from layer_helpers import move_optional_parameters
+from layer_helpers import cpu_stats_of_a_cuda_build, move_optional_parameters
 
 from mila_py import BuildContext, RuntimeMode
 from mila_py.components import Llama, LlamaConfig, SoftmaxCrossEntropy, SoftmaxCrossEntropyConfig
@@ -175,3 +175,35 @@ def test_decode_plan_equals_the_component_path(
     launched = set(planned.execution_context.launches)
     assert {"attention_decode", "kv_cache_write"} <= launched
     assert not {"attention_decode", "kv_cache_write"} & set(components.execution_context.launches)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        BuildContext((2, 16), TRAINING),
+        BuildContext((1, 64), INFERENCE, prefill_size=8),
+        BuildContext((3, 32), INFERENCE),
+    ],
+)
+@pytest.mark.parametrize("tie", [False, True])
+def test_memory_stats_equal_cpu(cuda: None, build: BuildContext, tie: bool) -> None:
+    """A CUDA build holds what the CPU build holds, but for the CPU decode kernel's scores;
+    each device's prediction equals its build (the GPU twin in tests/cuda also counts CuPy)."""
+    cfg = dataclasses.replace(CFG, tie_embeddings=tie, qkv_bias=not tie, mlp_bias=not tie)
+    stats = []
+    for device in ("CPU", "CUDA:0"):
+        model = Llama("llama", cfg, device=device)
+        predicted = model.required_memory(build)
+        model.build(build)
+        assert model.get_memory_stats() == predicted
+        stats.append(predicted)
+    # the emulated GPU's memory is NumPy arrays, which the stats count as host memory
+    cuda = stats[1]
+    assert cuda.host_state_bytes > 0
+    on_gpu = dataclasses.replace(
+        cuda, device_state_bytes=cuda.total_bytes - cuda.device_parameter_bytes
+        - cuda.device_gradient_bytes, host_state_bytes=0
+    )  # fmt: skip
+    assert stats[0] == cpu_stats_of_a_cuda_build(on_gpu, model)
+    if build.is_inference:
+        assert stats[0] != on_gpu

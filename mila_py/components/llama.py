@@ -15,8 +15,6 @@ Tree (names follow the component tree, dotted in ``named_parameters`` and safete
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -47,8 +45,8 @@ from mila_py.components.swiglu import SwiGLU, SwiGLUConfig
 from mila_py.components.token_embedding import TokenEmbedding, TokenEmbeddingConfig
 from mila_py.composite import CompositeComponent, Network
 from mila_py.devices import DeviceLike, DeviceType
-from mila_py.ops.cpu._rows import as_rows, out_rows
 from mila_py.ops.operation import DecodePositions
+from mila_py.ops.registry import create_op
 from mila_py.precision import Precision
 
 __all__ = ["Llama", "LlamaBlock", "LlamaConfig"]
@@ -276,6 +274,14 @@ class Llama(Network):
         #: decode plans per batch size on INFERENCE builds (None on TRAINING builds)
         self._plans: dict[int, tuple[DecodePositions, list[Any], Any]] | None = None
         self._cached: CachedLengths | None = None  # INFERENCE builds
+        #: the tied head's products (the embedding's weight as a Linear's), on the device
+        self._head_op: Any = None
+
+    def _on_execution_context_set(self) -> None:
+        super()._on_execution_context_set()
+        if self.lm_head is None:
+            head = LinearConfig(self.config.dim, self.config.vocab_size)
+            self._head_op = create_op("LinearOp", self.execution_context, head, self.precision)
 
     def _on_building(self, build_context: BuildContext) -> None:
         shape = build_context.input_shape
@@ -357,7 +363,7 @@ class Llama(Network):
                 f"{self._describe()}: positions {offset}..{offset + n_t - 1} do not fit the "
                 f"context of {self.context_length} tokens"
             )
-        with _active(self.execution_context):
+        with self.execution_context.activate():
             h = self.embed_tokens.forward(tokens)
             for block in self.layers:
                 h = block.forward(h, offset)
@@ -370,9 +376,7 @@ class Llama(Network):
         self._hidden = h
         n_b, n_t = h.shape[0], h.shape[1]
         logits = leading_view(self._state["logits"], (n_b, n_t, self.config.vocab_size))
-        weight = self.embed_tokens._parameters["weight"]  # [vocab, dim]
-        # 2-D operands: one GEMM reading the weight in place (CuPy copies a broadcast 3-D one)
-        self.execution_context.xp.matmul(as_rows(h), weight.T, out=out_rows(logits))
+        self._head_op.forward(h, self.embed_tokens._parameters["weight"], None, logits)
         return logits
 
     def _require_inference(self, what: str) -> None:
@@ -399,6 +403,7 @@ class Llama(Network):
             logits of the last position, ``[B, vocab]`` (a copy, on the model's device).
         """
         self._require_inference("prefill()")
+        given = tokens
         tokens = _on_device(self.execution_context, tokens)
         offset = _as_position(position_offset, self._describe())
         if tokens.ndim != 2 or not 0 < tokens.shape[1] <= self.context_length - offset:
@@ -409,10 +414,10 @@ class Llama(Network):
             )
         n_t, chunk = tokens.shape[1], self.chunk_size
         h = None
-        with _active(self.execution_context):
+        with self.execution_context.activate():
             # every chunk's ids before the first chunk writes the cache
             self.embed_tokens._check_ints(tokens[:, :chunk], "tokens")
-            self.embed_tokens.check_ids(tokens)
+            self.embed_tokens.check_ids(given if isinstance(given, np.ndarray) else tokens)
             self._cached.check(offset, tokens.shape[0], self._describe())  # type: ignore[union-attr]
             for start in range(0, n_t, chunk):
                 piece = tokens[:, start : start + chunk]
@@ -454,6 +459,7 @@ class Llama(Network):
         """
         self._require_inference("decode()")
         ctx = self.execution_context
+        given = token
         token = _on_device(ctx, token)
         if not (token.ndim <= 1 or (token.ndim == 2 and token.shape[1] == 1)):
             raise ValueError(
@@ -467,8 +473,13 @@ class Llama(Network):
             position, n_b, self.context_length, self._describe(), ctx.to_host
         )
         self._cached.check(positions, n_b, self._describe())  # type: ignore[union-attr]
-        with _active(ctx):
-            self.embed_tokens.forward(token)  # checks the ids; writes the plan's input buffer
+        with ctx.activate():
+            # the ids checked where they came from (host ids: no wait for the GPU), then
+            # looked up into the plan's input buffer
+            embed = self.embed_tokens
+            shape = embed._check_ints(token, "tokens")
+            embed.check_ids(given if isinstance(given, np.ndarray) else token)
+            embed._lookup(token, shape)
             cell, steps, logits = self._decode_plan(n_b)
             cell.set(positions, lowest, highest)
             for step in steps:
@@ -479,7 +490,7 @@ class Llama(Network):
     def _decode_components(self, token: Any, position: Any) -> Any:
         """:meth:`decode` through the components' own calls (``token [B, 1]`` on the device):
         the reference the decode plans are tested against."""
-        with _active(self.execution_context):
+        with self.execution_context.activate():
             h = self.embed_tokens.forward(token)
             for block in self.layers:
                 h = block.decode(h, position)
@@ -513,8 +524,7 @@ class Llama(Network):
             else:
                 logits = leading_view(self._state["logits"], (n_b, 1, self.config.vocab_size))
                 weight = self.embed_tokens._parameters["weight"]  # [vocab, dim]
-                matmul = self.execution_context.xp.matmul
-                steps.append(functools.partial(matmul, as_rows(h), weight.T, out=out_rows(logits)))
+                steps.append(self._head_op.bind_forward(h, weight, None, logits))
             plan = plans[n_b] = (cell, steps, logits)
         return plan
 
@@ -600,7 +610,8 @@ class Llama(Network):
             position = lengths
         for step in range(steps):
             if temperature == 0:  # greedy: the argmax on the device, [B] ids to the host
-                token = ctx.to_host(logits.argmax(axis=-1))
+                with ctx.activate():
+                    token = ctx.to_host(logits.argmax(axis=-1))
             else:
                 token = _sample(ctx.to_host(logits), temperature, top_k, top_p, rng)
             if stop is not None:
@@ -747,11 +758,10 @@ class Llama(Network):
         """Backpropagate ``dlogits [B, T, vocab]``; accumulates every parameter gradient."""
         if not self.is_built or not self.build_context.is_training:
             raise RuntimeError(f"{self._describe()}: backward() needs a TRAINING build")
-        with _active(self.execution_context):
+        with self.execution_context.activate():
             self._backward(dlogits)
 
     def _backward(self, dlogits: Any) -> None:
-        xp = self.execution_context.xp
         if self.lm_head is not None:
             dh = self.lm_head.backward(dlogits)
         else:
@@ -760,13 +770,12 @@ class Llama(Network):
             h = self._hidden
             weight = self.embed_tokens._parameters["weight"]
             grad = self.embed_tokens._gradients["weight"]
-            dim, vocab = self.config.dim, self.config.vocab_size
+            vocab = self.config.vocab_size
             n_b, n_t = h.shape[0], h.shape[1]
             # checked as the untied head's Linear checks it, before any gradient is touched
             check_grad(self, dlogits, "dlogits", (n_b, n_t, vocab), weight.dtype)
-            grad += dlogits.reshape(-1, vocab).T @ h.reshape(-1, dim)
             dh = self._state["dnorm"][:n_b, :n_t]
-            xp.matmul(dlogits, weight, out=dh)
+            self._head_op.backward(h, weight, dlogits, grad, None, dh)
         dh = self.norm.backward(dh)
         for block in reversed(self.layers):
             dh = block.backward(dh)
@@ -819,12 +828,6 @@ class Llama(Network):
         )
         hf.load_hf_weights(model, tensors)
         return model
-
-
-def _active(ctx: Any) -> Any:
-    """``ctx.activate()`` where the context has one (CUDA: its device and stream), else a no-op."""
-    activate = getattr(ctx, "activate", None)
-    return activate() if activate is not None else contextlib.nullcontext()
 
 
 def _on_device(ctx: Any, array: Any) -> Any:

@@ -101,10 +101,16 @@ class TokenEmbedding(Layer):
         return self._lookup(tokens, shape)
 
     def check_ids(self, tokens: Any) -> None:
-        """Refuse ids outside ``[0, vocab_size)`` (``tokens``: integers of this device, any
-        shape), for a caller that looks up in pieces and must know before the first one."""
+        """Refuse ids outside ``[0, vocab_size)`` (``tokens``: integers of this device or a
+        NumPy array of them, any shape), for a caller that looks up in pieces and must know
+        before the first one, or that holds the ids on the host too (no wait for the GPU)."""
         if tokens.size:
-            low, high = int(tokens.min()), int(tokens.max())
+            if isinstance(tokens, np.ndarray):
+                low, high = int(tokens.min()), int(tokens.max())
+            else:  # both in one transfer: one wait for the device
+                ctx = self.execution_context
+                both = ctx.xp.stack((tokens.min(), tokens.max()))
+                low, high = (int(v) for v in ctx.to_host(both))
             if low < 0 or high >= self.config.vocab_size:
                 bad = low if low < 0 else high
                 raise ValueError(

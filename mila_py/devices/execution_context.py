@@ -7,6 +7,7 @@ memory is counted in one place (see :mod:`mila_py.memory`).
 from __future__ import annotations
 
 import abc
+import contextlib
 import sys
 from typing import Any
 
@@ -47,6 +48,11 @@ class ExecutionContext(abc.ABC):
     @abc.abstractmethod
     def to_device(self, array: Any) -> Any:
         """Copy host data (anything ``numpy.asarray`` accepts) to this device."""
+
+    def activate(self) -> Any:
+        """Context manager making this context's device (and stream) current for array work
+        that names no device: ``with ctx.activate(): ...``. Nothing to do on the CPU."""
+        return contextlib.nullcontext()
 
     def to_host(self, array: Any) -> np.ndarray:
         """Copy an array of this device to a NumPy array."""

@@ -168,10 +168,10 @@ def kernel(
         import cupy
 
         compiled = module(source, device_index, name_expressions)
-        with cupy.cuda.Device(device_index):
+        with cupy.cuda.Device(device_index):  # the kernel loads for the current device
             raw = compiled.get_function(name)
-        # the driver-level Function: its __call__ takes shared_mem= and stream= directly
-        function = _FUNCTIONS.setdefault(key, getattr(raw, "kernel", raw))
+            # the driver-level Function: its __call__ takes shared_mem= and stream= directly
+            function = _FUNCTIONS.setdefault(key, getattr(raw, "kernel", raw))
     return function
 
 

@@ -388,6 +388,8 @@ class CudaAttentionOp(Operation):
         dense = all(a.flags.c_contiguous for a in (k_cache, v_cache, out))
         if not dense or q.shape[1] != 1 or q.strides[2] != item or q.strides[0] % item:
             return general
+        if k_cache.shape[0] > 65535:  # the grid's y dimension (sequences) has this limit
+            return general
         ctx: Any = self.context
         n_b, t_max = k_cache.shape[0], k_cache.shape[1]
         head_dim = q.shape[2] // n_heads

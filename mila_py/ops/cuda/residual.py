@@ -21,9 +21,9 @@ class CudaResidualOp(ResidualOpBase):
     """CuPy residual (see :class:`ResidualOpBase`)."""
 
     def forward(self, x: Any, f: Any, out: Any) -> None:
-        with self.context.activate():  # type: ignore[attr-defined]
+        with self.context.activate():
             super().forward(x, f, out)
 
     def backward(self, dy: Any, df: Any) -> Any:
-        with self.context.activate():  # type: ignore[attr-defined]
+        with self.context.activate():
             return super().backward(dy, df)

@@ -397,7 +397,7 @@ class CudaRopeOp(Operation):
             self._launch(q, k, q_out, k_out, *tables, None, offset, inverse)
             return
         per_axis = positions is not None and positions.ndim == 3  # M-RoPE positions [3, B, T]
-        with ctx.activate():  # type: ignore[attr-defined]
+        with ctx.activate():
             if tables is None:  # a length-dependent type past its original context: rows per call
                 cos_rows, sin_rows, offset, positions = table.call_rows(
                     (n_b, n_t), offset, positions, seq_len, self._axes if per_axis else None

@@ -45,17 +45,20 @@ from mila_py.components._layer import is_int
 from mila_py.components.llama import Llama, LlamaConfig
 from mila_py.components.rope_config import RopeConfig
 from mila_py.components.rope_scaling import rope_type_name
-from mila_py.serialization import assign_parameters
+from mila_py.serialization import assign_parameters, read_safetensors
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "eos_token_ids",
     "hf_to_mila",
+    "hf_weight_files",
     "llama_config_from_hf",
     "llama_config_to_hf",
     "load_hf_weights",
     "mila_to_hf",
     "read_hf_checkpoint",
+    "read_hf_config",
+    "read_hf_tensors",
     "save_hf_checkpoint",
 ]
 
@@ -485,24 +488,6 @@ def _widen(array: np.ndarray) -> np.ndarray:
     return array
 
 
-def _read_safetensors(path: Path, names: list[str] | None = None) -> dict[str, np.ndarray]:
-    from safetensors import safe_open
-
-    out: dict[str, np.ndarray] = {}
-    with safe_open(os.fspath(path), framework="numpy") as f:
-        available = set(f.keys())
-        wanted = list(f.keys()) if names is None else names
-        absent = [n for n in wanted if n not in available]
-        if absent:
-            raise ValueError(
-                f"read_hf_checkpoint: {path.name} lacks tensors its index maps to it: "
-                + ", ".join(absent)
-            )
-        for name in wanted:
-            out[name] = _widen(f.get_tensor(name))
-    return out
-
-
 def eos_token_ids(path: str | os.PathLike[str]) -> list[int] | None:
     """The EOS ids that ``transformers.generate`` stops at for the checkpoint folder ``path``:
     ``eos_token_id`` of its ``generation_config.json`` when there is one (often several ids, as
@@ -518,7 +503,7 @@ def eos_token_ids(path: str | os.PathLike[str]) -> list[int] | None:
         raise FileNotFoundError(f"eos_token_ids: {root} has no {CONFIG_NAME}")
     for name in (GENERATION_CONFIG_NAME, CONFIG_NAME):
         file = root / name
-        value = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
+        value = _read_json(file, "eos_token_ids").get("eos_token_id") if file.is_file() else None
         if value is None:
             continue
         ids = value if isinstance(value, list) else [value]
@@ -526,6 +511,104 @@ def eos_token_ids(path: str | os.PathLike[str]) -> list[int] | None:
             raise ValueError(f"eos_token_ids: {file} has eos_token_id={value!r}, not int ids")
         return ids
     return None
+
+
+def _read_json(file: Path, who: str) -> dict[str, Any]:
+    try:
+        value = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{who}: {file} is not valid JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"{who}: {file} holds a {type(value).__name__}, not a JSON object")
+    return value
+
+
+def _checkpoint_root(path: str | os.PathLike[str], who: str) -> Path:
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"{who}: {root} is not a directory (expected a Hugging Face checkpoint folder with "
+            f"{CONFIG_NAME} and {WEIGHTS_NAME} or {INDEX_NAME})"
+        )
+    if not (root / CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"{who}: {root} has no {CONFIG_NAME}")
+    return root
+
+
+def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``config.json`` of a Hugging Face checkpoint folder (no weights are read).
+
+    Raises:
+        FileNotFoundError: the folder or its ``config.json`` is missing.
+        ValueError: ``config.json`` is not a JSON object.
+    """
+    return _read_json(_checkpoint_root(path, "read_hf_config") / CONFIG_NAME, "read_hf_config")
+
+
+def hf_weight_files(path: str | os.PathLike[str]) -> list[tuple[Path, list[str] | None]]:
+    """The safetensors files of a checkpoint folder and the tensors to take from each (None:
+    all of them), checked without reading any tensor: ``model.safetensors``, or the shards of
+    ``model.safetensors.index.json`` (a stale ``model.safetensors`` beside an index wins, as in
+    transformers).
+
+    Raises:
+        FileNotFoundError: no weights, or shards the index names that are not there.
+        ValueError: an index that is not ``{"weight_map": {name: shard}}``, shards that are not
+            safetensors or lack tensors the index maps to them (every one listed at once).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    who = "read_hf_checkpoint"
+    root = _checkpoint_root(path, who)
+    single, index = root / WEIGHTS_NAME, root / INDEX_NAME
+    by_shard: dict[str, list[str] | None] = {}
+    if single.is_file():
+        by_shard[WEIGHTS_NAME] = None
+    elif not index.is_file():
+        raise FileNotFoundError(
+            f"{who}: {root} has neither {WEIGHTS_NAME} nor {INDEX_NAME} "
+            "(PyTorch .bin checkpoints are not supported; re-save with safe_serialization=True)"
+        )
+    else:
+        weight_map = _read_json(index, who).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise ValueError(f"{who}: {index} has no weight_map of tensor names to shard files")
+        for name, shard in weight_map.items():
+            by_shard.setdefault(shard, []).append(name)  # type: ignore[union-attr]
+    missing = [s for s in by_shard if not (root / s).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{who}: {INDEX_NAME} names shards that are not in {root}: "
+            + ", ".join(sorted(missing))
+        )
+    problems = []
+    for shard, names in by_shard.items():
+        try:
+            with safe_open(os.fspath(root / shard), framework="numpy") as f:
+                available = set(f.keys())
+        except SafetensorError as exc:
+            problems.append(f"{shard} is not a safetensors file ({exc})")
+            continue
+        absent = [n for n in names or () if n not in available]
+        if absent:
+            problems.append(f"{shard} lacks tensors the index maps to it: {', '.join(absent)}")
+    if problems:
+        raise ValueError(f"{who}: {root}: " + "; ".join(problems))
+    return [(root / shard, names) for shard, names in by_shard.items()]
+
+
+def read_hf_tensors(
+    files: list[tuple[Path, list[str] | None]],
+) -> dict[str, np.ndarray]:
+    """``{HF name: array}`` of :func:`hf_weight_files`'s list; BF16 and FP16 tensors are
+    widened to float32 one at a time."""
+    tensors: dict[str, np.ndarray] = {}
+    for file, names in files:
+        for name, array in read_safetensors(file, "read_hf_checkpoint", names).items():
+            tensors[name] = _widen(array)
+    return tensors
 
 
 def read_hf_checkpoint(
@@ -542,40 +625,11 @@ def read_hf_checkpoint(
 
     Raises:
         FileNotFoundError: the directory, its ``config.json``, or its weights are missing.
-        ValueError: a shard lacks a tensor its index names, or two shards hold the same name.
+        ValueError: files that do not parse, or shards that lack tensors their index names
+            (see :func:`hf_weight_files`).
     """
-    root = Path(path)
-    if not root.is_dir():
-        raise FileNotFoundError(
-            f"read_hf_checkpoint: {root} is not a directory (expected a Hugging Face checkpoint "
-            f"folder with {CONFIG_NAME} and {WEIGHTS_NAME} or {INDEX_NAME})"
-        )
-    config_path = root / CONFIG_NAME
-    if not config_path.is_file():
-        raise FileNotFoundError(f"read_hf_checkpoint: {root} has no {CONFIG_NAME}")
-    config = json.loads(config_path.read_text())
-    single, index = root / WEIGHTS_NAME, root / INDEX_NAME
-    if single.is_file():
-        return config, _read_safetensors(single)
-    if not index.is_file():
-        raise FileNotFoundError(
-            f"read_hf_checkpoint: {root} has neither {WEIGHTS_NAME} nor {INDEX_NAME} "
-            "(PyTorch .bin checkpoints are not supported; re-save with safe_serialization=True)"
-        )
-    weight_map: Mapping[str, str] = json.loads(index.read_text()).get("weight_map", {})
-    by_shard: dict[str, list[str]] = {}
-    for name, shard in weight_map.items():
-        by_shard.setdefault(shard, []).append(name)
-    missing = [s for s in by_shard if not (root / s).is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"read_hf_checkpoint: {INDEX_NAME} names shards that are not in {root}: "
-            + ", ".join(sorted(missing))
-        )
-    tensors: dict[str, np.ndarray] = {}
-    for shard, names in by_shard.items():
-        tensors.update(_read_safetensors(root / shard, names))
-    return config, tensors
+    config = read_hf_config(path)
+    return config, read_hf_tensors(hf_weight_files(path))
 
 
 def save_hf_checkpoint(model: Llama, path: str | os.PathLike[str]) -> None:

@@ -9,13 +9,19 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["assign_parameters", "load", "save"]
+__all__ = ["assign_parameters", "load", "read_safetensors", "save"]
 
 
 def save(component: Any, path: str | os.PathLike[str]) -> None:
-    """Write every parameter of ``component`` to ``path`` (safetensors, float arrays as stored)."""
+    """Write every parameter of ``component`` to ``path`` (safetensors, float arrays as stored).
+
+    Raises:
+        RuntimeError: before build (there are no parameters yet).
+    """
     from safetensors.numpy import save_file
 
+    if not component.is_built:
+        raise RuntimeError(f"{component._describe()}: build it before save()")
     ctx = component.execution_context
     tensors = {name: np.ascontiguousarray(ctx.to_host(p)) for name, p in _named(component, "save")}
     save_file(tensors, os.fspath(path), metadata={"format": "mila_py"})
@@ -49,13 +55,42 @@ def load(component: Any, path: str | os.PathLike[str]) -> None:
 
     Raises:
         RuntimeError: before build (nothing to load into).
-        ValueError: listing every mismatch.
+        FileNotFoundError: no file at ``path``.
+        ValueError: listing every mismatch, or a file that is not safetensors.
     """
-    from safetensors.numpy import load_file
-
     if not component.is_built:
         raise RuntimeError(f"{component._describe()}: build it before load()")
-    assign_parameters(component, load_file(os.fspath(path)), f"cannot load {os.fspath(path)}")
+    tensors = read_safetensors(path, component._describe())
+    assign_parameters(component, tensors, f"cannot load {os.fspath(path)}")
+
+
+def read_safetensors(
+    path: str | os.PathLike[str], who: str, names: list[str] | None = None
+) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file (``names`` only, when given), as NumPy arrays.
+
+    Raises:
+        FileNotFoundError: no file at ``path`` (a folder is not a file either).
+        ValueError: the file is not safetensors (its header does not parse), or it lacks one of
+            ``names`` (all of them listed); messages start with ``who``.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{who}: {os.fspath(path)} is not a file")
+    out: dict[str, np.ndarray] = {}
+    try:
+        with safe_open(os.fspath(path), framework="numpy") as f:
+            available = set(f.keys())
+            wanted = sorted(available) if names is None else names
+            absent = [n for n in wanted if n not in available]
+            if absent:
+                raise ValueError(f"{who}: {os.fspath(path)} lacks tensors: {', '.join(absent)}")
+            for name in wanted:
+                out[name] = f.get_tensor(name)
+    except SafetensorError as exc:
+        raise ValueError(f"{who}: {os.fspath(path)} is not a safetensors file ({exc})") from exc
+    return out
 
 
 def assign_parameters(component: Any, tensors: Mapping[str, Any], what: str) -> None:

@@ -327,6 +327,37 @@ def test_memory_prediction_and_inference_is_smaller(weights: str) -> None:
     assert predicted.state_bytes >= kv
 
 
+def test_memory_of_a_build_larger_than_the_machine_is_predicted() -> None:
+    """required_memory allocates nothing of the build: a 128k context whose whole-context
+    prefill chunk needs 63 GiB of logits is a table, not a MemoryError."""
+    import tracemalloc
+
+    big = LlamaConfig(
+        vocab_size=128256, dim=256, n_layers=1, n_heads=4, n_kv_heads=1, hidden_dim=512,
+        max_seq_len=131072,
+    )  # fmt: skip
+    model = Llama("llama", big, device="CPU")
+    tracemalloc.start()
+    try:
+        stats = model.required_memory(BuildContext((1, 131072), RuntimeMode.INFERENCE))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    logits = 131072 * 128256 * 4
+    assert stats.state_bytes > logits > 62 * 2**30
+    assert stats.parameter_bytes == 4 * model_parameters(big)
+    assert peak < 256 * 2**20  # the RoPE table (32 MiB) and small things only
+    assert not model.is_built
+
+
+def model_parameters(cfg: LlamaConfig) -> int:
+    d, hd = cfg.dim, cfg.dim // cfg.n_heads
+    attn = d * (cfg.n_heads + 2 * cfg.n_kv_heads) * hd + cfg.n_heads * hd * d
+    block = attn + 3 * d * cfg.hidden_dim + 2 * d
+    head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
+    return cfg.vocab_size * d + cfg.n_layers * block + d + head
+
+
 def test_positions_outside_the_context_are_refused(weights: str) -> None:
     model = make(weights, RuntimeMode.INFERENCE, (1, 8))
     with pytest.raises(ValueError):

@@ -45,6 +45,7 @@ from mila_py.components.swiglu import SwiGLU, SwiGLUConfig
 from mila_py.components.token_embedding import TokenEmbedding, TokenEmbeddingConfig
 from mila_py.composite import CompositeComponent, Network
 from mila_py.devices import DeviceLike, DeviceType
+from mila_py.devices.sizing import SizingContext
 from mila_py.ops.operation import DecodePositions
 from mila_py.ops.registry import create_op
 from mila_py.precision import Precision
@@ -328,13 +329,17 @@ class Llama(Network):
 
     def required_memory(self, build_context: BuildContext) -> Any:
         """The :class:`MemoryStats` a build with ``build_context`` will have, without building
-        this model: a twin is built (parameters not initialized, so its zeroed pages are never
-        touched) and measured."""
+        this model and without allocating its memory: a twin is built through a
+        :class:`~mila_py.devices.sizing.SizingContext` (buffers of the build's shapes that hold
+        one element each) and measured, so a build too large for the device is predicted too."""
         if not isinstance(build_context, BuildContext):
             raise TypeError(
                 f"{self._describe()}: required_memory needs a BuildContext, got {build_context!r}"
             )
         twin = Llama(self.name, self.config, device=self.device_id, precision=self.precision)
+        for component in twin._walk():  # unbuilt: its tree takes the sizing context instead
+            component._context = None
+        twin.set_execution_context(SizingContext(self.execution_context))
         twin.build(
             BuildContext(
                 build_context.input_shape,
@@ -801,33 +806,41 @@ class Llama(Network):
             device: where the network runs.
             runtime_mode: a ``RuntimeMode``; None means ``RuntimeMode.INFERENCE``.
             batch_size: B of the build shape.
-            prefill_size: prefill chunk size of INFERENCE builds (None: the whole context).
+            prefill_size: prefill chunk size of INFERENCE builds (None: 512 tokens, or the
+                whole context when it is shorter; 0: the whole context).
             seq_len: T of the build shape (the context capacity of INFERENCE builds); default
                 ``max_position_embeddings``.
             precision: parameter and activation precision (weights are cast to it).
 
+        The config, the arguments and the weight files' headers are checked, and the model
+        built, before any tensor is read.
+
         Raises:
             FileNotFoundError: no checkpoint at ``path``.
-            ValueError: a config mila_py cannot express, or tensors that do not match it (every
-                problem listed at once).
+            ValueError: a config mila_py cannot express, bad arguments, files that do not
+                parse, or tensors that do not match the config (every problem listed at once).
         """
         from mila_py import hf
         from mila_py.build_context import RuntimeMode
 
         mode = RuntimeMode.INFERENCE if runtime_mode is None else runtime_mode
-        hf_config, tensors = hf.read_hf_checkpoint(path)
-        config = hf.llama_config_from_hf(hf_config)
+        config = hf.llama_config_from_hf(hf.read_hf_config(path))
+        files = hf.hf_weight_files(path)
+        n_t = config.max_seq_len if seq_len is None else seq_len
+        if prefill_size is None:
+            prefill_size = min(n_t, _DEFAULT_PREFILL) if is_int(n_t) else 0
         model = cls("llama", config, device=device, precision=precision)
         model.build(
             BuildContext(
-                (batch_size, seq_len or config.max_seq_len),
-                mode,
-                initialize_parameters=False,
-                prefill_size=prefill_size or 0,
+                (batch_size, n_t), mode, initialize_parameters=False, prefill_size=prefill_size
             )
         )
-        hf.load_hf_weights(model, tensors)
+        hf.load_hf_weights(model, hf.read_hf_tensors(files))
         return model
+
+
+#: from_pretrained's prefill chunk: INFERENCE builds hold activations and logits for one chunk
+_DEFAULT_PREFILL = 512
 
 
 def _on_device(ctx: Any, array: Any) -> Any:

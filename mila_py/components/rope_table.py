@@ -190,7 +190,8 @@ class RopeTable:
         )
 
     def arrays(self) -> list[Any]:
-        """Every table array (state memory)."""
+        """Every table array (state memory); the float64 frequency vectors (``n_freq`` values,
+        host bookkeeping) are not counted."""
         return [a for a in (self.cos, self.sin, self.long_cos, self.long_sin) if a is not None]
 
     @property

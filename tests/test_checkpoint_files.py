@@ -1,0 +1,133 @@
+"""Weight files that are missing, malformed or not what they claim: clear errors, in the order
+a user can act on them, before anything is read or loaded (no transformers needed)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from mila_py import BuildContext, RuntimeMode
+from mila_py import hf as hf_module
+from mila_py.components import Llama, LlamaConfig
+from mila_py.hf import read_hf_checkpoint, save_hf_checkpoint
+
+CFG = LlamaConfig(
+    vocab_size=32, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=24, max_seq_len=2048
+)
+
+
+def built(mode: RuntimeMode = RuntimeMode.TRAINING) -> Llama:
+    model = Llama("llama", CFG, device="CPU")
+    model.build(BuildContext((1, 8), mode))
+    return model
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    save_hf_checkpoint(built(), tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def shard(path: Path) -> tuple[dict[str, str], list[str]]:
+    """Split ``path``'s model.safetensors into two shards and an index; returns the weight map
+    and the names in the second shard."""
+    tensors = load_file(path / "model.safetensors")
+    names = sorted(tensors)
+    halves = {"model-1.safetensors": names[::2], "model-2.safetensors": names[1::2]}
+    weight_map = {}
+    for file, part in halves.items():
+        save_file({n: tensors[n] for n in part}, path / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (path / "model.safetensors").unlink()
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return weight_map, halves["model-2.safetensors"]
+
+
+def test_save_and_load_name_the_component_and_refuse_what_is_not_safetensors(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(RuntimeError, match="build it before save"):
+        Llama("llama", CFG, device="CPU").save(tmp_path / "w.safetensors")
+    assert not (tmp_path / "w.safetensors").exists()
+    model = built()
+    before = [p.copy() for p in model.get_parameters()]
+    (tmp_path / "junk").write_bytes(b"\x00" * 64)
+    (tmp_path / "empty").write_bytes(b"")
+    for path in (tmp_path / "junk", tmp_path / "empty"):
+        with pytest.raises(ValueError, match=r"Llama 'llama'.*not a safetensors file"):
+            model.load(path)
+    with pytest.raises(FileNotFoundError, match=r"Llama 'llama'.*not a file"):
+        model.load(tmp_path)  # a folder
+    with pytest.raises(FileNotFoundError, match="not a file"):
+        model.load(tmp_path / "nowhere.safetensors")
+    for p, q in zip(model.get_parameters(), before, strict=True):
+        np.testing.assert_array_equal(p, q)
+
+
+def test_from_pretrained_checks_config_and_arguments_before_reading_weights(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    read: list[object] = []
+    real = hf_module.read_hf_tensors
+    monkeypatch.setattr(hf_module, "read_hf_tensors", lambda files: read.append(1) or real(files))
+    config = json.loads((checkpoint / "config.json").read_text())
+    bad_args = [
+        {"batch_size": 0},
+        {"seq_len": 0},  # not "the default"
+        {"prefill_size": -3},
+        {"seq_len": 10**6},
+        {"device": "TPU"},
+    ]
+    for kwargs in bad_args:
+        with pytest.raises(ValueError):
+            Llama.from_pretrained(checkpoint, **kwargs)  # type: ignore[arg-type]
+    (checkpoint / "config.json").write_text(json.dumps({**config, "model_type": "gemma"}))
+    with pytest.raises(ValueError, match="gemma"):
+        Llama.from_pretrained(checkpoint)
+    (checkpoint / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        Llama.from_pretrained(checkpoint)
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    (checkpoint / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        Llama.from_pretrained(checkpoint)
+    assert not read  # every refusal came before a tensor was read
+
+
+def test_from_pretrained_chunks_long_contexts_by_default(checkpoint: Path) -> None:
+    model = Llama.from_pretrained(checkpoint)
+    assert model.context_length == 2048 and model.chunk_size == 512
+    short = Llama.from_pretrained(checkpoint, seq_len=100)
+    assert short.chunk_size == 100
+    whole = Llama.from_pretrained(checkpoint, prefill_size=0)
+    assert whole.chunk_size == 2048
+    tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, size=(1, 700))
+    np.testing.assert_allclose(model.prefill(tokens), whole.prefill(tokens), rtol=1e-5, atol=1e-6)
+
+
+def test_every_shard_problem_is_reported_at_once(checkpoint: Path) -> None:
+    weight_map, second = shard(checkpoint)
+    _, tensors = read_hf_checkpoint(checkpoint)
+    assert set(tensors) == set(weight_map)
+    # each shard loses one tensor its index maps to it
+    for file in ("model-1.safetensors", "model-2.safetensors"):
+        kept = load_file(checkpoint / file)
+        lost = sorted(kept)[0]
+        del kept[lost]
+        save_file(kept, checkpoint / file)
+    with pytest.raises(ValueError) as error:
+        read_hf_checkpoint(checkpoint)
+    message = str(error.value)
+    assert "model-1.safetensors lacks" in message and "model-2.safetensors lacks" in message
+    (checkpoint / "model-2.safetensors").write_bytes(b"junk")
+    with pytest.raises(ValueError, match=r"model-2\.safetensors is not a safetensors file"):
+        read_hf_checkpoint(checkpoint)
+    index = checkpoint / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": [second]}))
+    with pytest.raises(ValueError, match=re.escape("no weight_map")):
+        read_hf_checkpoint(checkpoint)

@@ -273,6 +273,11 @@ def test_bad_stop_tokens_are_refused(weights: str, kwargs: dict, error: type) ->
         ({"temperature": 1.0, "top_k": 2.5}, TypeError, "top_k"),
         ({"temperature": 1.0, "top_k": 0}, ValueError, "top_k"),
         ({"temperature": 1.0, "top_p": float("nan")}, ValueError, "top_p"),
+        ({"temperature": 1.0, "top_p": "0.5"}, TypeError, "top_p"),
+        ({"temperature": 1.0, "top_p": True}, TypeError, "top_p"),
+        ({"temperature": 1.0, "top_p": -0.1}, ValueError, "top_p"),
+        ({"temperature": 1.0, "seed": -3}, ValueError, "seed"),
+        ({"temperature": 1.0, "seed": 1.5}, TypeError, "seed"),
     ],
     ids=str,
 )
@@ -295,6 +300,47 @@ def test_temperature_takes_numpy_numbers(weights: str) -> None:
     for temperature in (np.float32(0.7), np.array(0.7)):
         got = model.generate(prompt, 4, temperature=temperature, seed=1)
         np.testing.assert_array_equal(got, want)
+
+
+def test_extreme_sampling_settings_are_greedy(weights: str) -> None:
+    """A temperature so small that logits / T overflows, and top_p = 0 (the most likely token
+    only, as Hugging Face keeps it), both give the greedy tokens."""
+    model = make(weights, RuntimeMode.INFERENCE, (1, 32))
+    prompt = tokens(1, 5, seed=4)
+    greedy = model.generate(prompt, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow on the way
+        np.testing.assert_array_equal(model.generate(prompt, 6, temperature=1e-310), greedy)
+    np.testing.assert_array_equal(model.generate(prompt, 6, temperature=2.0, top_p=0.0), greedy)
+
+
+def test_a_stream_refuses_to_go_on_after_another_call_used_the_cache(weights: str) -> None:
+    model = make(weights, RuntimeMode.INFERENCE, (1, 32))
+    alone = model.generate(tokens(1, 4), 4)[0, 4:]
+    a = model.stream(tokens(1, 4), 4)
+    assert next(a)[0] == alone[0]
+    b = model.stream(tokens(1, 3, seed=5), 4)
+    next(b)  # b's prefill rewrote the cache a's next token would read
+    with pytest.raises(RuntimeError, match="another call wrote the KV cache"):
+        next(a)
+    assert len(list(b)) == 3  # b goes on
+    for interrupt in (lambda: model.decode(np.array([1]), 2), model.reset):
+        c = model.stream(tokens(1, 4), 4)
+        next(c)
+        interrupt()
+        with pytest.raises(RuntimeError, match="start a new stream"):
+            next(c)
+    np.testing.assert_array_equal(model.generate(tokens(1, 4), 4)[0, 4:], alone)
+
+
+def test_bad_prompts_and_batches_name_the_model(weights: str) -> None:
+    model = make(weights, RuntimeMode.INFERENCE, (2, 32))
+    with pytest.raises(ValueError, match="Llama 'llama': prompt must be"):
+        model.generate([[1, 2], 3], 2)
+    model.prefill(tokens(2, 4))
+    with pytest.raises(ValueError, match="exceeds the build shape"):  # the build's B, not zip's
+        model.decode(np.ones(3, np.int64), np.array([4, 4, 4]))
+    assert model.cached_lengths == (4, 4)
 
 
 def test_a_bad_id_in_a_later_chunk_leaves_the_cache_alone(weights: str) -> None:

@@ -150,6 +150,8 @@ class CachedLengths:
     def check(self, first: Any, n_b: int, who: str) -> None:
         """Refuse a call whose first position (an int, or host ints ``[n_b]``) of some sequence
         ``b < n_b`` lies past ``lengths[b]``."""
+        if n_b > len(self.lengths):
+            raise ValueError(f"{who}: {n_b} sequences; the KV cache holds {len(self.lengths)}")
         have = self.lengths[:n_b]
         if isinstance(first, int):
             if first <= min(have):

@@ -275,6 +275,8 @@ class Llama(Network):
         #: decode plans per batch size on INFERENCE builds (None on TRAINING builds)
         self._plans: dict[int, tuple[DecodePositions, list[Any], Any]] | None = None
         self._cached: CachedLengths | None = None  # INFERENCE builds
+        #: counts the calls that write the KV cache, so a stream sees another call's
+        self._cache_writes = 0
         #: the tied head's products (the embedding's weight as a Linear's), on the device
         self._head_op: Any = None
 
@@ -368,6 +370,7 @@ class Llama(Network):
                 f"{self._describe()}: positions {offset}..{offset + n_t - 1} do not fit the "
                 f"context of {self.context_length} tokens"
             )
+        self._cache_writes += 1
         with self.execution_context.activate():
             h = self.embed_tokens.forward(tokens)
             for block in self.layers:
@@ -419,6 +422,7 @@ class Llama(Network):
             )
         n_t, chunk = tokens.shape[1], self.chunk_size
         h = None
+        self._cache_writes += 1
         with self.execution_context.activate():
             # every chunk's ids before the first chunk writes the cache
             self.embed_tokens._check_ints(tokens[:, :chunk], "tokens")
@@ -439,6 +443,7 @@ class Llama(Network):
         at offset 0 overwrites what it reads; use it to scrub a finished conversation.
         """
         self._require_inference("reset()")
+        self._cache_writes += 1
         for block in self.layers:
             block.self_attn.reset_cache()
 
@@ -477,13 +482,14 @@ class Llama(Network):
         positions, lowest, highest = check_decode_positions(
             position, n_b, self.context_length, self._describe(), ctx.to_host
         )
-        self._cached.check(positions, n_b, self._describe())  # type: ignore[union-attr]
         with ctx.activate():
             # the ids checked where they came from (host ids: no wait for the GPU), then
             # looked up into the plan's input buffer
             embed = self.embed_tokens
             shape = embed._check_ints(token, "tokens")
             embed.check_ids(given if isinstance(given, np.ndarray) else token)
+            self._cached.check(positions, n_b, self._describe())  # type: ignore[union-attr]
+            self._cache_writes += 1
             embed._lookup(token, shape)
             cell, steps, logits = self._decode_plan(n_b)
             cell.set(positions, lowest, highest)
@@ -614,6 +620,7 @@ class Llama(Network):
             logits = self.decode(rows[np.arange(n_b), last], last)
             position = lengths
         for step in range(steps):
+            mine = self._cache_writes  # the cache as this stream left it
             if temperature == 0:  # greedy: the argmax on the device, [B] ids to the host
                 with ctx.activate():
                     token = ctx.to_host(logits.argmax(axis=-1))
@@ -625,6 +632,12 @@ class Llama(Network):
             yield token
             if step + 1 == steps or finished.all():
                 return
+            if self._cache_writes != mine:
+                raise RuntimeError(
+                    f"{self._describe()}: another call wrote the KV cache while this stream "
+                    "was paused (a prefill, decode, reset or another stream); its context is "
+                    "gone: start a new stream"
+                )
             logits = self.decode(token, position + step)
 
     def _prompt_rows(self, prompt: Any) -> tuple[np.ndarray, np.ndarray, str]:
@@ -645,7 +658,10 @@ class Llama(Network):
                 row[: r.size] = r
             self._check_prompt_rows(rows)
             return rows, lengths, "list"
-        tokens = np.asarray(to_host(prompt))
+        try:
+            tokens = np.asarray(to_host(prompt))
+        except ValueError:  # nested lists of different lengths
+            tokens = np.asarray(None)
         if tokens.ndim not in (1, 2) or tokens.size == 0 or tokens.dtype.kind not in "iu":
             raise ValueError(
                 f"{self._describe()}: prompt must be non-empty integer tokens [T] or [B, T], or a "
@@ -688,27 +704,38 @@ class Llama(Network):
             )
         if max_new_tokens < 0:
             raise ValueError(f"{self._describe()}: max_new_tokens must be >= 0")
-        try:
-            if isinstance(temperature, bool | str | bytes) or np.iscomplexobj(temperature):
-                raise TypeError
-            temperature = float(temperature)  # ints, floats, NumPy scalars and 0-d arrays
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"{self._describe()}: temperature must be a real number, got {temperature!r}"
-            ) from None
+        temperature = self._real(temperature, "temperature")
         if not (math.isfinite(temperature) and temperature >= 0):
             raise ValueError(
                 f"{self._describe()}: temperature must be finite and >= 0, got {temperature}"
             )
-        if top_p is not None and not 0 < top_p <= 1:  # (NaN fails too)
-            raise ValueError(f"{self._describe()}: top_p must be in (0, 1], got {top_p}")
+        if top_p is not None:
+            top_p = self._real(top_p, "top_p")
+            if not 0 <= top_p <= 1:  # (NaN fails too)
+                raise ValueError(f"{self._describe()}: top_p must be in [0, 1], got {top_p}")
         if top_k is not None and not is_int(top_k):
             raise TypeError(f"{self._describe()}: top_k must be an int or None, got {top_k!r}")
         if top_k is not None and top_k < 1:
             raise ValueError(f"{self._describe()}: top_k must be >= 1, got {top_k}")
+        if seed is not None and not is_int(seed):
+            raise TypeError(f"{self._describe()}: seed must be an int or None, got {seed!r}")
+        if seed is not None and seed < 0:
+            raise ValueError(f"{self._describe()}: seed must be >= 0, got {seed}")
         stop, pad = self._stop_tokens(eos_token_id, pad_token_id)
         rng = np.random.default_rng(seed)
         return max_new_tokens, temperature, top_k, top_p, rng, stop, pad
+
+    def _real(self, value: Any, name: str) -> float:
+        """``value`` as a float: ints, floats, NumPy scalars and 0-d arrays (not bools, strings
+        or complex numbers)."""
+        try:
+            if isinstance(value, bool | str | bytes) or np.iscomplexobj(value):
+                raise TypeError
+            return float(value)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"{self._describe()}: {name} must be a real number, got {value!r}"
+            ) from None
 
     def _stop_tokens(self, eos_token_id: Any, pad_token_id: Any) -> tuple[np.ndarray | None, int]:
         """The EOS ids as an array (None: no stopping) and the id that pads finished rows."""
@@ -864,7 +891,10 @@ def _sample(
     """Next token per row of ``logits [B, V]``."""
     if temperature == 0:
         return logits.argmax(axis=-1)
-    scaled = logits.astype(np.float64) / temperature
+    wide = logits.astype(np.float64)
+    # shifted first: a tiny temperature then sends the others to -inf, never the top to inf
+    with np.errstate(over="ignore"):  # -> -inf, which is what it means
+        scaled = (wide - wide.max(axis=-1, keepdims=True)) / temperature
     if top_k is not None and top_k < scaled.shape[-1]:
         kth = np.partition(scaled, -top_k, axis=-1)[:, -top_k][:, None]
         scaled = np.where(scaled < kth, -np.inf, scaled)
@@ -874,6 +904,7 @@ def _sample(
         order = np.argsort(-probs, axis=-1)
         sorted_probs = np.take_along_axis(probs, order, axis=-1)
         keep_sorted = np.cumsum(sorted_probs, axis=-1) - sorted_probs < top_p
+        keep_sorted[:, 0] = True  # the most likely token always (top_p = 0: greedy)
         keep = np.zeros_like(keep_sorted)
         np.put_along_axis(keep, order, keep_sorted, axis=-1)
         probs = np.where(keep, probs, 0.0)

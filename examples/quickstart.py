@@ -1,4 +1,4 @@
-"""mila_py quick start: RoPE through the whole component lifecycle, on the CPU.
+"""mila_py quick start: RoPE through the whole component lifecycle, on the CPU or a GPU.
 
 1. A TRAINING network of two Rope layers (one shared cos/sin table), rotating Q/K views of a fused
    QKV buffer; backward; EVAL mode; the memory table.
@@ -101,7 +101,9 @@ def inference_demo(device: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--device", default="CPU", help="CPU or CUDA:0")
     args = parser.parse_args()
     training_demo(args.device)

@@ -13,6 +13,7 @@ Run: ``python examples/train_and_generate.py`` (under a minute on 2 CPU cores; `
 from __future__ import annotations
 
 import argparse
+import codecs
 import os
 import sys
 import tempfile
@@ -22,7 +23,15 @@ import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_llama import batches, evaluate, load_corpus
+from train_llama import (
+    batches,
+    build_or_exit,
+    check_positive,
+    evaluate,
+    held_out_batches,
+    load_corpus,
+    split_corpus,
+)
 
 from mila_py import BuildContext, RuntimeMode, TrainingMode
 from mila_py.components import (
@@ -47,17 +56,29 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--data", help="a text file (default: the Python standard library source)")
-    parser.add_argument("--device", default="CPU")
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--prompt", default="def __init__(self")
-    parser.add_argument("--new-tokens", type=int, default=120)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="CPU", help="CPU or CUDA:N (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=600, help="training steps (%(default)s)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step (%(default)s)")
+    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence (%(default)s)")
+    parser.add_argument("--prompt", default="def __init__(self", help="text to continue")
+    parser.add_argument(
+        "--new-tokens", type=int, default=120, help="bytes to generate (%(default)s)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="batches and sampling (%(default)s)")
     args = parser.parse_args()
+    context = 512  # the model's max_seq_len: the INFERENCE build's KV cache
+    check_positive(parser, args, "steps", "batch", "seq")
+    if not 1 <= args.seq <= context:
+        parser.error(f"--seq must be in [1, {context}], got {args.seq}")
+    prompt_bytes = os.fsencode(args.prompt)  # the bytes as given, whatever their encoding
+    if not 1 <= len(prompt_bytes) <= context:
+        parser.error(f"--prompt must have 1 to {context} bytes, got {len(prompt_bytes)}")
+    room = context - len(prompt_bytes) + 1
+    if not 0 <= args.new_tokens <= room:
+        parser.error(f"--new-tokens must be in [0, {room}] for this prompt, got {args.new_tokens}")
 
     tokens = load_corpus(args.data, 4_000_000)
-    split = int(tokens.size * 0.95)
+    train_tokens, held_out_tokens = split_corpus(tokens, args.seq)
     cfg = LlamaConfig(
         vocab_size=256,
         dim=128,
@@ -65,18 +86,23 @@ def main() -> None:
         n_heads=4,
         n_kv_heads=2,
         hidden_dim=384,
-        max_seq_len=512,
+        max_seq_len=context,
     )
 
     # 1. train
-    model = Llama("llama", cfg, device=args.device)
     train_ctx = BuildContext((args.batch, args.seq), RuntimeMode.TRAINING)
-    model.build(train_ctx)
-    loss_fn = SoftmaxCrossEntropy("loss", SoftmaxCrossEntropyConfig(256), device=args.device)
-    loss_fn.build(BuildContext((args.batch, args.seq, 256), RuntimeMode.TRAINING))
+
+    def build() -> tuple[Llama, SoftmaxCrossEntropy]:
+        model = Llama("llama", cfg, device=args.device)
+        model.build(train_ctx)
+        loss_fn = SoftmaxCrossEntropy("loss", SoftmaxCrossEntropyConfig(256), device=args.device)
+        loss_fn.build(BuildContext((args.batch, args.seq, 256), RuntimeMode.TRAINING))
+        return model, loss_fn
+
+    model, loss_fn = build_or_exit(parser, build)
     opt = AdamW(model, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     print(f"Llama: {model.parameter_count():,} parameters; corpus {tokens.size:,} bytes")
-    stream = batches(tokens[:split], args.batch, args.seq, np.random.default_rng(args.seed))
+    stream = batches(train_tokens, args.batch, args.seq, np.random.default_rng(args.seed))
     bar = tqdm(range(args.steps), desc="train", unit="step", mininterval=1.0)
     start = time.perf_counter()
     for step in bar:
@@ -92,10 +118,7 @@ def main() -> None:
 
     # 2. evaluate in EVAL mode
     model.set_training_mode(TrainingMode.EVAL)
-    held_out = [
-        next(batches(tokens[split:], args.batch, args.seq, np.random.default_rng(1)))
-        for _ in range(4)
-    ]
+    held_out = held_out_batches(held_out_tokens, args.batch, args.seq)
     print(
         f"held-out loss after {args.steps} steps: {evaluate(model, loss_fn, held_out):.3f} "
         f"(uniform guess: {np.log(256):.3f})"
@@ -110,22 +133,23 @@ def main() -> None:
         path = os.path.join(tmp, "llama.safetensors")
         model.save(path)
         server.load(path)
-    prompt = np.frombuffer(args.prompt.encode(), dtype=np.uint8).astype(np.int64)
+    prompt = np.frombuffer(prompt_bytes, dtype=np.uint8).astype(np.int64)
+    server.generate(prompt, 1)  # warm-up: first-call costs (compiled kernels, plans) untimed
     print(f"\nprompt {args.prompt!r}, chunked prefill (chunks of {server.chunk_size}) + decode:\n")
-    sys.stdout.write(args.prompt)
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace")  # characters span bytes
+    sys.stdout.write(text.decode(prompt_bytes))
     generated = []
     start = time.perf_counter()
     for token in server.stream(
         prompt, max_new_tokens=args.new_tokens, temperature=0.8, top_k=40, seed=args.seed
     ):
         generated.append(int(token[0]))
-        sys.stdout.write(bytes([generated[-1]]).decode("utf-8", errors="replace"))
+        sys.stdout.write(text.decode(bytes([generated[-1]])))
         sys.stdout.flush()
     elapsed = time.perf_counter() - start
-    print(
-        f"\n\n{len(generated)} tokens in {elapsed:.2f} s: {len(generated) / elapsed:,.0f} tokens/s "
-        "(prefill included)"
-    )
+    sys.stdout.write(text.decode(b"", final=True))
+    rate = f"{len(generated) / elapsed:,.0f} tokens/s" if generated else "nothing asked for"
+    print(f"\n\n{len(generated)} tokens in {elapsed:.2f} s: {rate} (prefill included)")
     steps = 200
     token = np.array([generated[-1] if generated else 32])
     # on from the cached text (rewound if the context has no room for the steps)

@@ -128,6 +128,14 @@ def move_optional_parameters(
             p += norm * rng.standard_normal(p.shape)
 
 
+#: builds whose memory a CUDA Llama and a CPU one compare (emulated and on a GPU)
+MEMORY_BUILDS = [
+    BuildContext((2, 16), TRAINING),
+    BuildContext((1, 64), INFERENCE, prefill_size=8),
+    BuildContext((3, 32), INFERENCE),
+]
+
+
 def cpu_stats_of_a_cuda_build(stats: Any, model: Any) -> Any:
     """The memory stats a CPU build of the built CUDA Llama ``model`` has, from the CUDA
     build's ``stats``: the same bytes plus, on INFERENCE builds, the CPU decode kernel's

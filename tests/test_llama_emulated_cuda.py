@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from kernel_emulator import COMPILER, EmulatedContext
-from layer_helpers import cpu_stats_of_a_cuda_build, move_optional_parameters
+from layer_helpers import MEMORY_BUILDS, cpu_stats_of_a_cuda_build, move_optional_parameters
 
 from mila_py import BuildContext, RuntimeMode
 from mila_py.components import Llama, LlamaConfig, SoftmaxCrossEntropy, SoftmaxCrossEntropyConfig
@@ -177,14 +177,7 @@ def test_decode_plan_equals_the_component_path(
     assert not {"attention_decode", "kv_cache_write"} & set(components.execution_context.launches)
 
 
-@pytest.mark.parametrize(
-    "build",
-    [
-        BuildContext((2, 16), TRAINING),
-        BuildContext((1, 64), INFERENCE, prefill_size=8),
-        BuildContext((3, 32), INFERENCE),
-    ],
-)
+@pytest.mark.parametrize("build", MEMORY_BUILDS)
 @pytest.mark.parametrize("tie", [False, True])
 def test_memory_stats_equal_cpu(cuda: None, build: BuildContext, tie: bool) -> None:
     """A CUDA build holds what the CPU build holds, but for the CPU decode kernel's scores;

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from layer_helpers import cpu_stats_of_a_cuda_build
+from layer_helpers import MEMORY_BUILDS, cpu_stats_of_a_cuda_build
 
 from mila_py.devices.cuda import cuda_device_count
 
@@ -453,14 +453,7 @@ def test_greedy_generate_equals_cpu(weights: str, rng) -> None:
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize(
-    "build",
-    [
-        BuildContext((2, 16), TRAINING),
-        BuildContext((1, 64), INFERENCE, prefill_size=8),
-        BuildContext((3, 32), INFERENCE),
-    ],
-)
+@pytest.mark.parametrize("build", MEMORY_BUILDS)
 @pytest.mark.parametrize("tie", [False, True])
 def test_memory_stats_equal_cpu(build: BuildContext, tie: bool) -> None:
     cfg = dataclasses.replace(CFG, tie_embeddings=tie, **({} if tie else EXTRAS))

@@ -606,8 +606,7 @@ def read_hf_tensors(
     widened to float32 one at a time."""
     tensors: dict[str, np.ndarray] = {}
     for file, names in files:
-        for name, array in read_safetensors(file, "read_hf_checkpoint", names).items():
-            tensors[name] = _widen(array)
+        tensors.update(read_safetensors(file, "read_hf_checkpoint", names, _widen))
     return tensors
 
 

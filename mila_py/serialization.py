@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import ml_dtypes
@@ -65,9 +65,14 @@ def load(component: Any, path: str | os.PathLike[str]) -> None:
 
 
 def read_safetensors(
-    path: str | os.PathLike[str], who: str, names: list[str] | None = None
+    path: str | os.PathLike[str],
+    who: str,
+    names: list[str] | None = None,
+    convert: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
-    """The tensors of a safetensors file (``names`` only, when given), as NumPy arrays.
+    """The tensors of a safetensors file (``names`` only, when given), as NumPy arrays, each
+    passed through ``convert`` as it is read (so a widened copy never waits beside the whole
+    file's tensors).
 
     Raises:
         FileNotFoundError: no file at ``path`` (a folder is not a file either).
@@ -87,7 +92,8 @@ def read_safetensors(
             if absent:
                 raise ValueError(f"{who}: {os.fspath(path)} lacks tensors: {', '.join(absent)}")
             for name in wanted:
-                out[name] = f.get_tensor(name)
+                array = f.get_tensor(name)
+                out[name] = array if convert is None else convert(array)
     except SafetensorError as exc:
         raise ValueError(f"{who}: {os.fspath(path)} is not a safetensors file ({exc})") from exc
     return out

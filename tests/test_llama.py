@@ -191,17 +191,22 @@ def _owned_arrays(root: Component) -> list[np.ndarray]:
     return list(seen.values())
 
 
-def test_a_smaller_training_call_keeps_nothing_outside_the_build_buffers() -> None:
-    """A forward with fewer sequences and tokens than the build keeps its attention
+@pytest.mark.parametrize("n_b", [1, B])
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_smaller_training_call_keeps_nothing_outside_the_build_buffers(
+    n_b: int, tie: bool
+) -> None:
+    """A forward with fewer tokens (and sequences) than the build keeps its attention
     probabilities for backward in the build's buffer (a leading view), not in a new array the
-    memory stats would miss; its gradients equal those of a model built for that shape."""
-    model = built()
+    memory stats would miss; its gradients equal those of a model built for that shape (the
+    tied head's too, whose input gradient is a leading view of its buffer)."""
+    model = built(tie=tie)
     small = Llama("llama", model.config, device="CPU")
-    small.build(BuildContext((1, T - 3), RuntimeMode.TRAINING, initialize_parameters=False))
+    small.build(BuildContext((n_b, T - 3), RuntimeMode.TRAINING, initialize_parameters=False))
     for (_, p), (_, q) in zip(model.named_parameters(), small.named_parameters(), strict=True):
         q[...] = p
-    x = tokens()[:1, : T - 3]
-    dlogits = np.random.default_rng(3).standard_normal((1, T - 3, 32)).astype(np.float32)
+    x = tokens()[:n_b, : T - 3]
+    dlogits = np.random.default_rng(3).standard_normal((n_b, T - 3, 32)).astype(np.float32)
     for m in (model, small):
         m.forward(x)
         m.backward(dlogits)

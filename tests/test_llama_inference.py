@@ -324,6 +324,20 @@ def test_a_stream_refuses_to_go_on_after_another_call_used_the_cache(weights: st
     with pytest.raises(RuntimeError, match="another call wrote the KV cache"):
         next(a)
     assert len(list(b)) == 3  # b goes on
+    # calls refused before writing anything leave a paused stream alone
+    d = model.stream(tokens(1, 4), 4)
+    assert next(d)[0] == alone[0]
+    bad = tokens(1, 3)
+    bad[0, 1] = CFG.vocab_size
+    for refused in (
+        lambda: model.prefill(bad),
+        lambda: model.prefill(tokens(1, 2), position_offset=20),  # past the cached positions
+        lambda: model.forward(bad),
+        lambda: model.decode(np.array([1]), 30),
+    ):
+        with pytest.raises(ValueError):
+            refused()
+    np.testing.assert_array_equal(np.concatenate([[alone[0]], np.concatenate(list(d))]), alone)
     for interrupt in (lambda: model.decode(np.array([1]), 2), model.reset):
         c = model.stream(tokens(1, 4), 4)
         next(c)
@@ -331,6 +345,13 @@ def test_a_stream_refuses_to_go_on_after_another_call_used_the_cache(weights: st
         with pytest.raises(RuntimeError, match="start a new stream"):
             next(c)
     np.testing.assert_array_equal(model.generate(tokens(1, 4), 4)[0, 4:], alone)
+
+
+def test_an_empty_batch_is_a_no_op(weights: str) -> None:
+    model = make(weights, RuntimeMode.INFERENCE, (2, 32))
+    assert model.prefill(np.zeros((0, 3), np.int64)).shape == (0, CFG.vocab_size)
+    assert model.decode(np.zeros(0, np.int64), 0).shape == (0, CFG.vocab_size)
+    assert model.cached_lengths == (0, 0)
 
 
 def test_bad_prompts_and_batches_name_the_model(weights: str) -> None:

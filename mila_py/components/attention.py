@@ -154,7 +154,7 @@ class CachedLengths:
             raise ValueError(f"{who}: {n_b} sequences; the KV cache holds {len(self.lengths)}")
         have = self.lengths[:n_b]
         if isinstance(first, int):
-            if first <= min(have):
+            if first <= min(have, default=first):  # (no sequences: nothing to continue)
                 return
             wanted = [first] * n_b
         else:

@@ -331,9 +331,11 @@ class Llama(Network):
 
     def required_memory(self, build_context: BuildContext) -> Any:
         """The :class:`MemoryStats` a build with ``build_context`` will have, without building
-        this model and without allocating its memory: a twin is built through a
+        this model and without allocating its buffers: a twin is built through a
         :class:`~mila_py.devices.sizing.SizingContext` (buffers of the build's shapes that hold
-        one element each) and measured, so a build too large for the device is predicted too."""
+        one element each) and measured, so a build too large for the device is predicted too.
+        Only the shared RoPE table is made for real (``max_seq_len`` rows, as the build would
+        share it)."""
         if not isinstance(build_context, BuildContext):
             raise TypeError(
                 f"{self._describe()}: required_memory needs a BuildContext, got {build_context!r}"
@@ -370,9 +372,14 @@ class Llama(Network):
                 f"{self._describe()}: positions {offset}..{offset + n_t - 1} do not fit the "
                 f"context of {self.context_length} tokens"
             )
-        self._cache_writes += 1
         with self.execution_context.activate():
-            h = self.embed_tokens.forward(tokens)
+            embed = self.embed_tokens
+            shape = embed._check_ints(tokens, "tokens")
+            embed.check_ids(tokens)
+            if self._cached is not None:  # INFERENCE: a prefill chunk that writes the cache
+                self._cached.check(offset, shape[0], self._describe())
+                self._cache_writes += 1
+            h = embed._lookup(tokens, shape)
             for block in self.layers:
                 h = block.forward(h, offset)
             return self._head(h)
@@ -405,7 +412,8 @@ class Llama(Network):
 
         Args:
             tokens: ``[B, T]`` ints (``position_offset + T <= context_length``).
-            position_offset: position of ``tokens[:, 0]``.
+            position_offset: position of ``tokens[:, 0]``, at most :attr:`cached_lengths` of
+                every sequence (a later one would attend to positions never written).
 
         Returns:
             logits of the last position, ``[B, vocab]`` (a copy, on the model's device).
@@ -422,12 +430,12 @@ class Llama(Network):
             )
         n_t, chunk = tokens.shape[1], self.chunk_size
         h = None
-        self._cache_writes += 1
         with self.execution_context.activate():
             # every chunk's ids before the first chunk writes the cache
             self.embed_tokens._check_ints(tokens[:, :chunk], "tokens")
             self.embed_tokens.check_ids(given if isinstance(given, np.ndarray) else tokens)
             self._cached.check(offset, tokens.shape[0], self._describe())  # type: ignore[union-attr]
+            self._cache_writes += 1  # checked: from here on the cache is written
             for start in range(0, n_t, chunk):
                 piece = tokens[:, start : start + chunk]
                 h = self.embed_tokens._lookup(piece, tuple(piece.shape))
@@ -460,7 +468,8 @@ class Llama(Network):
 
         Args:
             token: ``[B]`` ints, the newest token of each sequence.
-            position: its position, an int or one per sequence ``[B]`` (ragged batches).
+            position: its position, an int or one per sequence ``[B]`` (ragged batches), at
+                most the sequence's :attr:`cached_lengths` (an earlier one rewinds).
 
         Returns:
             next-token logits ``[B, vocab]`` (a copy, on the model's device).
@@ -572,6 +581,10 @@ class Llama(Network):
         Raises (at the call, before any work):
             RuntimeError: not an INFERENCE build.
             ValueError, TypeError: a bad prompt, sampling parameter or token id.
+
+        Raises (at a later step):
+            RuntimeError: another call wrote the KV cache since the previous step (a prefill,
+                decode, reset or other stream on this model): the stream cannot go on.
         """
         args = (max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, pad_token_id)
         return self._start(prompt, *args)[2]
@@ -806,7 +819,7 @@ class Llama(Network):
             n_b, n_t = h.shape[0], h.shape[1]
             # checked as the untied head's Linear checks it, before any gradient is touched
             check_grad(self, dlogits, "dlogits", (n_b, n_t, vocab), weight.dtype)
-            dh = self._state["dnorm"][:n_b, :n_t]
+            dh = leading_view(self._state["dnorm"], (n_b, n_t, self.config.dim))  # contiguous
             self._head_op.backward(h, weight, dlogits, grad, None, dh)
         dh = self.norm.backward(dh)
         for block in reversed(self.layers):

@@ -45,7 +45,7 @@ from mila_py.components._layer import is_int
 from mila_py.components.llama import Llama, LlamaConfig
 from mila_py.components.rope_config import RopeConfig
 from mila_py.components.rope_scaling import rope_type_name
-from mila_py.serialization import assign_parameters, read_safetensors
+from mila_py.serialization import assign_parameters, open_safetensors, read_safetensors
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -556,8 +556,6 @@ def hf_weight_files(path: str | os.PathLike[str]) -> list[tuple[Path, list[str] 
         ValueError: an index that is not ``{"weight_map": {name: shard}}``, shards that are not
             safetensors or lack tensors the index maps to them (every one listed at once).
     """
-    from safetensors import SafetensorError, safe_open
-
     who = "read_hf_checkpoint"
     root = _checkpoint_root(path, who)
     single, index = root / WEIGHTS_NAME, root / INDEX_NAME
@@ -586,16 +584,18 @@ def hf_weight_files(path: str | os.PathLike[str]) -> list[tuple[Path, list[str] 
     problems = []
     for shard, names in by_shard.items():
         try:
-            with safe_open(os.fspath(root / shard), framework="numpy") as f:
+            with open_safetensors(root / shard, who) as f:
                 available = set(f.keys())
-        except SafetensorError as exc:
-            problems.append(f"{shard} is not a safetensors file ({exc})")
+        except ValueError as exc:
+            problems.append(str(exc))
             continue
         absent = [n for n in names or () if n not in available]
         if absent:
-            problems.append(f"{shard} lacks tensors the index maps to it: {', '.join(absent)}")
+            problems.append(
+                f"{who}: {root / shard} lacks tensors the index maps to it: {', '.join(absent)}"
+            )
     if problems:
-        raise ValueError(f"{who}: {root}: " + "; ".join(problems))
+        raise ValueError("; ".join(problems))
     return [(root / shard, names) for shard, names in by_shard.items()]
 
 

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-__all__ = ["assign_parameters", "load", "read_safetensors", "save"]
+__all__ = ["assign_parameters", "load", "open_safetensors", "read_safetensors", "save"]
 
 
 def save(component: Any, path: str | os.PathLike[str]) -> None:
@@ -79,24 +80,38 @@ def read_safetensors(
         ValueError: the file is not safetensors (its header does not parse), or it lacks one of
             ``names`` (all of them listed); messages start with ``who``.
     """
+    out: dict[str, np.ndarray] = {}
+    with open_safetensors(path, who) as f:
+        available = set(f.keys())
+        wanted = sorted(available) if names is None else names
+        absent = [n for n in wanted if n not in available]
+        if absent:
+            raise ValueError(f"{who}: {os.fspath(path)} lacks tensors: {', '.join(absent)}")
+        for name in wanted:
+            array = f.get_tensor(name)
+            out[name] = array if convert is None else convert(array)
+    return out
+
+
+@contextlib.contextmanager
+def open_safetensors(path: str | os.PathLike[str], who: str) -> Iterator[Any]:
+    """``safetensors.safe_open(path)`` for NumPy (the header only is read on opening), with
+    the library's errors as ours.
+
+    Raises:
+        FileNotFoundError: no file at ``path`` (a folder is not a file either).
+        ValueError: the file is not safetensors (its header does not parse); messages start
+            with ``who``.
+    """
     from safetensors import SafetensorError, safe_open
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{who}: {os.fspath(path)} is not a file")
-    out: dict[str, np.ndarray] = {}
     try:
         with safe_open(os.fspath(path), framework="numpy") as f:
-            available = set(f.keys())
-            wanted = sorted(available) if names is None else names
-            absent = [n for n in wanted if n not in available]
-            if absent:
-                raise ValueError(f"{who}: {os.fspath(path)} lacks tensors: {', '.join(absent)}")
-            for name in wanted:
-                array = f.get_tensor(name)
-                out[name] = array if convert is None else convert(array)
+            yield f
     except SafetensorError as exc:
         raise ValueError(f"{who}: {os.fspath(path)} is not a safetensors file ({exc})") from exc
-    return out
 
 
 def assign_parameters(component: Any, tensors: Mapping[str, Any], what: str) -> None:

@@ -158,7 +158,7 @@ class CachedLengths:
                 return
             wanted = [first] * n_b
         else:
-            wanted = [int(p) for p in first]
+            wanted = np.asarray(first).tolist()
         for b, (p, n) in enumerate(zip(wanted, have, strict=True)):
             if p > n:
                 cached = f"positions 0..{n - 1}" if n else "no positions"
@@ -173,7 +173,7 @@ class CachedLengths:
         if isinstance(first, int):
             self.lengths[:n_b] = [first + count] * n_b
         else:
-            self.lengths[:n_b] = [int(p) + count for p in first]
+            self.lengths[:n_b] = (np.asarray(first) + count).tolist()
 
     def reset(self) -> None:
         self.lengths[:] = [0] * len(self.lengths)

@@ -373,13 +373,10 @@ class Llama(Network):
                 f"context of {self.context_length} tokens"
             )
         with self.execution_context.activate():
-            embed = self.embed_tokens
-            shape = embed._check_ints(tokens, "tokens")
-            embed.check_ids(tokens)
+            shape = self._check_tokens(tokens, tokens, tokens)
             if self._cached is not None:  # INFERENCE: a prefill chunk that writes the cache
-                self._cached.check(offset, shape[0], self._describe())
-                self._cache_writes += 1
-            h = embed._lookup(tokens, shape)
+                self._start_cache_write(offset, shape[0])
+            h = self.embed_tokens._lookup(tokens, shape)
             for block in self.layers:
                 h = block.forward(h, offset)
             return self._head(h)
@@ -400,6 +397,21 @@ class Llama(Network):
                 f"{self._describe()}: {what} needs an INFERENCE build: "
                 "build(BuildContext((B, context), RuntimeMode.INFERENCE, prefill_size=...))"
             )
+
+    def _check_tokens(self, lead: Any, given: Any, tokens: Any) -> tuple[int, ...]:
+        """Check ``lead`` (device ints, the shape of one lookup) and the ids of ``tokens`` (on
+        the device) where the caller had them: ``given``, when it is a NumPy array, so host ids
+        cost no wait for the GPU. Returns ``lead``'s shape."""
+        shape = self.embed_tokens._check_ints(lead, "tokens")
+        self.embed_tokens.check_ids(given if isinstance(given, np.ndarray) else tokens)
+        return shape
+
+    def _start_cache_write(self, first: Any, n_b: int) -> None:
+        """Refuse a write of the KV cache at positions ``first`` (an int, or one per sequence)
+        that would leave a gap (see :class:`CachedLengths`); else count it, so a paused stream
+        knows its cache changed. Called after every other check of the call."""
+        self._cached.check(first, n_b, self._describe())  # type: ignore[union-attr]
+        self._cache_writes += 1
 
     def prefill(self, tokens: Any, position_offset: int = 0) -> Any:
         """Run tokens through the model in chunks of ``chunk_size``, filling the KV cache.
@@ -432,10 +444,8 @@ class Llama(Network):
         h = None
         with self.execution_context.activate():
             # every chunk's ids before the first chunk writes the cache
-            self.embed_tokens._check_ints(tokens[:, :chunk], "tokens")
-            self.embed_tokens.check_ids(given if isinstance(given, np.ndarray) else tokens)
-            self._cached.check(offset, tokens.shape[0], self._describe())  # type: ignore[union-attr]
-            self._cache_writes += 1  # checked: from here on the cache is written
+            self._check_tokens(tokens[:, :chunk], given, tokens)
+            self._start_cache_write(offset, tokens.shape[0])
             for start in range(0, n_t, chunk):
                 piece = tokens[:, start : start + chunk]
                 h = self.embed_tokens._lookup(piece, tuple(piece.shape))
@@ -492,14 +502,9 @@ class Llama(Network):
             position, n_b, self.context_length, self._describe(), ctx.to_host
         )
         with ctx.activate():
-            # the ids checked where they came from (host ids: no wait for the GPU), then
-            # looked up into the plan's input buffer
-            embed = self.embed_tokens
-            shape = embed._check_ints(token, "tokens")
-            embed.check_ids(given if isinstance(given, np.ndarray) else token)
-            self._cached.check(positions, n_b, self._describe())  # type: ignore[union-attr]
-            self._cache_writes += 1
-            embed._lookup(token, shape)
+            shape = self._check_tokens(token, given, token)
+            self._start_cache_write(positions, n_b)
+            self.embed_tokens._lookup(token, shape)  # into the plan's input buffer
             cell, steps, logits = self._decode_plan(n_b)
             cell.set(positions, lowest, highest)
             for step in steps:

@@ -38,11 +38,6 @@ def _future(n_tq: int, n_tk: int, q_offset: int) -> np.ndarray:
     return np.arange(n_tk)[None, :] > (q_offset + np.arange(n_tq))[:, None]
 
 
-def _causal_bias(n_tq: int, n_tk: int, q_offset: int, dtype: np.dtype) -> np.ndarray:
-    """``[Tq, Tk]``: 0 where query ``t`` may see key ``s`` (``s <= q_offset + t``), else -inf."""
-    return np.where(_future(n_tq, n_tk, q_offset), -np.inf, 0.0).astype(dtype)
-
-
 def _visible_bias(visible: Any, n_tk: int, dtype: Any, xp: Any = np) -> Any:
     """``[B, 1, 1, 1, Tk]``: 0 for the first ``visible[b]`` keys of sequence ``b``, else -inf."""
     seen = xp.arange(n_tk)[None, :] < xp.asarray(visible)[:, None]
@@ -70,8 +65,8 @@ def attention_forward(
         q: ``[B, Tq, Hq*d]``; k, v: ``[B, Tk, Hk*d]`` with ``Tk >= q_offset + Tq``.
         probs: optional buffer for P (else allocated).
         q_offset: position of the first query among the keys.
-        bias: the causal bias of :func:`_causal_bias` for these sizes, if the caller caches it,
-            or any additive bias broadcastable to P (ragged decode).
+        bias: an additive bias broadcastable to P, -inf where a key is masked (the causal
+            mask is then the caller's).
         causal: False when every query sees every key given (one decode token per sequence,
             all at the last position): no bias is added.
         softmax: when given and ``bias`` is None, ``softmax(scores [R, Tq, Tk], q_offset,

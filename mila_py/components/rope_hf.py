@@ -34,10 +34,6 @@ _INTERLEAVED_AXES = frozenset(
     {"qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe", "qwen4_exp",
      "cosmos3_edge", "cohere_compass"}
 )  # fmt: skip
-_SECTIONED_AXES = frozenset(
-    {"qwen2_vl", "qwen2_5_vl", "qwen2_5_omni", "glm4v", "glm4v_moe", "glm_image", "glm_ocr",
-     "paddleocr_vl"}
-)  # fmt: skip
 #: the section a family's code takes when the config has none
 _DEFAULT_SECTIONS = {
     **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen2_5_omni", "paddleocr_vl"), (16, 24, 24)),
@@ -149,9 +145,17 @@ _NOT_EXPRESSIBLE = {
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
-def _full_every(n: int, *, first: bool = False) -> Callable[[int, Mapping[str, Any]], bool]:
-    """Layer ``i`` is a full-attention layer when ``(i + 1) % n == 0`` (and layer 0 if ``first``)."""
-    return lambda i, config: (i + 1) % n == 0 or (first and i == 0)
+def _full_every(
+    n: int, *, first: bool = False, key: str = ""
+) -> Callable[[int, Mapping[str, Any]], bool]:
+    """Layer ``i`` is a full-attention layer when ``(i + 1) % n == 0`` (and layer 0 if ``first``);
+    ``config[key]``, when set, replaces ``n``."""
+
+    def is_full(i: int, config: Mapping[str, Any]) -> bool:
+        every = int(config.get(key) or n) if key else n
+        return (i + 1) % every == 0 or (first and i == 0)
+
+    return is_full
 
 
 _EVERY_SIXTH = _full_every(6)
@@ -188,7 +192,7 @@ _GEMMA3_THETAS = {FULL: ("rope_theta", 1e6), SLIDING: ("rope_local_base_freq", 1
 _GEMMA3 = _LayeredFamily(
     _BOTH_DEFAULT,
     _GEMMA3_THETAS,
-    is_full=lambda i, config: (i + 1) % int(config.get("sliding_window_pattern") or 6) == 0,
+    is_full=_full_every(6, key="sliding_window_pattern"),
 )
 _MODERNBERT = _LayeredFamily(
     _BOTH_DEFAULT,
@@ -219,8 +223,8 @@ _LAYERED: dict[str, _LayeredFamily] = {
     ),
     "mimo_v2_flash": _LayeredFamily(
         {
-            FULL: {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.334},
-            SLIDING: {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.334},
+            FULL: {"rope_type": "default", "rope_theta": 5e6},
+            SLIDING: {"rope_type": "default", "rope_theta": 1e4},
         },
         scaling_to=(),
         is_full=_full_every(6, first=True),
@@ -247,7 +251,7 @@ def _exaone_full(i: int, config: Mapping[str, Any]) -> bool:
 
 #: layer patterns of one-RoPE families whose layers differ in rotating or not
 _FLAT_PATTERNS: dict[str, Callable[[int, Mapping[str, Any]], bool]] = {
-    "cohere2": lambda i, config: (i + 1) % int(config.get("sliding_window_pattern") or 4) == 0,
+    "cohere2": _full_every(4, key="sliding_window_pattern"),
     "exaone4": _exaone_full,
     "exaone_moe": _exaone_full,
 }
@@ -280,7 +284,7 @@ def _vlm_family(model_type: Any) -> str | None:
     ``qwen3_vl_moe``), or None."""
     if not isinstance(model_type, str):
         return None
-    known = [*_INTERLEAVED_AXES, *_SECTIONED_AXES, *_NOT_EXPRESSIBLE]
+    known = (*_DEFAULT_SECTIONS, *_NOT_EXPRESSIBLE)
     matches = [f for f in known if model_type == f or model_type.startswith(f + "_")]
     return max(matches, key=len) if matches else None
 
@@ -307,9 +311,13 @@ class _HfRope:
         text = config.get("text_config")
         if isinstance(text, Mapping) and "num_attention_heads" not in config:
             config = {"model_type": config.get("model_type"), **text}
-        family_type = _text_type(config.get("model_type")) or ""
+        self.text_type = family_type = _text_type(config.get("model_type")) or ""
         renamed = {**_ALIASES, **_FAMILY_ALIASES.get(family_type, {})}
         defaults = dict(_CLASS_DEFAULTS.get(family_type, {}))
+        if family_type == "moonshine_streaming" and (
+            config.get("rope_parameters") or config.get("rope_scaling")
+        ):
+            defaults.pop("partial_rotary_factor")  # its class default is part of its default dict
         merged = {**defaults, **config}
         aliases = {
             k: merged[a]
@@ -320,10 +328,7 @@ class _HfRope:
             hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
             if hidden and heads:  # its class: attention_head_dim = 2 * hidden_size // heads
                 aliases["head_dim"] = 2 * int(hidden) // int(heads)
-        has_params = config.get("rope_parameters") or config.get("rope_scaling")
-        if has_params and family_type == "moonshine_streaming":
-            defaults.pop("partial_rotary_factor")  # its class default is part of its default dict
-        self.config: Mapping[str, Any] = {**defaults, **config, **aliases}
+        self.config: Mapping[str, Any] = {**merged, **aliases}
         config = self.config
         self.model_type = config.get("model_type")
         self.vlm = _vlm_family(self.model_type)
@@ -332,13 +337,12 @@ class _HfRope:
                 f"RopeConfig.from_hf: {self.model_type!r} uses {_NOT_EXPRESSIBLE[self.vlm]}, "
                 "which RopeConfig cannot express"
             )
-        self.text_type = _text_type(self.model_type)
         if self.text_type in _REFUSED:
             raise ValueError(
                 f"RopeConfig.from_hf: {self.model_type!r} uses {_REFUSED[self.text_type]}, "
                 "which RopeConfig cannot express"
             )
-        switch = _ROPE_SWITCHES.get(self.text_type or "")
+        switch = _ROPE_SWITCHES.get(self.text_type)
         #: why this config has no RoPE at all (its family's switch is off), else None
         self.rope_off: str | None = None
         if switch is not None:
@@ -346,7 +350,7 @@ class _HfRope:
             value = config.get(key, default)
             if value != on:
                 self.rope_off = f"{key}={value!r} (RoPE needs {key}={on!r})"
-        self.family = _LAYERED.get(self.text_type or "")
+        self.family = _LAYERED.get(self.text_type)
         raw = config.get("rope_parameters") or config.get("rope_scaling") or {}
         if not isinstance(raw, Mapping):
             raise ValueError(f"RopeConfig.from_hf: rope_scaling must be a dict, got {raw!r}")
@@ -395,25 +399,22 @@ class _HfRope:
         return per_type
 
     # ------------------------------------------------------------------------------ layers
+    @functools.cached_property
     def layer_types(self) -> list[str] | None:
         """The type of each layer: ``layer_types``, else the family's pattern; None when the
         model has one RoPE for all its layers and no list."""
         given = self.config.get("layer_types")
         if given:
             kinds = [str(t) for t in given]
-            if self.family is not None and self.family.global_head and kinds:
-                kinds[-1] = FULL  # Gemma 4 forces its last layer to full attention
-            return kinds
-        if self.text_type in _NO_ROPE_FAMILIES:
+        elif self.text_type in _NO_ROPE_FAMILIES:
             return self._no_rope_layer_types()
-        pattern = _FLAT_PATTERNS.get(self.text_type or "")
-        if self.family is None and pattern is not None:
-            return [FULL if pattern(i, self.config) else SLIDING for i in range(self._n_layers())]
-        if self.family is None:
-            return None
-        n_layers = self._n_layers()
-        kinds = [FULL if self.family.is_full(i, self.config) else SLIDING for i in range(n_layers)]
-        if self.family.global_head and kinds:
+        else:
+            family = self.family
+            is_full = family.is_full if family else _FLAT_PATTERNS.get(self.text_type)
+            if is_full is None:
+                return None
+            kinds = [FULL if is_full(i, self.config) else SLIDING for i in range(self._n_layers())]
+        if self.family is not None and self.family.global_head and kinds:
             kinds[-1] = FULL  # Gemma 4 forces its last layer to full attention
         return kinds
 
@@ -481,6 +482,14 @@ class _HfRope:
             return [0.0 if (n - 1 - i) % 4 == 0 else 1.0 for i in range(n)]
         return None if thetas is None else [float(t) for t in thetas]
 
+    @functools.cached_property
+    def _per_layer(self) -> dict[int, Any] | None:
+        """``per_layer_config`` by layer index (transformers 5.x writes the keys zero-padded)."""
+        per_layer = self.config.get("per_layer_config")
+        if not isinstance(per_layer, Mapping):
+            return None
+        return {int(k): v for k, v in per_layer.items()}
+
     def overrides(self, index: int, layer_type: str | None) -> dict[str, Any]:
         """Head sizes layer ``index`` sets apart from the model's (``per_layer_config``, or
         Gemma 4's ``global_head_dim`` on its full-attention layers, Laguna's
@@ -496,9 +505,9 @@ class _HfRope:
         if family is not None and layer_type is not None and layer_type in family.kv_factor:
             n_kv = self.config.get("num_key_value_heads") or self.config["num_attention_heads"]
             found["num_key_value_heads"] = int(n_kv) * family.kv_factor[layer_type]
-        per_layer = self.config.get("per_layer_config")
-        if isinstance(per_layer, Mapping):  # transformers 5.x writes the keys zero-padded
-            entry = {int(k): v for k, v in per_layer.items()}.get(index) or {}
+        per_layer = self._per_layer
+        if per_layer is not None:
+            entry = per_layer.get(index) or {}
             keys = ("head_dim", "num_key_value_heads", "num_attention_heads")
             return found | {k: entry[k] for k in keys if k in entry}
         if family is not None and family.global_head and layer_type == FULL:
@@ -512,7 +521,7 @@ class _HfRope:
     def parameters(self, layer_type: str | None) -> dict[str, Any] | None:
         """The RoPE parameter dict of ``layer_type`` (None: the layer type rotates nothing)."""
         if self.per_type is None:
-            known = self.layer_types()
+            known = self.layer_types
             if layer_type is not None and known is not None and layer_type not in known:
                 raise ValueError(
                     f"RopeConfig.from_hf: layer_type {layer_type!r} is not in the config's "
@@ -665,7 +674,7 @@ def rope_config_from_hf(
             "are null)"
         )
     heads: dict[str, Any] = {}
-    kinds = hf.layer_types() if layer_type is not None else None
+    kinds = hf.layer_types if layer_type is not None else None
     if kinds is not None:
         rotating = {hf.uses_rope(i, t) for i, t in enumerate(kinds) if t == layer_type}
         if rotating == {False}:
@@ -717,7 +726,7 @@ def rope_configs_from_hf_layers(
     n_layers = hf._n_layers()
     if hf.rope_off is not None:  # the family's switch is off: no layer rotates
         return [None] * n_layers
-    kinds = hf.layer_types()
+    kinds = hf.layer_types
     if kinds is None and hf.per_type is not None:
         raise ValueError(
             "RopeConfig.from_hf_layers: the config gives RoPE per layer type "

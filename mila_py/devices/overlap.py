@@ -114,7 +114,10 @@ def self_overlaps(x: Any) -> bool:
     flags = getattr(x, "flags", None)
     if flags is not None and (flags.c_contiguous or flags.f_contiguous):
         return False
-    _, shape, strides, itemsize = _geometry(x)
+    if hasattr(x, "strides"):  # NumPy, CuPy: no address needed (NumPy's costs ~2 us)
+        shape, strides, itemsize = x.shape, x.strides, x.dtype.itemsize
+    else:
+        _, shape, strides, itemsize = _geometry(x)
     if 0 in shape:
         return False
     span = itemsize

@@ -401,6 +401,26 @@ class Component(metaclass=_ComponentMeta):
         for child in self._children():
             yield from child.named_parameter_gradients(prefix + child.name + ".")
 
+    def _named_state(self, prefix: str = "") -> Iterator[tuple[str, Any]]:
+        """``(dotted name, buffer)`` of every state buffer of the subtree (activations, caches,
+        scratch: what calls overwrite)."""
+        for name, array in self._state.items():
+            yield prefix + name, array
+        for child in self._children():
+            yield from child._named_state(prefix + child.name + ".")
+
+    def _refuse_own_state(self, x: Any, name: str) -> None:
+        """Raise ValueError if the device array ``x`` may share memory with a state buffer of
+        this subtree: a call would overwrite its own input (a block given its own output back
+        computes wrong values and gradients from the overwritten copy)."""
+        may_share = self.execution_context.xp.may_share_memory
+        for where, buffer in self._named_state():
+            if may_share(x, buffer):
+                raise ValueError(
+                    f"{self._describe()}: {name} overlaps {where}, a buffer of this component "
+                    "that the call overwrites; pass a copy"
+                )
+
     def get_parameters(self) -> list[Any]:
         return [array for _, array in self.named_parameters()]
 

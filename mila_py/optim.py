@@ -27,6 +27,45 @@ def _default_decay(name: str, param: Any) -> bool:
     return param.ndim >= 2
 
 
+def _hyperparameters(
+    lr: Any, betas: Any, eps: Any, weight_decay: Any
+) -> tuple[float, float, float, float, float]:
+    """``(lr, beta1, beta2, eps, weight_decay)`` as Python floats.
+
+    Raises:
+        ValueError: one is not a real number, ``betas`` is not a pair, or a value is out of
+            range (``0 < lr < inf``, ``0 <= beta < 1``, ``0 < eps < inf``,
+            ``0 <= weight_decay < inf``); the message names it.
+    """
+    try:
+        beta1, beta2 = betas
+    except (TypeError, ValueError):
+        raise ValueError(f"AdamW: betas must be a pair (beta1, beta2), got {betas!r}") from None
+    named = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
+    values = {}
+    for name, value in named.items():
+        try:
+            if isinstance(value, bool | str | bytes):
+                raise TypeError
+            values[name] = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"AdamW: {name} must be a real number, got {value!r}") from None
+    lr, beta1, beta2, eps, weight_decay = values.values()
+    # written so that NaN fails every test
+    if not 0 < lr < math.inf:
+        raise ValueError(f"AdamW: lr must be finite and > 0, got {named['lr']!r}")
+    for name in ("beta1", "beta2"):
+        if not 0 <= values[name] < 1:
+            raise ValueError(f"AdamW: {name} must be in [0, 1), got {named[name]!r}")
+    if not 0 < eps < math.inf:
+        raise ValueError(f"AdamW: eps must be finite and > 0, got {named['eps']!r}")
+    if not 0 <= weight_decay < math.inf:
+        raise ValueError(
+            f"AdamW: weight_decay must be finite and >= 0, got {named['weight_decay']!r}"
+        )
+    return lr, beta1, beta2, eps, weight_decay
+
+
 class AdamW:
     """Adam with decoupled weight decay (Loshchilov & Hutter) and bias correction.
 
@@ -49,13 +88,7 @@ class AdamW:
         weight_decay: float = 0.01,
         decay: Callable[[str, Any], bool] = _default_decay,
     ) -> None:
-        # written so that NaN fails every test
-        if not 0 < lr < math.inf or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1:
-            raise ValueError(f"AdamW: bad hyper-parameters lr={lr} betas={betas}")
-        if not 0 < eps < math.inf:
-            raise ValueError(f"AdamW: eps must be finite and > 0, got {eps}")
-        if not 0 <= weight_decay < math.inf:
-            raise ValueError(f"AdamW: weight_decay must be finite and >= 0, got {weight_decay}")
+        _hyperparameters(lr, betas, eps, weight_decay)
         self.model = model
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self._pairs = _pairs(model)
@@ -73,13 +106,21 @@ class AdamW:
             self._fused = create_op("AdamWOp", ctx, None, model.precision)
 
     def step(self) -> None:
-        """One update from the current gradients (they are left as they are)."""
-        self.step_count += 1
+        """One update from the current gradients (they are left as they are).
+
+        Raises:
+            ValueError: a hyper-parameter (``lr``, ``betas``, ``eps``, ``weight_decay``, which
+                may be changed between steps) is not valid; nothing changes, the step count
+                included.
+        """
+        # checked (and made Python floats) before the step counts: a refused step changes nothing.
         # Python floats: NumPy rounds them to the parameters' dtype in every operation, as the
         # fused kernels do (a np.float64 lr from a schedule would make the array code compute
         # in float64 and round once, and the two paths would differ in the last bit)
-        lr, eps, weight_decay = float(self.lr), float(self.eps), float(self.weight_decay)
-        beta1, beta2 = (float(b) for b in self.betas)
+        lr, beta1, beta2, eps, weight_decay = _hyperparameters(
+            self.lr, self.betas, self.eps, self.weight_decay
+        )
+        self.step_count += 1
         correction1 = 1.0 - beta1**self.step_count
         correction2 = 1.0 - beta2**self.step_count
         step_size = lr / correction1

@@ -457,12 +457,50 @@ def test_bad_calls_leave_every_gradient_and_activation_alone(tie: bool) -> None:
         {"eps": 0.0},
         {"betas": (1.0, 0.999)},
         {"betas": (0.9, float("nan"))},
+        {"betas": (0.9,)},
+        {"betas": (0.9, 0.99, 0.5)},
+        {"betas": 0.9},
+        {"lr": "0.1"},
+        {"lr": None},
+        {"eps": True},
     ],
     ids=str,
 )
 def test_adamw_refuses_hyper_parameters_that_are_not_finite(kwargs: dict) -> None:
     with pytest.raises(ValueError, match="AdamW"):
         AdamW(built(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("lr", None), ("lr", -1.0), ("betas", (0.9,)), ("eps", "x")]
+)
+def test_a_refused_adamw_step_changes_nothing_and_the_next_step_is_the_first(
+    name: str, value: object
+) -> None:
+    """A hyper-parameter set to a bad value between steps is refused before the step counts:
+    once fixed, the next step has the bias correction of step 1."""
+    model = built()
+    model.forward(tokens())
+    model.backward(np.random.default_rng(3).standard_normal((B, T, 32)).astype(np.float32))
+    twin = built()
+    for a, b in zip(twin.get_parameters(), model.get_parameters(), strict=True):
+        a[...] = b
+    for a, b in zip(twin.get_gradients(), model.get_gradients(), strict=True):
+        a[...] = b
+    opt, reference = AdamW(model, lr=0.01), AdamW(twin, lr=0.01)
+    before = [p.copy() for p in model.get_parameters()]
+    good = getattr(opt, name)
+    setattr(opt, name, value)
+    with pytest.raises(ValueError, match=name.rstrip("s")):
+        opt.step()
+    assert opt.step_count == 0
+    for p, p0 in zip(model.get_parameters(), before, strict=True):
+        np.testing.assert_array_equal(p, p0)
+    setattr(opt, name, good)
+    opt.step()
+    reference.step()
+    for p, q in zip(model.get_parameters(), twin.get_parameters(), strict=True):
+        np.testing.assert_array_equal(p, q)
 
 
 def test_clip_grad_norm() -> None:
@@ -561,3 +599,63 @@ def test_wrong_types_raise_type_error_and_leave_the_state_alone() -> None:
         attn.decode(None, 3)
     for name, saved in state.items():  # nothing written by the failed calls
         np.testing.assert_array_equal(attn.qkv_proj._state[name], saved)
+
+
+def _trained_parts() -> dict[str, Any]:
+    """A Llama, its first block and a standalone attention, each after one TRAINING forward,
+    with the input and upstream gradient that forward's backward takes."""
+    from mila_py.components import AttentionConfig, GroupedQueryAttention
+
+    rng = np.random.default_rng(5)
+    model = built()
+    attn = GroupedQueryAttention("attn", AttentionConfig(16, 4, 2, max_seq_len=16), device="CPU")
+    attn.build(BuildContext((B, T, 16), RuntimeMode.TRAINING, initialize_parameters=True))
+    x = rng.standard_normal((B, T, 16)).astype(np.float32)
+    parts: dict[str, Any] = {
+        "llama": (model, tokens(), (B, T, 32)),
+        "block": (built().layers[0], x, (B, T, 16)),
+        "attention": (attn, x, (B, T, 16)),
+    }
+    return {
+        name: (component, data, rng.standard_normal(shape).astype(np.float32))
+        for name, (component, data, shape) in parts.items()
+    }
+
+
+@pytest.mark.parametrize("part", ["llama", "block", "attention"])
+def test_a_forward_of_no_tokens_is_refused_before_it_writes(part: str) -> None:
+    """T = 0 raised a NumPy reshape error from the attention after the embedding and the first
+    layers had overwritten what the last forward's backward reads."""
+    component, data, dy = _trained_parts()[part]
+    component.forward(data)
+    expected = _gradients_after(component, dy)
+    component.zero_gradients()
+    component.forward(data)
+    with pytest.raises(ValueError, match="T >= 1"):
+        component.forward(data[:, :0])
+    np.testing.assert_array_equal(_gradients_after(component, dy), expected)
+
+
+@pytest.mark.parametrize("part", ["block", "attention"])
+def test_a_block_given_its_own_output_back_is_refused(part: str) -> None:
+    """The block keeps its input for backward and its last child overwrites its output buffer:
+    fed its own output it computed wrong gradients (the attention's qkv_proj gradient, the
+    block's input gradient). It is refused, nothing written; a copy runs."""
+    component, x, dy = _trained_parts()[part]
+    y = component.forward(x)
+    expected = _gradients_after(component, dy)
+    component.zero_gradients()
+    y = component.forward(x)
+    with pytest.raises(ValueError, match=r"x overlaps .*pass a copy"):
+        component.forward(y)
+    np.testing.assert_array_equal(_gradients_after(component, dy), expected)
+    assert component.forward(y.copy()).shape == y.shape
+
+
+def _gradients_after(component: Component, dy: np.ndarray) -> np.ndarray:
+    """Every parameter gradient after ``backward(dy)``, and the input gradient, concatenated."""
+    dx = component.backward(dy)
+    parts = [g.ravel() for g in component.get_gradients()]
+    if dx is not None:
+        parts.append(np.asarray(dx).ravel())
+    return np.concatenate(parts)

@@ -290,9 +290,11 @@ def test_inside_a_network(rng) -> None:
     assert [n for n, _ in net.named_parameters()] == [f"mlp.{n}" for n in NAMES]
 
 
-def test_input_in_a_projection_output_buffer_is_refused(rng) -> None:
+def test_input_in_a_buffer_of_the_block_is_refused(rng) -> None:
     """The projections run unchecked inside the block, so the block refuses an ``x`` that lies
-    in the buffer gate_proj or up_proj writes (it would be overwritten while still needed)."""
+    in a buffer it writes: gate_proj's or up_proj's (overwritten while still needed) and
+    down_proj's, its own output given back (kept for backward, then overwritten: the weight
+    gradients came out wrong by orders of magnitude)."""
     mlp = make()
     x = rng.standard_normal((B, T, D)).astype(np.float32)
     mlp.forward(x)
@@ -303,7 +305,11 @@ def test_input_in_a_projection_output_buffer_is_refused(rng) -> None:
         with pytest.raises(ValueError, match=f"overlaps {proj.name}"):
             mlp.forward(inside)
         assert_unchanged(mlp, saved)
-    y = mlp.forward(x)  # the chained case stays allowed: the block's own output as its input
+    y = mlp.forward(x)
+    saved = snapshot(mlp)
+    with pytest.raises(ValueError, match=r"overlaps down_proj\.output.*pass a copy"):
+        mlp.forward(y)
+    assert_unchanged(mlp, saved)
     np.testing.assert_allclose(
-        mlp.forward(y), reference(y.copy(), weights(mlp)), rtol=RTOL32, atol=ATOL32
+        mlp.forward(y.copy()), reference(y.copy(), weights(mlp)), rtol=RTOL32, atol=ATOL32
     )

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from mila_py.build_context import BuildContext
-from mila_py.components._layer import check_sizes, is_int, leading_view
+from mila_py.components._layer import check_device_array, check_sizes, is_int, leading_view
 from mila_py.components.linear import Linear, LinearConfig
 from mila_py.components.rms_norm import RmsNorm, RmsNormConfig
 from mila_py.components.rope import Rope
@@ -179,6 +179,18 @@ class CachedLengths:
         self.lengths[:] = [0] * len(self.lengths)
 
 
+def check_chunk(owner: Any, x: Any) -> None:
+    """Refuse, before anything is written, an input ``x [B, T, dim]`` of ``owner`` (a block
+    whose children keep or re-read ``x`` after writing their buffers) that is not a device
+    array, has ``T == 0`` (no query to attend with), or overlaps one of ``owner``'s buffers."""
+    check_device_array(owner, x, "x")
+    if x.ndim == 3 and x.shape[1] == 0:
+        raise ValueError(
+            f"{owner._describe()}: x [B, T, dim] needs T >= 1, got shape {tuple(x.shape)}"
+        )
+    owner._refuse_own_state(x, "x")
+
+
 class GroupedQueryAttention(CompositeComponent):
     """Causal self-attention: ``o_proj(softmax(QK^T * scale + causal) V)`` with RoPE on Q and K.
 
@@ -332,6 +344,7 @@ class GroupedQueryAttention(CompositeComponent):
         """
         if not self.is_built:
             raise RuntimeError(f"{self._describe()}: forward() needs a built component")
+        check_chunk(self, x)
         cfg = self.config
         if not is_int(position_offset):
             raise TypeError(

@@ -36,6 +36,7 @@ from mila_py.components.attention import (
     AttentionConfig,
     CachedLengths,
     GroupedQueryAttention,
+    check_chunk,
     check_decode_positions,
 )
 from mila_py.components.linear import Linear, LinearConfig
@@ -187,11 +188,26 @@ class LlamaBlock(CompositeComponent):
         """``x [B, T, dim] -> [B, T, dim]`` (a view of the block's output buffer).
 
         On INFERENCE builds ``x`` is a prefill chunk at ``position_offset``.
+
+        Raises:
+            TypeError, ValueError: ``x`` is not a float array ``[B', T', dim]`` of this device
+                within the build (``T' >= 1``), or it overlaps a buffer of this block (the
+                block's own output given back: pass a copy). Nothing is written then.
         """
+        check_chunk(self, x)
+        return self._forward(x, position_offset)
+
+    def _forward(self, x: Any, position_offset: int) -> Any:
+        """:meth:`forward` for a parent passing a buffer it owns (no overlap check)."""
         return self._run(x, lambda a: self.self_attn.forward(a, position_offset))
 
     def decode(self, x: Any, positions: Any) -> Any:
         """One token per sequence, ``x [B, 1, dim]`` at ``positions`` (INFERENCE builds)."""
+        check_chunk(self, x)
+        return self._decode(x, positions)
+
+    def _decode(self, x: Any, positions: Any) -> Any:
+        """:meth:`decode` for a parent passing a buffer it owns (no overlap check)."""
         return self._run(x, lambda a: self.self_attn.decode(a, positions))
 
     def _bind_decode(
@@ -367,6 +383,11 @@ class Llama(Network):
         if offset and self.build_context.is_training:  # refused before any buffer is written
             raise ValueError(f"{self._describe()}: TRAINING builds run from position 0")
         n_t = tokens.shape[1] if getattr(tokens, "ndim", 0) == 2 else 0
+        if getattr(tokens, "ndim", 0) == 2 and n_t == 0:
+            raise ValueError(
+                f"{self._describe()}: forward takes tokens [B, T] with T >= 1, got shape "
+                f"{tuple(tokens.shape)}"
+            )
         if offset + n_t > self.context_length:
             raise ValueError(
                 f"{self._describe()}: positions {offset}..{offset + n_t - 1} do not fit the "
@@ -378,7 +399,7 @@ class Llama(Network):
                 self._start_cache_write(offset, shape[0])
             h = self.embed_tokens._lookup(tokens, shape)
             for block in self.layers:
-                h = block.forward(h, offset)
+                h = block._forward(h, offset)
             return self._head(h)
 
     def _head(self, h: Any) -> Any:
@@ -450,7 +471,7 @@ class Llama(Network):
                 piece = tokens[:, start : start + chunk]
                 h = self.embed_tokens._lookup(piece, tuple(piece.shape))
                 for block in self.layers:
-                    h = block.forward(h, offset + start)
+                    h = block._forward(h, offset + start)
             last = self.execution_context.xp.ascontiguousarray(h[:, -1:])  # type: ignore[index]
             return self._head(last)[:, 0].copy()
 
@@ -518,7 +539,7 @@ class Llama(Network):
         with self.execution_context.activate():
             h = self.embed_tokens.forward(token)
             for block in self.layers:
-                h = block.decode(h, position)
+                h = block._decode(h, position)
             return self._head(h)[:, 0].copy()
 
     def _decode_plan(self, n_b: int) -> tuple[DecodePositions, list[Any], Any]:

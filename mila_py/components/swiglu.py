@@ -112,18 +112,13 @@ class SwiGLU(Layer, CompositeComponent):
 
         Raises:
             TypeError: ``x`` is not an array of this device and precision.
-            ValueError: ``x`` has the wrong width or exceeds the build shape.
+            ValueError: ``x`` has the wrong width, exceeds the build shape or overlaps one of
+                this block's buffers.
             RuntimeError: before build.
         """
         self._require_built("forward()")
         self._check_floats(x, "x", self.config.dim)
-        xp = self.execution_context.xp
-        for proj in (self.gate_proj, self.up_proj):  # what the projections would refuse
-            if xp.may_share_memory(x, proj._state["output"]):
-                raise ValueError(
-                    f"{self._describe()}: x overlaps {proj.name}'s output buffer, which the call "
-                    "overwrites; pass a copy"
-                )
+        self._refuse_own_state(x, "x")  # kept for backward: no child may overwrite it
         return self._forward(x)
 
     def _forward(self, x: Any) -> Any:

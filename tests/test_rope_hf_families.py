@@ -502,3 +502,129 @@ def test_exaone4_layer_types_match_the_config_class(torch: Any) -> None:
     layers = RopeConfig.from_hf_layers({**BASE, "model_type": "exaone4", "num_hidden_layers": 8,
                                         "head_dim": 16})  # fmt: skip
     assert [c is not None for c in layers] == [t == "sliding_attention" for t in hf.layer_types]
+
+
+#: tiny sizes every family below accepts (MoE families get four small experts)
+TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "num_hidden_layers": 8, "intermediate_size": 32, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32, "num_experts": 4, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "vocab_size": 128, "max_position_embeddings": 256,
+        "pad_token_id": None}  # fmt: skip
+
+
+def _exaone_rule(attention: Any) -> bool:
+    return attention.sliding_window is None or attention.is_sliding
+
+
+#: whether a family's attention module rotates, read off the module as its forward reads it
+#: (the families whose forward rotates on a condition); the others rotate when their forward
+#: calls apply_rotary_pos_emb at all
+CONDITIONAL_ROTATION = {
+    "afmoe": lambda attention: attention.is_local_attention,
+    "flint": lambda attention: attention.sliding_window is not None,
+    "kolibri1": _exaone_rule,
+    "exaone4": _exaone_rule,
+    "cohere2": lambda attention: attention.sliding_window is not None,
+}
+
+
+def _hf_rotating_layers(torch: Any, model_type: str, **kwargs: Any) -> tuple[dict, list[bool]]:
+    """``(config.json, whether each layer rotates)`` of a tiny model built by transformers: a
+    layer rotates when it has an attention module whose forward applies RoPE."""
+    import inspect
+
+    from transformers import CONFIG_MAPPING, AutoModel
+
+    hf_config = CONFIG_MAPPING[model_type](**{**TINY, **kwargs})
+    model = AutoModel.from_config(hf_config)
+    rule = CONDITIONAL_ROTATION.get(model_type)
+    rotates = []
+    for layer in model.layers:
+        attention = getattr(layer, "self_attn", None)
+        if attention is None:
+            rotates.append(False)
+        elif rule is not None:
+            rotates.append(bool(rule(attention)))
+        else:
+            rotates.append("apply_rotary_pos_emb(" in inspect.getsource(type(attention).forward))
+    return hf_config.to_dict(), rotates
+
+
+@pytest.mark.parametrize(
+    ("model_type", "kwargs"),
+    [
+        ("afmoe", {}),
+        ("afmoe", {"global_attn_every_n_layers": 3}),
+        ("flint", {}),
+        ("kolibri1", {}),
+        ("kolibri1", {"sliding_window": None, "layer_types": ["full_attention"] * 8}),
+        ("exaone4", {}),
+        ("cohere2", {}),
+        ("qwen3_next", {}),
+        ("qwen3_5_text", {"head_dim": 256}),  # its M-RoPE section needs 64 rotated channels
+        ("minimax", {}),
+        ("olmo_hybrid", {}),
+        ("lfm2", {"full_attn_idxs": [1, 4, 6]}),
+        ("lfm2", {"layer_types": ["conv", "full_attention"] * 4}),
+    ],
+)
+def test_layers_rotate_where_the_models_attention_does(
+    torch: Any, model_type: str, kwargs: dict[str, Any]
+) -> None:
+    """Sliding-only families leave their full-attention layers unrotated; linear-attention and
+    convolution layers rotate nothing. Both the config as transformers writes it and the bare
+    config.json (layer pattern from the class default) are read alike."""
+    as_json, want = _hf_rotating_layers(torch, model_type, **kwargs)
+    assert [c is not None for c in RopeConfig.from_hf_layers(as_json)] == want
+    bare = {**TINY, **kwargs, "model_type": model_type}
+    assert [c is not None for c in RopeConfig.from_hf_layers(bare)] == want
+    for layer_type in set(as_json.get("layer_types") or []):
+        rotating = {w for w, t in zip(want, as_json["layer_types"], strict=True) if t == layer_type}
+        if rotating == {False}:
+            with pytest.raises(ValueError, match="rotate nothing"):
+                RopeConfig.from_hf(as_json, layer_type=layer_type)
+        elif rotating == {True}:
+            assert RopeConfig.from_hf(as_json, layer_type=layer_type) is not None
+
+
+def test_exaone4_5_text_model_is_exaone4() -> None:
+    """EXAONE 4.5's config class renames its text config's ``exaone4_5_text`` to exaone4."""
+    text = {**BASE, "num_hidden_layers": 8, "head_dim": 16}
+    want = RopeConfig.from_hf_layers({**text, "model_type": "exaone4"})
+    assert [c is not None for c in want] == [True, True, True, False] * 2
+    for inner in ("exaone4_5_text", "exaone4"):
+        nested = {"model_type": "exaone4_5", "text_config": {**text, "model_type": inner}}
+        assert RopeConfig.from_hf_layers(nested) == want
+
+
+@pytest.mark.parametrize(
+    ("config_json", "message"),
+    [
+        ({"model_type": "gpt2", "n_head": 4, "n_embd": 64, "n_positions": 256, "n_layer": 2},
+         "learned absolute position"),
+        ({"model_type": "falcon", "alibi": True}, r"alibi=True \(RoPE needs alibi=False\)"),
+        ({"model_type": "jamba"}, "Mamba layers carry the order"),
+        ({"model_type": "bloom"}, "ALiBi"),
+        ({"model_type": "kimi_linear"}, "without a rotated part"),
+        ({"model_type": "mamba2"}, "no attention"),
+    ],
+)  # fmt: skip
+def test_families_without_rope_are_refused(config_json: dict[str, Any], message: str) -> None:
+    config_json = {**BASE, **config_json}
+    with pytest.raises(ValueError, match=f"has no RoPE: .*{message}"):
+        RopeConfig.from_hf(config_json)
+    n_layers = config_json.get("n_layer", BASE["num_hidden_layers"])
+    assert RopeConfig.from_hf_layers(config_json) == [None] * n_layers
+
+
+def test_falcon_without_alibi_rotates() -> None:
+    assert RopeConfig.from_hf({**BASE, "model_type": "falcon"}).rope_type == "default"
+
+
+def test_rope_scaling_is_read_over_rope_parameters() -> None:
+    """transformers takes ``rope_scaling or rope_parameters``."""
+    linear = {"rope_type": "linear", "factor": 2.0}
+    config_json = {**BASE, "model_type": "llama", "rope_scaling": linear,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}  # fmt: skip
+    assert RopeConfig.from_hf(config_json).rope_type == "linear"
+    assert RopeConfig.from_hf({**config_json, "rope_scaling": None}).rope_type == "default"

@@ -369,8 +369,11 @@ class RopeConfig:
         RoPE part: ``qk_rope_head_dim`` channels per query head and one shared key head,
         paired ``(2i, 2i + 1)`` unless ``rope_interleave`` is false (MiniCPM3 by halves); HF
         writes those pairs back in half order, which changes no attention score. DeepSeek-V4
-        (RoPE on the last channels), Kimi-Linear (none) and nanochat (rotation by -theta) are
-        refused.
+        (RoPE on the last channels) and nanochat (rotation by -theta) are refused, and so are
+        configs without RoPE: families that have none (GPT-2, OPT, BLOOM, Jamba, Kimi-Linear,
+        Mamba, ...: the error names what they use) and RoPE switched off by the family's key
+        (Falcon's ``alibi``, ESM's ``position_embedding_type``, ...). A ``rope_scaling`` is read
+        over a ``rope_parameters``, as transformers does.
 
         Args:
             config: the parsed ``config.json``.
@@ -406,9 +409,13 @@ class RopeConfig:
         ``sliding_window_pattern``), each type takes its own entry of a per-layer-type
         ``rope_parameters`` (a null or missing entry: no RoPE, except in Gemma 3/3n, ModernBERT
         and OLMo 3, whose code fills in the default), ``per_layer_config`` (Gemma 4) sets head
-        sizes per layer, and SmolLM3's, Llama 4's and Mistral Large 3's ``no_rope_layers`` and
-        the full-attention layers of Cohere 2 and EXAONE 4 are unrotated. Layers that resolve alike share one (equal) config, so :func:`get_rope` gives
-        them one table. A model with one RoPE gives the same config for every layer.
+        sizes per layer. Unrotated: SmolLM3's, Llama 4's and Mistral Large 3's
+        ``no_rope_layers``; the full-attention layers of Cohere 2, EXAONE 4 (and 4.5), AFMoE,
+        Flint and Kolibri 1; layers without attention (``linear_attention`` of Qwen3-Next,
+        Qwen3.5, MiniMax and OLMo-Hybrid, LFM2's ``conv``, by ``layer_types`` or the family's
+        default pattern). A config without RoPE gives None for every layer. Layers that resolve
+        alike share one (equal) config, so :func:`get_rope` gives them one table. A model with
+        one RoPE gives the same config for every layer.
 
         Args:
             config: the parsed ``config.json`` (needs ``num_hidden_layers``).

@@ -129,14 +129,32 @@ _ROPE_SWITCHES: dict[str, tuple[str, Any, Any]] = {
     "esm": ("position_embedding_type", "rotary", "absolute"),
     "granitemoehybrid": ("position_embedding_type", "rope", None),
     "zamba2": ("use_mem_rope", True, False),
+    "falcon": ("alibi", False, False),
 }
 #: text families refused, with what their code does that RopeConfig cannot express
 _REFUSED = {
     "deepseek_v4": "RoPE on the last channels of each head (and a second RoPE for its "
     "compressed keys)",
-    "kimi_linear": "no RoPE: its latent attention has no rotated part",
     "nanochat": "a rotation by -theta (its rotate_half is cat(x2, -x1))",
 }
+_LEARNED = "learned absolute position embeddings"
+_MAMBA = "no position encoding in its attention layers (its Mamba layers carry the order)"
+_RECURRENT = "no attention (a recurrent model)"
+#: families without RoPE, with what they use instead (their configs would otherwise read as
+#: a default RoPE: GPT-2's ``n_head``, ``n_embd`` are the names GPT-J's are read by)
+_NO_ROPE = {
+    **dict.fromkeys(
+        ("gpt2", "gpt_neo", "gpt_bigcode", "openai-gpt", "opt", "biogpt", "bart", "mbart",
+         "bert", "roberta", "xlm-roberta", "electra", "distilbert", "camembert"),
+        _LEARNED,
+    ),
+    **dict.fromkeys(("xglm", "ctrl", "whisper"), "sinusoidal absolute position embeddings"),
+    **dict.fromkeys(("bloom", "mpt"), "ALiBi attention biases"),
+    "t5": "bucketed relative position biases",
+    "kimi_linear": "a latent attention without a rotated part",
+    **dict.fromkeys(("jamba", "nemotron_h", "zamba"), _MAMBA),
+    **dict.fromkeys(("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"), _RECURRENT),
+}  # fmt: skip
 _NOT_EXPRESSIBLE = {
     "ernie4_5_vl_moe": "M-RoPE over reordered frequencies (h w h w ... t t)",
     "hunyuan_vl": "xD-RoPE (four sections over the doubled channels) with NTK alpha",
@@ -234,10 +252,16 @@ _LAYERED: dict[str, _LayeredFamily] = {
 }
 #: families whose ``no_rope_layers[i] == 0`` marks a layer without RoPE (the name is HF's)
 _NO_ROPE_FAMILIES = frozenset({"smollm3", "llama4", "mistral_large4"})
-#: families whose full-attention layers have no RoPE (Cohere 2 rotates its sliding layers
-#: only; EXAONE 4 too, when it has a ``sliding_window``)
-_SLIDING_ONLY = frozenset({"cohere2", "cohere2_moe", "exaone4", "exaone_moe"})
-_EXAONE = frozenset({"exaone4", "exaone_moe"})
+#: families whose full-attention layers have no RoPE: Cohere 2, AFMoE and Flint rotate their
+#: sliding layers only; EXAONE 4 and Kolibri 1 too, when they have a ``sliding_window``
+_SLIDING_ONLY = frozenset(
+    {"cohere2", "cohere2_moe", "exaone4", "exaone_moe", "afmoe", "flint", "kolibri1"}
+)
+#: the ``sliding_window`` class default of the families whose layers all rotate without one
+_ALL_ROTATE_WITHOUT_WINDOW = {"exaone4": 4096, "exaone_moe": 4096, "kolibri1": 513}
+#: layer types without an attention that rotates (recurrent, convolution and MLP-only layers;
+#: HF's ``linear_attention`` covers Mamba, Gated DeltaNet and lightning attention)
+_UNROTATED_TYPES = frozenset({"linear_attention", "mamba", "conv", "moe", "mlp", "recurrent"})
 
 
 def _exaone_full(i: int, config: Mapping[str, Any]) -> bool:
@@ -250,10 +274,36 @@ def _exaone_full(i: int, config: Mapping[str, Any]) -> bool:
 
 
 #: layer patterns of one-RoPE families whose layers differ in rotating or not
-_FLAT_PATTERNS: dict[str, Callable[[int, Mapping[str, Any]], bool]] = {
-    "cohere2": _full_every(4, key="sliding_window_pattern"),
-    "exaone4": _exaone_full,
-    "exaone_moe": _exaone_full,
+def _flint_full(i: int, config: Mapping[str, Any]) -> bool:
+    """Flint's pattern: full attention on the first two layers, every fourth from layer 1, and
+    the last."""
+    return i < 2 or i % 4 == 1 or i == int(config["num_hidden_layers"]) - 1
+
+
+def _lfm2_full(i: int, config: Mapping[str, Any]) -> bool:
+    """LFM2's ``full_attn_idxs`` (none given: every layer)."""
+    indices = config.get("full_attn_idxs")
+    return indices is None or i in indices
+
+
+LINEAR = "linear_attention"
+#: layer patterns of one-RoPE families whose layers differ in rotating or not, for configs
+#: without ``layer_types``: whether layer ``i`` is a full-attention one, and the type of the
+#: others
+_FLAT_PATTERNS: dict[str, tuple[Callable[[int, Mapping[str, Any]], bool], str]] = {
+    "cohere2": (_full_every(4, key="sliding_window_pattern"), SLIDING),
+    "exaone4": (_exaone_full, SLIDING),
+    "exaone_moe": (_exaone_full, SLIDING),
+    "afmoe": (_full_every(4, key="global_attn_every_n_layers"), SLIDING),
+    "flint": (_flint_full, SLIDING),
+    "kolibri1": (_full_every(5), SLIDING),
+    **dict.fromkeys(
+        ("qwen3_next", "qwen3_5", "qwen3_5_moe"),
+        (_full_every(4, key="full_attention_interval"), LINEAR),
+    ),
+    "minimax": (lambda i, config: i % 2 == 0, LINEAR),
+    "olmo_hybrid": (_full_every(4), LINEAR),
+    **dict.fromkeys(("lfm2", "lfm2_moe"), (_lfm2_full, "conv")),
 }
 
 
@@ -271,11 +321,18 @@ def _ntk_alpha(params: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
+#: multimodal families whose language model is another family's (their config class rewrites
+#: the text config's ``model_type``)
+_TEXT_MODEL_OF = {"exaone4_5": "exaone4"}
+
+
 def _text_type(model_type: Any) -> str | None:
-    """``model_type`` without a ``_text`` suffix (``llama4_text`` -> ``llama4``)."""
+    """``model_type`` without a ``_text`` suffix (``llama4_text`` -> ``llama4``), or the family
+    whose language model it uses (``exaone4_5_text`` -> ``exaone4``)."""
     if not isinstance(model_type, str):
         return None
-    return model_type.removesuffix("_text")
+    family = model_type.removesuffix("_text")
+    return _TEXT_MODEL_OF.get(family, family)
 
 
 def _vlm_family(model_type: Any) -> str | None:
@@ -343,15 +400,16 @@ class _HfRope:
                 "which RopeConfig cannot express"
             )
         switch = _ROPE_SWITCHES.get(self.text_type)
-        #: why this config has no RoPE at all (its family's switch is off), else None
-        self.rope_off: str | None = None
+        #: why this config has no RoPE at all (a family without RoPE, or its switch is off)
+        self.rope_off: str | None = _NO_ROPE.get(self.text_type)
         if switch is not None:
             key, on, default = switch
             value = config.get(key, default)
             if value != on:
                 self.rope_off = f"{key}={value!r} (RoPE needs {key}={on!r})"
         self.family = _LAYERED.get(self.text_type)
-        raw = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        # transformers reads a 4.x ``rope_scaling`` over ``rope_parameters`` when both are there
+        raw = config.get("rope_scaling") or config.get("rope_parameters") or {}
         if not isinstance(raw, Mapping):
             raise ValueError(f"RopeConfig.from_hf: rope_scaling must be a dict, got {raw!r}")
         self.per_type: dict[str, dict[str, Any] | None] | None = None
@@ -410,10 +468,11 @@ class _HfRope:
             return self._no_rope_layer_types()
         else:
             family = self.family
-            is_full = family.is_full if family else _FLAT_PATTERNS.get(self.text_type)
-            if is_full is None:
+            pattern = (family.is_full, SLIDING) if family else _FLAT_PATTERNS.get(self.text_type)
+            if pattern is None:
                 return None
-            kinds = [FULL if is_full(i, self.config) else SLIDING for i in range(self._n_layers())]
+            is_full, other = pattern
+            kinds = [FULL if is_full(i, self.config) else other for i in range(self._n_layers())]
         if self.family is not None and self.family.global_head and kinds:
             kinds[-1] = FULL  # Gemma 4 forces its last layer to full attention
         return kinds
@@ -437,11 +496,14 @@ class _HfRope:
         return int(self.config["num_hidden_layers"])
 
     def uses_rope(self, index: int, layer_type: str | None) -> bool:
-        """False for the layers a model leaves unrotated: SmolLM3's and Llama 4's
-        ``no_rope_layers[i] == 0`` (by default every ``no_rope_layer_interval``-th, 4), and
-        Cohere 2's and EXAONE 4's full-attention layers (Cohere 2 MoE's dense prefix layers
-        rotate when its ``prefix_dense_sliding_window_pattern`` is 1; EXAONE 4's all rotate
-        without a ``sliding_window``)."""
+        """False for the layers a model leaves unrotated: layers of a type without attention
+        (``linear_attention``, ``conv``, ...); SmolLM3's and Llama 4's
+        ``no_rope_layers[i] == 0`` (by default every ``no_rope_layer_interval``-th, 4); and the
+        full-attention layers of Cohere 2, AFMoE, Flint, EXAONE 4 and Kolibri 1 (Cohere 2 MoE's
+        dense prefix layers rotate when its ``prefix_dense_sliding_window_pattern`` is 1;
+        EXAONE 4's and Kolibri 1's all rotate without a ``sliding_window``)."""
+        if layer_type in _UNROTATED_TYPES:
+            return False
         thetas = self.layer_thetas
         if thetas is not None and not thetas[index]:
             return False
@@ -450,7 +512,8 @@ class _HfRope:
             if flags:
                 return bool(flags[index])
             return (index + 1) % int(self.config.get("no_rope_layer_interval") or 4) != 0
-        if self.text_type in _EXAONE and self.config.get("sliding_window", 4096) is None:
+        window = _ALL_ROTATE_WITHOUT_WINDOW.get(self.text_type)
+        if window is not None and self.config.get("sliding_window", window) is None:
             return True  # without a window every layer rotates
         if self.text_type in _SLIDING_ONLY and layer_type != SLIDING:
             if layer_type is None:

@@ -330,7 +330,9 @@ def test_pair_layout_of_each_family(model_type: str) -> None:
      ("mistral4", PAIRS), ("minicpm3", HALF), ("hy_v4", HALF)],
 )  # fmt: skip
 def test_pair_layout_of_latent_attention_families(model_type: str, layout: RopeLayout) -> None:
-    config_json = {**BASE, "model_type": model_type, "qk_rope_head_dim": 8}
+    # (Mistral 4's class default is a YaRN that scales queries: a plain RoPE here)
+    config_json = {**BASE, "model_type": model_type, "qk_rope_head_dim": 8,
+                   "rope_parameters": {"rope_type": "default"}}  # fmt: skip
     assert RopeConfig.from_hf(config_json).layout == layout
     with pytest.raises(ValueError, match="qk_rope_head_dim is 0"):
         RopeConfig.from_hf({**config_json, "qk_rope_head_dim": 0})
@@ -628,3 +630,17 @@ def test_rope_scaling_is_read_over_rope_parameters() -> None:
                    "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}  # fmt: skip
     assert RopeConfig.from_hf(config_json).rope_type == "linear"
     assert RopeConfig.from_hf({**config_json, "rope_scaling": None}).rope_type == "default"
+
+
+@pytest.mark.parametrize("given", [{}, {"rope_parameters": None}, {"rope_scaling": None}])
+def test_a_config_without_scaling_takes_the_class_default(given: dict[str, Any]) -> None:
+    """gpt-oss's config class (transformers 5.x) defaults to theta 150 000, 64-wide heads and
+    YaRN x32 from 4 096 positions; a config.json without them, or with them null, means that."""
+    bare = {k: v for k, v in BASE.items() if k != "rope_theta"}
+    config_json = {**bare, "model_type": "gpt_oss", **given}
+    cfg = RopeConfig.from_hf(config_json, max_seq_len=256)
+    assert (cfg.base, cfg.head_dim, cfg.rope_type) == (150000.0, 64, "yarn")
+    assert cfg.scaling is not None
+    assert (cfg.scaling["factor"], cfg.scaling["original_max_position_embeddings"]) == (32.0, 4096)
+    mixtral = RopeConfig.from_hf({**bare, "model_type": "mixtral", **given})
+    assert (mixtral.base, mixtral.rope_type) == (1e6, "default")

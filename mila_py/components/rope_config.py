@@ -361,10 +361,12 @@ class RopeConfig:
         ERNIE-4.5, Moonshine, Llama 4, RoFormer, BLT; halves for the rest. Partial rotary comes
         from ``partial_rotary_factor``, else GPT-NeoX's ``rotary_pct``, GPT-J's ``rotary_dim``,
         or the factor the family's config class defaults to (Phi, StableLM, Persimmon, GLM,
-        Qwen3-Next, Nemotron, ...); GPT-NeoX's ``rotary_emb_base`` is its theta. A missing
-        ``rope_theta`` is the class default of the families that differ from 10 000 (Cohere,
-        Helium, ERNIE-4.5, Llama 4, SmolLM3, MiniMax-M2, ...). GPT-J's ``n_head``/``n_embd``
-        names are read too. Multi-head latent attention (a
+        Qwen3-Next, Nemotron, ...); GPT-NeoX's ``rotary_emb_base`` is its theta. A key the
+        config leaves out (or a null scaling dict) takes what the family's transformers config
+        class defaults to, where that differs from the generic reading: theta (Mixtral 1e6,
+        Llama 4 5e5, ...), head size (Qwen3.5 256, Gemma 256, ...), latent RoPE head, scaling
+        (gpt-oss's YaRN x32, Apertus's llama3, ...); the table is checked against every
+        transformers config class. GPT-J's ``n_head``/``n_embd`` names are read too. Multi-head latent attention (a
         ``qk_rope_head_dim``: DeepSeek-V2/V3, Kimi-K2, MiniCPM3, ...) gives the config of the
         RoPE part: ``qk_rope_head_dim`` channels per query head and one shared key head,
         paired ``(2i, 2i + 1)`` unless ``rope_interleave`` is false (MiniCPM3 by halves); HF

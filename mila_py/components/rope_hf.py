@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from mila_py.components.rope_hf_defaults import CLASS_DEFAULTS
 from mila_py.components.rope_scaling import rope_type_name
 
 if TYPE_CHECKING:
@@ -64,10 +65,10 @@ def _defaults(keys: tuple[str, ...], **values: Any) -> dict[str, dict[str, Any]]
     return {k: dict(values) for k in keys}
 
 
-#: what a family's config class takes for a key its config.json leaves out, where that differs
-#: from the generic reading (theta 10 000, the whole head rotated, ``hidden_size // heads``);
-#: merged under the config, so every key is then read the one way. Keyed by ``model_type``
-#: without ``_text``.
+#: class defaults beside the generated table (rope_hf_defaults.CLASS_DEFAULTS), which they
+#: override: keys under the family's own name, values given with the rope dict, the sizes Hub
+#: configs leave out. Merged under the config, so every key is then read the one way. Keyed
+#: by ``model_type`` without ``_text``.
 _CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     **_defaults(("stablelm",), partial_rotary_factor=0.25),
     **_defaults(("qwen3_next", "qwen3_5"), partial_rotary_factor=0.25, head_dim=256),
@@ -370,7 +371,9 @@ class _HfRope:
             config = {"model_type": config.get("model_type"), **text}
         self.text_type = family_type = _text_type(config.get("model_type")) or ""
         renamed = {**_ALIASES, **_FAMILY_ALIASES.get(family_type, {})}
-        defaults = dict(_CLASS_DEFAULTS.get(family_type, {}))
+        defaults = {**CLASS_DEFAULTS.get(family_type, {}), **_CLASS_DEFAULTS.get(family_type, {})}
+        #: the class's scaling dict, for a config without one
+        self.default_scaling: Mapping[str, Any] = defaults.pop("rope_parameters", {})
         if family_type == "moonshine_streaming" and (
             config.get("rope_parameters") or config.get("rope_scaling")
         ):
@@ -409,7 +412,11 @@ class _HfRope:
                 self.rope_off = f"{key}={value!r} (RoPE needs {key}={on!r})"
         self.family = _LAYERED.get(self.text_type)
         # transformers reads a 4.x ``rope_scaling`` over ``rope_parameters`` when both are there
-        raw = config.get("rope_scaling") or config.get("rope_parameters") or {}
+        raw = (
+            config.get("rope_scaling")
+            or config.get("rope_parameters")
+            or copy.deepcopy(dict(self.default_scaling))
+        )
         if not isinstance(raw, Mapping):
             raise ValueError(f"RopeConfig.from_hf: rope_scaling must be a dict, got {raw!r}")
         self.per_type: dict[str, dict[str, Any] | None] | None = None

@@ -1,0 +1,144 @@
+"""``RopeConfig.from_hf`` on a ``config.json`` that leaves RoPE keys out, for every family
+transformers has a config class for.
+
+A Hub ``config.json`` often omits what its config class defaults to (Mixtral's theta 1e6,
+gpt-oss's YaRN, Qwen3.5's 256-wide heads); transformers fills it in from the class. mila_py
+keeps those class defaults in a table; this scan builds each family's config class from the
+same bare sizes and checks that mila_py reads what the class holds: theta, scaling type and
+parameters, head size, rotated channels. A mismatch prints the table entry that fixes it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import warnings
+from typing import Any
+
+import pytest
+
+from mila_py.components import RopeConfig
+
+pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+#: two sets of sizes: a value the class gives both is a class default, not derived from them
+BARE = {"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "num_hidden_layers": 2, "max_position_embeddings": 4096}  # fmt: skip
+OTHER = {"hidden_size": 1536, "num_attention_heads": 8, "num_key_value_heads": 2,
+         "num_hidden_layers": 2, "max_position_embeddings": 8192}  # fmt: skip
+#: scaling types RopeConfig implements; the others (vision "axial", ...) are not text RoPE
+SUPPORTED = {"default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional"}
+#: refusals that are right for the class default (Mistral scales queries after RoPE; the
+#: families without RoPE or that RopeConfig cannot express)
+REFUSALS = ("llama_4_scaling_beta", "has no RoPE", "cannot express")
+
+
+def _config_classes() -> list[tuple[str, Any]]:
+    from transformers.models.auto.configuration_auto import (
+        CONFIG_MAPPING_NAMES,
+        model_type_to_module_name,
+    )
+
+    found = []
+    for model_type, class_name in CONFIG_MAPPING_NAMES.items():
+        module = model_type_to_module_name(model_type)
+        try:
+            configs = importlib.import_module(
+                f"transformers.models.{module}.configuration_{module}"
+            )
+        except Exception:  # a family whose config needs another package
+            continue
+        if hasattr(configs, class_name):
+            found.append((model_type, getattr(configs, class_name)))
+    return found
+
+
+def _flat_rope(hf: Any) -> dict[str, Any] | None:
+    params = getattr(hf, "rope_parameters", None)
+    if not isinstance(params, dict) or not params:
+        return None
+    if any(isinstance(v, dict) or v is None for v in params.values()):
+        return None  # per layer type: test_rope_layer_types covers those families
+    if params.get("rope_type", params.get("type", "default")) not in SUPPORTED:
+        return None
+    return params
+
+
+def _expected(hf: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """What the family's rotary module computes from the class's config."""
+    latent = getattr(hf, "qk_rope_head_dim", None)
+    head_dim = latent or getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    factor = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None))
+    rotated = head_dim if latent or factor is None else int(head_dim * factor)
+    scaling = {k: v for k, v in params.items() if k in ("factor", "low_freq_factor",
+               "high_freq_factor", "beta_fast", "beta_slow", "original_max_position_embeddings")}  # fmt: skip
+    return {"base": float(params.get("rope_theta", 10000.0)),
+            "rope_type": params.get("rope_type", params.get("type", "default")),
+            "head_dim": head_dim, "rotated": rotated, **scaling}  # fmt: skip
+
+
+def _read(cfg: RopeConfig, keys: Any) -> dict[str, Any]:
+    got = {"base": cfg.base, "rope_type": cfg.rope_type, "head_dim": cfg.head_dim,
+           "rotated": cfg.rotated_dim}  # fmt: skip
+    for key in keys:
+        if key not in got:
+            got[key] = (cfg.scaling or {}).get(key)
+    return got
+
+
+def _entry(cls: Any, hf: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """The class defaults of this family as a table entry: the values the class gives both
+    sets of sizes."""
+    other = cls(**OTHER)
+    other_params = _flat_rope(other) or {}
+    entry: dict[str, Any] = {}
+    for key, generic in (("rope_theta", 10000.0), ("partial_rotary_factor", 1.0)):
+        value = params.get(key, getattr(hf, key, None))
+        if value not in (None, generic) and value == other_params.get(
+            key, getattr(other, key, None)
+        ):
+            entry[key] = value
+    for key in ("head_dim", "qk_rope_head_dim"):
+        if getattr(hf, key, None) and getattr(hf, key) == getattr(other, key, None):
+            entry[key] = getattr(hf, key)
+    if params.get("rope_type", params.get("type", "default")) != "default":
+        entry["rope_parameters"] = {
+            k: v
+            for k, v in params.items()
+            if other_params.get(k) == v and k not in ("rope_theta", "partial_rotary_factor")
+        }
+    return entry
+
+
+def test_bare_configs_read_as_their_config_class_fills_them_in() -> None:
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    wrong: list[str] = []
+    checked = 0
+    for model_type, cls in _config_classes():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                hf = cls(**BARE)
+            except Exception:  # a composite or audio config that takes other sizes
+                continue
+        params = _flat_rope(hf)
+        if params is None or not hasattr(hf, "num_attention_heads"):
+            continue
+        want = _expected(hf, params)
+        try:
+            got = _read(RopeConfig.from_hf({**BARE, "model_type": model_type}), want)
+        except ValueError as error:
+            message = str(error)
+            if any(reason in message for reason in REFUSALS):
+                continue
+            if want["rotated"] % 2 and "is odd" in message:
+                continue
+            if "mrope_section" in message and f"rotated_dim {want['rotated']} " in message:
+                continue  # the class's section does not fit its own rotated channels either
+            got = {"error": message}
+        checked += 1
+        if got != want:
+            wrong.append(f"{model_type!r}: {_entry(cls, hf, params)},  # mila {got}, class {want}")
+    assert checked > 100
+    assert not wrong, "class defaults read wrongly; table entries:\n" + "\n".join(wrong)

@@ -69,11 +69,15 @@ class Component(metaclass=_ComponentMeta):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         for method in Component._FINAL_METHODS:
-            if method in cls.__dict__:
-                raise TypeError(
-                    f"{cls.__name__} overrides Component.{method}, which is final; "
-                    "implement the hook (_on_building / _on_execution_context_set) instead"
-                )
+            for klass in cls.__mro__:  # the class and its mixins, up to Component
+                if klass is Component:
+                    break
+                if method in klass.__dict__:
+                    raise TypeError(
+                        f"{cls.__name__} overrides Component.{method} (in {klass.__name__}), "
+                        "which is final; implement the hook (_on_building / "
+                        "_on_execution_context_set) instead"
+                    )
 
     def __init__(
         self,
@@ -163,10 +167,16 @@ class Component(metaclass=_ComponentMeta):
         except OpNotFoundError as exc:
             _restore(snapshot)
             if getattr(exc, "component", None) is None:  # the leaf whose op is missing: name it
-                named = OpNotFoundError(
-                    f"{self._describe()} ({self.precision} on {context.device_id}): {exc}; "
-                    "construct it with a precision that device supports"
+                others = sorted(str(p) for p in exc.other_precisions)
+                hint = (
+                    f"construct it with a precision that device supports ({', '.join(others)})"
+                    if others
+                    else "the op is not registered for that device"
                 )
+                named = OpNotFoundError(
+                    f"{self._describe()} ({self.precision} on {context.device_id}): {exc}; {hint}"
+                )
+                named.other_precisions = exc.other_precisions
                 named.component = self  # type: ignore[attr-defined]
                 raise named from None
             raise
@@ -432,7 +442,10 @@ class Component(metaclass=_ComponentMeta):
         return [grad for _, _, grad in self.named_parameter_gradients()]
 
     def parameter_count(self) -> int:
-        return sum(int(p.size) for p in self.get_parameters())
+        """Elements in the subtree's parameters, each distinct array once (as memory stats
+        count it: a parameter two components share is one)."""
+        distinct = {id(p): p for p in self.get_parameters()}
+        return sum(int(p.size) for p in distinct.values())
 
     def zero_gradients(self) -> None:
         """Set every gradient buffer of the subtree to zero."""

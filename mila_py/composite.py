@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from mila_py.build_context import BuildContext, TrainingMode
-from mila_py.component import Component
+from mila_py.component import Component, _restore
 from mila_py.devices import DeviceLike
 from mila_py.precision import Precision
 
@@ -107,10 +107,13 @@ class CompositeComponent(Component):
             raise TypeError(f"{self._describe()}: find_component needs a str path, got {path!r}")
         found = _find(self, path)
         if found is None:
-            first = path.split(".", 1)[0]
+            reached, at = _deepest(self, path)
+            rest = path[len(reached) + 1 :] if reached else path
+            children = list(at._components) if isinstance(at, CompositeComponent) else []
+            where = f"'{reached}' ({at._describe()})" if reached else "it"
             raise KeyError(
-                f"{self._describe()} has no descendant '{path}' (children: "
-                f"{list(self._components)}; first missing step at or below '{first}')"
+                f"{self._describe()} has no descendant '{path}': {where} has no '{rest}' "
+                f"(its children: {children})"
             )
         return found
 
@@ -127,19 +130,20 @@ class CompositeComponent(Component):
         """
         self._check_open("removed")
         child = self.get_component(name)
+        _release_all([child])  # free to join another tree
         del self._components[name]
         child._parent = None
-        child._release_context()  # free to join another tree
         return child
 
     def clear_components(self) -> None:
-        """Remove every child (before build only); each can join another tree."""
+        """Remove every child (before build only); each can join another tree. A child whose
+        release raises leaves every child in place, as it was."""
         self._check_open("removed")
         children = list(self._components.values())
+        _release_all(children)
         self._components.clear()
         for child in children:
             child._parent = None
-            child._release_context()
 
     @property
     def components(self) -> dict[str, Component]:
@@ -172,16 +176,18 @@ class CompositeComponent(Component):
             child.build(build_context)
 
     def _on_training_mode_changing(self, mode: TrainingMode) -> None:
-        switched: list[tuple[Component, TrainingMode | None]] = []
+        # every node below, with its own mode: a failed switch puts each back exactly (a
+        # grandchild switched on its own keeps its mode)
+        before = [(node, node._training_mode) for node in self._walk()][1:]
         try:
             for child in self._components.values():
-                previous = child.training_mode
                 child.set_training_mode(mode)
-                switched.append((child, previous))
         except BaseException:
-            for child, previous in reversed(switched):
-                if previous is not None:
-                    child.set_training_mode(previous)
+            for node, previous in reversed(before):
+                if node._training_mode is not previous and previous is not None:
+                    if not node._children():  # a leaf's hook; composites only propagate
+                        node._on_training_mode_changing(previous)
+                    node._training_mode = previous
             raise
 
     def _extra_repr(self) -> str:
@@ -204,6 +210,33 @@ class Network(CompositeComponent):
         if device is None:
             raise ValueError(f"Network '{name}' needs a device, e.g. device='CPU' or 'CUDA:0'")
         super().__init__(name, device=device, precision=precision)
+
+
+def _release_all(children: list[Component]) -> None:
+    """Release the execution context of each subtree; if a release hook raises, every subtree
+    is put back as it was (context, ops and all) before the error propagates."""
+    snapshots = [child._snapshot() for child in children]
+    try:
+        for child in children:
+            child._release_context()
+    except BaseException:
+        for snapshot in snapshots:
+            _restore(snapshot)
+        raise
+
+
+def _deepest(node: Component, path: str) -> tuple[str, Component]:
+    """The longest leading part of ``path`` that names a descendant of ``node``, and that
+    descendant (``("", node)`` when no child name starts the path)."""
+    best: tuple[str, Component] = ("", node)
+    if isinstance(node, CompositeComponent):
+        for name, child in node._components.items():
+            if path.startswith(name + "."):
+                below, at = _deepest(child, path[len(name) + 1 :])
+                reached = f"{name}.{below}" if below else name
+                if len(reached) > len(best[0]):
+                    best = (reached, at)
+    return best
 
 
 def _find(node: Component, path: str) -> Component | None:

@@ -51,12 +51,12 @@ class MemoryStats:
         cls, entries: Iterable[tuple[MemoryCategory, MemoryLocation, Any]]
     ) -> MemoryStats:
         """Count ``(category, location, array)`` entries, each distinct array object once."""
-        seen: set[int] = set()
+        seen: dict[int, Any] = {}  # holds each array, so a freed one's id cannot come back
         totals: dict[str, int] = {}
         for category, location, array in entries:
             if array is None or id(array) in seen:
                 continue
-            seen.add(id(array))
+            seen[id(array)] = array
             key = f"{location.value}_{category.value}_bytes"
             totals[key] = totals.get(key, 0) + int(array.nbytes)
         return cls(**totals)

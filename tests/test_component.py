@@ -604,3 +604,36 @@ def test_repr_reports_name_params_device_and_state() -> None:
     assert "BF16" in text
     assert "unbuilt" not in text and "built" in text
     assert "\n" not in text
+
+
+@pytest.mark.parametrize("method", ["build", "set_execution_context"])
+def test_final_methods_cannot_be_overridden_directly_or_through_a_mixin(method: str) -> None:
+    def override(self, *args):
+        return None
+
+    with pytest.raises(TypeError, match=rf"overrides Component\.{method} \(in Direct\)"):
+        type("Direct", (Component,), {method: override})
+    mixin = type("Mixin", (), {method: override})
+    with pytest.raises(TypeError, match=rf"overrides Component\.{method} \(in Mixin\)"):
+        type("Mixed", (mixin, Component), {})
+    # a mixin after Component in the MRO cannot shadow the final method: allowed
+    assert issubclass(type("After", (Component, mixin), {}), Component)
+
+
+def test_a_missing_op_names_the_precisions_its_device_has_or_says_there_is_none() -> None:
+    from mila_py.components import Linear, LinearConfig
+    from mila_py.ops.registry import OpNotFoundError
+
+    with pytest.raises(OpNotFoundError, match=r"a precision that device supports \(.*FP32.*\)"):
+        Linear("half", LinearConfig(4, 4), device="CPU", precision=Precision.FP16)
+
+    class Unknown(Component):
+        def _on_execution_context_set(self) -> None:
+            self.op = create_op("NoSuchOp", self.execution_context, None, self.precision)
+
+        def _on_building(self, build_context: BuildContext) -> None:
+            pass
+
+    with pytest.raises(OpNotFoundError, match="not registered for that device") as info:
+        Unknown("unknown", device="CPU")
+    assert "precision that device supports" not in str(info.value)

@@ -16,7 +16,9 @@ from mila_py import (
     RuntimeMode,
     TrainingMode,
 )
+from mila_py.components import LinearConfig
 from mila_py.devices import create_execution_context
+from mila_py.ops.registry import create_op
 
 TRAIN = RuntimeMode.TRAINING
 INFER = RuntimeMode.INFERENCE
@@ -208,6 +210,53 @@ def test_find_component_by_dotted_path() -> None:
         tree.find_component("a.b.c.d")  # c is a leaf: it has no children
     with pytest.raises(KeyError):
         tree.find_component("")
+
+
+def test_find_component_names_how_far_the_path_resolved() -> None:
+    tree = block("root", block("a", block("b", Component("c")), Component("sibling")))
+    with pytest.raises(KeyError, match=r"'a' \(CompositeComponent 'a'\) has no 'missing\.c' "
+                                       r"\(its children: \['b', 'sibling'\]\)"):  # fmt: skip
+        tree.find_component("a.missing.c")
+    with pytest.raises(
+        KeyError, match=r"'a\.b\.c' \(Component 'c'\) has no 'd' \(its children: \[\]\)"
+    ):
+        tree.find_component("a.b.c.d")
+    with pytest.raises(KeyError, match=r": it has no 'x\.y' \(its children: \['a'\]\)"):
+        tree.find_component("x.y")
+    dotted = Network("net").add_component(block("a.b", Component("c")))
+    with pytest.raises(KeyError, match=r"'a\.b' \(CompositeComponent 'a\.b'\) has no 'x'"):
+        dotted.find_component("a.b.x")  # the child named "a.b" is a step, not "a"
+
+
+class ReleaseFails(Component):
+    """Its release hook raises once its op is gone (an op-dropping hook that fails midway)."""
+
+    def _on_execution_context_set(self) -> None:
+        self.op = create_op("LinearOp", self.execution_context, LinearConfig(2, 2), self.precision)
+
+    def _on_execution_context_released(self) -> None:
+        super()._on_execution_context_released()
+        raise RuntimeError(f"{self.name}: simulated release failure")
+
+    def _on_building(self, build_context: BuildContext) -> None:
+        pass
+
+
+def test_a_failing_release_leaves_the_children_in_place_as_they_were() -> None:
+    keep, bad = Linear("keep"), ReleaseFails("bad")
+    inner = block("inner", ReleaseFails("deep"))
+    net = Network("net", device="CPU").add_component(keep).add_component(bad)
+    net.add_component(inner)
+    for remove in (lambda: net.remove_component("bad"), lambda: net.remove_component("inner"),
+                   net.clear_components):  # fmt: skip
+        with pytest.raises(RuntimeError, match="simulated release failure"):
+            remove()
+        assert list(net.components) == ["keep", "bad", "inner"]
+        for child in (keep, bad, inner, inner.get_component("deep")):
+            assert child.execution_context is net.execution_context
+        assert bad.op is not None and inner.get_component("deep").op is not None
+    net.build(train_ctx())
+    assert net.is_built and bad.is_built
 
 
 def test_remove_component_before_build() -> None:
@@ -505,6 +554,35 @@ def test_failing_child_mode_switch_restores_the_children_already_switched() -> N
     assert net.training_mode is TrainingMode.NORMAL
     assert a.training_mode is TrainingMode.NORMAL
     assert b.training_mode is TrainingMode.NORMAL
+
+
+def test_failing_mode_switch_puts_every_grandchild_back_in_its_own_mode() -> None:
+    """A grandchild switched on its own keeps its mode after a failed switch of the network
+    (not the mode of its parent)."""
+    own, other = Recorder("own"), Recorder("other")
+    bad = Recorder("bad", fail_mode=TrainingMode.EVAL)
+    inner = block("inner", own, other)
+    net = Network("net").add_component(inner).add_component(bad)
+    net.build(train_ctx())
+    own.eval()
+    with pytest.raises(RuntimeError, match="simulated mode failure"):
+        net.eval()
+    assert own.training_mode is TrainingMode.EVAL
+    assert own.calls[-1] == ("mode", TrainingMode.EVAL)  # never switched back and forth
+    for node in (net, inner, other, bad):
+        assert node.training_mode is TrainingMode.NORMAL
+    assert other.calls[-2:] == [("mode", TrainingMode.EVAL), ("mode", TrainingMode.NORMAL)]
+
+
+def test_a_shared_parameter_is_counted_once() -> None:
+    """Two components holding the same array: one parameter, as memory stats count it."""
+    first, second = Linear("first"), Linear("second")
+    net = Network("net").add_component(first).add_component(second)
+    net.build(train_ctx())
+    second._parameters["weight"] = first._parameters["weight"]
+    assert net.parameter_count() == 16 + 4 + 4
+    assert net.get_memory_stats().device_parameter_bytes == (16 + 4 + 4) * 4
+    assert "params=24" in repr(net)
 
 
 def test_inference_network_reports_eval_everywhere_and_refuses_mode_changes() -> None:

@@ -111,6 +111,14 @@ def test_from_arrays_counts_the_same_array_object_once() -> None:
     assert MemoryStats.from_arrays([]) == MemoryStats()
 
 
+def test_from_arrays_counts_temporary_views_each_once() -> None:
+    """Views made on the fly are freed as the count moves on; a freed view's id can be the
+    next view's, which must still be counted."""
+    base = np.zeros((8, 100), np.float32)
+    stats = MemoryStats.from_arrays((S, DEV, base[i : i + 1]) for i in range(8))
+    assert stats.device_state_bytes == 8 * 400
+
+
 def test_str_is_an_aligned_table_with_human_units() -> None:
     s = MemoryStats(
         device_parameter_bytes=1536,

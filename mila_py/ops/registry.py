@@ -33,7 +33,14 @@ T = TypeVar("T", bound=type[Operation])
 
 
 class OpNotFoundError(LookupError):
-    """No op is registered for the requested (name, device, precision)."""
+    """No op is registered for the requested (name, device, precision).
+
+    Attributes:
+        other_precisions: the precisions the op has on that device (empty: the op is not
+            registered for the device at all).
+    """
+
+    other_precisions: frozenset[Precision] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -144,10 +151,12 @@ def find_op(name: str, device_type: DeviceType, precision: Precision) -> type[Op
     _load_op_modules()
     entry = _REGISTRY.get((name, device_type))
     if entry is None or precision not in entry.precisions:
-        raise OpNotFoundError(
+        error = OpNotFoundError(
             f"no op {name!r} for device {device_type} at precision {precision}; "
             f"{_describe_registry()}"
         )
+        error.other_precisions = frozenset() if entry is None else entry.precisions
+        raise error
     return entry.cls
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, replace
 
 __all__ = ["BuildContext", "RuntimeMode", "TrainingMode"]
@@ -44,6 +45,11 @@ class BuildContext:
     prefill_size: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.input_shape, Set | Mapping):  # no order: (4, 2) or (2, 4)?
+            raise TypeError(
+                f"BuildContext: input_shape must be an ordered sequence of ints, got "
+                f"{self.input_shape!r}"
+            )
         try:
             shape = tuple(self.input_shape)
         except TypeError:
@@ -93,7 +99,7 @@ class BuildContext:
 
     def with_shape(self, input_shape: tuple[int, ...]) -> BuildContext:
         """A copy with another input shape."""
-        return replace(self, input_shape=tuple(input_shape))
+        return replace(self, input_shape=input_shape)  # checked as the constructor checks it
 
     def with_prefill_size(self, prefill_size: int) -> BuildContext:
         """A copy with another prefill size."""

@@ -351,10 +351,20 @@ class Component(metaclass=_ComponentMeta):
         return self.execution_context.allocate(tuple(shape), dtype, zero=zero)
 
     def _add_parameter(self, name: str, array: Any, *, with_gradient: bool | None = None) -> Any:
-        """Register a parameter (and, on TRAINING builds, a zeroed gradient of the same shape)."""
+        """Register a parameter (and, on TRAINING builds, a zeroed gradient of the same shape).
+
+        Raises:
+            ValueError: ``with_gradient=True`` on an INFERENCE build (which has no gradients).
+        """
+        training = self._building_context().is_training
+        if with_gradient and not training:
+            raise ValueError(
+                f"{self._describe()}: parameter {name!r} asks for a gradient on an INFERENCE "
+                "build, which has none"
+            )
         self._parameters[name] = array
         if with_gradient is None:
-            with_gradient = self._building_context().is_training
+            with_gradient = training
         if with_gradient:
             self._gradients[name] = self.execution_context.allocate(array.shape, array.dtype)
         return array
@@ -381,7 +391,7 @@ class Component(metaclass=_ComponentMeta):
     def _children(self) -> list[Component]:
         return []
 
-    def _walk(self, prefix: str = "") -> Iterator[Component]:
+    def _walk(self) -> Iterator[Component]:
         yield self
         for child in self._children():
             yield from child._walk()
@@ -448,7 +458,8 @@ class Component(metaclass=_ComponentMeta):
         return sum(int(p.size) for p in distinct.values())
 
     def zero_gradients(self) -> None:
-        """Set every gradient buffer of the subtree to zero."""
+        """Set every parameter gradient of the subtree to zero (input-gradient buffers such as
+        Rope's ``dq_in``, which each backward overwrites, are left as they are)."""
         for _, grad in self.named_gradients():
             grad.fill(0)
 

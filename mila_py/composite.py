@@ -161,15 +161,10 @@ class CompositeComponent(Component):
 
     # ------------------------------------------------------------------ hooks
     def _on_execution_context_set(self) -> None:
-        done: list[Component] = []
-        try:
-            for child in self._components.values():
-                child.set_execution_context(self.execution_context)
-                done.append(child)
-        except BaseException:
-            for child in done:
-                child._context = None
-            raise
+        # a child that raises leaves every node as it was: set_execution_context restores the
+        # whole subtree from its snapshot
+        for child in self._components.values():
+            child.set_execution_context(self.execution_context)
 
     def _on_building(self, build_context: BuildContext) -> None:
         for child in self._components.values():

@@ -40,12 +40,16 @@ class Precision(enum.Enum):
         """
         return self.numpy_dtype
 
-    def is_supported_on(self, device: DeviceType | str) -> bool:
-        """Whether ``device`` (a DeviceType, or a device string such as ``"CUDA:0"``) stores
-        this precision."""
-        if not isinstance(device, DeviceType):
+    def is_supported_on(self, device: DeviceType | DeviceId | str) -> bool:
+        """Whether ``device`` (a DeviceType, a DeviceId, or a device string such as
+        ``"CUDA:0"``) stores this precision."""
+        if isinstance(device, DeviceId):
+            device = device.device_type
+        elif not isinstance(device, DeviceType):
             if not isinstance(device, str):
-                raise TypeError(f"is_supported_on: expected a DeviceType or str, got {device!r}")
+                raise TypeError(
+                    f"is_supported_on: expected a DeviceType, DeviceId or str, got {device!r}"
+                )
             device = DeviceId.parse(device).device_type
         return self in DEVICE_PRECISIONS[device]
 
@@ -54,7 +58,7 @@ class Precision(enum.Enum):
         """The precision of a NumPy/CuPy dtype.
 
         Raises:
-            TypeError: for dtypes mila_py does not store (float64, ints, ...).
+            TypeError: for dtypes mila_py does not store (ints, complex, float8, ...).
         """
         dt = np.dtype(dtype)
         for precision, candidate in _NUMPY_DTYPES.items():

@@ -131,6 +131,8 @@ def test_negative_prefill_size_raises_value_error(prefill: int) -> None:
         {"input_shape": (2.0, 3), "runtime_mode": TRAIN},
         {"input_shape": (True, 3), "runtime_mode": TRAIN},
         {"input_shape": "abc", "runtime_mode": TRAIN},
+        {"input_shape": {4, 2}, "runtime_mode": TRAIN},  # no order
+        {"input_shape": {4: 1, 2: 1}, "runtime_mode": TRAIN},
         {"input_shape": (2, 3), "runtime_mode": "TRAINING"},
         {"input_shape": (2, 3), "runtime_mode": TrainingMode.NORMAL},
         {"input_shape": (2, 3), "runtime_mode": TRAIN, "prefill_size": 1.5},
@@ -143,6 +145,14 @@ def test_negative_prefill_size_raises_value_error(prefill: int) -> None:
 def test_wrong_types_raise_type_error(kwargs) -> None:
     with pytest.raises(TypeError):
         BuildContext(**kwargs)
+
+
+@pytest.mark.parametrize("shape", [5, {1, 4}, None])
+def test_with_shape_refuses_what_the_constructor_refuses(shape) -> None:
+    bc = BuildContext((1, 4), TRAIN)
+    with pytest.raises(TypeError, match="BuildContext: input_shape must be"):
+        bc.with_shape(shape)
+    assert bc.with_shape([2, 3]).input_shape == (2, 3)
 
 
 def test_numpy_values_are_normalized() -> None:

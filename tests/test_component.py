@@ -637,3 +637,16 @@ def test_a_missing_op_names_the_precisions_its_device_has_or_says_there_is_none(
     with pytest.raises(OpNotFoundError, match="not registered for that device") as info:
         Unknown("unknown", device="CPU")
     assert "precision that device supports" not in str(info.value)
+
+
+def test_a_gradient_on_an_inference_build_is_refused() -> None:
+    class AsksForGradient(Component):
+        def _on_building(self, build_context: BuildContext) -> None:
+            self._add_parameter("w", self._allocate((2,)), with_gradient=True)
+
+    leaf = AsksForGradient("leaf", device="CPU")
+    with pytest.raises(ValueError, match="asks for a gradient on an INFERENCE build"):
+        leaf.build(BuildContext((1, 2), RuntimeMode.INFERENCE))
+    assert not leaf.is_built and leaf.get_parameters() == []
+    leaf.build(BuildContext((1, 2), RuntimeMode.TRAINING))
+    assert len(leaf.get_gradients()) == 1

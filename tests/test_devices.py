@@ -205,6 +205,21 @@ def test_create_context_rejects_malformed_devices(spec: str) -> None:
 def test_cpu_context_rejects_a_cuda_device() -> None:
     with pytest.raises(ValueError, match="CPU"):
         CpuExecutionContext(DeviceId(DeviceType.CUDA, 0))
+    with pytest.raises(ValueError, match="CPU"):
+        CpuExecutionContext("cuda:0")
+
+
+@pytest.mark.parametrize("spec", ["CPU", "cpu:0", DeviceType.CPU, None])
+def test_cpu_context_takes_any_device_spelling(spec) -> None:
+    assert CpuExecutionContext(spec).device_id == CPU0
+
+
+def test_device_index_may_be_a_numpy_integer() -> None:
+    device = DeviceId(DeviceType.CUDA, np.int64(1))
+    assert device == DeviceId(DeviceType.CUDA, 1) and type(device.index) is int
+    assert hash(device) == hash(DeviceId(DeviceType.CUDA, 1)) and str(device) == "CUDA:1"
+    with pytest.raises(TypeError, match="index must be an int"):
+        DeviceId(DeviceType.CUDA, np.float64(1.0))
 
 
 def test_cuda_context_rejects_a_cpu_device() -> None:
@@ -475,3 +490,17 @@ def test_views_numpy_makes_never_self_overlap(pair) -> None:
         assert not self_overlaps(view) and not self_overlaps(_DeviceLikeArray(view))
         assert not self_overlaps(view.reshape(-1) if view.flags.c_contiguous else view)
     assert self_overlaps(np.broadcast_to(np.zeros(3, np.float32), (2, 3)))
+
+
+def test_a_sizing_context_copies_without_recursing() -> None:
+    """``copy.copy`` asks for attributes before ``__init__`` runs; the wrapper's forwarding
+    must answer AttributeError, not recurse."""
+    import copy
+
+    from mila_py.devices.sizing import SizingContext
+
+    sizing = SizingContext(CpuExecutionContext())
+    twin = copy.copy(sizing)
+    assert twin.device_id == CPU0 and twin.allocate((3, 2), np.float32).nbytes == 24
+    with pytest.raises(AttributeError):
+        SizingContext.__new__(SizingContext).stream  # noqa: B018

@@ -107,3 +107,10 @@ def test_is_supported_on_takes_device_strings() -> None:
         Precision.FP32.is_supported_on("tpu")
     with pytest.raises(TypeError):
         Precision.FP32.is_supported_on(None)  # type: ignore[arg-type]
+
+
+def test_is_supported_on_takes_device_ids() -> None:
+    from mila_py import DeviceId
+
+    assert Precision.FP64.is_supported_on(DeviceId(DeviceType.CPU))
+    assert not Precision.FP64.is_supported_on(DeviceId(DeviceType.CUDA, 1))

@@ -169,6 +169,7 @@ def test_re_registering_the_same_class_updates_its_precisions() -> None:
         ("TestOnlyOp_bad", "CPU", [FP32], TypeError),
         ("", CPU, [FP32], ValueError),
         (None, CPU, [FP32], TypeError),
+        ("TestOnlyOp_bad", DeviceType.CUDA, [FP32, Precision.FP64], ValueError),  # CPU only
     ],
 )
 def test_register_op_rejects_bad_arguments(name, device_type, precisions, error) -> None:

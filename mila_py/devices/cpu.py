@@ -7,7 +7,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from mila_py.devices.device import DeviceId, DeviceType
+from mila_py.devices.device import DeviceId, DeviceLike, DeviceType
 from mila_py.devices.execution_context import ExecutionContext, torch_bits_view, torch_of
 
 __all__ = ["CpuExecutionContext"]
@@ -16,8 +16,8 @@ __all__ = ["CpuExecutionContext"]
 class CpuExecutionContext(ExecutionContext):
     """Execution context for the CPU (NumPy)."""
 
-    def __init__(self, device: DeviceId | None = None) -> None:
-        device = device or DeviceId(DeviceType.CPU, 0)
+    def __init__(self, device: DeviceLike | None = None) -> None:
+        device = DeviceId.parse(device if device is not None else "CPU")
         if device.device_type is not DeviceType.CPU:
             raise ValueError(f"CpuExecutionContext needs a CPU device, got {device}")
         self.device_id = device

@@ -17,7 +17,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from mila_py.devices.device import DeviceId, DeviceType
+from mila_py.devices.device import DeviceId, DeviceLike, DeviceType
 from mila_py.devices.execution_context import ExecutionContext, torch_bits_view, torch_of
 
 __all__ = ["CudaExecutionContext", "cuda_device_count", "import_cupy", "shared_context"]
@@ -76,7 +76,8 @@ class CudaExecutionContext(ExecutionContext):
         RuntimeError: if CuPy is missing (with the pip command to fix it) or the GPU does not exist.
     """
 
-    def __init__(self, device: DeviceId) -> None:
+    def __init__(self, device: DeviceLike) -> None:
+        device = DeviceId.parse(device)
         if device.device_type is not DeviceType.CUDA:
             raise ValueError(f"CudaExecutionContext needs a CUDA device, got {device}")
         cupy = import_cupy()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import numbers
 import re
 from dataclasses import dataclass
 from functools import total_ordering
@@ -38,8 +39,9 @@ class DeviceId:
     def __post_init__(self) -> None:
         if not isinstance(self.device_type, DeviceType):
             raise TypeError(f"DeviceId: device_type must be a DeviceType, got {self.device_type!r}")
-        if isinstance(self.index, bool) or not isinstance(self.index, int):
+        if isinstance(self.index, bool) or not isinstance(self.index, numbers.Integral):
             raise TypeError(f"DeviceId: index must be an int, got {self.index!r}")
+        object.__setattr__(self, "index", int(self.index))  # a NumPy integer, say
         if self.index < 0:
             raise ValueError(f"DeviceId: index must be >= 0, got {self.index}")
         if self.device_type is DeviceType.CPU and self.index != 0:

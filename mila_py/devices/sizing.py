@@ -31,7 +31,10 @@ class SizingContext(ExecutionContext):
         self.xp = inner.xp
 
     def __getattr__(self, name: str) -> Any:  # device-specific members (stream, ...)
-        return getattr(self._inner, name)
+        inner = self.__dict__.get("_inner")
+        if inner is None:  # a copy or unpickle asks before __init__ ran
+            raise AttributeError(name)
+        return getattr(inner, name)
 
     def allocate(self, shape: tuple[int, ...], dtype: Any, *, zero: bool = True) -> Any:
         one = self._inner.allocate((1,), dtype, zero=zero)

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from mila_py.devices.device import DeviceType
 from mila_py.devices.execution_context import ExecutionContext
 from mila_py.ops.operation import Operation
-from mila_py.precision import Precision
+from mila_py.precision import DEVICE_PRECISIONS, Precision
 
 __all__ = [
     "OpNotFoundError",
@@ -63,8 +63,9 @@ def register_op(
 
     Raises:
         TypeError: ``name`` is not a str or ``device_type`` is not a DeviceType.
-        ValueError: an empty name or precision set, or ``(name, device_type)`` already registered
-            to another class.
+        ValueError: an empty name or precision set, a precision the device does not store
+            (``DEVICE_PRECISIONS``: FP64 is CPU-only), or ``(name, device_type)`` already
+            registered to another class.
     """
     if not isinstance(name, str):
         raise TypeError(f"register_op: name must be a str, got {name!r}")
@@ -77,6 +78,12 @@ def register_op(
     precision_set = frozenset(precisions)
     if not precision_set or not all(isinstance(p, Precision) for p in precision_set):
         raise ValueError(f"register_op({name!r}): precisions must be non-empty Precision values")
+    unstored = sorted(str(p) for p in precision_set - DEVICE_PRECISIONS[device_type])
+    if unstored:
+        raise ValueError(
+            f"register_op({name!r}): {device_type} does not store {', '.join(unstored)} "
+            "(see precision.DEVICE_PRECISIONS)"
+        )
 
     def decorator(cls: T) -> T:
         if not (isinstance(cls, type) and issubclass(cls, Operation)):

@@ -168,10 +168,11 @@ def llama_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
         try:
             rope = RopeConfig.from_hf(config)
         except (ValueError, TypeError) as exc:
-            key = "rope_parameters" if "rope_parameters" in config else "rope_scaling"
+            # transformers reads a rope_scaling over a rope_parameters, as from_hf does
+            key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
             problems.append(f"{key}: {exc}")
     if rope is not None and rope.rotary_dim:
-        prf = (config.get("rope_parameters") or config.get("rope_scaling") or {}).get(
+        prf = (config.get("rope_scaling") or config.get("rope_parameters") or {}).get(
             "partial_rotary_factor", config.get("partial_rotary_factor")
         )
         problems.append(

@@ -22,11 +22,17 @@ from mila_py.components import RopeConfig
 pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-#: two sets of sizes: a value the class gives both is a class default, not derived from them
+#: sizes a bare config.json gives: 128-wide heads (the common M-RoPE sections fit them), and
+#: 144-wide ones no class defaults to (so a class's fixed 128 shows); a value the class gives
+#: both BARE and OTHER is a class default, not derived from them
 BARE = {"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 4,
         "num_hidden_layers": 2, "max_position_embeddings": 4096}  # fmt: skip
+ODD = {**BARE, "hidden_size": 1152}
 OTHER = {"hidden_size": 1536, "num_attention_heads": 8, "num_key_value_heads": 2,
          "num_hidden_layers": 2, "max_position_embeddings": 8192}  # fmt: skip
+#: top-level keys a config.json may give beside no scaling dict: the class's default dict,
+#: when it holds them, wins (transformers only ``setdefault``s them into it)
+TOP_LEVEL = ({"rope_theta": 33333.0}, {"partial_rotary_factor": 0.5})
 #: scaling types RopeConfig implements; the others (vision "axial", ...) are not text RoPE
 SUPPORTED = {"default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional"}
 #: refusals that are right for the class default (Mistral scales queries after RoPE; the
@@ -89,56 +95,117 @@ def _read(cfg: RopeConfig, keys: Any) -> dict[str, Any]:
 
 def _entry(cls: Any, hf: Any, params: dict[str, Any]) -> dict[str, Any]:
     """The class defaults of this family as a table entry: the values the class gives both
-    sets of sizes."""
+    sets of sizes. Theta and the rotated fraction go into the entry's ``rope_parameters``
+    when the class's default dict holds them (a top-level key cannot replace them)."""
     other = cls(**OTHER)
     other_params = _flat_rope(other) or {}
     entry: dict[str, Any] = {}
-    for key, generic in (("rope_theta", 10000.0), ("partial_rotary_factor", 1.0)):
+    held: dict[str, Any] = {}
+    for (key, generic), given in zip(
+        (("rope_theta", 10000.0), ("partial_rotary_factor", 1.0)), TOP_LEVEL, strict=True
+    ):
         value = params.get(key, getattr(hf, key, None))
-        if value not in (None, generic) and value == other_params.get(
-            key, getattr(other, key, None)
-        ):
+        if value is None or value != other_params.get(key, getattr(other, key, None)):
+            continue
+        if (_flat_rope(cls(**BARE, **given)) or {}).get(key) == value != given[key]:
+            held[key] = value
+        elif value != generic:
             entry[key] = value
     for key in ("head_dim", "qk_rope_head_dim"):
         if getattr(hf, key, None) and getattr(hf, key) == getattr(other, key, None):
             entry[key] = getattr(hf, key)
-    if params.get("rope_type", params.get("type", "default")) != "default":
+    if held or params.get("rope_type", params.get("type", "default")) != "default":
         entry["rope_parameters"] = {
-            k: v
-            for k, v in params.items()
-            if other_params.get(k) == v and k not in ("rope_theta", "partial_rotary_factor")
+            **{k: v for k, v in params.items() if other_params.get(k) == v and k not in held},
+            **held,
         }
+        for key in ("rope_theta", "partial_rotary_factor"):
+            if key not in held:
+                entry["rope_parameters"].pop(key, None)
     return entry
 
 
-def test_bare_configs_read_as_their_config_class_fills_them_in() -> None:
+def _is_composite(cls: Any) -> bool:
+    """A multimodal outer config: its RoPE is its text config's (tested through that one)."""
+    return "text_config" in (getattr(cls, "sub_configs", None) or {})
+
+
+def _check(model_type: str, cls: Any, given: dict[str, Any]) -> str | None:
+    """What is wrong in mila_py's reading of ``given`` for this family, or None."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            hf = cls(**given)
+        except Exception:  # an audio or vision config that takes other sizes
+            return None
+    params = _flat_rope(hf)
+    if params is None or not hasattr(hf, "num_attention_heads"):
+        return None
+    want = _expected(hf, params)
+    try:
+        got = _read(RopeConfig.from_hf({**given, "model_type": model_type}), want)
+    except ValueError as error:
+        message = str(error)
+        if any(reason in message for reason in REFUSALS):
+            return None
+        if want["rotated"] % 2 and "is odd" in message:
+            return None
+        if "mrope_section" in message and f"rotated_dim {want['rotated']} " in message:
+            return None  # the class's section does not fit its own rotated channels either
+        got = {"error": message}
+    if got == want:
+        return None
+    return f"{model_type!r}: {_entry(cls, cls(**BARE), _flat_rope(cls(**BARE)) or {})},  # mila {got}, class {want}"
+
+
+@pytest.mark.parametrize(
+    "given",
+    [BARE, ODD, *({**BARE, **top} for top in TOP_LEVEL)],
+    ids=["bare", "odd", "theta", "partial"],
+)
+def test_bare_configs_read_as_their_config_class_fills_them_in(given: dict[str, Any]) -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     wrong: list[str] = []
     checked = 0
     for model_type, cls in _config_classes():
+        if _is_composite(cls):
+            continue
+        problem = _check(model_type, cls, given)
+        checked += 1
+        if problem is not None:
+            wrong.append(problem)
+    assert checked > 100
+    assert not wrong, "class defaults read wrongly; table entries:\n" + "\n".join(wrong)
+
+
+def test_text_model_types_are_the_composite_classes_default_text_configs() -> None:
+    from mila_py.components.rope_hf_defaults import TEXT_MODEL_TYPES
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    found: dict[str, str] = {}
+    for model_type, cls in _config_classes():
+        if not _is_composite(cls):
+            continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                hf = cls(**BARE)
-            except Exception:  # a composite or audio config that takes other sizes
+                text = cls().text_config
+            except Exception:  # a class that needs arguments
                 continue
-        params = _flat_rope(hf)
-        if params is None or not hasattr(hf, "num_attention_heads"):
-            continue
-        want = _expected(hf, params)
-        try:
-            got = _read(RopeConfig.from_hf({**BARE, "model_type": model_type}), want)
-        except ValueError as error:
-            message = str(error)
-            if any(reason in message for reason in REFUSALS):
-                continue
-            if want["rotated"] % 2 and "is odd" in message:
-                continue
-            if "mrope_section" in message and f"rotated_dim {want['rotated']} " in message:
-                continue  # the class's section does not fit its own rotated channels either
-            got = {"error": message}
-        checked += 1
-        if got != want:
-            wrong.append(f"{model_type!r}: {_entry(cls, hf, params)},  # mila {got}, class {want}")
-    assert checked > 100
-    assert not wrong, "class defaults read wrongly; table entries:\n" + "\n".join(wrong)
+        inner = getattr(text, "model_type", None)
+        same = not inner or inner.removesuffix("_text") == model_type.removesuffix("_text")
+        if not same and not inner.startswith(model_type + "_"):
+            found[model_type] = inner
+    assert found == TEXT_MODEL_TYPES
+
+
+def test_a_text_config_without_model_type_is_read_as_its_text_family() -> None:
+    """Aya Vision's text model is Cohere 2 (pairs (2i, 2i + 1), rotates its sliding layers
+    only); PaliGemma's is Gemma (256-wide heads by default)."""
+    text = {"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 4,
+            "num_hidden_layers": 4, "max_position_embeddings": 4096}  # fmt: skip
+    aya = RopeConfig.from_hf_layers({"model_type": "aya_vision", "text_config": text})
+    assert [c is not None for c in aya] == [True, True, True, False]
+    assert aya[0] is not None and aya[0].layout == "interleaved"
+    gemma = RopeConfig.from_hf({"model_type": "paligemma", "text_config": text})
+    assert gemma.head_dim == 256

@@ -534,6 +534,7 @@ def _hf_rotating_layers(torch: Any, model_type: str, **kwargs: Any) -> tuple[dic
     """``(config.json, whether each layer rotates)`` of a tiny model built by transformers: a
     layer rotates when it has an attention module whose forward applies RoPE."""
     import inspect
+    import re
 
     from transformers import CONFIG_MAPPING, AutoModel
 
@@ -542,13 +543,16 @@ def _hf_rotating_layers(torch: Any, model_type: str, **kwargs: Any) -> tuple[dic
     rule = CONDITIONAL_ROTATION.get(model_type)
     rotates = []
     for layer in model.layers:
-        attention = getattr(layer, "self_attn", None)
+        found = (getattr(layer, name, None) for name in ("self_attn", "temporal_block"))
+        attention = next((m for m in found if m is not None and "Attention" in type(m).__name__),
+                         None)  # fmt: skip
         if attention is None:
             rotates.append(False)
         elif rule is not None:
             rotates.append(bool(rule(attention)))
         else:
-            rotates.append("apply_rotary_pos_emb(" in inspect.getsource(type(attention).forward))
+            source = inspect.getsource(type(attention).forward)
+            rotates.append(re.search(r"apply_rotary_pos_emb\w*\(", source) is not None)
     return hf_config.to_dict(), rotates
 
 
@@ -566,6 +570,16 @@ def _hf_rotating_layers(torch: Any, model_type: str, **kwargs: Any) -> tuple[dic
         ("qwen3_5_text", {"head_dim": 256}),  # its M-RoPE section needs 64 rotated channels
         ("minimax", {}),
         ("olmo_hybrid", {}),
+        ("cohere2", {"sliding_window": None}),  # its sliding layers rotate only with one
+        ("olmo_hybrid", {"num_hidden_layers": 2}),  # its last layer is full when none is
+        ("bailing_hybrid", {"num_hidden_layers": 12}),
+        ("bailing_hybrid", {"layer_group_size": 4}),
+        ("bamba", {"attn_layer_indices": [1, 5]}),
+        ("recurrent_gemma", {"head_dim": 32, "num_key_value_heads": 4}),
+        (
+            "recurrent_gemma",
+            {"head_dim": 32, "num_key_value_heads": 4, "block_types": ["attention", "recurrent"]},
+        ),
         ("lfm2", {"full_attn_idxs": [1, 4, 6]}),
         ("lfm2", {"layer_types": ["conv", "full_attention"] * 4}),
     ],
@@ -604,7 +618,7 @@ def test_exaone4_5_text_model_is_exaone4() -> None:
     [
         ({"model_type": "gpt2", "n_head": 4, "n_embd": 64, "n_positions": 256, "n_layer": 2},
          "learned absolute position"),
-        ({"model_type": "falcon", "alibi": True}, r"alibi=True \(RoPE needs alibi=False\)"),
+        ({"model_type": "falcon", "alibi": True}, r"alibi=True \(RoPE needs alibi=false\)"),
         ({"model_type": "jamba"}, "Mamba layers carry the order"),
         ({"model_type": "bloom"}, "ALiBi"),
         ({"model_type": "kimi_linear"}, "without a rotated part"),
@@ -619,8 +633,17 @@ def test_families_without_rope_are_refused(config_json: dict[str, Any], message:
     assert RopeConfig.from_hf_layers(config_json) == [None] * n_layers
 
 
-def test_falcon_without_alibi_rotates() -> None:
-    assert RopeConfig.from_hf({**BASE, "model_type": "falcon"}).rope_type == "default"
+@pytest.mark.parametrize("alibi", [{}, {"alibi": False}, {"alibi": None}])
+def test_falcon_without_alibi_rotates(alibi: dict[str, Any]) -> None:
+    """Falcon's code rotates unless ``alibi`` is true (a null is false)."""
+    assert RopeConfig.from_hf({**BASE, "model_type": "falcon", **alibi}).rope_type == "default"
+
+
+def test_an_empty_scaling_dict_is_not_the_class_default() -> None:
+    """``rope_parameters: {}`` is given (transformers' class fills in only a missing one)."""
+    bare = {k: v for k, v in BASE.items() if k != "rope_theta"}
+    assert RopeConfig.from_hf({**bare, "model_type": "gpt_oss", "rope_parameters": {}},
+                              max_seq_len=256).rope_type == "default"  # fmt: skip
 
 
 def test_rope_scaling_is_read_over_rope_parameters() -> None:

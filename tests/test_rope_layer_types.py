@@ -105,6 +105,8 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "mimo_v2_flash",
         {**SMALL, "model_type": "mimo_v2_flash", "head_dim": 24, "hidden_size": 96},
     ),
+    # convolution layers between them; its full layers rotate half the head, proportionally
+    "lfm3": ("Lfm3Config", "lfm3", {**SMALL, "model_type": "lfm3", "num_hidden_layers": 8}),
 }
 POSITIONS = np.arange(90, 122)  # past the YaRN cases' original 64
 
@@ -165,8 +167,11 @@ def test_each_layer_type_rotates_as_the_models_own_rotary_module(hf: Any, case: 
     assert len(layers) == hf_config.num_hidden_layers
     rng = np.random.default_rng(11)
     for layer_type in sorted(set(hf_config.layer_types)):
-        cfg = RopeConfig.from_hf(config_json, layer_type=layer_type, max_seq_len=256)
         index = list(hf_config.layer_types).index(layer_type)
+        if layer_type == "conv":  # LFM3's convolution layers
+            assert layers[index] is None
+            continue
+        cfg = RopeConfig.from_hf(config_json, layer_type=layer_type, max_seq_len=256)
         assert layers[index] == cfg
         q, k = random_qk(rng, cfg, 1, len(POSITIONS))
         want_q = _hf_rotate(emb, layer_type, q, cfg.n_heads, cfg.head_dim)
@@ -185,7 +190,7 @@ def test_layer_pattern_matches_the_config_class(hf: Any, case: str) -> None:
     config_json = CASES[case][2]
     layers = RopeConfig.from_hf_layers(config_json, max_seq_len=256)
     by_type = {
-        t: RopeConfig.from_hf(config_json, layer_type=t, max_seq_len=256)
+        t: None if t == "conv" else RopeConfig.from_hf(config_json, layer_type=t, max_seq_len=256)
         for t in set(hf_config.layer_types)
     }
     assert layers == [by_type[t] for t in hf_config.layer_types]

@@ -78,7 +78,6 @@ def _scalings(n: int) -> dict[str, dict[str, Any] | None]:
             "factor": 4.0,
             "original_max_position_embeddings": ORIG,
         },
-        "dynamic-no-original": {"rope_type": "dynamic", "factor": 2.0},
         "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIG},
         "yarn-betas-untruncated": {
             "rope_type": "yarn",
@@ -350,6 +349,9 @@ def _cfg_with(scaling: Any, rotary_dim: int = 0) -> RopeConfig:
         ({"rope_type": "dynamic"}, "factor"),
         ({"rope_type": "dynamic", "factor": 0.5}, "factor"),
         ({"rope_type": "dynamic", "factor": 2, "original_max_position_embeddings": 0}, "original"),
+        # without the pretrained context the switch would sit at the table's end: refused
+        ({"rope_type": "dynamic", "factor": 2}, "needs original_max_position_embeddings"),
+        ({**_longrope(8), "original_max_position_embeddings": None}, "needs original_max"),
         ({"rope_type": "yarn"}, "factor"),
         ({"rope_type": "yarn", "factor": 0.5}, "factor"),
         ({"rope_type": "yarn", "factor": 4, "beta_fast": 1, "beta_slow": 32}, "beta_fast"),

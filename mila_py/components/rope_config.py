@@ -336,7 +336,8 @@ class RopeConfig:
         from ``max_position_embeddings``.
 
         Vision-language configs: a config whose text model sits in ``text_config`` is read from
-        there. M-RoPE follows what the model's own code does, which the ``model_type`` decides:
+        there, as the family of that text model (a ``text_config`` without a ``model_type`` is
+        the one the multimodal class defaults to: Aya Vision's Cohere 2, PaliGemma's Gemma). M-RoPE follows what the model's own code does, which the ``model_type`` decides:
         the Qwen3-VL family (``qwen3_vl``, ``qwen3_vl_moe``, ``qwen3_5``, ``qwen3_5_moe``,
         ``qwen3_omni_moe``, ``qwen4_exp``, ``cosmos3_edge``) always interleaves its axes, the
         Qwen2-VL and GLM-4V families never do, whatever ``mrope_interleaved`` says (without a
@@ -413,9 +414,11 @@ class RopeConfig:
         and OLMo 3, whose code fills in the default), ``per_layer_config`` (Gemma 4) sets head
         sizes per layer. Unrotated: SmolLM3's, Llama 4's and Mistral Large 3's
         ``no_rope_layers``; the full-attention layers of Cohere 2, EXAONE 4 (and 4.5), AFMoE,
-        Flint and Kolibri 1; layers without attention (``linear_attention`` of Qwen3-Next,
-        Qwen3.5, MiniMax and OLMo-Hybrid, LFM2's ``conv``, by ``layer_types`` or the family's
-        default pattern). A config without RoPE gives None for every layer. Layers that resolve
+        Flint and Kolibri 1 (Cohere 2's and Flint's sliding ones too, without a
+        ``sliding_window``); layers without attention (``linear_attention`` of Qwen3-Next,
+        Qwen3.5, MiniMax, OLMo-Hybrid, Bailing-Hybrid and Bamba, Recurrent Gemma's recurrent
+        blocks, LFM2's and LFM3's ``conv``, by ``layer_types`` or the family's default
+        pattern). A config without RoPE gives None for every layer. Layers that resolve
         alike share one (equal) config, so :func:`get_rope` gives them one table. A model with
         one RoPE gives the same config for every layer.
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mila_py.components.rope_hf_defaults import CLASS_DEFAULTS
+from mila_py.components.rope_hf_defaults import CLASS_DEFAULTS, TEXT_MODEL_TYPES
 from mila_py.components.rope_scaling import rope_type_name
 
 if TYPE_CHECKING:
@@ -77,7 +77,6 @@ _CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
                 partial_rotary_factor=0.5),
     **_defaults(("glm", "glm4"), partial_rotary_factor=0.5, head_dim=128),
     "moonshine": {"partial_rotary_factor": 0.9},
-    "moonshine_streaming": {"partial_rotary_factor": 0.8},  # only without rope_parameters
     "gpt_neox": {"rotary_pct": 0.25},
     **_defaults(("gptj", "codegen"), rotary_dim=64),
     **_defaults(("cohere", "ernie4_5_moe", "blt"), rope_theta=500000.0),
@@ -125,12 +124,13 @@ _FAMILY_ALIASES: dict[str, dict[str, str]] = {
 #: has the model's theta)
 _LAYER_THETA_OWN = frozenset({"granite_swa", "granitemoe_swa"})
 _LAYER_THETA_SWITCH = frozenset({"muse_glimmer", "muse_spark"})
-#: families whose RoPE is switched by a key: (key, the value that turns it on, class default)
-_ROPE_SWITCHES: dict[str, tuple[str, Any, Any]] = {
-    "esm": ("position_embedding_type", "rotary", "absolute"),
-    "granitemoehybrid": ("position_embedding_type", "rope", None),
-    "zamba2": ("use_mem_rope", True, False),
-    "falcon": ("alibi", False, False),
+#: families whose RoPE is switched by a key: (key, its class default, the values that turn
+#: RoPE on, as the family's code tests them)
+_ROPE_SWITCHES: dict[str, tuple[str, Any, Callable[[Any], bool], str]] = {
+    "esm": ("position_embedding_type", "absolute", lambda v: v == "rotary", "'rotary'"),
+    "granitemoehybrid": ("position_embedding_type", None, lambda v: v == "rope", "'rope'"),
+    "zamba2": ("use_mem_rope", False, bool, "true"),
+    "falcon": ("alibi", False, lambda v: not v, "false"),
 }
 #: text families refused, with what their code does that RopeConfig cannot express
 _REFUSED = {
@@ -162,6 +162,9 @@ _NOT_EXPRESSIBLE = {
 }
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+LINEAR = "linear_attention"
+#: a family's default layer pattern: the type of layer ``i`` from the config
+Pattern = Callable[[int, Mapping[str, Any]], str]
 
 
 def _full_every(
@@ -177,7 +180,12 @@ def _full_every(
     return is_full
 
 
-_EVERY_SIXTH = _full_every(6)
+def _two_types(is_full: Callable[[int, Mapping[str, Any]], bool], other: str = SLIDING) -> Pattern:
+    """Full attention where ``is_full``, ``other`` elsewhere."""
+    return lambda i, config: FULL if is_full(i, config) else other
+
+
+_EVERY_SIXTH = _two_types(_full_every(6))
 
 
 @dataclass(frozen=True)
@@ -190,7 +198,7 @@ class _LayeredFamily:
             transformers 4.x ``config.json`` and the default when that key is missing too.
         scaling_to: the layer types a flat ``rope_scaling`` dict applies to.
             Empty: the family's code reads none (one in config.json is refused).
-        is_full: the default layer pattern: whether layer ``i`` is a full-attention layer.
+        pattern: the default layer pattern (without ``layer_types``).
         global_head: Gemma 4: full-attention layers use ``global_head_dim`` (default 512), and
             the last layer is always a full-attention one.
         kv_factor: per layer type, a multiple of ``num_key_value_heads`` its layers use.
@@ -200,10 +208,16 @@ class _LayeredFamily:
     defaults: Mapping[str, Mapping[str, Any] | None]
     theta_keys: Mapping[str, tuple[str, float]] = field(default_factory=dict)
     scaling_to: tuple[str, ...] = (FULL,)
-    is_full: Callable[[int, Mapping[str, Any]], bool] = _EVERY_SIXTH
+    pattern: Pattern = _EVERY_SIXTH
     global_head: bool = False
     kv_factor: Mapping[str, int] = field(default_factory=dict)
     partial: float | None = None
+
+
+def _lfm3_layer(i: int, config: Mapping[str, Any]) -> str:
+    """LFM3: full attention at ``i % 4 == 2``, sliding at ``i % 4 == 0`` past layer 0,
+    convolutions elsewhere."""
+    return FULL if i % 4 == 2 else SLIDING if i % 4 == 0 and i > 0 else "conv"
 
 
 _BOTH_DEFAULT = {SLIDING: {"rope_type": "default"}, FULL: {"rope_type": "default"}}
@@ -211,18 +225,22 @@ _GEMMA3_THETAS = {FULL: ("rope_theta", 1e6), SLIDING: ("rope_local_base_freq", 1
 _GEMMA3 = _LayeredFamily(
     _BOTH_DEFAULT,
     _GEMMA3_THETAS,
-    is_full=_full_every(6, key="sliding_window_pattern"),
+    pattern=_two_types(_full_every(6, key="sliding_window_pattern")),
 )
 _MODERNBERT = _LayeredFamily(
     _BOTH_DEFAULT,
     {FULL: ("global_rope_theta", 160000.0), SLIDING: ("local_rope_theta", 10000.0)},
     scaling_to=(FULL, SLIDING),
-    is_full=lambda i, config: i % int(config.get("global_attn_every_n_layers") or 3) == 0,
+    pattern=_two_types(
+        lambda i, config: i % int(config.get("global_attn_every_n_layers") or 3) == 0
+    ),
 )
+#: the proportional RoPE of Gemma 4's and LFM3's full layers (a theta of 1e6)
+_PROPORTIONAL = {"rope_type": "proportional", "rope_theta": 1e6}
 #: model_type without ``_text`` -> its family (text and multimodal names alike)
 _LAYERED: dict[str, _LayeredFamily] = {
     "gemma3": _GEMMA3,
-    "gemma3n": _LayeredFamily(_BOTH_DEFAULT, _GEMMA3_THETAS, is_full=_full_every(5)),
+    "gemma3n": _LayeredFamily(_BOTH_DEFAULT, _GEMMA3_THETAS, pattern=_two_types(_full_every(5))),
     **dict.fromkeys(("modernbert", "modernbert-decoder"), _MODERNBERT),
     # transformers 5.x's Olmo3Config pops rope_theta for the full layers and so gives the
     # sliding ones its class default (5e5, which every released checkpoint uses); here both
@@ -230,12 +248,12 @@ _LAYERED: dict[str, _LayeredFamily] = {
     "olmo3": _LayeredFamily(
         _BOTH_DEFAULT,
         {FULL: ("rope_theta", 500000.0), SLIDING: ("rope_theta", 500000.0)},
-        is_full=_full_every(4),
+        pattern=_two_types(_full_every(4)),
     ),
     "gemma4": _LayeredFamily(
         {
             SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
-            FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+            FULL: {**_PROPORTIONAL, "partial_rotary_factor": 0.25},
         },
         scaling_to=(),
         global_head=True,
@@ -246,9 +264,17 @@ _LAYERED: dict[str, _LayeredFamily] = {
             SLIDING: {"rope_type": "default", "rope_theta": 1e4},
         },
         scaling_to=(),
-        is_full=_full_every(6, first=True),
+        pattern=_two_types(_full_every(6, first=True)),
         kv_factor={SLIDING: 2},  # its sliding layers have twice the key heads
         partial=0.334,
+    ),
+    "lfm3": _LayeredFamily(
+        {
+            SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+            FULL: {**_PROPORTIONAL, "partial_rotary_factor": 0.5},
+        },
+        scaling_to=(),
+        pattern=_lfm3_layer,
     ),
 }
 #: families whose ``no_rope_layers[i] == 0`` marks a layer without RoPE (the name is HF's)
@@ -258,8 +284,12 @@ _NO_ROPE_FAMILIES = frozenset({"smollm3", "llama4", "mistral_large4"})
 _SLIDING_ONLY = frozenset(
     {"cohere2", "cohere2_moe", "exaone4", "exaone_moe", "afmoe", "flint", "kolibri1"}
 )
-#: the ``sliding_window`` class default of the families whose layers all rotate without one
-_ALL_ROTATE_WITHOUT_WINDOW = {"exaone4": 4096, "exaone_moe": 4096, "kolibri1": 513}
+#: their ``sliding_window`` class defaults
+_WINDOW_DEFAULTS = {"kolibri1": 513, "flint": 513, "afmoe": 1024}
+#: without a ``sliding_window`` every layer of these rotates
+_ALL_ROTATE_WITHOUT_WINDOW = frozenset({"exaone4", "exaone_moe", "kolibri1"})
+#: these rotate a layer only where it has a window (none: no sliding layer rotates)
+_ROTATE_WITH_WINDOW = frozenset({"cohere2", "cohere2_moe", "flint"})
 #: layer types without an attention that rotates (recurrent, convolution and MLP-only layers;
 #: HF's ``linear_attention`` covers Mamba, Gated DeltaNet and lightning attention)
 _UNROTATED_TYPES = frozenset({"linear_attention", "mamba", "conv", "moe", "mlp", "recurrent"})
@@ -274,7 +304,6 @@ def _exaone_full(i: int, config: Mapping[str, Any]) -> bool:
     return (i + 1) % int(pattern or 4) == 0
 
 
-#: layer patterns of one-RoPE families whose layers differ in rotating or not
 def _flint_full(i: int, config: Mapping[str, Any]) -> bool:
     """Flint's pattern: full attention on the first two layers, every fourth from layer 1, and
     the last."""
@@ -287,24 +316,37 @@ def _lfm2_full(i: int, config: Mapping[str, Any]) -> bool:
     return indices is None or i in indices
 
 
-LINEAR = "linear_attention"
+def _olmo_hybrid_full(i: int, config: Mapping[str, Any]) -> bool:
+    """OLMo-Hybrid: every fourth layer, and the last one when that gives none."""
+    n = int(config["num_hidden_layers"])
+    return i % 4 == 3 or (n < 4 and i == n - 1)
+
+
+def _recurrent_gemma_layer(i: int, config: Mapping[str, Any]) -> str:
+    """Recurrent Gemma's ``block_types`` repeated: its attention blocks slide."""
+    blocks = list(config.get("block_types") or ("recurrent", "recurrent", "attention"))
+    return LINEAR if blocks[i % len(blocks)] == "recurrent" else SLIDING
+
+
 #: layer patterns of one-RoPE families whose layers differ in rotating or not, for configs
-#: without ``layer_types``: whether layer ``i`` is a full-attention one, and the type of the
-#: others
-_FLAT_PATTERNS: dict[str, tuple[Callable[[int, Mapping[str, Any]], bool], str]] = {
-    "cohere2": (_full_every(4, key="sliding_window_pattern"), SLIDING),
-    "exaone4": (_exaone_full, SLIDING),
-    "exaone_moe": (_exaone_full, SLIDING),
-    "afmoe": (_full_every(4, key="global_attn_every_n_layers"), SLIDING),
-    "flint": (_flint_full, SLIDING),
-    "kolibri1": (_full_every(5), SLIDING),
+#: without ``layer_types``
+_FLAT_PATTERNS: dict[str, Pattern] = {
+    "cohere2": _two_types(_full_every(4, key="sliding_window_pattern")),
+    "exaone4": _two_types(_exaone_full),
+    "exaone_moe": _two_types(_exaone_full),
+    "afmoe": _two_types(_full_every(4, key="global_attn_every_n_layers")),
+    "flint": _two_types(_flint_full),
+    "kolibri1": _two_types(_full_every(5)),
     **dict.fromkeys(
         ("qwen3_next", "qwen3_5", "qwen3_5_moe"),
-        (_full_every(4, key="full_attention_interval"), LINEAR),
+        _two_types(_full_every(4, key="full_attention_interval"), LINEAR),
     ),
-    "minimax": (lambda i, config: i % 2 == 0, LINEAR),
-    "olmo_hybrid": (_full_every(4), LINEAR),
-    **dict.fromkeys(("lfm2", "lfm2_moe"), (_lfm2_full, "conv")),
+    "minimax": _two_types(lambda i, config: i % 2 == 0, LINEAR),
+    "olmo_hybrid": _two_types(_olmo_hybrid_full, LINEAR),
+    "bailing_hybrid": _two_types(_full_every(6, key="layer_group_size"), LINEAR),
+    "bamba": _two_types(lambda i, config: i in (config.get("attn_layer_indices") or ()), LINEAR),
+    "recurrent_gemma": _recurrent_gemma_layer,
+    **dict.fromkeys(("lfm2", "lfm2_moe"), _two_types(_lfm2_full, "conv")),
 }
 
 
@@ -368,16 +410,13 @@ class _HfRope:
             )
         text = config.get("text_config")
         if isinstance(text, Mapping) and "num_attention_heads" not in config:
-            config = {"model_type": config.get("model_type"), **text}
+            outer = config.get("model_type")
+            config = {"model_type": TEXT_MODEL_TYPES.get(str(outer), outer), **text}
         self.text_type = family_type = _text_type(config.get("model_type")) or ""
         renamed = {**_ALIASES, **_FAMILY_ALIASES.get(family_type, {})}
         defaults = {**CLASS_DEFAULTS.get(family_type, {}), **_CLASS_DEFAULTS.get(family_type, {})}
         #: the class's scaling dict, for a config without one
         self.default_scaling: Mapping[str, Any] = defaults.pop("rope_parameters", {})
-        if family_type == "moonshine_streaming" and (
-            config.get("rope_parameters") or config.get("rope_scaling")
-        ):
-            defaults.pop("partial_rotary_factor")  # its class default is part of its default dict
         merged = {**defaults, **config}
         aliases = {
             k: merged[a]
@@ -406,17 +445,16 @@ class _HfRope:
         #: why this config has no RoPE at all (a family without RoPE, or its switch is off)
         self.rope_off: str | None = _NO_ROPE.get(self.text_type)
         if switch is not None:
-            key, on, default = switch
+            key, default, rotates, wanted = switch
             value = config.get(key, default)
-            if value != on:
-                self.rope_off = f"{key}={value!r} (RoPE needs {key}={on!r})"
+            if not rotates(value):
+                self.rope_off = f"{key}={value!r} (RoPE needs {key}={wanted})"
         self.family = _LAYERED.get(self.text_type)
         # transformers reads a 4.x ``rope_scaling`` over ``rope_parameters`` when both are there
-        raw = (
-            config.get("rope_scaling")
-            or config.get("rope_parameters")
-            or copy.deepcopy(dict(self.default_scaling))
-        )
+        nested = config.get("rope_parameters")
+        if nested is None:  # the class's default dict (an empty one stays empty)
+            nested = copy.deepcopy(dict(self.default_scaling))
+        raw = config.get("rope_scaling") or nested
         if not isinstance(raw, Mapping):
             raise ValueError(f"RopeConfig.from_hf: rope_scaling must be a dict, got {raw!r}")
         self.per_type: dict[str, dict[str, Any] | None] | None = None
@@ -475,11 +513,10 @@ class _HfRope:
             return self._no_rope_layer_types()
         else:
             family = self.family
-            pattern = (family.is_full, SLIDING) if family else _FLAT_PATTERNS.get(self.text_type)
+            pattern = family.pattern if family else _FLAT_PATTERNS.get(self.text_type)
             if pattern is None:
                 return None
-            is_full, other = pattern
-            kinds = [FULL if is_full(i, self.config) else other for i in range(self._n_layers())]
+            kinds = [pattern(i, self.config) for i in range(self._n_layers())]
         if self.family is not None and self.family.global_head and kinds:
             kinds[-1] = FULL  # Gemma 4 forces its last layer to full attention
         return kinds
@@ -508,7 +545,8 @@ class _HfRope:
         ``no_rope_layers[i] == 0`` (by default every ``no_rope_layer_interval``-th, 4); and the
         full-attention layers of Cohere 2, AFMoE, Flint, EXAONE 4 and Kolibri 1 (Cohere 2 MoE's
         dense prefix layers rotate when its ``prefix_dense_sliding_window_pattern`` is 1;
-        EXAONE 4's and Kolibri 1's all rotate without a ``sliding_window``)."""
+        without a ``sliding_window`` EXAONE 4's and Kolibri 1's layers all rotate, and Cohere
+        2's and Flint's sliding layers do not)."""
         if layer_type in _UNROTATED_TYPES:
             return False
         thetas = self.layer_thetas
@@ -519,16 +557,19 @@ class _HfRope:
             if flags:
                 return bool(flags[index])
             return (index + 1) % int(self.config.get("no_rope_layer_interval") or 4) != 0
-        window = _ALL_ROTATE_WITHOUT_WINDOW.get(self.text_type)
-        if window is not None and self.config.get("sliding_window", window) is None:
-            return True  # without a window every layer rotates
-        if self.text_type in _SLIDING_ONLY and layer_type != SLIDING:
+        family = self.text_type
+        if family in _SLIDING_ONLY:
             if layer_type is None:
                 raise ValueError(
                     f"RopeConfig.from_hf: a {self.model_type} config needs layer_types to tell "
                     "which layers rotate"
                 )
-            if self.text_type != "cohere2_moe":
+            window = self.config.get("sliding_window", _WINDOW_DEFAULTS.get(family, 4096))
+            if window is None and family in _ALL_ROTATE_WITHOUT_WINDOW:
+                return True
+            if layer_type == SLIDING and (window is not None or family not in _ROTATE_WITH_WINDOW):
+                return True
+            if family != "cohere2_moe":
                 return False
             mlp = self.config.get("mlp_layer_types")
             if not mlp:

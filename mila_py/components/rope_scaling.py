@@ -359,8 +359,22 @@ def _check_ntk_alpha(head_dim: int, rotary_dim: int, max_seq_len: int, params: A
         raise ValueError(f"rope_type 'ntk_alpha' needs head_dim > 2, got {head_dim}")
 
 
+def _needs_original(name: str, params: Mapping[str, Any], max_seq_len: int) -> None:
+    """A length-dependent type switches past the pretrained context: without one it would
+    switch at the table's end, which no position reaches (plain RoPE, or LongRoPE's short
+    factors only, in silence)."""
+    original = params.get("original_max_position_embeddings")
+    if original is None:
+        raise ValueError(
+            f"rope_type {name!r} needs original_max_position_embeddings (the pretrained context "
+            "it scales past; transformers takes the model's max_position_embeddings): without "
+            f"it, it would switch at max_seq_len {max_seq_len}, which no position reaches"
+        )
+
+
 def _check_dynamic(head_dim: int, rotary_dim: int, max_seq_len: int, params: Any) -> None:
     _check_factor("dynamic", params)
+    _needs_original("dynamic", params, max_seq_len)
 
 
 def _check_proportional(head_dim: int, rotary_dim: int, max_seq_len: int, params: Any) -> None:
@@ -389,6 +403,7 @@ def _check_longrope(head_dim: int, rotary_dim: int, max_seq_len: int, params: An
     _positive("longrope", params, "factor")
     _positive("longrope", params, "attention_factor")
     _positive("longrope", params, "original_max_position_embeddings")
+    _needs_original("longrope", params, max_seq_len)
     for key in ("short_factor", "long_factor"):
         values = params[key]
         try:

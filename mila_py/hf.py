@@ -233,6 +233,32 @@ def _sliding_window_problems(config: Mapping[str, Any], model_type: Any) -> list
     ]
 
 
+#: the RoPE types transformers' Llama-family models read (its ``ROPE_INIT_FUNCTIONS``)
+_HF_ROPE_TYPES = frozenset(
+    {"default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional"}
+)
+
+
+def _check_hf_scaling(cfg: LlamaConfig) -> None:
+    """Refuse a RoPE scaling a transformers model would compute differently."""
+    if not cfg.rope_scaling:
+        return
+    name = rope_type_name(cfg.rope_scaling)
+    if name not in _HF_ROPE_TYPES:
+        raise ValueError(
+            f"llama_config_to_hf: rope_type {name!r} is not one transformers reads "
+            f"({', '.join(sorted(_HF_ROPE_TYPES))}); the checkpoint would not load"
+        )
+    original = cfg.rope_scaling.get("original_max_position_embeddings")
+    if name == "dynamic" and original != cfg.max_seq_len:
+        raise ValueError(
+            f"llama_config_to_hf: dynamic RoPE from original_max_position_embeddings "
+            f"{original}: transformers 5 scales it from max_position_embeddings "
+            f"({cfg.max_seq_len}), so the checkpoint would compute other logits; build with "
+            f"max_seq_len={original}, or use another scaling"
+        )
+
+
 def llama_config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
     """A Hugging Face ``config.json`` dict describing ``cfg``: ``Qwen3ForCausalLM`` with Q/K head
     norms, else ``Qwen2ForCausalLM`` when only the QKV projection has a bias, else
@@ -243,7 +269,10 @@ def llama_config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
 
     Raises:
         ValueError: a combination no transformers model has: an output-projection bias without
-            a QKV bias, or Q/K head norms with a QKV bias only.
+            a QKV bias, or Q/K head norms with a QKV bias only; a RoPE scaling transformers
+            would read differently: a type it does not have (``ntk_alpha``), or a ``dynamic``
+            whose ``original_max_position_embeddings`` is not ``max_seq_len`` (transformers 5
+            scales dynamic RoPE from ``max_position_embeddings``).
     """
     if cfg.out_bias and not cfg.qkv_bias:
         raise ValueError(
@@ -260,6 +289,7 @@ def llama_config_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
             "llama_config_to_hf: qk_norm with a QKV bias only has no Hugging Face model "
             "(Qwen3's attention_bias is on Q, K, V and the output projection)"
         )
+    _check_hf_scaling(cfg)
     model_type = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias != cfg.out_bias else "llama"
     head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
     scaling = _plain(dict(cfg.rope_scaling)) if cfg.rope_scaling else None
@@ -645,9 +675,9 @@ def save_hf_checkpoint(model: Llama, path: str | os.PathLike[str]) -> None:
     ctx = model.execution_context
     params = {name: ctx.to_host(p) for name, p in model.named_parameters()}
     tensors = mila_to_hf(params, model.config)
+    config = llama_config_to_hf(model.config)  # refused before anything is written
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    config = llama_config_to_hf(model.config)
     (root / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file(
         {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()},

@@ -290,6 +290,29 @@ def test_hf_checkpoint_round_trip_keeps_the_scaling(tmp_path, key: str) -> None:
     np.testing.assert_allclose(loaded.forward(tokens()), model.forward(tokens()), atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("scaling", "message"),
+    [
+        ({"rope_type": "ntk_alpha", "alpha": 100.0}, "not one transformers reads"),
+        ({"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8},
+         "scales it from max_position_embeddings"),
+    ],
+)  # fmt: skip
+def test_hf_checkpoint_refuses_a_scaling_transformers_reads_otherwise(
+    tmp_path, scaling: dict, message: str
+) -> None:  # type: ignore[no-untyped-def]
+    from mila_py.hf import save_hf_checkpoint
+
+    model = built(rope_scaling=scaling)
+    with pytest.raises(ValueError, match=message):
+        save_hf_checkpoint(model, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+    same = {**scaling, "original_max_position_embeddings": model.config.max_seq_len}
+    if scaling["rope_type"] == "dynamic":  # from max_seq_len, as transformers reads it
+        save_hf_checkpoint(built(rope_scaling=same), tmp_path / "ok")
+        assert (tmp_path / "ok" / "config.json").exists()
+
+
 def test_tied_checkpoint_storing_only_lm_head_loads(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A tied checkpoint whose shared matrix is stored as ``lm_head.weight`` alone loads as
     transformers loads it (the embedding is that matrix); one storing two different matrices

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -639,3 +641,33 @@ def test_decode_plan_serves_each_batch_size_and_refuses_bad_input(weights: str) 
     np.testing.assert_allclose(both, reference_logits(weights, x[:, :7])[:, 6], atol=1e-5)
     np.testing.assert_array_equal(model.decode(x[:, 6:7], 6), both)  # [B, 1] is [B]
     np.testing.assert_array_equal(model.decode(int(x[0, 6]), 6), one)  # a scalar is [1]
+
+
+def _length_dependent(kind: str) -> dict[str, Any]:
+    half = CFG.dim // CFG.n_heads // 2
+    if kind == "dynamic":
+        return {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 12}
+    return {"rope_type": "longrope", "original_max_position_embeddings": 12, "factor": 4.0,
+            "short_factor": [1.0 + 0.1 * i for i in range(half)],
+            "long_factor": [1.0 + 2.0 * i for i in range(half)]}  # fmt: skip
+
+
+@pytest.mark.parametrize("chunk", [4, 7])
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
+def test_chunked_prefill_under_length_dependent_rope_equals_one_pass(
+    tmp_path: Any, kind: str, chunk: int
+) -> None:
+    """A length-dependent scaling picks its frequencies for the whole prompt's length: the
+    early chunks of a prompt that crosses the original context (12) rotate as one pass does,
+    not with the short factors (or none) their own end would pick."""
+    cfg = dataclasses.replace(CFG, rope_scaling=_length_dependent(kind))
+    trained = Llama("llama", cfg, device="CPU")
+    trained.build(BuildContext((2, 30), RuntimeMode.TRAINING))
+    path = tmp_path / "w.safetensors"
+    trained.save(path)
+    x = tokens(2, 30, seed=3)
+    full = trained.forward(x).copy()
+    model = Llama("llama", cfg, device="CPU")
+    model.build(BuildContext((2, 48), RuntimeMode.INFERENCE, prefill_size=chunk))
+    model.load(path)
+    np.testing.assert_allclose(model.prefill(x), full[:, -1], rtol=1e-5, atol=1e-5)

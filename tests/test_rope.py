@@ -215,6 +215,27 @@ def test_prefill_in_chunks_equals_one_call(
     _assert_bit_identical(chunk_k, whole_k)
 
 
+def test_prefill_chunks_given_the_whole_length_rotate_as_one_call(backend: str, rng) -> None:
+    """A length-dependent scaling (dynamic NTK) picks its frequencies for ``seq_len``: chunks
+    given the whole prompt's end rotate as one call over it, and a bad ``seq_len`` is refused
+    before anything is rotated."""
+    scaling = {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 8}
+    cfg = RopeConfig(4 * 16, 4, 1, 64, scaling=scaling)
+    rope = make_rope(cfg, 1, 24, backend=backend)
+    q, k = random_qk(rng, cfg, 1, 24)
+    whole_q, whole_k = q.copy(), k.copy()
+    rope.forward(whole_q, whole_k)
+    for lo, hi in ((0, 5), (5, 12), (12, 24)):
+        rope.prefill(q[:, lo:hi], k[:, lo:hi], lo, seq_len=24)
+    _assert_bit_identical(q, whole_q)
+    _assert_bit_identical(k, whole_k)
+    before = q.copy()
+    for bad in (4, 65, 2.0):
+        with pytest.raises((ValueError, TypeError), match="seq_len"):
+            rope.prefill(q[:, :5], k[:, :5], 0, seq_len=bad)  # type: ignore[arg-type]
+    _assert_bit_identical(q, before)
+
+
 @pytest.mark.parametrize("precision", PRECISIONS, ids=str)
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_decode_at_each_position_equals_forward(
@@ -305,8 +326,23 @@ def test_fused_qkv_views_rotate_through_the_view(
         lambda r, q, k: r.rotate(q, k, np.zeros(1, np.int64)),  # broadcasts to [B, T]
         lambda r, q, k: r.decode(q[:, :1], k[:, :1], 5) if q.shape[1] else None,
         lambda r, q, k: r.backward(q, k),
+        # positions of the batch's own shape: empty too
+        lambda r, q, k: r.rotate(q, k, np.zeros(q.shape[:2], np.int64)),
+        lambda r, q, k: (
+            r.decode(q[:, :1], k[:, :1], np.zeros(q.shape[0], np.int64)) if q.shape[1] else None
+        ),
+        lambda r, q, k: r.backward(q, k, np.zeros(q.shape[:2], np.int64)),
     ],
-    ids=["forward", "prefill", "rotate", "decode", "backward"],
+    ids=[
+        "forward",
+        "prefill",
+        "rotate",
+        "decode",
+        "backward",
+        "rotate-positions",
+        "decode-positions",
+        "backward-positions",
+    ],
 )
 @pytest.mark.parametrize("shape", [(0, 4), (2, 0)], ids=["B0", "T0"])
 @pytest.mark.parametrize("precision", [FP32, FP16], ids=str)

@@ -476,11 +476,12 @@ def test_register_rope_type_with_required_keys_and_softmax_scale(type_name: str)
     "result",
     [
         (np.ones(HEAD_DIM), 1.0),  # more pairs than the head has
+        (np.ones(HEAD_DIM // 2 - 1), 1.0),  # would pair the half layout's channels wrongly
         (np.ones((2, 4)), 1.0),
         (np.array([1.0, np.nan, 1.0, 1.0]), 1.0),
         (np.ones(4), float("inf")),
     ],
-    ids=["too-long", "2d", "nan", "inf-attention"],
+    ids=["too-long", "too-short", "2d", "nan", "inf-attention"],
 )
 def test_registered_type_returning_garbage_is_refused(type_name: str, result) -> None:
     register_rope_type(type_name, lambda *args: result)

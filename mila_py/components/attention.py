@@ -335,12 +335,14 @@ class GroupedQueryAttention(CompositeComponent):
         self._state["v_cache"][...] = 0
         self._cached.reset()
 
-    def forward(self, x: Any, position_offset: int = 0) -> Any:
+    def forward(self, x: Any, position_offset: int = 0, *, seq_len: int | None = None) -> Any:
         """``x [B, T, dim] -> [B, T, dim]`` (a view of ``o_proj``'s output buffer).
 
         TRAINING builds attend within ``x`` (positions ``0 .. T-1``). INFERENCE builds are a
         prefill chunk at positions ``position_offset .. position_offset + T - 1``: its keys and
         values are written to the KV cache and its queries attend to everything cached before.
+        ``seq_len`` (INFERENCE): the end of the whole prompt the chunk belongs to, for RoPE's
+        length-dependent scaling (see :meth:`Rope.prefill`); default the chunk's end.
         """
         if not self.is_built:
             raise RuntimeError(f"{self._describe()}: forward() needs a built component")
@@ -370,7 +372,7 @@ class GroupedQueryAttention(CompositeComponent):
         n_b = x.shape[0]
         out = self._state["attn_out"][:n_b, :n_t]
         if inference:
-            self.rope.prefill(q, k, position_offset)
+            self.rope.prefill(q, k, position_offset, seq_len=seq_len)
             k_cache = self._state["k_cache"][:n_b]
             v_cache = self._state["v_cache"][:n_b]
             k_cache[:, position_offset:end] = k

@@ -197,9 +197,11 @@ class LlamaBlock(CompositeComponent):
         check_chunk(self, x)
         return self._forward(x, position_offset)
 
-    def _forward(self, x: Any, position_offset: int) -> Any:
-        """:meth:`forward` for a parent passing a buffer it owns (no overlap check)."""
-        return self._run(x, lambda a: self.self_attn.forward(a, position_offset))
+    def _forward(self, x: Any, position_offset: int, seq_len: int | None = None) -> Any:
+        """:meth:`forward` for a parent passing a buffer it owns (no overlap check); a chunked
+        prefill passes the end of its whole prompt as ``seq_len`` (RoPE's length-dependent
+        scaling)."""
+        return self._run(x, lambda a: self.self_attn.forward(a, position_offset, seq_len=seq_len))
 
     def decode(self, x: Any, positions: Any) -> Any:
         """One token per sequence, ``x [B, 1, dim]`` at ``positions`` (INFERENCE builds)."""
@@ -470,8 +472,8 @@ class Llama(Network):
             for start in range(0, n_t, chunk):
                 piece = tokens[:, start : start + chunk]
                 h = self.embed_tokens._lookup(piece, tuple(piece.shape))
-                for block in self.layers:
-                    h = block._forward(h, offset + start)
+                for block in self.layers:  # every chunk rotates as one pass would
+                    h = block._forward(h, offset + start, offset + n_t)
             last = self.execution_context.xp.ascontiguousarray(h[:, -1:])  # type: ignore[index]
             return self._head(last)[:, 0].copy()
 
@@ -591,7 +593,9 @@ class Llama(Network):
         ``prompt`` is ``[B, T]`` or ``[T]`` ints, or a list of B 1-D prompts (of any lengths):
         those are prefilled together, right-padded to the longest, and each then decodes from
         its own length (the padding's cache rows are overwritten before any query can see them).
-        Greedy decoding gives every row the tokens it gets alone; every row gets the same number
+        Greedy decoding gives every row the tokens it gets alone (except under a
+        length-dependent RoPE scaling, ``dynamic`` or LongRoPE, whose frequencies follow the
+        padded prompt's length, as in a batched transformers ``generate``); every row gets the same number
         of new tokens, at most ``context_length - T + 1`` for the longest prompt's ``T`` (a
         larger ``max_new_tokens`` is cut to that with a ``UserWarning``).
 

@@ -8,6 +8,7 @@ Rope with the same configuration on a device (see :func:`get_rope`).
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any
 
@@ -141,11 +142,18 @@ class Rope(Component):
         """
         self.prefill(q, k, 0)
 
-    def prefill(self, q: Any, k: Any, position_offset: int) -> None:
+    def prefill(self, q: Any, k: Any, position_offset: int, *, seq_len: int | None = None) -> None:
         """Rotate Q and K in place at positions ``position_offset .. position_offset + T - 1``.
 
+        Args:
+            seq_len: the sequence length a length-dependent scaling (``dynamic``, LongRoPE)
+                picks its frequencies for; default ``position_offset + T``. A prefill cut in
+                chunks passes the end of the whole prompt, so that every chunk rotates as
+                one pass over the prompt would.
+
         Raises:
-            ValueError: a negative offset, or ``position_offset + T > max_seq_len``.
+            ValueError: a negative offset, ``position_offset + T > max_seq_len``, or a
+                ``seq_len`` short of the chunk's end or past ``max_seq_len``.
         """
         try:
             q, k = self._device_arrays(q, k)
@@ -158,7 +166,13 @@ class Rope(Component):
                     f"beyond the table: positions must be < max_seq_len = "
                     f"{self.config.max_seq_len}"
                 )
-            self._op.apply(q, k, offset=offset, seq_len=last + 1)
+            length = last + 1 if seq_len is None else self._check_int(seq_len, "seq_len")
+            if not last + 1 <= length <= self.config.max_seq_len:
+                raise ValueError(
+                    f"{self._describe()}: seq_len {length} must cover the chunk (>= {last + 1}) "
+                    f"and fit the table (<= max_seq_len = {self.config.max_seq_len})"
+                )
+            self._op.apply(q, k, offset=offset, seq_len=length)
         finally:
             self._release_foreign()
 
@@ -260,7 +274,7 @@ class Rope(Component):
                     dq,
                     dk,
                     positions=pos,
-                    seq_len=int(pos.max()) + 1,
+                    seq_len=_seq_len(pos),
                     inverse=True,
                     q_out=dq_in,
                     k_out=dk_in,
@@ -287,7 +301,7 @@ class Rope(Component):
             self._context.release_foreign()
 
     def _apply_positions(self, q: Any, k: Any, positions: np.ndarray) -> None:
-        self._op.apply(q, k, positions=positions, seq_len=int(positions.max()) + 1)
+        self._op.apply(q, k, positions=positions, seq_len=_seq_len(positions))
 
     def _require_built(self, what: str) -> None:
         if self._build_context is None:
@@ -409,6 +423,8 @@ class Rope(Component):
                 f"{expected}"
             )
         if array.size == 0:
+            if math.prod(target) == 0:  # an empty batch: nothing to rotate
+                return np.zeros(target, dtype=np.int64)
             raise ValueError(f"{self._describe()}: {name} is empty")
         low, high = int(array.min()), int(array.max())
         if low < 0:
@@ -434,3 +450,8 @@ class Rope(Component):
 def _is_writeable(x: Any) -> bool:
     flags = getattr(x, "flags", None)
     return bool(getattr(flags, "writeable", True)) if flags is not None else True
+
+
+def _seq_len(positions: np.ndarray) -> int:
+    """The length a call at ``positions`` spans (1 for an empty batch)."""
+    return int(positions.max()) + 1 if positions.size else 1

@@ -72,10 +72,12 @@ class RopeTable:
             cfg.head_dim, cfg.rotated_dim, float(cfg.base), cfg.max_seq_len, params
         )
         inv_freq = np.asarray(inv_freq, dtype=np.float64)
-        if inv_freq.ndim != 1 or not 1 <= inv_freq.shape[0] <= cfg.head_dim // 2:
+        allowed = sorted({cfg.rotated_dim // 2, cfg.head_dim // 2})
+        if inv_freq.ndim != 1 or inv_freq.shape[0] not in allowed:
+            # another count would pair the half layout's channels wrongly, in silence
             raise ValueError(
                 f"rope_type {cfg.rope_type!r} returned inv_freq of shape {inv_freq.shape}; "
-                f"expected [n] with 1 <= n <= head_dim // 2 = {cfg.head_dim // 2}"
+                f"expected [rotated_dim // 2] or [head_dim // 2], i.e. one of {allowed}"
             )
         if not np.all(np.isfinite(inv_freq)) or not np.isfinite(attention):
             raise ValueError(f"rope_type {cfg.rope_type!r} returned non-finite frequencies")

@@ -65,30 +65,16 @@ def _defaults(keys: tuple[str, ...], **values: Any) -> dict[str, dict[str, Any]]
     return {k: dict(values) for k in keys}
 
 
-#: class defaults beside the generated table (rope_hf_defaults.CLASS_DEFAULTS), which they
-#: override: keys under the family's own name, values given with the rope dict, the sizes Hub
-#: configs leave out. Merged under the config, so every key is then read the one way. Keyed
-#: by ``model_type`` without ``_text``.
+#: class defaults the generated table (rope_hf_defaults.CLASS_DEFAULTS) cannot hold, which
+#: override it: keys under the family's own name, the per-layer-type families' head sizes,
+#: the sizes Hub configs leave out. Merged under the config, so every key is then read the
+#: one way. Keyed by ``model_type`` without ``_text``.
 _CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
-    **_defaults(("stablelm",), partial_rotary_factor=0.25),
-    **_defaults(("qwen3_next", "qwen3_5"), partial_rotary_factor=0.25, head_dim=256),
-    **_defaults(("qwen3_5_moe",), partial_rotary_factor=0.25),
-    **_defaults(("persimmon", "phi", "glm4_moe", "glm4v_moe", "nemotron", "recurrent_gemma"),
-                partial_rotary_factor=0.5),
-    **_defaults(("glm", "glm4"), partial_rotary_factor=0.5, head_dim=128),
-    "moonshine": {"partial_rotary_factor": 0.9},
     "gpt_neox": {"rotary_pct": 0.25},
     **_defaults(("gptj", "codegen"), rotary_dim=64),
-    **_defaults(("cohere", "ernie4_5_moe", "blt"), rope_theta=500000.0),
-    **_defaults(("ernie4_5", "llama4"), rope_theta=500000.0, head_dim=128),
-    "helium": {"rope_theta": 100000.0, "head_dim": 128},
-    "openai_privacy_filter": {"rope_theta": 150000.0},
-    "smollm3": {"rope_theta": 2e6},
-    "minimax_m2": {"rope_theta": 5e6, "head_dim": 128},
-    **_defaults(("gemma", "gemma2", "gemma4"), head_dim=256),
-    **_defaults(("qwen3", "cohere2_moe"), head_dim=128),
-    "mimo_v2_flash": {"head_dim": 192},
     "jetmoe": {"kv_channels": 128},
+    "gemma4": {"head_dim": 256},
+    "mimo_v2_flash": {"head_dim": 192},
     # the sizes Hub configs leave out (Gemma 3's multimodal text_config)
     "gemma3": {"head_dim": 256, "hidden_size": 2304, "num_attention_heads": 8,
                "num_key_value_heads": 4, "max_position_embeddings": 131072,

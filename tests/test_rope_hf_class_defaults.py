@@ -209,3 +209,40 @@ def test_a_text_config_without_model_type_is_read_as_its_text_family() -> None:
     assert aya[0] is not None and aya[0].layout == "interleaved"
     gemma = RopeConfig.from_hf({"model_type": "paligemma", "text_config": text})
     assert gemma.head_dim == 256
+
+
+def regenerate() -> dict[str, dict[str, Any]]:
+    """The table anew from the installed transformers: every family the scan finds wrong
+    with an empty table (the hand-kept ``rope_hf._CLASS_DEFAULTS`` still applied), until it
+    finds none. ``python tests/test_rope_hf_class_defaults.py`` prints it."""
+    from mila_py.components import rope_hf_defaults
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    table = rope_hf_defaults.CLASS_DEFAULTS
+    saved = dict(table)
+    table.clear()
+    try:
+        for _ in range(3):  # an entry can change what the next variant reads
+            changed = False
+            for model_type, cls in _config_classes():
+                if _is_composite(cls):
+                    continue
+                variants = [BARE, ODD, *({**BARE, **top} for top in TOP_LEVEL)]
+                if any(_check(model_type, cls, given) for given in variants):
+                    entry = _entry(cls, cls(**BARE), _flat_rope(cls(**BARE)) or {})
+                    key = model_type.removesuffix("_text")
+                    changed |= table.get(key) != entry
+                    table[key] = entry
+            if not changed:
+                return dict(sorted(table.items()))
+        raise AssertionError("the class-default table does not settle")
+    finally:
+        table.clear()
+        table.update(saved)
+
+
+if __name__ == "__main__":
+    import pprint
+
+    warnings.simplefilter("ignore")
+    pprint.pprint(regenerate(), width=96)

@@ -8,8 +8,9 @@ scaling); ``rope_parameters`` is the class's scaling dict, used when the config 
 
 Generated from transformers 5.23's config classes: ``tests/test_rope_hf_class_defaults.py``
 builds every family's class from bare sizes, compares what ``RopeConfig.from_hf`` reads, and
-prints the entry a family is missing; it checks ``TEXT_MODEL_TYPES`` against the multimodal
-classes' default text configs.
+prints the entry a family is missing, and ``python tests/test_rope_hf_class_defaults.py``
+prints the whole table anew (after a transformers upgrade); the test checks
+``TEXT_MODEL_TYPES`` against the multimodal classes' default text configs.
 """
 
 from __future__ import annotations

@@ -178,11 +178,14 @@ class CompositeComponent(Component):
             for child in self._components.values():
                 child.set_training_mode(mode)
         except BaseException:
-            for node, previous in reversed(before):
-                if node._training_mode is not previous and previous is not None:
-                    if not node._children():  # a leaf's hook; composites only propagate
-                        node._on_training_mode_changing(previous)
-                    node._training_mode = previous
+            # top-down: a composite with a hook of its own runs it (which propagates); any
+            # node below that had a mode of its own is then put back by its own turn
+            for node, previous in before:
+                if previous is None or node._training_mode is previous:
+                    continue
+                if not node._children() or _has_own_mode_hook(node):
+                    node._on_training_mode_changing(previous)
+                node._training_mode = previous
             raise
 
     def _extra_repr(self) -> str:
@@ -205,6 +208,12 @@ class Network(CompositeComponent):
         if device is None:
             raise ValueError(f"Network '{name}' needs a device, e.g. device='CPU' or 'CUDA:0'")
         super().__init__(name, device=device, precision=precision)
+
+
+def _has_own_mode_hook(node: Component) -> bool:
+    """Whether a composite's class adds to the hook that only propagates the mode."""
+    hook = type(node)._on_training_mode_changing
+    return hook is not CompositeComponent._on_training_mode_changing
 
 
 def _release_all(children: list[Component]) -> None:

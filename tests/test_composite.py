@@ -574,6 +574,32 @@ def test_failing_mode_switch_puts_every_grandchild_back_in_its_own_mode() -> Non
     assert other.calls[-2:] == [("mode", TrainingMode.EVAL), ("mode", TrainingMode.NORMAL)]
 
 
+class Dropping(CompositeComponent):
+    """A composite whose hook has a part of its own (a dropout switch), then propagates."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.dropout_active = True
+
+    def _on_training_mode_changing(self, mode: TrainingMode) -> None:
+        self.dropout_active = mode is TrainingMode.NORMAL
+        super()._on_training_mode_changing(mode)
+
+
+def test_failing_mode_switch_runs_a_composites_own_hook_back() -> None:
+    own = Recorder("own")
+    dropping = Dropping("dropping").add_component(own).add_component(Recorder("other"))
+    bad = Recorder("bad", fail_mode=TrainingMode.EVAL)
+    net = Network("net").add_component(dropping).add_component(bad)
+    net.build(train_ctx())
+    own.eval()
+    with pytest.raises(RuntimeError, match="simulated mode failure"):
+        net.eval()
+    assert dropping.training_mode is TrainingMode.NORMAL and dropping.dropout_active
+    assert own.training_mode is TrainingMode.EVAL  # its own mode, after its parent's hook ran
+    assert dropping.get_component("other").training_mode is TrainingMode.NORMAL
+
+
 def test_a_shared_parameter_is_counted_once() -> None:
     """Two components holding the same array: one parameter, as memory stats count it."""
     first, second = Linear("first"), Linear("second")

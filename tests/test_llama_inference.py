@@ -671,3 +671,31 @@ def test_chunked_prefill_under_length_dependent_rope_equals_one_pass(
     model.build(BuildContext((2, 48), RuntimeMode.INFERENCE, prefill_size=chunk))
     model.load(path)
     np.testing.assert_allclose(model.prefill(x), full[:, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_chunks_given_by_hand_with_the_prompt_end_match_prefill(tmp_path: Any) -> None:
+    """Llama.forward on INFERENCE builds is one prefill chunk: given ``seq_len`` (the
+    prompt's end) the chunks rotate as prefill does under a length-dependent scaling; a bad
+    seq_len is refused before the cache is written."""
+    cfg = dataclasses.replace(CFG, rope_scaling=_length_dependent("longrope"))
+    trained = Llama("llama", cfg, device="CPU")
+    trained.build(BuildContext((1, 8), RuntimeMode.TRAINING))
+    path = tmp_path / "w.safetensors"
+    trained.save(path)
+    x = tokens(2, 30, seed=5)
+    model = Llama("llama", cfg, device="CPU")
+    model.build(BuildContext((2, 48), RuntimeMode.INFERENCE))
+    model.load(path)
+    want = model.prefill(x)
+    for start in range(0, 30, 10):
+        logits = model.forward(x[:, start : start + 10], start, seq_len=30)
+    np.testing.assert_allclose(logits[:, -1], want, rtol=1e-6, atol=1e-6)
+    lengths = model.cached_lengths
+    for bad in (5, 49, 30.0):
+        with pytest.raises((ValueError, TypeError), match="seq_len"):
+            model.forward(x[:, :10], 30, seq_len=bad)
+        with pytest.raises((ValueError, TypeError), match="seq_len"):
+            model.layers[0].forward(np.zeros((2, 10, CFG.dim), np.float32), 30, seq_len=bad)
+    assert model.cached_lengths == lengths
+    with pytest.raises(ValueError, match="INFERENCE prefill chunks"):
+        trained.forward(x[:1, :8], seq_len=8)

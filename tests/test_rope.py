@@ -328,9 +328,6 @@ def test_fused_qkv_views_rotate_through_the_view(
         lambda r, q, k: r.backward(q, k),
         # positions of the batch's own shape: empty too
         lambda r, q, k: r.rotate(q, k, np.zeros(q.shape[:2], np.int64)),
-        lambda r, q, k: (
-            r.decode(q[:, :1], k[:, :1], np.zeros(q.shape[0], np.int64)) if q.shape[1] else None
-        ),
         lambda r, q, k: r.backward(q, k, np.zeros(q.shape[:2], np.int64)),
     ],
     ids=[
@@ -340,7 +337,6 @@ def test_fused_qkv_views_rotate_through_the_view(
         "decode",
         "backward",
         "rotate-positions",
-        "decode-positions",
         "backward-positions",
     ],
 )
@@ -354,6 +350,18 @@ def test_empty_calls_are_no_ops(backend: str, shape, precision: Precision, call)
     k = np.zeros((*shape, cfg.kv_channels), dtype_of(precision))
     call(rope, q, k)
     assert q.shape == (*shape, cfg.channels)
+
+
+@pytest.mark.parametrize("position", [5, np.zeros(0, np.int64)], ids=["int", "per-sequence"])
+def test_an_empty_batch_decodes_nothing(backend: str, position: Any) -> None:
+    """decode with B == 0 (T is 1 by contract), through the component and through its op."""
+    cfg = rope_config((3, 1))
+    rope = make_rope(cfg, 2, 4, mode=TRAINING, backend=backend)
+    q = np.zeros((0, 1, cfg.channels), np.float32)
+    k = np.zeros((0, 1, cfg.kv_channels), np.float32)
+    rope.decode(q, k, position)
+    rope._op.decode(q, k, position)
+    assert q.shape == (0, 1, cfg.channels)
 
 
 def test_backends_agree(rng) -> None:

@@ -667,3 +667,18 @@ def test_a_config_without_scaling_takes_the_class_default(given: dict[str, Any])
     assert (cfg.scaling["factor"], cfg.scaling["original_max_position_embeddings"]) == (32.0, 4096)
     mixtral = RopeConfig.from_hf({**bare, "model_type": "mixtral", **given})
     assert (mixtral.base, mixtral.rope_type) == (1e6, "default")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "minimax", "lfm2", "afmoe", "bamba"])
+def test_one_config_needs_no_layer_count(model_type: str) -> None:
+    """from_hf without layer_type reads no layer pattern (only from_hf_layers needs
+    num_hidden_layers)."""
+    config_json = {k: v for k, v in BASE.items() if k != "num_hidden_layers"}
+    cfg = RopeConfig.from_hf({**config_json, "model_type": model_type, "head_dim": 64})
+    assert cfg.head_dim == 64
+
+
+def test_a_family_without_rope_says_so_without_a_layer_count() -> None:
+    t5 = {"model_type": "t5", "num_layers": 6, "num_heads": 8, "d_model": 512}
+    with pytest.raises(ValueError, match="has no RoPE: bucketed relative position biases"):
+        RopeConfig.from_hf_layers(t5)

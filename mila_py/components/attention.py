@@ -191,6 +191,21 @@ def check_chunk(owner: Any, x: Any) -> None:
     owner._refuse_own_state(x, "x")
 
 
+def check_seq_len(owner: Any, seq_len: Any, end: int, limit: int) -> None:
+    """Refuse, before anything is written, a prefill chunk's ``seq_len`` (the end of its
+    whole prompt) that is not an int in ``end .. limit`` (the chunk's end, the context), or
+    any on a TRAINING build (which runs from position 0 to its own length)."""
+    if not owner.build_context.is_inference:
+        raise ValueError(f"{owner._describe()}: seq_len is for INFERENCE prefill chunks")
+    if not is_int(seq_len):
+        raise TypeError(f"{owner._describe()}: seq_len must be an int, got {seq_len!r}")
+    if not end <= seq_len <= limit:
+        raise ValueError(
+            f"{owner._describe()}: seq_len {seq_len} must cover the chunk (>= {end}) and fit "
+            f"the context (<= {limit})"
+        )
+
+
 class GroupedQueryAttention(CompositeComponent):
     """Causal self-attention: ``o_proj(softmax(QK^T * scale + causal) V)`` with RoPE on Q and K.
 
@@ -364,6 +379,8 @@ class GroupedQueryAttention(CompositeComponent):
             )
         if not inference and position_offset:
             raise ValueError(f"{self._describe()}: TRAINING builds run from position 0")
+        if seq_len is not None:
+            check_seq_len(self, seq_len, end, self.context_length if inference else n_t)
         if inference and n_t:
             self._cached.check(position_offset, x.shape[0], self._describe())  # type: ignore[union-attr]
         qkv = self.qkv_proj.forward(x)  # [B, T, (Hq + 2 Hk) d]

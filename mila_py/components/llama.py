@@ -38,6 +38,7 @@ from mila_py.components.attention import (
     GroupedQueryAttention,
     check_chunk,
     check_decode_positions,
+    check_seq_len,
 )
 from mila_py.components.linear import Linear, LinearConfig
 from mila_py.components.residual import Residual, ResidualConfig
@@ -184,10 +185,12 @@ class LlamaBlock(CompositeComponent):
             self._add_state("dhidden", self._allocate(shape))
             self._add_state("dinput", self._allocate(shape))
 
-    def forward(self, x: Any, position_offset: int = 0) -> Any:
+    def forward(self, x: Any, position_offset: int = 0, *, seq_len: int | None = None) -> Any:
         """``x [B, T, dim] -> [B, T, dim]`` (a view of the block's output buffer).
 
-        On INFERENCE builds ``x`` is a prefill chunk at ``position_offset``.
+        On INFERENCE builds ``x`` is a prefill chunk at ``position_offset``; ``seq_len`` is the
+        end of the whole prompt it belongs to, for RoPE's length-dependent scaling (default:
+        the chunk's end; see :meth:`Rope.prefill`).
 
         Raises:
             TypeError, ValueError: ``x`` is not a float array ``[B', T', dim]`` of this device
@@ -195,7 +198,10 @@ class LlamaBlock(CompositeComponent):
                 block's own output given back: pass a copy). Nothing is written then.
         """
         check_chunk(self, x)
-        return self._forward(x, position_offset)
+        if seq_len is not None and is_int(position_offset):  # before the norm writes
+            end = position_offset + x.shape[1]
+            check_seq_len(self, seq_len, end, self.self_attn.context_length)
+        return self._forward(x, position_offset, seq_len)
 
     def _forward(self, x: Any, position_offset: int, seq_len: int | None = None) -> Any:
         """:meth:`forward` for a parent passing a buffer it owns (no overlap check); a chunked
@@ -373,11 +379,13 @@ class Llama(Network):
         return twin.get_memory_stats()
 
     # ------------------------------------------------------------------ run
-    def forward(self, tokens: Any, position_offset: int = 0) -> Any:
+    def forward(self, tokens: Any, position_offset: int = 0, *, seq_len: int | None = None) -> Any:
         """``tokens [B, T] -> logits [B, T, vocab]`` (a view of an owned buffer).
 
         TRAINING builds: positions ``0 .. T-1``. INFERENCE builds: one prefill chunk
-        (``T <= chunk_size``) at ``position_offset``, its keys and values cached.
+        (``T <= chunk_size``) at ``position_offset``, its keys and values cached; a prompt cut
+        in chunks by hand passes its end as ``seq_len`` so that a length-dependent RoPE
+        scaling rotates every chunk as one pass would (as :meth:`prefill` does).
         """
         if not self.is_built:
             raise RuntimeError(f"{self._describe()}: forward() needs a built network")
@@ -395,13 +403,15 @@ class Llama(Network):
                 f"{self._describe()}: positions {offset}..{offset + n_t - 1} do not fit the "
                 f"context of {self.context_length} tokens"
             )
+        if seq_len is not None:
+            check_seq_len(self, seq_len, offset + n_t, self.context_length)
         with self.execution_context.activate():
             shape = self._check_tokens(tokens, tokens, tokens)
             if self._cached is not None:  # INFERENCE: a prefill chunk that writes the cache
                 self._start_cache_write(offset, shape[0])
             h = self.embed_tokens._lookup(tokens, shape)
             for block in self.layers:
-                h = block._forward(h, offset)
+                h = block._forward(h, offset, seq_len)
             return self._head(h)
 
     def _head(self, h: Any) -> Any:

@@ -618,7 +618,7 @@ class _HfRope:
     def parameters(self, layer_type: str | None) -> dict[str, Any] | None:
         """The RoPE parameter dict of ``layer_type`` (None: the layer type rotates nothing)."""
         if self.per_type is None:
-            known = self.layer_types
+            known = self.layer_types if layer_type is not None else None
             if layer_type is not None and known is not None and layer_type not in known:
                 raise ValueError(
                     f"RopeConfig.from_hf: layer_type {layer_type!r} is not in the config's "
@@ -820,8 +820,13 @@ def rope_configs_from_hf_layers(
 ) -> list[RopeConfig | None]:
     """See :meth:`RopeConfig.from_hf_layers`."""
     hf = _HfRope(config)
+    if hf.rope_off is not None and config.get("num_hidden_layers") is None:
+        raise ValueError(
+            f"RopeConfig.from_hf_layers: this {hf.model_type} config has no RoPE: "
+            f"{hf.rope_off} (and no num_hidden_layers to give each layer None)"
+        )
     n_layers = hf._n_layers()
-    if hf.rope_off is not None:  # the family's switch is off: no layer rotates
+    if hf.rope_off is not None:  # a family without RoPE, or its switch is off
         return [None] * n_layers
     kinds = hf.layer_types
     if kinds is None and hf.per_type is not None:

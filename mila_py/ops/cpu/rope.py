@@ -122,7 +122,7 @@ class CpuRopeOp(Operation):
             self.prefill(q, k, int(position))
         else:
             positions = np.asarray(position, dtype=np.int64).reshape(-1, 1)
-            self.apply(q, k, positions=positions, seq_len=int(positions.max()) + 1)
+            self.apply(q, k, positions=positions, seq_len=int(positions.max(initial=0)) + 1)
 
     def bind_decode(
         self, q: np.ndarray, k: np.ndarray, positions: DecodePositions

@@ -281,7 +281,7 @@ class CudaRopeOp(Operation):
             self.prefill(q, k, int(position))
         else:
             positions = np.asarray(position, dtype=np.int64).reshape(-1, 1)
-            self.apply(q, k, positions=positions, seq_len=int(positions.max()) + 1)
+            self.apply(q, k, positions=positions, seq_len=int(positions.max(initial=0)) + 1)
 
     def bind_decode(self, q: Any, k: Any, positions: DecodePositions) -> Callable[[], None]:
         """:meth:`decode` of ``q``, ``k`` ``[B, 1, width]`` at ``positions`` (read at each call),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import math
 import os
 import sys
 import tempfile
@@ -109,9 +110,9 @@ def main() -> None:
         x, y = next(stream)
         loss = loss_fn.forward(model.forward(x), y)
         model.backward(loss_fn.backward())
-        clip_grad_norm(model, 1.0)
         opt.lr = 3e-3 * min(1.0, (step + 1) / 30)
-        opt.step()
+        if math.isfinite(clip_grad_norm(model, 1.0)):  # an inf/NaN gradient: skip the step
+            opt.step()
         model.zero_gradients()
         rate = (step + 1) * x.size / (time.perf_counter() - start)
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}", refresh=False)  # shown at 1 Hz

@@ -11,6 +11,7 @@ Run: ``python examples/train_llama.py --steps 200`` (``--help`` for the model an
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -121,6 +122,8 @@ def main() -> None:
     args = parser.parse_args()
     check_positive(parser, args, "steps", "batch", "seq", "dim", "layers", "heads", "kv_heads")
     check_positive(parser, args, "max_bytes")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        parser.error(f"--lr must be a finite number > 0, got {args.lr}")
 
     tokens = load_corpus(args.data, args.max_bytes)
     train_tokens, held_out = split_corpus(tokens, args.seq)
@@ -160,9 +163,9 @@ def main() -> None:
         x, y = next(stream)
         loss = loss_fn.forward(model.forward(x), y)
         model.backward(loss_fn.backward())
-        clip_grad_norm(model, 1.0)
         opt.lr = args.lr * min(1.0, (step + 1) / 20)  # short warmup
-        opt.step()
+        if math.isfinite(clip_grad_norm(model, 1.0)):  # an inf/NaN gradient: skip the step
+            opt.step()
         model.zero_gradients()
         rate = (step + 1) * x.size / (time.perf_counter() - start)
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}", refresh=False)

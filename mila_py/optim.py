@@ -158,13 +158,18 @@ class AdamW:
         )
 
 
-def clip_grad_norm(model: Component, max_norm: float) -> float:
+def clip_grad_norm(model: Component, max_norm: float, *, error_if_nonfinite: bool = False) -> float:
     """Scale every gradient so their global L2 norm is at most ``max_norm``; returns the norm
     before clipping.
 
+    A non-finite norm (an ``inf`` or NaN gradient) is returned with every gradient left as it
+    is, so the caller can skip the step (an AdamW step on it would write NaN into the
+    parameters and moments for good); ``error_if_nonfinite=True`` raises instead, as torch's
+    ``clip_grad_norm_`` does.
+
     Raises:
         ValueError: ``max_norm`` is not a number > 0 (nothing is touched); ``inf`` returns the
-            norm without clipping.
+            norm without clipping. A non-finite norm with ``error_if_nonfinite``.
         RuntimeError: ``model`` has no parameter gradients (not a TRAINING build).
     """
     try:
@@ -178,6 +183,13 @@ def clip_grad_norm(model: Component, max_norm: float) -> float:
     grads = [g for _, _, g in _pairs(model)]
     # One device-to-host transfer: the per-gradient sums stay on the device until float().
     total = math.sqrt(float(sum((g.astype("float64") ** 2).sum() for g in grads)))
+    if not math.isfinite(total):
+        if error_if_nonfinite:
+            raise ValueError(
+                f"clip_grad_norm: the gradients' norm is {total} (an inf or NaN gradient); "
+                "nothing was clipped"
+            )
+        return total
     if total > limit:
         scale = limit / (total + 1e-6)
         for g in grads:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import ml_dtypes
@@ -18,14 +19,19 @@ def save(component: Any, path: str | os.PathLike[str]) -> None:
 
     Raises:
         RuntimeError: before build (there are no parameters yet).
+        OSError: the file cannot be written (no such folder, ``path`` is a folder, ...).
     """
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
     if not component.is_built:
         raise RuntimeError(f"{component._describe()}: build it before save()")
     ctx = component.execution_context
     tensors = {name: np.ascontiguousarray(ctx.to_host(p)) for name, p in _named(component, "save")}
-    save_file(tensors, os.fspath(path), metadata={"format": "mila_py"})
+    try:
+        save_file(tensors, os.fspath(path), metadata={"format": "mila_py"})
+    except SafetensorError as exc:  # the library's I/O errors are plain Exceptions
+        raise OSError(f"{component._describe()}: cannot write {os.fspath(path)} ({exc})") from exc
 
 
 def _named(component: Any, what: str) -> list[tuple[str, Any]]:
@@ -61,8 +67,18 @@ def load(component: Any, path: str | os.PathLike[str]) -> None:
     """
     if not component.is_built:
         raise RuntimeError(f"{component._describe()}: build it before load()")
-    tensors = read_safetensors(path, component._describe())
-    assign_parameters(component, tensors, f"cannot load {os.fspath(path)}")
+    who = component._describe()
+    with open_safetensors(path, who) as f:  # the header: names, dtypes, shapes
+        names = f.keys()  # (a safe_open handle is not iterable)
+        slices = {name: f.get_slice(name) for name in names}
+        found: dict[str, Any] = {
+            name: _Stored(tuple(s.get_shape()), s.get_dtype()) for name, s in slices.items()
+        }
+    expected = {name for name, _ in _named(component, "load")}
+    wanted = [n for n, s in found.items() if n in expected and s.dtype in _NUMPY_READABLE]
+    # only the tensors that can be loaded are read; the others are reported from the header
+    found.update(read_safetensors(path, who, wanted))
+    assign_parameters(component, found, f"cannot load {os.fspath(path)}")
 
 
 def read_safetensors(
@@ -87,10 +103,35 @@ def read_safetensors(
         absent = [n for n in wanted if n not in available]
         if absent:
             raise ValueError(f"{who}: {os.fspath(path)} lacks tensors: {', '.join(absent)}")
+        unreadable = [
+            f"{n} ({f.get_slice(n).get_dtype()})"
+            for n in wanted
+            if f.get_slice(n).get_dtype() not in _NUMPY_READABLE
+        ]
+        if unreadable:
+            raise ValueError(
+                f"{who}: {os.fspath(path)} holds tensors of a type NumPy cannot read: "
+                f"{', '.join(unreadable)}"
+            )
         for name in wanted:
             array = f.get_tensor(name)
             out[name] = array if convert is None else convert(array)
     return out
+
+
+#: safetensors dtypes NumPy reads (float8 and smaller floats it has no dtype for)
+_NUMPY_READABLE = frozenset(
+    {"F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL"}
+)
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """A tensor of a file known by its header only (not read: unexpected, or of a dtype
+    NumPy has not)."""
+
+    shape: tuple[int, ...]
+    dtype: str
 
 
 @contextlib.contextmanager
@@ -117,9 +158,10 @@ def open_safetensors(path: str | os.PathLike[str], who: str) -> Iterator[Any]:
 def assign_parameters(component: Any, tensors: Mapping[str, Any], what: str) -> None:
     """Copy ``{dotted name: array}`` into ``component``'s parameters, all or nothing.
 
-    Every missing, unexpected, mis-shaped or non-float tensor is reported in one ValueError
-    (``"<component>: <what>; nothing was loaded: ..."``), and then no parameter has changed.
-    Values are cast to each parameter's dtype.
+    Every missing, unexpected, mis-shaped, non-float or non-array value is reported in one
+    ValueError (``"<component>: <what>; nothing was loaded: ..."``), and then no parameter has
+    changed. Values (NumPy arrays, or arrays of the component's device) are cast to each
+    parameter's dtype.
     """
     params = dict(_named(component, "load"))
     problems = [
@@ -130,7 +172,11 @@ def assign_parameters(component: Any, tensors: Mapping[str, Any], what: str) -> 
         if name not in tensors:
             continue
         array = tensors[name]
-        if tuple(np.shape(array)) != tuple(p.shape):
+        if not hasattr(array, "shape") or not hasattr(array, "dtype"):
+            problems.append(f"type of {name}: {type(array).__name__} is not an array")
+        elif type(array).__module__.startswith("torch"):
+            problems.append(f"type of {name}: a torch tensor (pass tensor.numpy())")
+        elif tuple(np.shape(array)) != tuple(p.shape):
             problems.append(
                 f"shape of {name}: got {tuple(np.shape(array))}, expected {tuple(p.shape)}"
             )
@@ -146,4 +192,8 @@ def assign_parameters(component: Any, tensors: Mapping[str, Any], what: str) -> 
 
 
 def _is_float(dtype: Any) -> bool:
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:  # a safetensors name NumPy has not (F8_E4M3, ...)
+        return False
     return bool(np.issubdtype(dtype, np.floating)) or dtype == ml_dtypes.bfloat16

@@ -69,6 +69,52 @@ def test_save_and_load_name_the_component_and_refuse_what_is_not_safetensors(
         np.testing.assert_array_equal(p, q)
 
 
+def test_save_to_a_path_it_cannot_write_is_an_os_error(tmp_path: Path) -> None:
+    model = built()
+    with pytest.raises(OSError, match=r"Llama 'llama': cannot write"):
+        model.save(tmp_path / "no-such-folder" / "w.safetensors")
+    with pytest.raises(OSError, match="cannot write"):
+        model.save(tmp_path)  # a folder
+
+
+def test_load_reports_float8_and_unexpected_tensors_with_the_rest(tmp_path: Path) -> None:
+    """A file holding a dtype NumPy has not (float8 scales of a quantized checkpoint) is
+    reported with every other mismatch, from the header: nothing is loaded."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file as save_torch
+
+    model = built()
+    before = {name: p.copy() for name, p in model.named_parameters()}
+    tensors = {name: torch.from_numpy(p.copy()) for name, p in before.items()}
+    first, second = list(tensors)[:2]
+    tensors[first] = tensors[first].to(torch.float8_e4m3fn)  # expected, of an unreadable type
+    tensors["weight_scale"] = torch.zeros(3, dtype=torch.float8_e4m3fn)  # unexpected
+    del tensors[second]
+    save_torch(tensors, str(tmp_path / "f8.safetensors"))
+    with pytest.raises(ValueError, match="nothing was loaded") as info:
+        model.load(tmp_path / "f8.safetensors")
+    message = str(info.value)
+    assert f"dtype of {first}: F8_E4M3 is not a float type" in message
+    assert "unexpected: weight_scale" in message and f"missing: {second}" in message
+    for name, p in model.named_parameters():
+        np.testing.assert_array_equal(p, before[name])
+
+
+def test_assign_parameters_reports_values_that_are_not_arrays() -> None:
+    torch = pytest.importorskip("torch")
+    from mila_py.serialization import assign_parameters
+
+    model = built()
+    values = {name: p.copy() for name, p in model.named_parameters()}
+    first, second = list(values)[:2]
+    values[first] = values[first].tolist()
+    values[second] = torch.from_numpy(values[second])
+    with pytest.raises(ValueError, match="nothing was loaded") as info:
+        assign_parameters(model, values, "test")
+    assert f"type of {first}: list is not an array" in str(info.value)
+    assert f"type of {second}: a torch tensor" in str(info.value)
+
+
 def test_from_pretrained_checks_config_and_arguments_before_reading_weights(
     checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -66,3 +66,15 @@ def test_the_main_example_refuses_bad_options_before_training(
     )
     assert done.returncode == 2, done.stderr
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("lr", ["0", "-1", "nan", "inf"])
+def test_the_training_example_refuses_a_bad_learning_rate_before_reading(lr: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_llama.py"), "--lr", lr, "--steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "--lr must be a finite number > 0" in done.stderr and "Traceback" not in done.stderr

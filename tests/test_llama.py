@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any
 
 import numpy as np
@@ -549,6 +550,25 @@ def test_clip_grad_norm_refuses_a_bad_max_norm_and_touches_nothing() -> None:
     assert clip_grad_norm(model, np.array(1e9)) > 0
     assert clip_grad_norm(model, float("inf")) > 0  # measures without clipping
     assert all((g == 1.0).all() for g in model.get_gradients())
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_clip_grad_norm_of_non_finite_gradients_touches_nothing(bad: float) -> None:
+    """The norm is returned as it is and no gradient is scaled (the caller skips the step);
+    with error_if_nonfinite it raises, as torch's clip_grad_norm_ does."""
+    model = built()
+    for g in model.get_gradients():
+        g[...] = 1.0
+    model.get_gradients()[0].flat[0] = bad
+    before = [g.copy() for g in model.get_gradients()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no NumPy warning either
+        norm = clip_grad_norm(model, 1.0)
+    assert not np.isfinite(norm) and (np.isnan(norm) == np.isnan(bad))
+    for g, was in zip(model.get_gradients(), before, strict=True):
+        np.testing.assert_array_equal(g, was)
+    with pytest.raises(ValueError, match="nothing was clipped"):
+        clip_grad_norm(model, 1.0, error_if_nonfinite=True)
 
 
 def test_training_brings_the_loss_down() -> None:

@@ -460,8 +460,11 @@ class Component(metaclass=_ComponentMeta):
     def zero_gradients(self) -> None:
         """Set every parameter gradient of the subtree to zero (input-gradient buffers such as
         Rope's ``dq_in``, which each backward overwrites, are left as they are)."""
-        for _, grad in self.named_gradients():
-            grad.fill(0)
+        grads = [grad for _, grad in self.named_gradients()]
+        if grads:  # on this component's device and stream (after what wrote them)
+            with self.execution_context.activate():
+                for grad in grads:
+                    grad.fill(0)
 
     def _memory_entries(self) -> Iterator[tuple[MemoryCategory, MemoryLocation, Any]]:
         for component in self._walk():

@@ -123,8 +123,22 @@ class AdamW:
         self.step_count += 1
         correction1 = 1.0 - beta1**self.step_count
         correction2 = 1.0 - beta2**self.step_count
+        ctx = self.model.execution_context
+        with ctx.activate():  # the model's device and stream, for the array code too
+            self._update(ctx.xp, lr, beta1, beta2, eps, weight_decay, correction1, correction2)
+
+    def _update(
+        self,
+        xp: Any,
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        correction1: float,
+        correction2: float,
+    ) -> None:
         step_size = lr / correction1
-        xp = self.model.execution_context.xp
         fused = self._fused
         for (_, p, g), m, v, decays in zip(
             self._pairs, self._m, self._v, self._decays, strict=True
@@ -181,17 +195,18 @@ def clip_grad_norm(model: Component, max_norm: float, *, error_if_nonfinite: boo
     if not limit > 0:  # NaN, zero, negative, or not a number; inf measures without clipping
         raise ValueError(f"clip_grad_norm: max_norm must be a number > 0, got {max_norm!r}")
     grads = [g for _, _, g in _pairs(model)]
-    # One device-to-host transfer: the per-gradient sums stay on the device until float().
-    total = math.sqrt(float(sum((g.astype("float64") ** 2).sum() for g in grads)))
-    if not math.isfinite(total):
-        if error_if_nonfinite:
-            raise ValueError(
-                f"clip_grad_norm: the gradients' norm is {total} (an inf or NaN gradient); "
-                "nothing was clipped"
-            )
-        return total
-    if total > limit:
-        scale = limit / (total + 1e-6)
-        for g in grads:
-            g *= scale
+    with model.execution_context.activate():  # the model's device and stream
+        # One device-to-host transfer: the per-gradient sums stay on the device until float().
+        total = math.sqrt(float(sum((g.astype("float64") ** 2).sum() for g in grads)))
+        if not math.isfinite(total):
+            if error_if_nonfinite:
+                raise ValueError(
+                    f"clip_grad_norm: the gradients' norm is {total} (an inf or NaN "
+                    "gradient); nothing was clipped"
+                )
+            return total
+        if total > limit:
+            scale = limit / (total + 1e-6)
+            for g in grads:
+                g *= scale
     return total

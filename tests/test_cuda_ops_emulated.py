@@ -210,6 +210,33 @@ def test_softmax_cross_entropy_matches_cpu(ctx: EmulatedContext, rng, vocab: int
     assert not d[0, 1].any() and not d[1, 4].any()
 
 
+@pytest.mark.parametrize("shift", [1e4, 1e7])
+def test_softmax_cross_entropy_of_large_logits_is_exact(
+    ctx: EmulatedContext, rng, shift: float
+) -> None:
+    """Max and log-sum apart in float64, and a backward that renormalizes each row (as the CPU
+    op): logits around 1e4 lost ~2e-5 of the loss; three equal logits of 1e7 gave 1.0 for
+    log 3."""
+    vocab = 3 if shift == 1e7 else 50
+    op = CudaSoftmaxCrossEntropyOp(ctx, SoftmaxCrossEntropyConfig(vocab), FP32)
+    logits = np.full((1, 4, vocab), shift, np.float32)
+    if shift == 1e4:
+        logits += f32(rng, 1, 4, vocab, scale=3.0)
+    targets = rng.integers(0, vocab, size=(1, 4))
+    z = logits.astype(np.float64).reshape(4, vocab)
+    m = z.max(axis=1, keepdims=True)
+    log_sum = np.log(np.exp(z - m).sum(axis=1, keepdims=True))
+    want = float(np.mean((m - z[np.arange(4), targets[0]][:, None]) + log_sum))
+    lse = np.empty((1, 4), np.float32)
+    loss, count = op.forward(logits, targets, lse)
+    assert count == 4 and loss == pytest.approx(want, rel=1e-6, abs=1e-6)
+    d = np.empty_like(logits)
+    op.backward(logits, targets, lse, d, 1.0 / count)
+    p = np.exp(z - m - log_sum)
+    p[np.arange(4), targets[0]] -= 1.0
+    np.testing.assert_allclose(d.reshape(4, vocab), p / count, rtol=0, atol=2e-7)
+
+
 def test_softmax_cross_entropy_with_every_target_ignored(ctx: EmulatedContext, rng) -> None:
     op = CudaSoftmaxCrossEntropyOp(ctx, SoftmaxCrossEntropyConfig(6, ignore_index=-1), FP32)
     lse = np.empty((1, 3), np.float32)

@@ -124,6 +124,21 @@ def test_inference_equals_cpu(cuda: None, tmp_path) -> None:
     assert any(name.startswith("rope_qk<float, ") for name in launches)
 
 
+@pytest.mark.parametrize("device", ["CPU", "CUDA:0"])
+def test_an_empty_batch_decodes_nothing(cuda: None, device: str) -> None:
+    """decode of B == 0 sequences, at an int or per-sequence positions: no rows, and no launch
+    of an empty grid (a CUDA launch error), through the model's plan and the attention."""
+    model = Llama("llama", CFG, device=device)
+    model.build(BuildContext((2, 16), INFERENCE))
+    none = np.zeros(0, np.int64)
+    for position in (0, none):
+        assert model.decode(none, position).shape == (0, CFG.vocab_size)
+    x = np.zeros((0, 1, CFG.dim), np.float32)
+    attention = model.layers[0].self_attn
+    assert attention.decode(attention.execution_context.to_device(x), none).shape[0] == 0
+    assert model.cached_lengths == (0, 0)
+
+
 @pytest.mark.parametrize(("tie", "biases"), [(False, False), (True, False), (False, True)])
 def test_decode_plan_equals_the_component_path(
     cuda: None, tie: bool, biases: bool, tmp_path

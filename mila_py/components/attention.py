@@ -124,7 +124,8 @@ def check_decode_positions(
                 f"shape {host.shape}"
             )
         checked = np.broadcast_to(host.astype(np.int64).reshape(-1), (n_b,))
-        lowest, highest = int(checked.min()), int(checked.max())
+        # an empty batch decodes nothing (its positions bound nothing)
+        lowest, highest = (int(checked.min()), int(checked.max())) if n_b else (0, 0)
     if lowest < 0 or highest >= context:
         raise ValueError(
             f"{who}: decode positions must be in [0, {context}), got {lowest}..{highest}"
@@ -346,8 +347,9 @@ class GroupedQueryAttention(CompositeComponent):
         """Zero the KV cache (INFERENCE builds): every sequence then holds no position."""
         if self._cached is None:
             raise RuntimeError(f"{self._describe()}: reset_cache() needs an INFERENCE build")
-        self._state["k_cache"][...] = 0
-        self._state["v_cache"][...] = 0
+        with self.execution_context.activate():  # this device's stream, after its other work
+            self._state["k_cache"][...] = 0
+            self._state["v_cache"][...] = 0
         self._cached.reset()
 
     def forward(self, x: Any, position_offset: int = 0, *, seq_len: int | None = None) -> Any:
@@ -362,7 +364,6 @@ class GroupedQueryAttention(CompositeComponent):
         if not self.is_built:
             raise RuntimeError(f"{self._describe()}: forward() needs a built component")
         check_chunk(self, x)
-        cfg = self.config
         if not is_int(position_offset):
             raise TypeError(
                 f"{self._describe()}: position_offset must be an int, got {position_offset!r}"
@@ -383,6 +384,14 @@ class GroupedQueryAttention(CompositeComponent):
             check_seq_len(self, seq_len, end, self.context_length if inference else n_t)
         if inference and n_t:
             self._cached.check(position_offset, x.shape[0], self._describe())  # type: ignore[union-attr]
+        with self.execution_context.activate():  # cache writes and views on this device's stream
+            return self._forward_checked(x, position_offset, seq_len, n_t, end)
+
+    def _forward_checked(
+        self, x: Any, position_offset: int, seq_len: int | None, n_t: int, end: int
+    ) -> Any:
+        cfg = self.config
+        inference = self.build_context.is_inference
         qkv = self.qkv_proj.forward(x)  # [B, T, (Hq + 2 Hk) d]
         q, k, v = self._split_qkv(qkv)
         q, k = self._normalized(q, k)
@@ -422,7 +431,6 @@ class GroupedQueryAttention(CompositeComponent):
         """
         if not self.is_built or not self.build_context.is_inference:
             raise RuntimeError(f"{self._describe()}: decode() needs an INFERENCE build")
-        cfg = self.config
         if getattr(x, "ndim", 0) != 3 or x.shape[1] != 1:
             raise ValueError(
                 f"{self._describe()}: decode takes x [B, 1, dim], got "
@@ -433,6 +441,12 @@ class GroupedQueryAttention(CompositeComponent):
             positions, n_b, self.context_length, self._describe(), self.execution_context.to_host
         )
         self._cached.check(checked, n_b, self._describe())  # type: ignore[union-attr]
+        with self.execution_context.activate():  # cache writes on this device's stream
+            return self._decode_checked(x, checked, lowest, highest)
+
+    def _decode_checked(self, x: Any, checked: Any, lowest: int, highest: int) -> Any:
+        cfg = self.config
+        n_b = x.shape[0]
         pos = None if isinstance(checked, int) else checked
         qkv = self.qkv_proj.forward(x)  # checks the rest of x
         q, k, v = self._split_qkv(qkv)

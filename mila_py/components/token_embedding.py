@@ -109,8 +109,9 @@ class TokenEmbedding(Layer):
                 low, high = int(tokens.min()), int(tokens.max())
             else:  # both in one transfer: one wait for the device
                 ctx = self.execution_context
-                both = ctx.xp.stack((tokens.min(), tokens.max()))
-                low, high = (int(v) for v in ctx.to_host(both))
+                with ctx.activate():
+                    both = ctx.xp.stack((tokens.min(), tokens.max()))
+                    low, high = (int(v) for v in ctx.to_host(both))
             if low < 0 or high >= self.config.vocab_size:
                 bad = low if low < 0 else high
                 raise ValueError(

@@ -142,8 +142,14 @@ class CudaExecutionContext(ExecutionContext):
         return out
 
     def to_host(self, array: Any) -> np.ndarray:
-        """A NumPy copy of a device array (CuPy or foreign), after this context's stream finished."""
+        """A NumPy copy of a device array (CuPy or foreign), after this context's stream finished.
+
+        A foreign array is only read here (the import orders its producer first, and the copy
+        ends with a synchronize): its producer is not kept for :meth:`release_foreign`.
+        """
+        streams, unordered = set(self._foreign_streams), self._foreign_unordered
         array = self.as_device_array(array)
+        self._foreign_streams, self._foreign_unordered = streams, unordered
         if isinstance(array, self._cupy.ndarray):
             bf16 = array.dtype == _BFLOAT16
             with self.activate():

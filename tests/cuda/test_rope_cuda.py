@@ -937,6 +937,21 @@ def test_torch_tensors_are_rotated_in_place_through_dlpack(precision: Precision,
     assert_close(tk.float().cpu().numpy(), ref_k, precision)
 
 
+def test_to_host_of_a_side_stream_tensor_keeps_no_producer() -> None:
+    """to_host only reads a foreign array (the import orders its producer, the copy ends
+    with a synchronize): the producer's stream is not kept for release_foreign, which would
+    make later work wait on a stream that may be gone."""
+    torch = _torch_cuda()
+    rope = cuda_rope_of(rope_config((2, 1)), 1, 2)
+    ctx = rope.execution_context
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        t = torch.arange(6, device="cuda")
+    side.synchronize()
+    np.testing.assert_array_equal(ctx.to_host(t), np.arange(6))
+    assert not ctx._foreign_streams and not ctx._foreign_unordered
+
+
 def test_torch_side_stream_is_ordered_both_ways(rng) -> None:
     """Tensors produced on a torch side stream: the kernel waits for them, and torch's later
     work on that stream waits for the kernel (release_foreign), with no host synchronization."""

@@ -390,6 +390,8 @@ class CudaAttentionOp(Operation):
             return general
         if k_cache.shape[0] > 65535:  # the grid's y dimension (sequences) has this limit
             return general
+        if k_cache.shape[0] == 0:  # an empty batch: a grid of no blocks is a launch error
+            return lambda: None
         ctx: Any = self.context
         n_b, t_max = k_cache.shape[0], k_cache.shape[1]
         head_dim = q.shape[2] // n_heads

@@ -3,10 +3,14 @@
 Same math as :mod:`mila_py.ops.cpu.softmax_cross_entropy`, per row ``z [V]`` with target ``t``::
 
     forward   m = max z,  lse = log(sum exp(z - m)) + m     one block per row; also writes the
-              row's loss lse - z_t (float64) and whether it counts; one CuPy sum over the rows
-              and one device-to-host copy of (total, count) per call
-    backward  dz = exp(z - lse) * scale - [v == t] * scale  one elementwise kernel; 0 on rows
-                                                            whose target is ignore_index
+              row's loss (m - z_t) + log(sum) in float64 (max and log-sum apart, as the CPU op:
+              lse rounded to fp32 next to a large max loses the log-sum) and whether it counts;
+              one CuPy sum over the rows and one device-to-host copy of (total, count) per call
+    backward  p = exp(z - lse) / sum_v exp(z_v - lse)       one block per row: the row
+              dz = (p - [v == t]) * scale                   renormalized, as the CPU op (lse
+                                                            rounded next to a large max puts
+                                                            one factor on the whole row); 0 on
+                                                            rows whose target is ignore_index
 """
 
 from __future__ import annotations
@@ -45,33 +49,46 @@ extern "C" __global__ void softmax_cross_entropy_forward(
     }
     s = mila_block_sum(s, scratch);
     if (threadIdx.x == 0) {
-        const float l = __fadd_rn(logf(s), m);
-        lse[row] = l;
+        const double log_sum = log((double)s);
+        lse[row] = (float)((double)m + log_sum);
         const long long t = targets[row];
         const bool counted = t != ignore_index;
-        stats[2 * row] = counted ? (double)l - (double)z[t] : 0.0;
+        stats[2 * row] = counted ? ((double)m - (double)z[t]) + log_sum : 0.0;
         stats[2 * row + 1] = counted ? 1.0 : 0.0;
     }
 }
 
-// dlogits = (softmax(logits) - onehot(target)) * scale, zero rows for ignored targets.
+// dlogits = (softmax(logits) - onehot(target)) * scale, zero rows for ignored targets; one
+// block per row, the softmax divided by its own sum.
 extern "C" __global__ void softmax_cross_entropy_backward(
     const float* __restrict__ logits, const long long* __restrict__ targets,
-    const float* __restrict__ lse, float* __restrict__ dlogits, long long n, int vocab,
+    const float* __restrict__ lse, float* __restrict__ dlogits, int vocab,
     long long ignore_index, float scale)
 {
-    const long long stride = (long long)blockDim.x * gridDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const long long row = i / vocab;
-        const long long t = targets[row];
-        float d = 0.0f;
-        if (t != ignore_index) {
-            d = __fmul_rn(expf(__fsub_rn(logits[i], lse[row])), scale);
-            if (i - row * vocab == t) {
-                d = __fsub_rn(d, scale);
-            }
+    __shared__ float scratch[32];
+    const long long row = blockIdx.x;
+    const float* z = logits + row * vocab;
+    float* d = dlogits + row * vocab;
+    const long long t = targets[row];
+    if (t == ignore_index) {  // the whole block takes this branch
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+            d[i] = 0.0f;
         }
-        dlogits[i] = d;
+        return;
+    }
+    const float l = lse[row];
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        s = __fadd_rn(s, expf(__fsub_rn(z[i], l)));
+    }
+    s = mila_block_sum(s, scratch);
+    const float k = __fdiv_rn(scale, s);
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        float v = __fmul_rn(expf(__fsub_rn(z[i], l)), k);
+        if (i == t) {
+            v = __fsub_rn(v, scale);
+        }
+        d[i] = v;
     }
 }
 """
@@ -118,20 +135,19 @@ class CudaSoftmaxCrossEntropyOp(Operation):
         with ctx.activate():
             z2 = _kernels.contiguous_rows(xp, logits)  # [N, V]
             d2 = out_rows(dlogits)
-            n = int(d2.size)
-            if n == 0:
+            if d2.size == 0:
                 return
             t = xp.ascontiguousarray(targets.reshape(-1), dtype=np.int64)
             lse1 = xp.ascontiguousarray(lse.reshape(-1))
             args = (
-                z2, t, lse1, d2, np.int64(n), np.int32(z2.shape[1]),
-                np.int64(self.config.ignore_index), np.float32(scale),
+                z2, t, lse1, d2, np.int32(z2.shape[1]), np.int64(self.config.ignore_index),
+                np.float32(scale),
             )  # fmt: skip
             _kernels.launch(
                 ctx,
                 SOFTMAX_CROSS_ENTROPY_CUDA_SOURCE,
                 "softmax_cross_entropy_backward",
-                _kernels.grid_1d(n),
-                _kernels.THREADS,
+                (z2.shape[0],),
+                _kernels.ROW_THREADS,
                 args,
             )

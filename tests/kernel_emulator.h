@@ -50,6 +50,7 @@ inline jmp_buf scheduler;
 inline unsigned current = 0;
 inline const std::function<void()>* body = nullptr;
 inline std::vector<float> exchange;
+inline std::vector<double> exchange_double;
 
 // The first fault of a launch (empty if none): what a GPU would have trapped on.
 inline std::string fault;
@@ -196,6 +197,7 @@ inline const char* launch(dim3 grid, dim3 block, std::size_t dynamic_shared_byte
     grid_dim = grid;
     block_dim = block;
     exchange.assign(n, 0.0f);
+    exchange_double.assign(n, 0.0);
     for (unsigned bz = 0; bz < grid.z; ++bz)
         for (unsigned by = 0; by < grid.y; ++by)
             for (unsigned bx = 0; bx < grid.x; ++bx) {
@@ -254,6 +256,15 @@ inline float __shfl_xor_sync(unsigned int, float v, int lane_mask) {
     mila_emu::exchange[me] = v;
     mila_emu::barrier();
     const float other = mila_emu::exchange[me ^ static_cast<unsigned>(lane_mask)];
+    mila_emu::barrier();
+    return other;
+}
+
+inline double __shfl_xor_sync(unsigned int, double v, int lane_mask) {
+    const unsigned me = threadIdx.x;
+    mila_emu::exchange_double[me] = v;
+    mila_emu::barrier();
+    const double other = mila_emu::exchange_double[me ^ static_cast<unsigned>(lane_mask)];
     mila_emu::barrier();
     return other;
 }

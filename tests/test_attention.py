@@ -86,6 +86,24 @@ def test_a_non_finite_key_reaches_only_the_queries_that_see_it(kernels: str, bad
     np.testing.assert_allclose(ragged, want[:, 2:3], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_value_reaches_only_the_sequences_that_see_it(bad: float) -> None:
+    """Ragged decode on the NumPy path: a NaN or inf in a V row a sequence cannot see (a cache
+    row past its position) stays out of its output (0 * NaN is NaN in a product over all
+    rows)."""
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((2, 1, 8))
+    k, v = rng.standard_normal((2, 4, 4)), rng.standard_normal((2, 4, 4))
+    v[0, 3] = bad  # sequence 0 sees keys 0..1 only; sequence 1 sees them all
+    out = np.empty_like(q)
+    attention_forward(q, k, v, 2, 1, 0.5, out, causal=False, visible=np.array([2, 4]))
+    want = naive_attention(q[:1], k[:1, :2], v[:1, :2], 2, 1, 0.5, q_offset=1)
+    np.testing.assert_allclose(out[:1], want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(
+        out[1:], naive_attention(q[1:], k[1:], v[1:], 2, 1, 0.5, q_offset=3), rtol=1e-12
+    )
+
+
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_query_offset_sees_the_cache(kernels: str) -> None:
     rng = np.random.default_rng(3)

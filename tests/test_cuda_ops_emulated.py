@@ -143,6 +143,22 @@ def test_rms_norm_matches_cpu(ctx: EmulatedContext, rng, n_rows: int, dim: int) 
     assert ctx.launches == ["rms_norm_forward", "rms_norm_backward_dx", "rms_norm_backward_dw"]
 
 
+@pytest.mark.parametrize("magnitude", [1e20, 1e-25])
+def test_rms_norm_of_rows_whose_float32_squares_overflow(
+    ctx: EmulatedContext, rng, magnitude: float
+) -> None:
+    """The squares summed in double, as the CPU ops: in float32 a row of 1e20 gave y = 0."""
+    eps = 1e-45 if magnitude < 1 else 1e-5
+    op = CudaRmsNormOp(ctx, RmsNormConfig(64, eps=eps), FP32)
+    x = (f32(rng, 3, 64) * magnitude).astype(np.float32)
+    w = np.ones(64, np.float32)
+    y, r = np.empty_like(x), np.empty(3, np.float32)
+    op.forward(x, w, y, r)
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt((x64**2).mean(axis=-1, keepdims=True) + np.float32(eps))
+    np.testing.assert_allclose(y, want, rtol=1e-5)
+
+
 def test_rms_norm_weight_gradient_chunks_cover_every_row() -> None:
     for n_rows in (1, 7, 8, 9, 4095, 4096, 4097, 100_000):
         per, chunks = rms_norm.dweight_chunks(n_rows)
@@ -323,6 +339,23 @@ def test_attention_decode_matches_cpu(ctx: EmulatedContext, rng, ragged: bool) -
         assert np.isfinite(out[[0, 2]]).all() and np.isnan(out[1]).all()
     np.testing.assert_array_equal(q, q_before)  # a decode Q is contiguous per head: not scaled
     assert not out_buf[:, 1:].any()
+
+
+def test_attention_decode_keeps_an_unseen_non_finite_value_out(ctx: EmulatedContext, rng):
+    """The GEMM path of ragged decode (given ``visible``, as the component passes it): a NaN
+    in a V row a sequence cannot see stays out of its output, as on the CPU."""
+    hq, hk, d, scale, n_b = 4, 2, 4, 0.5, 2
+    _, q, _, _ = _qkv(rng, n_b, 1, hq, hk, d)
+    k, v = f32(rng, n_b, 8, hk * d), f32(rng, n_b, 8, hk * d)
+    v[0, 5] = np.nan  # sequence 0 sees rows 0..3; sequence 1 all 8
+    visible = np.array([4, 8])
+    out, out_ref = np.empty((n_b, 1, hq * d), np.float32), np.empty((n_b, 1, hq * d), np.float32)
+    CudaAttentionOp(ctx, None, FP32).forward(
+        q, k, v, hq, hk, scale, out=out, causal=False, visible=visible
+    )
+    cpu_attention_forward(q, k, v, hq, hk, scale, out_ref, causal=False, visible=visible)
+    assert np.isfinite(out).all()
+    close(out, out_ref, atol=1e-6)
 
 
 def _decode_reference(q, k_cache, v_cache, hq: int, hk: int, scale: float, pos) -> np.ndarray:

@@ -102,6 +102,27 @@ def test_weight_initialized_to_ones_and_large_or_tiny_rows(rng) -> None:
     assert not make(mode=INFERENCE).weight.any()  # inference builds expect loaded weights
 
 
+@pytest.mark.parametrize("magnitude", [3e17, 1e20, 1e-25])
+def test_rows_whose_float32_squares_overflow_or_underflow(rng, magnitude: float) -> None:
+    """The NumPy op sums the squares in float64, as the fused kernel: in float32 a row of 3e17
+    gave y = 0 (the sum overflowed) and one of 1e-25 came out 16% low (the squares vanished)."""
+    x = (rng.standard_normal((3, 64)) * magnitude).astype(np.float32)
+    w = np.ones(64, np.float32)
+    eps = 1e-45 if magnitude < 1 else 1e-5
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt((x64**2).mean(axis=-1, keepdims=True) + eps)
+    y, rstd = np.empty_like(x), np.empty(3, np.float32)
+    rms_norm_forward(x, w, eps, y, rstd)
+    np.testing.assert_allclose(y, want, rtol=1e-5)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    dx, dw = np.empty_like(x), np.zeros(64, np.float32)
+    rms_norm_backward(x, w, rstd, dy, dw, dx)
+    r = 1.0 / np.sqrt((x64**2).mean(axis=-1, keepdims=True) + eps)
+    xhat = x64 * r
+    want_dx = r * (dy - xhat * (dy * xhat).mean(axis=-1, keepdims=True))
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-4, atol=1e-6 * np.abs(want_dx).max())
+
+
 def test_many_rows_span_several_blocks(rng) -> None:
     # 160 rows of 512: three row blocks of the op
     norm = built(RmsNorm("wide", RmsNormConfig(512), device="CPU"), (4, 40, 512))

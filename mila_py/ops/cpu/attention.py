@@ -44,6 +44,14 @@ def _visible_bias(visible: Any, n_tk: int, dtype: Any, xp: Any = np) -> Any:
     return xp.where(seen, 0.0, -np.inf).astype(dtype)[:, None, None, None, :]
 
 
+def _seen_values(v: Any, visible: Any, xp: Any) -> Any:
+    """``v [B, Tk, Hk*d]`` with the rows sequence ``b`` does not see (``>= visible[b]``, cache
+    rows past its position) zeroed, in a copy: their probability is 0, but 0 * a NaN or inf
+    left there would reach the sequence through the product."""
+    seen = xp.arange(v.shape[1])[None, :, None] < xp.asarray(visible)[:, None, None]
+    return xp.where(seen, v, v.dtype.type(0))
+
+
 def attention_forward(
     q: np.ndarray,
     k: np.ndarray,
@@ -103,6 +111,8 @@ def attention_forward(
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
+    if visible is not None:
+        vh = _split(_seen_values(v, visible, np), n_kv_heads, head_dim)
     o = np.matmul(scores.reshape(n_b, n_kv_heads, groups * n_tq, n_tk), vh)  # [B, Hk, g Tq, d]
     out[...] = o.reshape(n_b, n_heads, n_tq, head_dim).transpose(0, 2, 1, 3).reshape(out.shape)
     return scores

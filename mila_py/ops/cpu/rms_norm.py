@@ -47,12 +47,14 @@ def rms_norm_forward(
     dim = x2.shape[1]
     for s in row_blocks(x2.shape[0], dim):
         xb, yb, rb = x2[s], y2[s], r[s]
-        np.square(xb, out=yb)  # the output block is scratch until the last step
-        np.add.reduce(yb, axis=1, out=rb)  # [n], pairwise summation (np.mean without its
-        np.divide(rb, dim, out=rb)  # Python-level overhead, which decode's tiny rows feel)
-        rb += eps
-        np.sqrt(rb, out=rb)
-        np.reciprocal(rb, out=rb)
+        # the mean square in float64, as the fused kernel: x^2 of float32 rows overflows past
+        # |x| ~ 1e19 and underflows below ~1e-23 (y would be 0, or 16% off)
+        squares = np.square(xb, dtype=np.float64)  # [n, D]
+        mean = np.add.reduce(squares, axis=1)  # [n], pairwise summation (np.mean without its
+        mean /= dim  # Python-level overhead, which decode's tiny rows feel)
+        mean += eps
+        np.sqrt(mean, out=mean)
+        np.divide(1.0, mean, out=rb, casting="same_kind")
         np.multiply(xb, rb[:, None], out=yb)
         yb *= weight
 

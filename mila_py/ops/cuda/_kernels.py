@@ -69,6 +69,14 @@ __device__ __forceinline__ float mila_warp_sum(float v) {
     return v;
 }
 
+__device__ __forceinline__ double mila_warp_sum(double v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(MILA_FULL_MASK, v, offset);
+    }
+    return v;
+}
+
 __device__ __forceinline__ float mila_warp_max(float v) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {
@@ -90,6 +98,21 @@ __device__ __forceinline__ float mila_block_sum(float v, float* scratch) {
     }
     __syncthreads();
     v = lane < n_warps ? scratch[lane] : 0.0f;
+    return mila_warp_sum(v);
+}
+
+// The sum of a double v over the block (same contract as mila_block_sum; scratch of 32).
+__device__ __forceinline__ double mila_block_sum(double v, double* scratch) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int n_warps = blockDim.x >> 5;
+    v = mila_warp_sum(v);
+    __syncthreads();  // an earlier reduction may still be reading scratch
+    if (lane == 0) {
+        scratch[warp] = v;
+    }
+    __syncthreads();
+    v = lane < n_warps ? scratch[lane] : 0.0;
     return mila_warp_sum(v);
 }
 

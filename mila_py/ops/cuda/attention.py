@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from mila_py.devices import DeviceType
-from mila_py.ops.cpu.attention import _visible_bias
+from mila_py.ops.cpu.attention import _seen_values, _visible_bias
 from mila_py.ops.cuda import _kernels
 from mila_py.ops.operation import (
     DecodePositions,
@@ -210,6 +210,7 @@ def attention_forward(
     *,
     xp: Any,
     softmax: SoftmaxKernel,
+    visible: Any = None,
 ) -> Any:
     """Causal attention; writes ``out [B, Tq, Hq*d]`` and returns ``P [B, Hk, g, Tq, Tk]``.
 
@@ -221,6 +222,8 @@ def attention_forward(
         causal: False when every query sees every key given (no mask, no bias).
         xp: the array module of the arrays.
         softmax: the masked row softmax (a kernel on CUDA).
+        visible: host ints ``[B]`` of ragged decode (with its ``bias``): the values a sequence
+            does not see are left out of its product (as the CPU op).
     """
     n_b, n_tq = q.shape[0], q.shape[1]
     n_tk = k.shape[1]
@@ -244,6 +247,8 @@ def attention_forward(
         # masked scores set, not only added to: NaN + -inf is NaN (as the CPU op does)
         xp.copyto(scores5, -np.inf, where=xp.isneginf(bias))
     softmax(scores.reshape(-1, n_tk), n_tq, q_offset, causal and bias is None)
+    if visible is not None:
+        v = _seen_values(v, visible, xp)
     o = xp.matmul(scores, _heads(v, n_kv_heads, head_dim))  # [B, Hk, g*Tq, d]
     _write_heads(out, o.reshape(n_b, n_heads, n_tq, head_dim), n_heads, head_dim)
     return scores.reshape(shape5)
@@ -329,7 +334,7 @@ class CudaAttentionOp(Operation):
                 bias = _visible_bias(visible, k.shape[1], q.dtype, ctx.xp)
             return attention_forward(
                 q, k, v, n_heads, n_kv_heads, scale, out, probs, q_offset, bias, causal,
-                xp=ctx.xp, softmax=self._softmax,
+                xp=ctx.xp, softmax=self._softmax, visible=visible,
             )  # fmt: skip
 
     def bind_cache_write(

@@ -2,7 +2,7 @@
 
 Same math and order of operations as :mod:`mila_py.ops.cpu.rms_norm`, per row ``x [D]``::
 
-    forward   r = 1 / sqrt(sum(x^2) / D + eps)         one block per row: a block sum, then
+    forward   r = 1 / sqrt(sum(x^2) / D + eps)         one block per row: a block sum (double), then
               y = (x * r) * w                          the scaled row (x read twice, y once)
     backward  n = x * r,  g = dy * w
               dx = r * (g - n * (sum(g * n) / D))       one block per row
@@ -35,18 +35,20 @@ extern "C" __global__ void rms_norm_forward(
     const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
     float* __restrict__ rstd, int dim, float eps)
 {
-    __shared__ float scratch[32];
+    __shared__ double scratch[32];
     const long long row = blockIdx.x;
     const float* xr = x + row * dim;
     float* yr = y + row * dim;
-    float ss = 0.0f;
+    // the squares summed in double, as the CPU ops: in float32 a row of |x| ~ 1e19 overflows
+    // (y = 0) and one of 1e-23 underflows
+    double ss = 0.0;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        const float v = xr[i];
-        ss = __fadd_rn(ss, __fmul_rn(v, v));
+        const double v = xr[i];
+        ss += v * v;
     }
     ss = mila_block_sum(ss, scratch);
-    // the CPU op's order: mean, + eps, sqrt, reciprocal (IEEE sqrt and division)
-    const float r = __fdiv_rn(1.0f, sqrtf(__fadd_rn(__fdiv_rn(ss, (float)dim), eps)));
+    // the CPU op's order: mean, + eps, sqrt, reciprocal, in double; r rounded to float
+    const float r = (float)(1.0 / sqrt(ss / (double)dim + (double)eps));
     if (threadIdx.x == 0) {
         rstd[row] = r;
     }

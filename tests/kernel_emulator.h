@@ -251,20 +251,20 @@ inline const char* launch(dim3 grid, dim3 block, std::size_t dynamic_shared_byte
 
 inline void __syncthreads() { mila_emu::barrier(); }
 
-inline float __shfl_xor_sync(unsigned int, float v, int lane_mask) {
-    const unsigned me = threadIdx.x;
-    mila_emu::exchange[me] = v;
-    mila_emu::barrier();
-    const float other = mila_emu::exchange[me ^ static_cast<unsigned>(lane_mask)];
-    mila_emu::barrier();
-    return other;
-}
+template <typename T>
+inline std::vector<T>& shuffle_exchange();
+template <>
+inline std::vector<float>& shuffle_exchange<float>() { return mila_emu::exchange; }
+template <>
+inline std::vector<double>& shuffle_exchange<double>() { return mila_emu::exchange_double; }
 
-inline double __shfl_xor_sync(unsigned int, double v, int lane_mask) {
+template <typename T>
+inline T __shfl_xor_sync(unsigned int, T v, int lane_mask) {
+    std::vector<T>& exchange = shuffle_exchange<T>();
     const unsigned me = threadIdx.x;
-    mila_emu::exchange_double[me] = v;
+    exchange[me] = v;
     mila_emu::barrier();
-    const double other = mila_emu::exchange_double[me ^ static_cast<unsigned>(lane_mask)];
+    const T other = exchange[me ^ static_cast<unsigned>(lane_mask)];
     mila_emu::barrier();
     return other;
 }

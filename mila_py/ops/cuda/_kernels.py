@@ -61,15 +61,8 @@ CUDA_PRELUDE = r"""
 // emulator of the tests accepts such views for these parameters only.
 #define MILA_STRIDED
 
-__device__ __forceinline__ float mila_warp_sum(float v) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        v += __shfl_xor_sync(MILA_FULL_MASK, v, offset);
-    }
-    return v;
-}
-
-__device__ __forceinline__ double mila_warp_sum(double v) {
+template <typename T>  // float, or double where a sum must not overflow (RMSNorm's squares)
+__device__ __forceinline__ T mila_warp_sum(T v) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {
         v += __shfl_xor_sync(MILA_FULL_MASK, v, offset);
@@ -86,8 +79,9 @@ __device__ __forceinline__ float mila_warp_max(float v) {
 }
 
 // The sum of v over the block, returned to every thread. blockDim.x is a multiple of 32 (at
-// most 1024) and every thread of the block calls it; scratch is __shared__ float[32].
-__device__ __forceinline__ float mila_block_sum(float v, float* scratch) {
+// most 1024) and every thread of the block calls it; scratch is __shared__ T[32].
+template <typename T>
+__device__ __forceinline__ T mila_block_sum(T v, T* scratch) {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int n_warps = blockDim.x >> 5;
@@ -97,22 +91,7 @@ __device__ __forceinline__ float mila_block_sum(float v, float* scratch) {
         scratch[warp] = v;
     }
     __syncthreads();
-    v = lane < n_warps ? scratch[lane] : 0.0f;
-    return mila_warp_sum(v);
-}
-
-// The sum of a double v over the block (same contract as mila_block_sum; scratch of 32).
-__device__ __forceinline__ double mila_block_sum(double v, double* scratch) {
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int n_warps = blockDim.x >> 5;
-    v = mila_warp_sum(v);
-    __syncthreads();  // an earlier reduction may still be reading scratch
-    if (lane == 0) {
-        scratch[warp] = v;
-    }
-    __syncthreads();
-    v = lane < n_warps ? scratch[lane] : 0.0;
+    v = lane < n_warps ? scratch[lane] : T(0);
     return mila_warp_sum(v);
 }
 

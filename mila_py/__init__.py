@@ -7,6 +7,7 @@ from mila_py.component import Component
 from mila_py.composite import CompositeComponent, Network
 from mila_py.devices import DeviceId, DeviceType, available_devices
 from mila_py.memory import MemoryStats
+from mila_py.ops.registry import OpNotFoundError
 from mila_py.precision import Precision
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "DeviceType",
     "MemoryStats",
     "Network",
+    "OpNotFoundError",
     "Precision",
     "RuntimeMode",
     "TrainingMode",

@@ -100,7 +100,7 @@ _QKV_MILA = "self_attn.qkv_proj.{}"
 
 
 # ---------------------------------------------------------------------------------------- config
-def llama_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
+def llama_config_from_hf(config: Mapping[str, Any], *, context: int | None = None) -> LlamaConfig:
     """Make a :class:`LlamaConfig` from a Hugging Face ``config.json`` dict.
 
     Maps ``vocab_size``, ``hidden_size`` -> ``dim``, ``num_hidden_layers``,
@@ -125,6 +125,11 @@ def llama_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
             ``quantization_config``. YaRN's ``mscale``/``mscale_all_dim`` are accepted: their
             attention factor is folded into cos/sin and, as in HF Llama, the softmax scale stays
             ``1/sqrt(head_dim)``.
+
+    ``context``: the longest context the model will be built for (default
+    ``max_position_embeddings``); a sliding window that covers it never binds, so it is
+    accepted (Mistral-7B-v0.1's window of 4096 with builds of ``seq_len <= 4096``). Builds
+    longer than ``context`` would then attend past the window: keep them within it.
     """
     if not isinstance(config, Mapping):
         raise TypeError(f"llama_config_from_hf: config must be a dict, got {type(config).__name__}")
@@ -161,7 +166,7 @@ def llama_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
     if layer_types and any(t != "full_attention" for t in layer_types):
         problems.append(f"layer_types={sorted(set(layer_types))}: only full_attention is supported")
     elif not layer_types:
-        problems += _sliding_window_problems(config, model_type)
+        problems += _sliding_window_problems(config, model_type, context)
 
     rope: RopeConfig | None = None
     if not missing:
@@ -210,11 +215,13 @@ def llama_config_from_hf(config: Mapping[str, Any]) -> LlamaConfig:
     )
 
 
-def _sliding_window_problems(config: Mapping[str, Any], model_type: Any) -> list[str]:
+def _sliding_window_problems(
+    config: Mapping[str, Any], model_type: Any, context: int | None = None
+) -> list[str]:
     """The sliding window a config without ``layer_types`` gets in transformers, if it is
-    shorter than the context: Mistral slides on every layer (window 4096 when the key is
-    absent); Qwen2/Qwen3 only with ``use_sliding_window``, on the layers from
-    ``max_window_layers`` (28) on."""
+    shorter than the context (``context``, else ``max_position_embeddings``): Mistral slides
+    on every layer (window 4096 when the key is absent); Qwen2/Qwen3 only with
+    ``use_sliding_window``, on the layers from ``max_window_layers`` (28) on."""
     if model_type not in ("mistral", *_WINDOW_OFF_TYPES):
         return []  # Llama reads no sliding_window key
     window = config.get("sliding_window", 4096)
@@ -225,11 +232,13 @@ def _sliding_window_problems(config: Mapping[str, Any], model_type: Any) -> list
         sliding = bool(config.get("use_sliding_window", False)) and (
             n_layers is None or int(first) < int(n_layers)
         )
-    if window is None or not sliding or (max_pos is not None and int(window) >= int(max_pos)):
+    limit = max_pos if context is None else context
+    if window is None or not sliding or (limit is not None and int(window) >= int(limit)):
         return []
+    what = f"max_position_embeddings={max_pos}" if context is None else f"the context {context}"
     return [
         f"sliding_window={window}: mila_py's attention is full causal attention (accepted only "
-        f"when the window covers max_position_embeddings={max_pos})"
+        f"when the window covers {what}; a shorter seq_len= can make it so)"
     ]
 
 
@@ -670,6 +679,10 @@ def save_hf_checkpoint(model: Llama, path: str | os.PathLike[str]) -> None:
     """
     from safetensors.numpy import save_file
 
+    if not isinstance(model, Llama):
+        raise TypeError(
+            f"save_hf_checkpoint(model, path): model must be a Llama, got {type(model).__name__}"
+        )
     if not model.is_built:
         raise RuntimeError(f"{model._describe()}: build it before save_hf_checkpoint()")
     ctx = model.execution_context
@@ -699,6 +712,12 @@ def load_hf_weights(model: Llama, tensors: Mapping[str, Any]) -> None:
     """
     if not isinstance(model, Llama):
         raise TypeError(f"load_hf_weights: model must be a Llama, got {type(model).__name__}")
+    if not isinstance(tensors, Mapping):
+        raise TypeError(
+            f"load_hf_weights: tensors must be a mapping of HF names to arrays, got "
+            f"{type(tensors).__name__} (a checkpoint folder: read_hf_checkpoint(path), or "
+            "Llama.from_pretrained(path))"
+        )
     if not model.is_built:
         raise RuntimeError(f"{model._describe()}: build it before load_hf_weights()")
     assign_parameters(

@@ -14,6 +14,11 @@ __all__ = ["AdamW", "clip_grad_norm"]
 
 
 def _pairs(model: Component) -> list[tuple[str, Any, Any]]:
+    if not isinstance(model, Component):  # torch's habit: AdamW(model.parameters())
+        raise TypeError(
+            f"expected the model (a built Component), got {type(model).__name__}: pass the "
+            "model itself, not its parameters (its gradients are paired with them)"
+        )
     pairs = list(model.named_parameter_gradients())
     if not pairs:
         raise RuntimeError(

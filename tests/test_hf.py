@@ -29,6 +29,7 @@ from mila_py.hf import (  # noqa: E402
     load_hf_weights,
     mila_to_hf,
     read_hf_checkpoint,
+    read_hf_config,
     save_hf_checkpoint,
 )
 
@@ -559,3 +560,42 @@ def test_qwen3_head_dim_defaults_to_128() -> None:
 def test_mistral_window_covering_the_context_is_accepted() -> None:
     cfg = llama_config_from_hf(hf_config(model_type="mistral", sliding_window=128))
     assert cfg.max_seq_len == 128
+
+
+def test_a_window_covering_the_requested_context_loads(tmp_path: Path) -> None:
+    """A Mistral window shorter than max_position_embeddings but covering the build's seq_len
+    never binds: from_pretrained loads it and matches transformers there; a longer seq_len is
+    refused with the way out."""
+    hf_model = make_hf(model="mistral", sliding_window=T, max_position_embeddings=128)
+    path = save(hf_model, tmp_path / "mistral")
+    with pytest.raises(ValueError, match=r"covers max_position_embeddings=128"):
+        llama_config_from_hf(read_hf_config(path))
+    with pytest.raises(ValueError, match=rf"covers the context {2 * T}; a shorter seq_len="):
+        Llama.from_pretrained(path, batch_size=B, seq_len=2 * T)
+    model = Llama.from_pretrained(path, runtime_mode=RuntimeMode.TRAINING, batch_size=B, seq_len=T)
+    toks = tokens(4)
+    assert rel_err(model.forward(toks), hf_logits(hf_model, toks)) < TOL
+
+
+def test_from_pretrained_refuses_a_precision_a_llama_does_not_run_in(tmp_path: Path) -> None:
+    from mila_py import Precision
+
+    path = save(make_hf(), tmp_path / "llama")
+    for precision in (Precision.BF16, Precision.FP16):
+        with pytest.raises(ValueError, match="FP32, or FP64 on the CPU"):
+            Llama.from_pretrained(path, batch_size=B, seq_len=T, precision=precision)
+
+
+def test_wrong_arguments_to_the_checkpoint_helpers_are_type_errors(tmp_path: Path) -> None:
+    from mila_py.optim import AdamW, clip_grad_norm
+
+    path = save(make_hf(), tmp_path / "llama")
+    model = Llama.from_pretrained(path, runtime_mode=RuntimeMode.TRAINING, batch_size=B, seq_len=T)
+    with pytest.raises(TypeError, match="model must be a Llama"):
+        save_hf_checkpoint(tmp_path / "out", model)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="tensors must be a mapping"):
+        load_hf_weights(model, str(path))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="not its parameters"):
+        AdamW(model.get_parameters())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="not its parameters"):
+        clip_grad_norm(model.get_parameters(), 1.0)  # type: ignore[arg-type]

@@ -682,3 +682,24 @@ def test_a_family_without_rope_says_so_without_a_layer_count() -> None:
     t5 = {"model_type": "t5", "num_layers": 6, "num_heads": 8, "d_model": 512}
     with pytest.raises(ValueError, match="has no RoPE: bucketed relative position biases"):
         RopeConfig.from_hf_layers(t5)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_attention_heads": 0}, "num_attention_heads must be > 0"),
+        ({"model_type": "smollm3", "no_rope_layers": [1]}, "no_rope_layers must be a list of 2"),
+        ({"model_type": "smollm3", "no_rope_layers": "1101"}, "no_rope_layers must be a list"),
+        ({"partial_rotary_factor": 0.0}, "rotates no channel"),
+        ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
+                           "long_factor": [1.0] * 8},
+          "original_max_position_embeddings": 0}, "original_max_position_embeddings must be > 0"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": None}}, r"needs the key\(s\) \['factor'\]"),
+    ],
+)  # fmt: skip
+def test_malformed_configs_are_value_errors(change: dict[str, Any], message: str) -> None:
+    """Not a ZeroDivisionError, IndexError or TypeError from deep inside: a ValueError naming
+    the key."""
+    config_json = {**BASE, "model_type": "llama", **change}
+    with pytest.raises(ValueError, match=message):
+        RopeConfig.from_hf_layers(config_json)

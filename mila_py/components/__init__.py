@@ -9,7 +9,7 @@ from mila_py.components.residual import Residual, ResidualConfig
 from mila_py.components.rms_norm import RmsNorm, RmsNormConfig
 from mila_py.components.rope import Rope
 from mila_py.components.rope_config import RopeConfig, RopeLayout
-from mila_py.components.rope_scaling import register_rope_type, registered_rope_types
+from mila_py.components.rope_scaling import RopeType, register_rope_type, registered_rope_types
 from mila_py.components.rope_table import RopeTable, clear_rope_cache, get_rope
 from mila_py.components.softmax_cross_entropy import (
     SoftmaxCrossEntropy,
@@ -34,6 +34,7 @@ __all__ = [
     "RopeConfig",
     "RopeLayout",
     "RopeTable",
+    "RopeType",
     "SoftmaxCrossEntropy",
     "SoftmaxCrossEntropyConfig",
     "SwiGLU",

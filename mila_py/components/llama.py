@@ -890,7 +890,8 @@ class Llama(Network):
                 whole context when it is shorter; 0: the whole context).
             seq_len: T of the build shape (the context capacity of INFERENCE builds); default
                 ``max_position_embeddings``.
-            precision: parameter and activation precision (weights are cast to it).
+            precision: parameter and activation precision, FP32 (FP64 on the CPU); weights
+                are cast to it.
 
         The config, the arguments and the weight files' headers are checked, and the model
         built, before any tensor is read.
@@ -904,7 +905,13 @@ class Llama(Network):
         from mila_py.build_context import RuntimeMode
 
         mode = RuntimeMode.INFERENCE if runtime_mode is None else runtime_mode
-        config = hf.llama_config_from_hf(hf.read_hf_config(path))
+        if precision not in (Precision.FP32, Precision.FP64):  # before reading anything
+            raise ValueError(
+                f"Llama.from_pretrained: precision {precision} is not one a Llama runs in "
+                "(FP32, or FP64 on the CPU); the checkpoint's fp16/bf16 weights are widened"
+            )
+        context = int(seq_len) if seq_len is not None and is_int(seq_len) and seq_len > 0 else None
+        config = hf.llama_config_from_hf(hf.read_hf_config(path), context=context)
         files = hf.hf_weight_files(path)
         n_t = config.max_seq_len if seq_len is None else seq_len
         if prefill_size is None:

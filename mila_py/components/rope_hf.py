@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -541,6 +541,12 @@ class _HfRope:
         if self.text_type in _NO_ROPE_FAMILIES:
             flags = self.config.get("no_rope_layers")
             if flags:
+                n = self._n_layers()
+                if not isinstance(flags, Sequence) or isinstance(flags, str) or len(flags) != n:
+                    raise ValueError(
+                        f"RopeConfig.from_hf: no_rope_layers must be a list of "
+                        f"{n} (num_hidden_layers) flags, got {flags!r}"
+                    )
                 return bool(flags[index])
             return (index + 1) % int(self.config.get("no_rope_layer_interval") or 4) != 0
         family = self.text_type
@@ -652,6 +658,11 @@ class _HfRope:
             return head_dim if given is None else int(given)
         prf = 1.0 if prf is None else float(prf)
         rotary = 2 * int(prf * head_dim // 2) if name == "proportional" else int(head_dim * prf)
+        if rotary <= 0:  # RopeConfig reads rotary_dim 0 as the whole head
+            raise ValueError(
+                f"RopeConfig.from_hf: head_dim {head_dim} * partial_rotary_factor {prf} rotates "
+                "no channel"
+            )
         if rotary % 2:
             raise ValueError(
                 f"RopeConfig.from_hf: head_dim {head_dim} * partial_rotary_factor {prf} = "
@@ -685,6 +696,9 @@ class _HfRope:
             hint = " (or pass max_seq_len=...)" if missing == ["max_position_embeddings"] else ""
             raise ValueError(f"RopeConfig.from_hf: config.json has no {missing[0]!r}{hint}")
         n_heads, hidden, max_pos = (int(config[key]) for key in needed)
+        for key, value in zip(needed, (n_heads, hidden, max_pos), strict=True):
+            if value <= 0:
+                raise ValueError(f"RopeConfig.from_hf: {key} must be > 0, got {value}")
         n_kv = int(config.get("num_key_value_heads") or n_heads)
         head_dim = int(config.get("head_dim") or hidden // n_heads)
         mla = config.get("qk_rope_head_dim") is not None
@@ -734,6 +748,10 @@ class _HfRope:
                 params[original] = int(config[original])
             elif params.get(original) is None:
                 params[original] = max_pos
+            if params[original] <= 0:
+                raise ValueError(
+                    f"RopeConfig.from_hf: {original} must be > 0, got {params[original]}"
+                )
             if name in ("yarn", "longrope") and params.get("factor") is None:
                 params["factor"] = max_pos / params[original]
         scaling = None if name == "default" and not params else {"rope_type": name, **params}

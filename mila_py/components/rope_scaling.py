@@ -174,7 +174,13 @@ def check_scaling(
     name = rope_type_name(scaling)
     entry = get_rope_type(name)
     params = dict(scaling or {})
-    missing = sorted(entry.required - params.keys())
+    # a required key given as null is missing too (it failed deep in the type's function),
+    # except YaRN's factor: null means max_seq_len / original_max_position_embeddings
+    missing = sorted(
+        k
+        for k in entry.required
+        if k not in params or (params[k] is None and (name, k) not in _NULLABLE)
+    )
     if missing:
         raise ValueError(f"rope_type {name!r} needs the key(s) {missing} in scaling; got {params}")
     if "*" not in entry.optional:
@@ -187,6 +193,10 @@ def check_scaling(
     if entry.validate is not None:
         entry.validate(head_dim, rotary_dim, max_seq_len, params)
     return entry
+
+
+#: required keys a type's function reads as null on purpose
+_NULLABLE = frozenset({("yarn", "factor")})
 
 
 def default_inv_freq(base: float, dim: int, n: int | None = None) -> np.ndarray:

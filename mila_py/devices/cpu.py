@@ -8,7 +8,12 @@ import ml_dtypes
 import numpy as np
 
 from mila_py.devices.device import DeviceId, DeviceLike, DeviceType
-from mila_py.devices.execution_context import ExecutionContext, torch_bits_view, torch_of
+from mila_py.devices.execution_context import (
+    ExecutionContext,
+    refuse_grad,
+    torch_bits_view,
+    torch_of,
+)
 
 __all__ = ["CpuExecutionContext"]
 
@@ -44,8 +49,8 @@ class CpuExecutionContext(ExecutionContext):
         returned unchanged, so the caller's usual checks accept or refuse it as before.
 
         Raises:
-            BufferError, RuntimeError: what the producer raises when it cannot export (a torch
-                tensor that requires grad: pass ``t.detach()``).
+            TypeError: a torch tensor that requires grad (pass ``t.detach()``).
+            BufferError: what another producer raises when it cannot export.
         """
         if isinstance(array, np.ndarray) or not hasattr(array, "__dlpack__"):
             return array
@@ -56,6 +61,8 @@ class CpuExecutionContext(ExecutionContext):
         if int(device_type) != _DLPACK_CPU:
             return array
         torch = torch_of(array)
+        if torch is not None:
+            refuse_grad(array)
         if torch is not None and array.dtype == torch.bfloat16:
             return np.from_dlpack(torch_bits_view(torch, array)).view(ml_dtypes.bfloat16)
         return np.from_dlpack(array)

@@ -18,7 +18,12 @@ import ml_dtypes
 import numpy as np
 
 from mila_py.devices.device import DeviceId, DeviceLike, DeviceType
-from mila_py.devices.execution_context import ExecutionContext, torch_bits_view, torch_of
+from mila_py.devices.execution_context import (
+    ExecutionContext,
+    refuse_grad,
+    torch_bits_view,
+    torch_of,
+)
 
 __all__ = ["CudaExecutionContext", "cuda_device_count", "import_cupy", "shared_context"]
 
@@ -188,6 +193,8 @@ class CudaExecutionContext(ExecutionContext):
                 return array
             if int(device_type) not in _DLPACK_CUDA or int(device_index) != self.device_id.index:
                 return array
+            if torch is not None:
+                refuse_grad(array)
             with self.activate():
                 view = self._from_dlpack(array, torch)
             if torch is not None:

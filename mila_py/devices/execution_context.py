@@ -80,13 +80,19 @@ def torch_of(array: Any) -> Any:
     return None
 
 
+def refuse_grad(tensor: Any) -> None:
+    """TypeError for a torch tensor that requires grad, whatever its dtype (torch's own DLPack
+    export refuses one with a BufferError; a view of its bits would let in-place work bypass
+    autograd)."""
+    if getattr(tensor, "requires_grad", False):
+        raise TypeError(
+            f"a torch tensor that requires grad (shape {tuple(tensor.shape)}) cannot be rotated "
+            "or filled in place, out of autograd's sight: pass tensor.detach()"
+        )
+
+
 def torch_bits_view(torch: Any, tensor: Any) -> Any:
     """An ``int16`` view of a torch ``bfloat16`` tensor's bits, for a DLPack import that has no
-    bfloat16. Refuses a tensor that requires grad, as torch's own DLPack export does for every
-    dtype (a view of its bits would let in-place work bypass autograd)."""
-    if tensor.requires_grad:
-        raise RuntimeError(
-            "Can't export tensors that require gradient, use tensor.detach() (a bfloat16 tensor "
-            "that requires grad cannot be rotated or filled in place)"
-        )
+    bfloat16 (a tensor that requires grad is refused, see :func:`refuse_grad`)."""
+    refuse_grad(tensor)
     return tensor.view(torch.int16)

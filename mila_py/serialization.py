@@ -188,7 +188,11 @@ def assign_parameters(component: Any, tensors: Mapping[str, Any], what: str) -> 
         )
     ctx = component.execution_context
     for name, p in params.items():
-        p[...] = ctx.to_device(np.asarray(tensors[name]).astype(p.dtype, copy=False))
+        value = tensors[name]
+        if ctx.is_device_array(value):  # already on the device (np.asarray refuses CuPy's)
+            p[...] = value.astype(p.dtype, copy=False)
+        else:
+            p[...] = ctx.to_device(np.asarray(value).astype(p.dtype, copy=False))
 
 
 def _is_float(dtype: Any) -> bool:

@@ -584,6 +584,8 @@ def test_from_pretrained_refuses_a_precision_a_llama_does_not_run_in(tmp_path: P
     for precision in (Precision.BF16, Precision.FP16):
         with pytest.raises(ValueError, match="FP32, or FP64 on the CPU"):
             Llama.from_pretrained(path, batch_size=B, seq_len=T, precision=precision)
+    with pytest.raises(TypeError, match="must be a Precision"):
+        Llama.from_pretrained(path, batch_size=B, seq_len=T, precision="FP32")  # type: ignore[arg-type]
 
 
 def test_wrong_arguments_to_the_checkpoint_helpers_are_type_errors(tmp_path: Path) -> None:

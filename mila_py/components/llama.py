@@ -905,6 +905,10 @@ class Llama(Network):
         from mila_py.build_context import RuntimeMode
 
         mode = RuntimeMode.INFERENCE if runtime_mode is None else runtime_mode
+        if not isinstance(precision, Precision):
+            raise TypeError(
+                f"Llama.from_pretrained: precision must be a Precision, got {precision!r}"
+            )
         if precision not in (Precision.FP32, Precision.FP64):  # before reading anything
             raise ValueError(
                 f"Llama.from_pretrained: precision {precision} is not one a Llama runs in "

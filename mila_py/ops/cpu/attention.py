@@ -44,12 +44,22 @@ def _visible_bias(visible: Any, n_tk: int, dtype: Any, xp: Any = np) -> Any:
     return xp.where(seen, 0.0, -np.inf).astype(dtype)[:, None, None, None, :]
 
 
-def _seen_values(v: Any, visible: Any, xp: Any) -> Any:
-    """``v [B, Tk, Hk*d]`` with the rows sequence ``b`` does not see (``>= visible[b]``, cache
-    rows past its position) zeroed, in a copy: their probability is 0, but 0 * a NaN or inf
-    left there would reach the sequence through the product."""
-    seen = xp.arange(v.shape[1])[None, :, None] < xp.asarray(visible)[:, None, None]
-    return xp.where(seen, v, v.dtype.type(0))
+def values_product(p4: Any, v: Any, visible: Any, heads: Callable[[Any], Any], xp: Any) -> Any:
+    """``P [B, Hk, g*Tq, Tk] @ V`` (``v [B, Tk, Hk*d]``, ``heads`` its ``[B, Hk, Tk, d]`` view)
+    over the values each sequence sees: with ``visible`` (host ints ``[B]``, ragged decode)
+    the rows a sequence does not see (cache rows past its position) are left out, not only
+    weighted 0 (0 * a NaN or inf there would reach it). Only rows from the smallest
+    ``visible`` on can be unseen: they alone go through a masked copy."""
+    if visible is None:
+        return xp.matmul(p4, heads(v))
+    counts = np.asarray(visible, dtype=np.int64)
+    lo = int(counts.min()) if counts.size else v.shape[1]
+    o = xp.matmul(p4[..., :lo], heads(v[:, :lo]))
+    if lo < v.shape[1]:
+        tail = v[:, lo:]
+        seen = xp.arange(tail.shape[1])[None, :, None] < xp.asarray(counts - lo)[:, None, None]
+        o += xp.matmul(p4[..., lo:], heads(xp.where(seen, tail, tail.dtype.type(0))))
+    return o
 
 
 def attention_forward(
@@ -94,7 +104,6 @@ def attention_forward(
     # scaling the scores (T*T values).
     qh = (_split(q, n_heads, head_dim) * scale).reshape(n_b, n_kv_heads, groups * n_tq, head_dim)
     kh = _split(k, n_kv_heads, head_dim)  # [B, Hk, Tk, d]
-    vh = _split(v, n_kv_heads, head_dim)
     shape5 = (n_b, n_kv_heads, groups, n_tq, n_tk)
     merged = None if probs is None else probs.reshape(n_b, n_kv_heads, groups * n_tq, n_tk)
     scores = np.matmul(qh, kh.swapaxes(-1, -2), out=merged).reshape(shape5)
@@ -111,9 +120,8 @@ def attention_forward(
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
-    if visible is not None:
-        vh = _split(_seen_values(v, visible, np), n_kv_heads, head_dim)
-    o = np.matmul(scores.reshape(n_b, n_kv_heads, groups * n_tq, n_tk), vh)  # [B, Hk, g Tq, d]
+    p4 = scores.reshape(n_b, n_kv_heads, groups * n_tq, n_tk)
+    o = values_product(p4, v, visible, lambda a: _split(a, n_kv_heads, head_dim), np)
     out[...] = o.reshape(n_b, n_heads, n_tq, head_dim).transpose(0, 2, 1, 3).reshape(out.shape)
     return scores
 

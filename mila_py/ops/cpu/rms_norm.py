@@ -49,9 +49,8 @@ def rms_norm_forward(
         xb, yb, rb = x2[s], y2[s], r[s]
         # the mean square in float64, as the fused kernel: x^2 of float32 rows overflows past
         # |x| ~ 1e19 and underflows below ~1e-23 (y would be 0, or 16% off)
-        squares = np.square(xb, dtype=np.float64)  # [n, D]
-        mean = np.add.reduce(squares, axis=1)  # [n], pairwise summation (np.mean without its
-        mean /= dim  # Python-level overhead, which decode's tiny rows feel)
+        mean = np.einsum("nd,nd->n", xb, xb, dtype=np.float64)  # [n], no [n, D] temporary
+        mean /= dim  # (np.mean has a Python-level overhead decode's tiny rows feel)
         mean += eps
         np.sqrt(mean, out=mean)
         np.divide(1.0, mean, out=rb, casting="same_kind")

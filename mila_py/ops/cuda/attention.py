@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from mila_py.devices import DeviceType
-from mila_py.ops.cpu.attention import _seen_values, _visible_bias
+from mila_py.ops.cpu.attention import _visible_bias, values_product
 from mila_py.ops.cuda import _kernels
 from mila_py.ops.operation import (
     DecodePositions,
@@ -247,9 +247,7 @@ def attention_forward(
         # masked scores set, not only added to: NaN + -inf is NaN (as the CPU op does)
         xp.copyto(scores5, -np.inf, where=xp.isneginf(bias))
     softmax(scores.reshape(-1, n_tk), n_tq, q_offset, causal and bias is None)
-    if visible is not None:
-        v = _seen_values(v, visible, xp)
-    o = xp.matmul(scores, _heads(v, n_kv_heads, head_dim))  # [B, Hk, g*Tq, d]
+    o = values_product(scores, v, visible, lambda a: _heads(a, n_kv_heads, head_dim), xp)
     _write_heads(out, o.reshape(n_b, n_heads, n_tq, head_dim), n_heads, head_dim)
     return scores.reshape(shape5)
 

@@ -168,12 +168,19 @@ def test_gradients_accumulate_and_zero(rng) -> None:
     assert all(not g.any() for g in lin.get_gradients())
 
 
-def test_eval_mode_still_runs(rng) -> None:
-    lin = make()
+def test_eval_mode_runs_as_normal_mode(rng) -> None:
+    """EVAL changes nothing a Linear computes: the same output, input gradient and parameter
+    gradients as a NORMAL twin with the same weights."""
+    lin, twin = make(), make()
+    for p, q in zip(lin.get_parameters(), twin.get_parameters(), strict=True):
+        q[...] = p
     lin.set_training_mode(TrainingMode.EVAL)
     x = rng.standard_normal((B, T, IN)).astype(np.float32)
-    lin.forward(x)
-    assert lin.backward(np.ones((B, T, OUT), np.float32)).shape == x.shape
+    np.testing.assert_array_equal(lin.forward(x), twin.forward(x))
+    dy = rng.standard_normal((B, T, OUT)).astype(np.float32)
+    np.testing.assert_array_equal(lin.backward(dy), twin.backward(dy))
+    for g, h in zip(lin.get_gradients(), twin.get_gradients(), strict=True):
+        np.testing.assert_array_equal(g, h)
 
 
 # ------------------------------------------------------------------------------- lifecycle

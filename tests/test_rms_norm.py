@@ -179,11 +179,17 @@ def test_gradients_accumulate_and_zero(rng) -> None:
     assert not norm.get_gradients()[0].any()
 
 
-def test_eval_mode_still_runs(rng) -> None:
-    norm = make()
+def test_eval_mode_runs_as_normal_mode(rng) -> None:
+    """EVAL changes nothing RMSNorm computes: the same output and gradients as a NORMAL twin."""
+    norm, twin = make(), make()
+    random_weight(norm, rng)
+    twin.weight[...] = norm.weight
     norm.set_training_mode(TrainingMode.EVAL)
-    norm.forward(rng.standard_normal((1, 2, D)).astype(np.float32))
-    assert norm.backward(np.ones((1, 2, D), np.float32)).shape == (1, 2, D)
+    x = rng.standard_normal((1, 2, D)).astype(np.float32)
+    np.testing.assert_array_equal(norm.forward(x), twin.forward(x))
+    dy = rng.standard_normal((1, 2, D)).astype(np.float32)
+    np.testing.assert_array_equal(norm.backward(dy), twin.backward(dy))
+    np.testing.assert_array_equal(norm.get_gradients()[0], twin.get_gradients()[0])
 
 
 # ------------------------------------------------------------------------------- lifecycle

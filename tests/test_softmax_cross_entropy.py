@@ -182,11 +182,13 @@ def test_component_gradient_matches_formula_and_scales(rng) -> None:
     assert loss.get_gradients() == []  # no parameters
 
 
-def test_eval_mode_still_runs(rng) -> None:
-    loss = make()
+def test_eval_mode_runs_as_normal_mode(rng) -> None:
+    """EVAL changes nothing the loss computes: the same value and gradient as a NORMAL twin."""
+    loss, twin = make(), make()
     loss.set_training_mode(TrainingMode.EVAL)
-    loss.forward(*inputs(rng, (1, 2)))
-    assert loss.backward().shape == (1, 2, V)
+    logits, targets = inputs(rng, (1, 2))
+    assert loss.forward(logits, targets) == twin.forward(logits, targets)
+    np.testing.assert_array_equal(loss.backward(), twin.backward())
 
 
 # ------------------------------------------------------------------------------- lifecycle

@@ -204,8 +204,15 @@ def test_eval_mode_propagates_and_still_runs(rng) -> None:
     mlp = make()
     mlp.set_training_mode(TrainingMode.EVAL)
     assert all(c.training_mode is TrainingMode.EVAL for c in mlp)
-    mlp.forward(rng.standard_normal((1, 2, D)).astype(np.float32))
-    assert mlp.backward(np.ones((1, 2, D), np.float32)).shape == (1, 2, D)
+    twin = make()
+    for p, q in zip(mlp.get_parameters(), twin.get_parameters(), strict=True):
+        q[...] = p
+    x = rng.standard_normal((1, 2, D)).astype(np.float32)
+    np.testing.assert_array_equal(mlp.forward(x), twin.forward(x))  # as a NORMAL twin
+    dy = rng.standard_normal((1, 2, D)).astype(np.float32)
+    np.testing.assert_array_equal(mlp.backward(dy), twin.backward(dy))
+    for g, h in zip(mlp.get_gradients(), twin.get_gradients(), strict=True):
+        np.testing.assert_array_equal(g, h)
 
 
 # ------------------------------------------------------------------------------- lifecycle

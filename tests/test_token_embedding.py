@@ -122,11 +122,19 @@ def test_component_backward_scatters_and_accumulates(rng) -> None:
     assert not grad.any()
 
 
-def test_eval_mode_still_runs(rng) -> None:
-    emb = make()
+def test_eval_mode_runs_as_normal_mode(rng) -> None:
+    """EVAL changes nothing a token embedding computes: the same output and gradient as a
+    NORMAL twin with the same weight."""
+    emb, twin = make(), make()
+    twin.weight[...] = emb.weight
     emb.set_training_mode(TrainingMode.EVAL)
-    emb.forward(random_tokens(rng, (1, 2)))
-    emb.backward(np.ones((1, 2, D), np.float32))
+    assert emb.training_mode is TrainingMode.EVAL
+    tokens = random_tokens(rng, (1, 2))
+    np.testing.assert_array_equal(emb.forward(tokens), twin.forward(tokens))
+    dy = rng.standard_normal((1, 2, D)).astype(np.float32)
+    emb.backward(dy)
+    twin.backward(dy)
+    np.testing.assert_array_equal(emb.get_gradients()[0], twin.get_gradients()[0])
 
 
 # ------------------------------------------------------------------------------- lifecycle

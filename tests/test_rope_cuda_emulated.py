@@ -339,6 +339,35 @@ def test_a_batch_slice_and_a_token_slice(cuda: None, rng) -> None:
     assert same_bits(q_big[outside], q0[outside]) and same_bits(k_big[outside], k0[outside])
 
 
+@pytest.mark.parametrize(
+    "scaling",
+    [None, {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 8}],
+    ids=["default", "dynamic"],
+)
+def test_prefill_in_chunks_equals_one_call(cuda: None, rng, scaling: Any) -> None:
+    """Chunks given the whole prompt's end (seq_len) rotate bit for bit as one call over it,
+    a length-dependent scaling included (the emulated twin of the GPU test)."""
+    cfg = rope_config((4, 2), 16, max_seq_len=64, scaling=scaling)
+    rope = cuda_rope_of(cfg, 2, 24)
+    q, k = random_qk(rng, cfg, 2, 24)
+    whole_q, whole_k = q.copy(), k.copy()
+    rope.prefill(whole_q, whole_k, 3)
+    for lo, hi in ((0, 5), (5, 13), (13, 24)):
+        rope.prefill(q[:, lo:hi], k[:, lo:hi], 3 + lo, seq_len=27)
+    assert same_bits(q, whole_q) and same_bits(k, whole_k)
+
+
+def test_q_and_k_sharing_memory_are_refused_before_launch(cuda: None, rng) -> None:
+    """Overlapping Q and K would rotate a shared element twice: refused, nothing launched."""
+    cfg = rope_config((2, 2), 8)
+    rope = cuda_rope_of(cfg, 1, 4)
+    q, _ = random_qk(rng, cfg, 1, 4)
+    before, launched = q.copy(), len(launches(rope))
+    with pytest.raises(ValueError, match="share memory"):
+        rope.prefill(q, q[..., : cfg.kv_channels], 0)
+    assert same_bits(q, before) and len(launches(rope)) == launched
+
+
 # ---------------------------------------------------------------------------------- positions
 
 

@@ -105,9 +105,8 @@ class CompositeComponent(Component):
         """
         if not isinstance(path, str):
             raise TypeError(f"{self._describe()}: find_component needs a str path, got {path!r}")
-        found = _find(self, path)
+        found, reached, at = _resolve(self, path)
         if found is None:
-            reached, at = _deepest(self, path)
             rest = path[len(reached) + 1 :] if reached else path
             children = list(at._components) if isinstance(at, CompositeComponent) else []
             where = f"'{reached}' ({at._describe()})" if reached else "it"
@@ -229,30 +228,21 @@ def _release_all(children: list[Component]) -> None:
         raise
 
 
-def _deepest(node: Component, path: str) -> tuple[str, Component]:
-    """The longest leading part of ``path`` that names a descendant of ``node``, and that
-    descendant (``("", node)`` when no child name starts the path)."""
+def _resolve(node: Component, path: str) -> tuple[Component | None, str, Component]:
+    """``(the descendant of node at path or None, the longest leading part of path that names
+    a descendant, that descendant)``; child names with dots are tried longest first."""
     best: tuple[str, Component] = ("", node)
-    if isinstance(node, CompositeComponent):
-        for name, child in node._components.items():
-            if path.startswith(name + "."):
-                below, at = _deepest(child, path[len(name) + 1 :])
-                reached = f"{name}.{below}" if below else name
-                if len(reached) > len(best[0]):
-                    best = (reached, at)
-    return best
-
-
-def _find(node: Component, path: str) -> Component | None:
-    """The descendant of ``node`` at ``path``, trying child names with dots longest first."""
     if not isinstance(node, CompositeComponent):
-        return None
+        return None, *best
     names = [n for n in node._components if path == n or path.startswith(n + ".")]
     for name in sorted(names, key=len, reverse=True):
         child = node._components[name]
         if path == name:
-            return child
-        found = _find(child, path[len(name) + 1 :])
+            return child, name, child
+        found, below, at = _resolve(child, path[len(name) + 1 :])
         if found is not None:
-            return found
-    return None
+            return found, path, found
+        reached = f"{name}.{below}" if below else name
+        if len(reached) > len(best[0]):
+            best = (reached, at)
+    return None, *best

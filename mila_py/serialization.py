@@ -103,11 +103,8 @@ def read_safetensors(
         absent = [n for n in wanted if n not in available]
         if absent:
             raise ValueError(f"{who}: {os.fspath(path)} lacks tensors: {', '.join(absent)}")
-        unreadable = [
-            f"{n} ({f.get_slice(n).get_dtype()})"
-            for n in wanted
-            if f.get_slice(n).get_dtype() not in _NUMPY_READABLE
-        ]
+        dtypes = {n: f.get_slice(n).get_dtype() for n in wanted}
+        unreadable = [f"{n} ({t})" for n, t in dtypes.items() if t not in _NUMPY_READABLE]
         if unreadable:
             raise ValueError(
                 f"{who}: {os.fspath(path)} holds tensors of a type NumPy cannot read: "

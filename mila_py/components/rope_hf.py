@@ -350,18 +350,14 @@ def _ntk_alpha(params: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
-#: multimodal families whose language model is another family's (their config class rewrites
-#: the text config's ``model_type``)
-_TEXT_MODEL_OF = {"exaone4_5": "exaone4"}
-
-
 def _text_type(model_type: Any) -> str | None:
     """``model_type`` without a ``_text`` suffix (``llama4_text`` -> ``llama4``), or the family
-    whose language model it uses (``exaone4_5_text`` -> ``exaone4``)."""
+    of the language model a multimodal family uses (``exaone4_5_text`` -> ``exaone4``, from
+    ``TEXT_MODEL_TYPES``)."""
     if not isinstance(model_type, str):
         return None
     family = model_type.removesuffix("_text")
-    return _TEXT_MODEL_OF.get(family, family)
+    return TEXT_MODEL_TYPES.get(family, family).removesuffix("_text")
 
 
 def _vlm_family(model_type: Any) -> str | None:

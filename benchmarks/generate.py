@@ -11,8 +11,10 @@ that GPU:
   that separate them);
 - a check that both produce the same greedy tokens;
 - the weight-streaming floor of decode: the matrix-vector products of one token through every
-  weight matrix of the model (the same arrays, nothing else), timed in the same run. Decode of
-  one sequence reads every weight once per token, so no fp32 implementation beats it.
+  weight matrix of the model (the same arrays, nothing else; a packed SwiGLU's gate and up
+  weights as the one product its decode step runs), timed in the same run. Decode of one
+  sequence reads every weight once per token, so no fp32 implementation with these BLAS calls
+  beats it.
 
 Each side runs once to warm caches and allocators, then ``--repeat`` times; the best run counts.
 
@@ -31,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from mila_py import RuntimeMode
-from mila_py.components import Llama
+from mila_py.components import Linear, Llama, SwiGLU
 from mila_py.devices import DeviceId, DeviceType
 
 SIZES = {
@@ -66,11 +68,27 @@ def run_mila(model: Llama, prompt: np.ndarray, new: int) -> tuple[float, float, 
     return prefill, (time.perf_counter() - start) / new, tokens
 
 
-def gemv_floor(model: Llama, repeat: int) -> float:
-    """Seconds of one row through every Linear weight and the output head (best of runs)."""
-    weights = [p for name, p in model.named_parameters() if p.ndim == 2 and "embed" not in name]
+def decode_weights(model: Llama) -> list[Any]:
+    """The weight matrices of one decode step, as its plan multiplies by them: every Linear's,
+    a packed SwiGLU's gate and up as one ``[2 hidden, dim]`` matrix, the (tied) output head."""
+    weights: list[Any] = []
+    packed_halves: set[int] = set()
+    for component in model._walk():
+        if isinstance(component, SwiGLU):
+            packed = component._packed_weight()
+            if packed is not None:
+                weights.append(packed)
+                packed_halves |= {id(component.gate_proj), id(component.up_proj)}
+        elif isinstance(component, Linear) and id(component) not in packed_halves:
+            weights.append(component.weight)
     if model.lm_head is None:
         weights.append(model.embed_tokens.weight)
+    return weights
+
+
+def gemv_floor(model: Llama, repeat: int) -> float:
+    """Seconds of one row through every weight of :func:`decode_weights` (best of runs)."""
+    weights = decode_weights(model)
     ctx = model.execution_context
     xp = ctx.xp
     activate = getattr(ctx, "activate", contextlib.nullcontext)

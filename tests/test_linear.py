@@ -17,7 +17,7 @@ from layer_helpers import (
     snapshot,
 )
 
-from mila_py import BuildContext, Network, Precision, TrainingMode
+from mila_py import BuildContext, Network, Precision, RuntimeMode, TrainingMode
 from mila_py.components import Linear, LinearConfig
 from mila_py.init import manual_seed
 from mila_py.ops.cpu.linear import linear_backward, linear_forward
@@ -347,3 +347,15 @@ def test_a_caller_changing_its_output_view_changes_nothing_for_the_next_call(rng
     again = lin.forward(x)
     assert again.shape == (B, T, OUT) and again.flags.writeable
     np.testing.assert_allclose(again, reference(x, lin.weight, None), rtol=RTOL32, atol=ATOL32)
+
+
+def test_a_packed_weight_of_the_wrong_shape_is_refused_and_the_build_rolls_back() -> None:
+    layer = Linear("proj", LinearConfig(3, 5), device="CPU")
+    layer._packed_weight = np.zeros((3, 5), np.float32)  # [in, out]: the transpose
+    with pytest.raises(ValueError, match=r"packed weight must be \[5, 3\], got \[3, 5\]"):
+        layer.build(BuildContext((2, 3), RuntimeMode.INFERENCE))
+    assert not layer.is_built and layer.get_memory_stats().total_bytes == 0
+    view = np.zeros((3, 10), np.float32)[:, 5:].T  # a strided [out, in] view is taken as is
+    layer._packed_weight = view
+    layer.build(BuildContext((2, 3), RuntimeMode.INFERENCE, initialize_parameters=False))
+    assert layer.weight is view

@@ -23,6 +23,7 @@ from mila_py.components import Linear, SwiGLU, SwiGLUConfig
 from mila_py.init import set_init_name
 from mila_py.ops.cpu.linear import linear_backward, linear_forward
 from mila_py.ops.cpu.swiglu import swiglu_backward, swiglu_forward
+from mila_py.serialization import assign_parameters
 
 B, T, D, H = 2, 4, 6, 10
 NAMES = ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
@@ -282,6 +283,8 @@ def test_memory_stats_count_every_owned_array_once(mode) -> None:
     state = (2 * n * H + n * D) + n * H
     if training:  # children's dinputs: gate, up [n, D], down [n, H]; the block's dup, dinput
         state += (2 * n * D + n * H) + (n * H + n * D)
+    else:  # the packed gate/up product of a decode step, [B, 2H]
+        state += B * 2 * H
     assert stats.state_bytes == state * 4
     assert stats.total_bytes == distinct_nbytes(list(owned_arrays(mlp).values()))
 
@@ -321,3 +324,70 @@ def test_input_in_a_buffer_of_the_block_is_refused(rng) -> None:
     np.testing.assert_allclose(
         mlp.forward(y.copy()), reference(y.copy(), weights(mlp)), rtol=RTOL32, atol=ATOL32
     )
+
+
+# ------------------------------------------------------------------------------- packing
+def _run(steps: list) -> None:
+    for step in steps:
+        step()
+
+
+@pytest.mark.parametrize("dims", [(D, H), (9, 4)])  # widening [dim, 2H] rows; narrowing [2H, dim]
+def test_inference_builds_pack_gate_and_up_into_one_product(rng, dims) -> None:
+    """gate_proj's and up_proj's weights are the halves of one buffer; a bound forward of at
+    most B rows runs one product for both, and equals the component call and the reference,
+    also after new weights are assigned in place (as load and from_pretrained do)."""
+    dim, hidden = dims
+    mlp = built(SwiGLU("mlp", SwiGLUConfig(dim, hidden), device="CPU"), (B, T, dim), INFERENCE)
+    gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
+    assert gate.shape == up.shape == (hidden, dim)
+    assert gate.base is not None and gate.base is up.base and gate.base.size == 2 * hidden * dim
+    packed = mlp._packed_weight()
+    assert packed is not None
+    np.testing.assert_array_equal(packed, np.concatenate([gate, up]))
+    assert mlp.gate_proj._packed_weight is None and mlp.up_proj._packed_weight is None
+    x = np.zeros((B, 1, dim), np.float32)
+    steps, y = mlp._bind_forward(x)
+    assert len(steps) == 3  # gate and up, the activation, down
+    for _ in range(2):
+        new = {n: rng.standard_normal(p.shape).astype(np.float32) for n, p in weights(mlp).items()}
+        assign_parameters(mlp, new, "test")
+        x[...] = rng.standard_normal(x.shape)
+        _run(steps)
+        want = reference(x, weights(mlp))
+        np.testing.assert_allclose(y, want, rtol=RTOL32, atol=ATOL32)
+        np.testing.assert_array_equal(y, mlp.forward(x.copy()))
+    # more rows than the packed buffer holds: the two products of an unpacked build
+    wide = rng.standard_normal((B, 2, dim)).astype(np.float32)
+    steps, y = mlp._bind_forward(wide)
+    assert len(steps) == 4
+    _run(steps)
+    np.testing.assert_allclose(y, reference(wide, weights(mlp)), rtol=RTOL32, atol=ATOL32)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_training_builds_and_biases_do_not_pack(rng, bias: bool) -> None:
+    for mode in (TRAINING, INFERENCE):
+        if mode is INFERENCE and not bias:
+            continue
+        mlp = built(SwiGLU("mlp", SwiGLUConfig(D, H, bias=bias), device="CPU"), (B, T, D), mode)
+        assert mlp._packed_weight() is None
+        assert "gate_up" not in mlp._state
+        x = rng.standard_normal((B, 1, D)).astype(np.float32)
+        steps, y = mlp._bind_forward(x)
+        assert len(steps) == 4
+        _run(steps)
+        np.testing.assert_allclose(y, mlp.forward(x), rtol=1e-6, atol=1e-6)
+
+
+def test_a_failed_packed_build_leaves_no_packed_view() -> None:
+    mlp2 = SwiGLU("mlp", SwiGLUConfig(D, H), device="CPU")
+
+    def refuse(build_context: BuildContext) -> None:
+        raise RuntimeError("up_proj refuses")
+
+    mlp2.up_proj._on_building = refuse  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="refuses"):
+        mlp2.build(BuildContext((B, T, D), INFERENCE))
+    assert mlp2.gate_proj._packed_weight is None and mlp2.up_proj._packed_weight is None
+    assert not mlp2.is_built and mlp2.get_memory_stats().total_bytes == 0

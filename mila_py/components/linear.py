@@ -47,7 +47,10 @@ class Linear(Layer):
     INFERENCE builds of a layer that widens (``in_features <= out_features``) store the weight
     as ``[in_features, out_features]`` and expose ``weight`` as its transposed view (same shape
     and values, Fortran order): a decode step's matrix-vector product then streams it up to 15%
-    faster on the CPU; narrowing layers keep ``[out, in]`` rows, faster for them.
+    faster on the CPU; narrowing layers keep ``[out, in]`` rows, faster for them. A parent may
+    instead hand the layer its weight as a view of a buffer it packs with others (see
+    :class:`~mila_py.components.swiglu.SwiGLU`): ``weight`` is then that view, whatever its
+    strides.
 
     The build shape is the input's, ``[B, T, in_features]`` (any number of leading dimensions);
     calls may use smaller leading dimensions. TRAINING builds own ``dinput``, which
@@ -63,11 +66,22 @@ class Linear(Layer):
     _OP_NAME = "LinearOp"
     _CONFIG_TYPE = LinearConfig
     config: LinearConfig
+    #: ``[out_features, in_features]`` view the next build takes as its weight instead of
+    #: allocating one; set (or reset to None) by a parent just before it builds this layer
+    _packed_weight: Any = None
 
     def _on_building(self, build_context: BuildContext) -> None:
         cfg = self.config
         lead = self._build_lead(build_context, cfg.in_features, "[B, T, in_features]")
-        if build_context.is_inference and cfg.in_features <= cfg.out_features:
+        packed = self._packed_weight
+        if packed is not None:
+            if tuple(packed.shape) != (cfg.out_features, cfg.in_features):
+                raise ValueError(
+                    f"{self._describe()}: a packed weight must be [{cfg.out_features}, "
+                    f"{cfg.in_features}], got {list(packed.shape)}"
+                )
+            weight = self._add_parameter("weight", packed)
+        elif build_context.is_inference and cfg.in_features <= cfg.out_features:
             # Decode multiplies one row by W^T. CPU BLAS streams a wide W^T faster from [in, out]
             # rows (up to 15% on the 2-core EPYC VM, the output head most), a tall one from
             # [out, in] rows (down_proj: 15%); CUDA builds share the rule (cuBLAS takes either

@@ -6,7 +6,13 @@
 #   bash benchmarks/gpu_check.sh llama   # training step, generation, decode plan
 #   bash benchmarks/gpu_check.sh bench   # rope + llama
 #   bash benchmarks/gpu_check.sh         # everything
+#   bash benchmarks/gpu_check.sh once    # everything, cut to fit ONE call of the device tool
 # Each of tests, rope and llama fits one 10-minute call of the device tool; bench and all may not.
+# A lent GPU session has ~15 minutes of device time in all, start-up included, and the machine is
+# given back after ~30 s idle (each new call starts it again): use `once` with timeout_s 590. It
+# runs the whole suite (~270 s at most), RoPE without the torch.compile peer and 10 repeats, and
+# the Llama benchmarks at their small settings, each stage under its own timeout (~560 s in all);
+# logs stream to $OUT as they go, so a stage that runs out still leaves what it printed.
 # Without `pip install -e`, the checkout is put on PYTHONPATH. The RoPE peers Liger-Kernel and
 # flash-attention (Triton code) are not on the lent GPU machines: `python benchmarks/gpu_peers.py`
 # fetches them into .gpu_peers/ beforehand; carry that folder and they are put on PYTHONPATH.
@@ -20,6 +26,16 @@ if [[ -d .gpu_peers/site ]]; then
 fi
 what="${1:-all}"
 status=0
+if [[ "$what" == once ]]; then
+  t_tests=270 t_rope=150 t_train=50 t_gen=60 t_plan=30
+  rope_args=(--no-compile --repeats 10)
+  gen_args=(--repeat 1 --sizes "~10M")
+  plan_args=(--steps 100 --rounds 3)
+else
+  t_tests=480 t_rope=300 t_train=200 t_gen=200 t_plan=120
+  rope_args=() gen_args=() plan_args=()
+fi
+stage() { [[ "$what" == all || "$what" == once || "$what" == "$1" || ( "$what" == bench && "$1" != tests ) ]]; }
 
 {
   nvidia-smi -L
@@ -27,21 +43,21 @@ status=0
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" || true
 } 2>&1 | tee "$out/env.log"
 
-if [[ "$what" == all || "$what" == tests ]]; then
+if stage tests; then
   # the whole suite: with a GPU the CUDA cases run instead of skipping (-rs lists any skip)
-  timeout 480 python3 -m pytest tests -q -rs --tb=short -p no:cacheprovider 2>&1 \
+  timeout "$t_tests" python3 -m pytest tests -q -rs --tb=short -p no:cacheprovider 2>&1 \
     | tee "$out/tests.log" || status=1
 fi
-if [[ "$what" == all || "$what" == bench || "$what" == rope ]]; then
-  timeout 300 python3 benchmarks/rope_cuda.py --json "$out/rope_cuda.json" 2>&1 \
+if stage rope; then
+  timeout "$t_rope" python3 benchmarks/rope_cuda.py ${rope_args[@]+"${rope_args[@]}"} --json "$out/rope_cuda.json" 2>&1 \
     | tee "$out/rope_cuda.log" || status=1
 fi
-if [[ "$what" == all || "$what" == bench || "$what" == llama ]]; then
-  timeout 200 python3 benchmarks/train_step_cuda.py --device CUDA:0 2>&1 \
+if stage llama; then
+  timeout "$t_train" python3 benchmarks/train_step_cuda.py --device CUDA:0 2>&1 \
     | tee "$out/train_step_cuda.log" || status=1
-  timeout 200 python3 benchmarks/generate.py --device CUDA:0 2>&1 \
+  timeout "$t_gen" python3 benchmarks/generate.py --device CUDA:0 ${gen_args[@]+"${gen_args[@]}"} 2>&1 \
     | grep -v Writing | tee "$out/generate_cuda.log" || status=1
-  timeout 120 python3 benchmarks/decode_plan.py --device CUDA:0 2>&1 \
+  timeout "$t_plan" python3 benchmarks/decode_plan.py --device CUDA:0 ${plan_args[@]+"${plan_args[@]}"} 2>&1 \
     | tee "$out/decode_plan_cuda.log" || status=1
 fi
 exit $status

@@ -127,8 +127,9 @@ class SwiGLU(Layer, CompositeComponent):
 
     def _packs(self, build_context: BuildContext) -> bool:
         """Whether a build packs ``gate_proj`` and ``up_proj`` (see the class docstring). Not on
-        CUDA: cuBLAS reads only C- or F-contiguous weights in place, and the halves of a packed
-        matrix are neither (each prefill GEMM would copy its weight)."""
+        CUDA: cuBLAS reads only C- or F-contiguous weights in place, and the halves of the usual
+        ``[dim, 2 hidden_dim]`` storage are neither (each prefill GEMM would copy its weight);
+        the CUDA ops have no packed activation either."""
         return (
             build_context.is_inference
             and not self.config.bias
@@ -142,7 +143,13 @@ class SwiGLU(Layer, CompositeComponent):
         if not (isinstance(gate, np.ndarray) and isinstance(up, np.ndarray)):
             return None
         step = gate.shape[0] * gate.strides[0]
-        if gate.strides != up.strides or step == 0 or up.ctypes.data != gate.ctypes.data + step:
+        if (
+            gate.base is None
+            or gate.base is not up.base
+            or gate.strides != up.strides
+            or step == 0
+            or up.ctypes.data != gate.ctypes.data + step
+        ):
             return None
         return as_strided(gate, (2 * gate.shape[0], gate.shape[1]), gate.strides, writeable=False)
 
@@ -193,8 +200,7 @@ class SwiGLU(Layer, CompositeComponent):
         if packed is not None and math.prod(lead) <= gate_up.shape[0]:  # type: ignore[union-attr]
             both = leading_view(gate_up, (*lead, 2 * hidden_dim))
             product = self.gate_proj.op.bind_forward(x, packed, None, both)
-            gate, up = both[..., :hidden_dim], both[..., hidden_dim:]
-            return [product, self._op.bind_forward(gate, up, hidden), *down_steps], y
+            return [product, self._op.bind_forward_packed(both, hidden), *down_steps], y
         gate_steps, gate = self.gate_proj._bind_forward(x)
         up_steps, up = self.up_proj._bind_forward(x)
         return [*gate_steps, *up_steps, self._op.bind_forward(gate, up, hidden), *down_steps], y

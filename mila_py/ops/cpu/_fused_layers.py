@@ -7,6 +7,8 @@ These kernels do the same math in one pass:
 - :func:`rms_norm_rows`: ``out = x * r * w`` with ``r = 1 / sqrt(mean(x^2) + eps)`` (the sum of
   squares accumulates in float64);
 - :func:`swiglu_rows`: ``out = g * sigmoid(g) * u``;
+- :func:`swiglu_packed_rows`: the same with ``g`` and ``u`` side by side in each row of one
+  buffer (a packed SwiGLU's gate/up product, see :class:`mila_py.components.SwiGLU`);
 - :func:`swiglu_backward_rows`: SwiGLU's backward in one pass, one ``exp`` per element (the
   vectorizable ``exp`` of :mod:`._fused_math`).
 
@@ -24,7 +26,14 @@ import numpy as np
 
 from mila_py.ops.cpu._fused_math import AVAILABLE, enabled, jit_exp, kernel_exp, numba
 
-__all__ = ["AVAILABLE", "enabled", "rms_norm_rows", "swiglu_backward_rows", "swiglu_rows"]
+__all__ = [
+    "AVAILABLE",
+    "enabled",
+    "rms_norm_rows",
+    "swiglu_backward_rows",
+    "swiglu_packed_rows",
+    "swiglu_rows",
+]
 
 
 def _rms_norm_rows(x, w, eps, out, rstd):
@@ -56,6 +65,19 @@ def _swiglu_rows(g, u, out):
             dst[i] = a / (one + kernel_exp(-a)) * ur[i]
 
 
+def _swiglu_packed_rows(both, out):
+    # both [N, 2H]: g then u in each row (the rows are dense, so the loop vectorizes where two
+    # strided [N, H] halves would not); out [N, H]
+    one = both.dtype.type(1.0)
+    h = out.shape[1]
+    for r in range(both.shape[0]):
+        row = both[r]
+        dst = out[r]
+        for i in range(h):
+            a = row[i]
+            dst[i] = a / (one + kernel_exp(-a)) * row[h + i]
+
+
 def _swiglu_backward_rows(g, u, dh, du):
     # g, u [N, H]; dh [N, H] the upstream gradient, overwritten by dgate; du [N, H]
     # s = 1 / (1 + e), e = exp(-g); 1 - s = e s, or 1 where e overflows (s = 0 there)
@@ -83,6 +105,7 @@ if AVAILABLE:
     _jit = numba.njit(cache=True, fastmath={"reassoc", "contract"})
     rms_norm_rows: Any = _jit(_rms_norm_rows)
     swiglu_rows: Any = jit_exp(_swiglu_rows)
+    swiglu_packed_rows: Any = jit_exp(_swiglu_packed_rows)
     swiglu_backward_rows: Any = jit_exp(_swiglu_backward_rows)
 else:
-    rms_norm_rows = swiglu_rows = swiglu_backward_rows = None
+    rms_norm_rows = swiglu_rows = swiglu_packed_rows = swiglu_backward_rows = None

@@ -106,6 +106,15 @@ class CpuSwiGLUOp(FusedCpuOp):
             )
         return super().bind_forward(gate, up, out)
 
+    def bind_forward_packed(self, both: Any, out: Any) -> Callable[[], Any]:
+        """``out = silu(g) * u`` with ``g`` and ``u`` the two halves of each row of the
+        C-contiguous ``both [..., 2H]`` (``out [..., H]``), as a callable of no arguments: the
+        fused kernel reads the dense rows (the strided halves would not vectorize)."""
+        h = out.shape[-1]
+        if self.fuses(both.dtype):
+            return functools.partial(_fused_layers.swiglu_packed_rows, as_rows(both), out_rows(out))
+        return super().bind_forward(both[..., :h], both[..., h:], out)
+
     def backward(self, gate: Any, up: Any, dh: Any, dgate: Any, dup: Any) -> None:
         overlaps = dgate is not dh and any(np.may_share_memory(dgate, a) for a in (gate, up))
         if overlaps or not self.fuses(gate.dtype):

@@ -9,6 +9,7 @@ import pytest
 
 from mila_py.ops.cpu import _fused_attention, _fused_layers
 from mila_py.ops.cpu.attention import CpuAttentionOp, attention_backward, attention_forward
+from mila_py.ops.operation import DecodePositions
 
 needs_numba = pytest.mark.skipif(
     not _fused_layers.enabled(np.float32),
@@ -206,6 +207,58 @@ def test_fused_decode_attention_equals_the_naive_loop(q_offset: int) -> None:
         )
         np.testing.assert_allclose(out[b : b + 1], ref, rtol=1e-12, atol=1e-12)
         assert (probs[b, ..., n:] == 0).all()
+
+
+@needs_numba
+@pytest.mark.parametrize(
+    ("hq", "hk", "d"), [(6, 2, 64), (4, 4, 24), (8, 1, 80), (2, 1, 128), (3, 3, 1)]
+)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_decode_kernel_for_each_head_geometry_equals_the_naive_loop(
+    hq: int, hk: int, d: int, dtype: type
+) -> None:
+    """The kernel is compiled per head size and group (compile-time constants): every visible
+    length (its four-row blocks and the rows left over) and a bound plan step, against the
+    float64 reference; the probabilities past the visible keys are 0."""
+    rng = np.random.default_rng(15)
+    cache = 11
+    k_cache = rng.standard_normal((2, cache, hk * d)).astype(dtype)
+    v_cache = rng.standard_normal((2, cache, hk * d)).astype(dtype)
+    q = rng.standard_normal((2, 1, hq * d)).astype(dtype)
+    tol = 1e-12 if dtype is np.float64 else 3e-6
+    for n in range(1, cache + 1):
+        out = np.full((2, 1, hq * d), np.nan, dtype)
+        visible = [n, max(1, n - 5)]
+        probs = _fused_attention.decode_attention(q, k_cache, v_cache, visible, hq, hk, 0.3, out)
+        for b, seen in enumerate(visible):
+            ref = naive_attention(
+                q[b : b + 1].astype(np.float64),
+                k_cache[b : b + 1, :seen].astype(np.float64),
+                v_cache[b : b + 1, :seen].astype(np.float64),
+                hq,
+                hk,
+                0.3,
+                q_offset=seen - 1,
+            )
+            np.testing.assert_allclose(out[b : b + 1], ref, rtol=tol, atol=tol)
+            assert (probs[b, ..., seen:] == 0).all()
+    positions = DecodePositions(2)
+    out = np.full((2, 1, hq * d), np.nan, dtype)
+    op = CpuAttentionOp(None, None, None)  # type: ignore[arg-type]
+    step = op.bind_decode(q, k_cache, v_cache, hq, hk, 0.3, out, positions)
+    positions.set(np.array([6, 2]), 2, 6)
+    step()
+    for b, seen in enumerate((7, 3)):
+        ref = naive_attention(
+            q[b : b + 1].astype(np.float64),
+            k_cache[b : b + 1, :seen].astype(np.float64),
+            v_cache[b : b + 1, :seen].astype(np.float64),
+            hq,
+            hk,
+            0.3,
+            q_offset=seen - 1,
+        )
+        np.testing.assert_allclose(out[b : b + 1], ref, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("kernels", KERNELS)

@@ -24,10 +24,12 @@ from mila_py.ops.cpu._fused_math import (
     k_row_max,
     k_row_sum,
     kernel_exp,
+    literally,
     numba,
+    types,
 )
 
-__all__ = ["causal_softmax", "decode_attention", "softmax_backward_rows"]
+__all__ = ["causal_softmax", "decode_attention", "decode_kernel", "softmax_backward_rows"]
 
 
 def _causal_softmax_rows(s, q_offset, causal):
@@ -68,25 +70,52 @@ def _softmax_backward_rows(dp, p, row):
                 d[i] = (d[i] - c) * q[i]
 
 
-def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs):
+def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g):
     # one sequence: q [Hq*d]; k, v [Tk, Hk*d]; the first n keys are visible; out [Hq*d];
-    # probs [Hq, Tk] (0 past the visible keys). Keys outer: K, then V, are read once, front to
-    # back, a whole row (every kv head) at a time: one sequential stream the prefetcher follows
-    # (a cold cache costs ~30% less than a pass per head).
-    d = q.size // n_heads
-    groups = n_heads // n_kv_heads
+    # probs [Hq, Tk] (0 past the visible keys); d the head size, g = Hq / Hk, both compile-time
+    # constants (literal types: one compilation per pair), so the inner loops unroll into
+    # registers (1.6x over runtime sizes at d = 64). Keys outer: K, then V, are read once, front
+    # to back, four whole rows (every kv head) at a time: one sequential stream the prefetcher
+    # follows (a cold cache costs ~30% less than a pass per head), four independent sums per
+    # query element.
+    literally(d)
+    literally(g)
     zero = q.dtype.type(0.0)
     one = q.dtype.type(1.0)
-    for t in range(n):
-        kr = k[t]
-        for h in range(n_heads):
-            qv = q[h * d : (h + 1) * d]
-            lo = (h // groups) * d
-            ks = kr[lo : lo + d]
-            acc = zero
-            for i in range(d):
-                acc += qv[i] * ks[i]
-            probs[h, t] = acc * scale
+    qs = np.empty(n_heads * d, q.dtype)
+    for i in range(n_heads * d):
+        qs[i] = q[i] * scale
+    t = 0
+    while t + 4 <= n:
+        k0, k1, k2, k3 = k[t], k[t + 1], k[t + 2], k[t + 3]
+        for j in range(n_kv_heads):
+            lo = j * d
+            for gg in range(g):
+                h = j * g + gg
+                qh = h * d
+                a0 = a1 = a2 = a3 = zero
+                for i in range(d):
+                    x = qs[qh + i]
+                    a0 += x * k0[lo + i]
+                    a1 += x * k1[lo + i]
+                    a2 += x * k2[lo + i]
+                    a3 += x * k3[lo + i]
+                probs[h, t] = a0
+                probs[h, t + 1] = a1
+                probs[h, t + 2] = a2
+                probs[h, t + 3] = a3
+        t += 4
+    for r in range(t, n):
+        kr = k[r]
+        for j in range(n_kv_heads):
+            lo = j * d
+            for gg in range(g):
+                h = j * g + gg
+                qh = h * d
+                acc = zero
+                for i in range(d):
+                    acc += qs[qh + i] * kr[lo + i]
+                probs[h, r] = acc
     for h in range(n_heads):
         live = probs[h, :n]
         top = k_row_max(live)
@@ -96,18 +125,62 @@ def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs):
             live[t] *= inv
         for t in range(n, probs.shape[1]):
             probs[h, t] = zero
-    total = np.zeros(q.size, q.dtype)  # a local buffer: its loop vectorizes without alias checks
-    for t in range(n):
-        vr = v[t]
-        for h in range(n_heads):
-            w = probs[h, t]
-            lo = (h // groups) * d
-            vs = vr[lo : lo + d]
-            o = total[h * d : (h + 1) * d]
-            for i in range(d):
-                o[i] += w * vs[i]
-    for i in range(q.size):
+    total = np.zeros(n_heads * d, q.dtype)  # local: its loops vectorize without alias checks
+    t = 0
+    while t + 4 <= n:
+        v0, v1, v2, v3 = v[t], v[t + 1], v[t + 2], v[t + 3]
+        for j in range(n_kv_heads):
+            lo = j * d
+            for gg in range(g):
+                h = j * g + gg
+                w0, w1, w2, w3 = probs[h, t], probs[h, t + 1], probs[h, t + 2], probs[h, t + 3]
+                oh = h * d
+                for i in range(d):
+                    total[oh + i] += (
+                        w0 * v0[lo + i] + w1 * v1[lo + i] + w2 * v2[lo + i] + w3 * v3[lo + i]
+                    )
+        t += 4
+    for r in range(t, n):
+        vr = v[r]
+        for j in range(n_kv_heads):
+            lo = j * d
+            for gg in range(g):
+                h = j * g + gg
+                w = probs[h, r]
+                oh = h * d
+                for i in range(d):
+                    total[oh + i] += w * vr[lo + i]
+    for i in range(n_heads * d):
         out[i] = total[i]
+
+
+#: the decode kernel compiled per argument types and (head size, group), see :func:`decode_kernel`
+_DECODE_KERNELS: dict[tuple[Any, ...], Any] = {}
+
+
+def decode_kernel(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, n_heads: int, n_kv_heads: int, out: np.ndarray,
+    probs: np.ndarray,
+) -> Any:  # fmt: skip
+    """The decode kernel compiled for one sequence's arrays of these types (``q [Hq*d]``,
+    ``k``, ``v [Tk, Hk*d]``, ``out [Hq*d]``, ``probs [Hq, Tk]``) and this head geometry, as a
+    plain function ``f(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g)``.
+
+    Kept per types and geometry; calling the returned function skips Numba's dispatch, which
+    for the literal head size costs ~60 ms a call. Its arguments must have exactly the types
+    given here (a decode plan binds the same arrays every step; :func:`decode_attention` asks
+    for each call's arrays), ``scale`` a scalar of ``q``'s dtype."""
+    d, g = q.size // n_heads, n_heads // n_kv_heads
+    arrays = tuple(numba.typeof(a) for a in (q, k, v, out, probs))
+    key = (arrays, d, g)
+    kernel = _DECODE_KERNELS.get(key)
+    if kernel is None:
+        item = numba.from_dtype(q.dtype)
+        sig = (*arrays[:3], types.intp, types.intp, types.intp, item, *arrays[3:])
+        sig = (*sig, types.literal(d), types.literal(g))
+        _decode_attention_kernel.compile(sig)
+        kernel = _DECODE_KERNELS[key] = _decode_attention_kernel.get_overload(sig)
+    return kernel
 
 
 def decode_attention(
@@ -134,10 +207,11 @@ def decode_attention(
     n_b, n_tk = q.shape[0], k.shape[1]
     probs = np.empty((n_b, n_heads, n_tk), dtype=q.dtype)
     scale = q.dtype.type(scale)
+    d, g = q.shape[2] // n_heads, n_heads // n_kv_heads
     for b in range(n_b):
-        _decode_attention_kernel(
-            q[b, 0], k[b], v[b], int(visible[b]), n_heads, n_kv_heads, scale, out[b, 0], probs[b]
-        )
+        args = (q[b, 0], k[b], v[b], int(visible[b]), n_heads, n_kv_heads, scale, out[b, 0])
+        kernel = decode_kernel(*args[:3], n_heads, n_kv_heads, args[7], probs[b])
+        kernel(*args, probs[b], d, g)
     return probs.reshape(n_b, n_kv_heads, n_heads // n_kv_heads, 1, n_tk)
 
 

@@ -30,13 +30,23 @@ import numpy as np
 __all__ = ["AVAILABLE", "FUSED_DTYPES", "backend_allows", "enabled", "exp_rows", "kernel_exp"]
 
 numba: Any
+types: Any
+literally: Any
 try:
     import numba
     from llvmlite import ir
-    from numba import types
+    from numba import literally, types
     from numba.extending import intrinsic, overload
 except ImportError:  # the NumPy paths serve
-    numba = None
+    numba = types = None
+
+    def _no_literally(obj: Any) -> Any:
+        """Numba's ``literally`` (an argument's value becomes a compile-time constant); without
+        Numba the kernels run as Python, where it does nothing."""
+        return obj
+
+    literally = _no_literally
+
 
 AVAILABLE = numba is not None
 

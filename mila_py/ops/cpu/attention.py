@@ -224,9 +224,7 @@ class CpuAttentionOp(FusedCpuOp):
         each = positions.each
         dense = all(_dense_rows(a) for a in (k_cache, v_cache, out))
         if self.fuses(q.dtype) and dense:
-            kernel = _fused_attention._decode_attention_kernel
             s = q.dtype.type(scale)
-            rows = [(b, q[b, 0], k_cache[b], v_cache[b], out[b, 0]) for b in range(n_b)]
             if scratch is None:
                 scratch = np.empty(n_heads * n_tk, dtype=q.dtype)
             if scratch.dtype != q.dtype or scratch.size < n_heads * n_tk:
@@ -235,12 +233,20 @@ class CpuAttentionOp(FusedCpuOp):
                     f"{scratch.size} {scratch.dtype}"
                 )
             scores = scratch.reshape(-1)
+            d, g = q.shape[2] // n_heads, n_heads // n_kv_heads
+            rows = [(b, q[b, 0], k_cache[b], v_cache[b], out[b, 0]) for b in range(n_b)]
+            if not rows:  # an empty batch: nothing to attend
+                return lambda: None
+            # every call's probabilities are a [Hq, n] view of the scratch: one array type
+            kernel = _fused_attention.decode_kernel(
+                *rows[0][1:4], n_heads, n_kv_heads, rows[0][4], scores[:n_heads].reshape(n_heads, 1)
+            )
 
             def attend() -> None:
                 for b, qb, kb, vb, ob in rows:
                     n = int(each[b]) + 1
                     probs = scores[: n_heads * n].reshape(n_heads, n)
-                    kernel(qb, kb, vb, n, n_heads, n_kv_heads, s, ob, probs)
+                    kernel(qb, kb, vb, n, n_heads, n_kv_heads, s, ob, probs, d, g)
 
             return attend
 

@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from mila_py.ops.cpu import _fused_attention, _fused_layers
-from mila_py.ops.cpu.attention import CpuAttentionOp, attention_backward, attention_forward
+from mila_py.ops.cpu import attention as attention_mod
+from mila_py.ops.cpu.attention import (
+    CpuAttentionOp,
+    attention_backward,
+    attention_forward,
+    attention_prefill,
+)
 from mila_py.ops.operation import DecodePositions
 
 needs_numba = pytest.mark.skipif(
@@ -207,6 +213,61 @@ def test_fused_decode_attention_equals_the_naive_loop(q_offset: int) -> None:
         )
         np.testing.assert_allclose(out[b : b + 1], ref, rtol=1e-12, atol=1e-12)
         assert (probs[b, ..., n:] == 0).all()
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize(
+    ("n_tq", "q_offset", "block"), [(10, 0, 4), (10, 5, 3), (7, 2, 7), (5, 0, 8)]
+)
+def test_blocked_prefill_equals_the_naive_loop_and_reads_no_key_past_the_chunk(
+    kernels: str, n_tq: int, q_offset: int, block: int
+) -> None:
+    """Query blocks each see the keys up to their last query: the same output as one call,
+    and the cache rows past the chunk (NaN here, never written yet) are never read."""
+    rng = np.random.default_rng(16)
+    hq, hk, d = 4, 2, 8
+    end = q_offset + n_tq
+    q = rng.standard_normal((2, n_tq, hq * d))
+    k = np.full((2, end + 3, hk * d), np.nan)
+    v = np.full((2, end + 3, hk * d), np.nan)
+    k[:, :end] = rng.standard_normal((2, end, hk * d))
+    v[:, :end] = rng.standard_normal((2, end, hk * d))
+    out = np.full_like(q, np.nan)
+    attention_prefill(q, k, v, hq, hk, 0.3, out, q_offset, block=block, **forward_hooks(kernels))
+    ref = naive_attention(q, k[:, :end], v[:, :end], hq, hk, 0.3, q_offset=q_offset)
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_the_op_prefills_long_chunks_in_blocks(
+    kernels: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CpuAttentionOp.prefill: a chunk longer than PREFILL_BLOCK goes in blocks, a shorter one
+    is one forward call; both equal the reference (float32 and float64)."""
+    monkeypatch.setenv("MILA_PY_CPU_BACKEND", "numpy" if kernels == "numpy" else "auto")
+    rng = np.random.default_rng(17)
+    hq, hk, d = 4, 2, 8
+    op = CpuAttentionOp(None, None, None)  # type: ignore[arg-type]
+    calls: list[int] = []
+    real = attention_mod.attention_forward
+    monkeypatch.setattr(
+        attention_mod,
+        "attention_forward",
+        lambda q, *a, **kw: calls.append(q.shape[1]) or real(q, *a, **kw),
+    )
+    block = attention_mod.PREFILL_BLOCK
+    for n_tq, blocks in ((block + 5, [block, 5]), (block, [block])):
+        for dtype, tol in ((np.float64, 1e-12), (np.float32, 3e-5)):
+            calls.clear()
+            q = rng.standard_normal((1, n_tq, hq * d))
+            k = rng.standard_normal((1, 3 + n_tq, hk * d))
+            v = rng.standard_normal((1, 3 + n_tq, hk * d))
+            out = np.empty((1, n_tq, hq * d), dtype)
+            op.prefill(q.astype(dtype), k.astype(dtype), v.astype(dtype), hq, hk, 0.3, out, 3)
+            np.testing.assert_allclose(
+                out, naive_attention(q, k, v, hq, hk, 0.3, 3), rtol=tol, atol=tol
+            )
+            assert calls == blocks
 
 
 @needs_numba

@@ -203,3 +203,19 @@ def test_parallel_tasks_all_finish_before_an_error_is_raised() -> None:
     with pytest.raises(RuntimeError, match="task 0 failed"):
         _in_parallel(task, range(4))
     assert sorted(done) == [1, 2, 3]  # nobody still writes after the call returned
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_max_and_sum_of_every_length_and_position(dtype) -> None:  # type: ignore[no-untyped-def]
+    """The eight-lane row maximum (and the row sum) against NumPy, for lengths around the lane
+    count and the maximum at every position, -inf entries included (masked scores)."""
+    rng = np.random.default_rng(9)
+    for n in range(1, 27):
+        for where in range(n):
+            x = rng.standard_normal(n).astype(dtype)
+            x[where] = 7.0
+            if n > 2:
+                x[(where + 1) % n] = -np.inf
+            assert _fused_math.k_row_max(x) == x.max()
+        x = rng.standard_normal(n).astype(dtype)
+        np.testing.assert_allclose(_fused_math.k_row_sum(x), x.sum(), rtol=1e-5)

@@ -404,15 +404,15 @@ class GroupedQueryAttention(CompositeComponent):
             k_cache[:, position_offset:end] = k
             v_cache[:, position_offset:end] = v
             self._cached.mark(position_offset, n_t, n_b)  # type: ignore[union-attr]
-            self._op.forward(
+            self._op.prefill(
                 q,
                 k_cache[:, :end],
                 v_cache[:, :end],
                 cfg.n_heads,
                 cfg.n_kv_heads,
                 self.scale,
-                out=out,
-                q_offset=position_offset,
+                out,
+                position_offset,
             )
             return self.o_proj._forward(out)  # its own buffer
         self.rope.forward(q, k)

@@ -215,6 +215,30 @@ def test_fused_decode_attention_equals_the_naive_loop(q_offset: int) -> None:
         assert (probs[b, ..., n:] == 0).all()
 
 
+@needs_numba
+def test_the_decode_kernel_takes_numpy_integer_head_counts() -> None:
+    """Head counts that are NumPy integers (the op is public API) reach the kernel, whose head
+    size and group are compile-time literals, as Python ints."""
+    rng = np.random.default_rng(18)
+    q = rng.standard_normal((2, 1, 4 * 8)).astype(np.float32)
+    k = rng.standard_normal((2, 6, 2 * 8)).astype(np.float32)
+    ref = naive_attention(q, k, k, 4, 2, 0.3, q_offset=5)
+    op = CpuAttentionOp(None, None, None)  # type: ignore[arg-type]
+    for hq, hk in ((np.int64(4), np.int64(2)), (np.int32(4), np.int32(2))):
+        out = np.full_like(q, np.nan)
+        op.forward(q, k, k, hq, hk, 0.3, out, q_offset=5)
+        np.testing.assert_allclose(out, ref, rtol=3e-6, atol=3e-6)
+        out = np.full_like(q, np.nan)
+        _fused_attention.decode_attention(q, k, k, [6, 6], hq, hk, 0.3, out)
+        np.testing.assert_allclose(out, ref, rtol=3e-6, atol=3e-6)
+        positions = DecodePositions(2)
+        out = np.full_like(q, np.nan)
+        step = op.bind_decode(q, k, k, hq, hk, 0.3, out, positions)
+        positions.set(5, 5, 5)
+        step()
+        np.testing.assert_allclose(out, ref, rtol=3e-6, atol=3e-6)
+
+
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize(
     ("n_tq", "q_offset", "block"), [(10, 0, 4), (10, 5, 3), (7, 2, 7), (5, 0, 8)]

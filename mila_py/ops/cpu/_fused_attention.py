@@ -29,7 +29,7 @@ from mila_py.ops.cpu._fused_math import (
     types,
 )
 
-__all__ = ["causal_softmax", "decode_attention", "decode_kernel", "softmax_backward_rows"]
+__all__ = ["causal_softmax", "decode_attention", "softmax_backward_rows"]
 
 
 def _causal_softmax_rows(s, q_offset, causal):
@@ -169,7 +169,12 @@ def decode_kernel(
     Kept per types and geometry; calling the returned function skips Numba's dispatch, which
     for the literal head size costs ~60 ms a call. Its arguments must have exactly the types
     given here (a decode plan binds the same arrays every step; :func:`decode_attention` asks
-    for each call's arrays), ``scale`` a scalar of ``q``'s dtype."""
+    for each call's arrays), ``scale`` a scalar of ``q``'s dtype. The compiled function checks
+    dtypes and dimensions but not memory layout: an array with other strides than the one it
+    was compiled for would be read wrongly.
+
+    Head counts may be NumPy integers; ``d`` and ``g`` are Python ints (literal types)."""
+    n_heads, n_kv_heads = int(n_heads), int(n_kv_heads)
     d, g = q.size // n_heads, n_heads // n_kv_heads
     arrays = tuple(numba.typeof(a) for a in (q, k, v, out, probs))
     key = (arrays, d, g)
@@ -205,6 +210,7 @@ def decode_attention(
         the probabilities ``P [B, Hk, g, 1, Tk]`` (0 for keys a sequence does not see).
     """
     n_b, n_tk = q.shape[0], k.shape[1]
+    n_heads, n_kv_heads = int(n_heads), int(n_kv_heads)
     probs = np.empty((n_b, n_heads, n_tk), dtype=q.dtype)
     scale = q.dtype.type(scale)
     d, g = q.shape[2] // n_heads, n_heads // n_kv_heads

@@ -291,6 +291,7 @@ class CpuAttentionOp(FusedCpuOp):
                     f"{scratch.size} {scratch.dtype}"
                 )
             scores = scratch.reshape(-1)
+            n_heads, n_kv_heads = int(n_heads), int(n_kv_heads)  # NumPy ints too
             d, g = q.shape[2] // n_heads, n_heads // n_kv_heads
             rows = [(b, q[b, 0], k_cache[b], v_cache[b], out[b, 0]) for b in range(n_b)]
             if not rows:  # an empty batch: nothing to attend

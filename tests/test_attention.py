@@ -216,6 +216,24 @@ def test_fused_decode_attention_equals_the_naive_loop(q_offset: int) -> None:
 
 
 @needs_numba
+def test_decode_kernels_are_kept_per_array_type() -> None:
+    """The kernel cache keys on what Numba's array types are made of: another layout, dtype
+    or a read-only array gets its own compilation, the same types the same function."""
+    q, out = np.zeros(8, np.float32), np.zeros(8, np.float32)
+    k = np.zeros((5, 4), np.float32)
+    probs = np.zeros((2, 5), np.float32)
+    first = _fused_attention.decode_kernel(q, k, k, 2, 1, out, probs)
+    assert _fused_attention.decode_kernel(q.copy(), k.copy(), k, 2, 1, out, probs) is first
+    fortran = np.asfortranarray(k)
+    assert _fused_attention.decode_kernel(q, fortran, k, 2, 1, out, probs) is not first
+    frozen = k.copy()
+    frozen.flags.writeable = False
+    assert _fused_attention.decode_kernel(q, frozen, k, 2, 1, out, probs) is not first
+    wide = [a.astype(np.float64) for a in (q, k, out, probs)]
+    assert _fused_attention.decode_kernel(*wide[:2], wide[1], 2, 1, *wide[2:]) is not first
+
+
+@needs_numba
 def test_the_decode_kernel_takes_numpy_integer_head_counts() -> None:
     """Head counts that are NumPy integers (the op is public API) reach the kernel, whose head
     size and group are compile-time literals, as Python ints."""

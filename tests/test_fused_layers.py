@@ -8,7 +8,7 @@ import pytest
 from mila_py import BuildContext, RuntimeMode
 from mila_py.components import RmsNorm, RmsNormConfig, SwiGLU, SwiGLUConfig
 from mila_py.ops.cpu import _fused_layers, _fused_math
-from mila_py.ops.cpu.rms_norm import rms_norm_forward
+from mila_py.ops.cpu.rms_norm import CpuRmsNormOp, rms_norm_backward, rms_norm_forward
 from mila_py.ops.cpu.swiglu import swiglu_backward, swiglu_forward
 
 pytestmark = pytest.mark.skipif(not _fused_layers.AVAILABLE, reason="Numba is not installed")
@@ -219,3 +219,47 @@ def test_row_max_and_sum_of_every_length_and_position(dtype) -> None:  # type: i
             assert _fused_math.k_row_max(x) == x.max()
         x = rng.standard_normal(n).astype(dtype)
         np.testing.assert_allclose(_fused_math.k_row_sum(x), x.sum(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 7), (5, 384), (33, 10)])
+def test_rms_norm_backward_rows_equals_the_numpy_backward(dtype, shape) -> None:  # type: ignore[no-untyped-def]
+    """dx and the accumulated dw of the fused backward against the NumPy reference, also with
+    dx written over dy (in place), as the op allows."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal(shape) * 3).astype(dtype)
+    w = rng.standard_normal(shape[1]).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    rstd = np.empty(shape[0], np.float64 if dtype == np.float64 else np.float32)
+    rms_norm_forward(x, w, 1e-5, np.empty_like(x), rstd)
+    start = rng.standard_normal(shape[1]).astype(dtype)
+    ref_dw, ref_dx = start.copy(), np.empty_like(x)
+    rms_norm_backward(x, w, rstd, dy, ref_dw, ref_dx)
+    tol = 10 * TOL[dtype]
+    for in_place in (False, True):
+        dw = start.copy()
+        grad = dy.copy()
+        dx = grad if in_place else np.full_like(x, np.nan)
+        _fused_layers.rms_norm_backward_rows(x, w, rstd, grad, dw, dx)
+        np.testing.assert_allclose(dx, ref_dx, rtol=tol, atol=tol)
+        np.testing.assert_allclose(dw, ref_dw, rtol=tol, atol=tol * shape[0])
+
+
+def test_the_rms_norm_op_takes_the_numpy_backward_for_overlapping_buffers() -> None:
+    """dx overlapping x (or a shifted view of dy) would be read after being written by the
+    row-by-row kernel: the op sends such calls to the NumPy reference (NumPy buffers
+    overlapping operands)."""
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((4, 6)).astype(np.float32)
+    w = rng.standard_normal(6).astype(np.float32)
+    dy = rng.standard_normal((4, 6)).astype(np.float32)
+    rstd = np.empty(4, np.float32)
+    rms_norm_forward(x, w, 1e-5, np.empty_like(x), rstd)
+    ref_dw, ref_dx = np.zeros(6, np.float32), np.empty_like(x)
+    rms_norm_backward(x, w, rstd, dy, ref_dw, ref_dx)
+    op = CpuRmsNormOp(None, RmsNormConfig(6), None)  # type: ignore[arg-type]
+    buf = np.concatenate([dy, np.zeros((1, 6), np.float32)])
+    dw = np.zeros(6, np.float32)
+    op.backward(x, w, rstd, buf[:4], dw, buf[1:])  # dx one row ahead of dy, same buffer
+    np.testing.assert_allclose(buf[1:], ref_dx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw, ref_dw, rtol=1e-5, atol=1e-5)

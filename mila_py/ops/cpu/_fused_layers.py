@@ -6,6 +6,8 @@ These kernels do the same math in one pass:
 
 - :func:`rms_norm_rows`: ``out = x * r * w`` with ``r = 1 / sqrt(mean(x^2) + eps)`` (the sum of
   squares accumulates in float64);
+- :func:`rms_norm_backward_rows`: RMSNorm's backward in two passes over each row (``mean(g * n)``
+  and the weight gradient accumulate in float64);
 - :func:`swiglu_rows`: ``out = g * sigmoid(g) * u``;
 - :func:`swiglu_packed_rows`: the same with ``g`` and ``u`` side by side in each row of one
   buffer (a packed SwiGLU's gate/up product, see :class:`mila_py.components.SwiGLU`);
@@ -29,6 +31,7 @@ from mila_py.ops.cpu._fused_math import AVAILABLE, enabled, jit_exp, kernel_exp,
 __all__ = [
     "AVAILABLE",
     "enabled",
+    "rms_norm_backward_rows",
     "rms_norm_rows",
     "swiglu_backward_rows",
     "swiglu_packed_rows",
@@ -51,6 +54,30 @@ def _rms_norm_rows(x, w, eps, out, rstd):
         dst = out[r]
         for i in range(dim):
             dst[i] = row[i] * scale * w[i]
+
+
+def _rms_norm_backward_rows(x, w, rstd, dy, dw, dx):
+    # x, dy, dx [N, D]; w, dw [D]; rstd [N]. With n = x r and g = dy w:
+    # dw += sum_N dy n;  dx = r (g - n mean(g n)). dx may be dy itself (read before written).
+    n_rows, dim = x.shape
+    acc = np.zeros(dim)  # float64: the weight gradient sums N rows
+    for row in range(n_rows):
+        xr = x[row]
+        dr = dy[row]
+        r = rstd[row]
+        dot = 0.0  # float64
+        for i in range(dim):
+            ni = xr[i] * r
+            gi = dr[i] * w[i]
+            dot += np.float64(gi) * np.float64(ni)
+            acc[i] += np.float64(dr[i]) * np.float64(ni)
+        c = x.dtype.type(dot / dim)
+        dst = dx[row]
+        for i in range(dim):
+            ni = xr[i] * r
+            dst[i] = r * (dr[i] * w[i] - ni * c)
+    for i in range(dim):
+        dw[i] += acc[i]
 
 
 def _swiglu_rows(g, u, out):
@@ -104,8 +131,11 @@ if AVAILABLE:
     # reassociation lets the sum of squares vectorize; no "fast" flags: inf and NaN stay exact
     _jit = numba.njit(cache=True, fastmath={"reassoc", "contract"})
     rms_norm_rows: Any = _jit(_rms_norm_rows)
+    rms_norm_backward_rows: Any = _jit(_rms_norm_backward_rows)
     swiglu_rows: Any = jit_exp(_swiglu_rows)
     swiglu_packed_rows: Any = jit_exp(_swiglu_packed_rows)
     swiglu_backward_rows: Any = jit_exp(_swiglu_backward_rows)
 else:
-    rms_norm_rows = swiglu_rows = swiglu_packed_rows = swiglu_backward_rows = None
+    rms_norm_rows = rms_norm_backward_rows = swiglu_rows = swiglu_packed_rows = (
+        swiglu_backward_rows
+    ) = None

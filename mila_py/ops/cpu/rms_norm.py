@@ -92,8 +92,8 @@ def rms_norm_backward(
 
 @register_op("RmsNormOp", DeviceType.CPU, precisions=(Precision.FP32, Precision.FP64))
 class CpuRmsNormOp(FusedCpuOp):
-    """RMS normalization (see :func:`rms_norm_forward`, :func:`rms_norm_backward`); the forward
-    runs the fused Numba kernel of :mod:`._fused_layers` when it is available."""
+    """RMS normalization (see :func:`rms_norm_forward`, :func:`rms_norm_backward`); forward and
+    backward run the fused Numba kernels of :mod:`._fused_layers` when they are available."""
 
     def forward(self, x: Any, weight: Any, out: Any, rstd: Any) -> None:
         if self.fuses(x.dtype):  # one pass (Numba), see _fused_layers
@@ -117,4 +117,11 @@ class CpuRmsNormOp(FusedCpuOp):
         return super().bind_forward(x, weight, out, rstd)
 
     def backward(self, x: Any, weight: Any, rstd: Any, dy: Any, dweight: Any, dx: Any) -> None:
-        rms_norm_backward(x, weight, rstd, dy, dweight, dx)
+        # two passes a row (Numba); dx may be dy itself, but no other view of x or dy
+        separate = not np.may_share_memory(dx, x) and (dx is dy or not np.may_share_memory(dx, dy))
+        if self.fuses(x.dtype) and separate:
+            _fused_layers.rms_norm_backward_rows(
+                as_rows(x), weight, rstd.reshape(-1), as_rows(dy), dweight, out_rows(dx)
+            )
+        else:
+            rms_norm_backward(x, weight, rstd, dy, dweight, dx)

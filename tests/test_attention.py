@@ -329,20 +329,19 @@ def test_the_decode_kernel_for_each_head_geometry_equals_the_naive_loop(
     v_cache = rng.standard_normal((2, cache, hk * d)).astype(dtype)
     q = rng.standard_normal((2, 1, hq * d)).astype(dtype)
     tol = 1e-12 if dtype is np.float64 else 3e-6
+
+    def reference_row(b: int, seen: int) -> np.ndarray:
+        """Sequence ``b``'s output over its first ``seen`` keys, in float64."""
+        rows = (q[b : b + 1], k_cache[b : b + 1, :seen], v_cache[b : b + 1, :seen])
+        wide = [a.astype(np.float64) for a in rows]
+        return naive_attention(*wide, hq, hk, 0.3, q_offset=seen - 1)
+
     for n in range(1, cache + 1):
         out = np.full((2, 1, hq * d), np.nan, dtype)
         visible = [n, max(1, n - 5)]
         probs = _fused_attention.decode_attention(q, k_cache, v_cache, visible, hq, hk, 0.3, out)
         for b, seen in enumerate(visible):
-            ref = naive_attention(
-                q[b : b + 1].astype(np.float64),
-                k_cache[b : b + 1, :seen].astype(np.float64),
-                v_cache[b : b + 1, :seen].astype(np.float64),
-                hq,
-                hk,
-                0.3,
-                q_offset=seen - 1,
-            )
+            ref = reference_row(b, seen)
             np.testing.assert_allclose(out[b : b + 1], ref, rtol=tol, atol=tol)
             assert (probs[b, ..., seen:] == 0).all()
     positions = DecodePositions(2)
@@ -352,16 +351,7 @@ def test_the_decode_kernel_for_each_head_geometry_equals_the_naive_loop(
     positions.set(np.array([6, 2]), 2, 6)
     step()
     for b, seen in enumerate((7, 3)):
-        ref = naive_attention(
-            q[b : b + 1].astype(np.float64),
-            k_cache[b : b + 1, :seen].astype(np.float64),
-            v_cache[b : b + 1, :seen].astype(np.float64),
-            hq,
-            hk,
-            0.3,
-            q_offset=seen - 1,
-        )
-        np.testing.assert_allclose(out[b : b + 1], ref, rtol=tol, atol=tol)
+        np.testing.assert_allclose(out[b : b + 1], reference_row(b, seen), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("kernels", KERNELS)

@@ -336,19 +336,11 @@ class CudaAttentionOp(Operation):
             )  # fmt: skip
 
     def prefill(
-        self,
-        q: Any,
-        k: Any,
-        v: Any,
-        n_heads: int,
-        n_kv_heads: int,
-        scale: float,
-        out: Any,
-        q_offset: int = 0,
+        self, q: Any, k: Any, v: Any, heads: int, kv_heads: int, scale: float, out: Any, offset: int
     ) -> None:
         """Causal attention of a prefill chunk against the cached keys into ``out`` (the CPU
         op's contract; here one :meth:`forward`, whose probabilities are dropped)."""
-        self.forward(q, k, v, n_heads, n_kv_heads, scale, out, q_offset=q_offset)
+        self.forward(q, k, v, heads, kv_heads, scale, out, q_offset=offset)
 
     def bind_cache_write(
         self, k_new: Any, v_new: Any, k_cache: Any, v_cache: Any, positions: DecodePositions

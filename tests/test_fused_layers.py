@@ -245,21 +245,39 @@ def test_rms_norm_backward_rows_equals_the_numpy_backward(dtype, shape) -> None:
         np.testing.assert_allclose(dw, ref_dw, rtol=tol, atol=tol * shape[0])
 
 
-def test_the_rms_norm_op_takes_the_numpy_backward_for_overlapping_buffers() -> None:
-    """dx overlapping x (or a shifted view of dy) would be read after being written by the
-    row-by-row kernel: the op sends such calls to the NumPy reference (NumPy buffers
-    overlapping operands)."""
+@pytest.mark.parametrize("backend", ["auto", "numpy"])
+def test_the_rms_norm_backward_of_overlapping_buffers(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dx one row ahead of dy in one buffer, or over x: rows written early would be read later
+    (by the row-by-row kernel, and across the NumPy reference's row blocks), so the op copies the
+    input first; dx given as dy itself, or as another view of the same elements, runs in place.
+    1200 rows of 64 span several of the reference's blocks."""
+    monkeypatch.setenv("MILA_PY_CPU_BACKEND", backend)
     rng = np.random.default_rng(12)
-    x = rng.standard_normal((4, 6)).astype(np.float32)
-    w = rng.standard_normal(6).astype(np.float32)
-    dy = rng.standard_normal((4, 6)).astype(np.float32)
-    rstd = np.empty(4, np.float32)
+    n, dim = 1200, 64
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    w = rng.standard_normal(dim).astype(np.float32)
+    dy = rng.standard_normal((n, dim)).astype(np.float32)
+    rstd = np.empty(n, np.float32)
     rms_norm_forward(x, w, 1e-5, np.empty_like(x), rstd)
-    ref_dw, ref_dx = np.zeros(6, np.float32), np.empty_like(x)
+    ref_dw, ref_dx = np.zeros(dim, np.float32), np.empty_like(x)
     rms_norm_backward(x, w, rstd, dy, ref_dw, ref_dx)
-    op = CpuRmsNormOp(None, RmsNormConfig(6), None)  # type: ignore[arg-type]
-    buf = np.concatenate([dy, np.zeros((1, 6), np.float32)])
-    dw = np.zeros(6, np.float32)
-    op.backward(x, w, rstd, buf[:4], dw, buf[1:])  # dx one row ahead of dy, same buffer
-    np.testing.assert_allclose(buf[1:], ref_dx, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(dw, ref_dw, rtol=1e-5, atol=1e-5)
+    op = CpuRmsNormOp(None, RmsNormConfig(dim), None)  # type: ignore[arg-type]
+
+    def check(got_dx: np.ndarray, dw: np.ndarray) -> None:
+        np.testing.assert_allclose(got_dx, ref_dx, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(dw, ref_dw, rtol=1e-4, atol=1e-4)
+
+    buf = np.concatenate([dy, np.zeros((1, dim), np.float32)])
+    dw = np.zeros(dim, np.float32)
+    op.backward(x, w, rstd, buf[:n], dw, buf[1:])  # dx one row ahead of dy
+    check(buf[1:], dw)
+    same = dy.copy()
+    dw = np.zeros(dim, np.float32)
+    op.backward(x, w, rstd, same, dw, same[...])  # the same elements, another view object
+    check(same, dw)
+    over_x = x.copy()
+    dw = np.zeros(dim, np.float32)
+    op.backward(over_x, w, rstd, dy, dw, over_x)  # dx over x
+    check(over_x, dw)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from mila_py.devices.device import DeviceType
+from mila_py.devices.overlap import same_view
 from mila_py.ops.cpu import _fused_layers
 from mila_py.ops.cpu._fused_op import FusedCpuOp
 from mila_py.ops.cpu._rows import as_rows, out_flat, out_rows, row_blocks
@@ -117,9 +118,14 @@ class CpuRmsNormOp(FusedCpuOp):
         return super().bind_forward(x, weight, out, rstd)
 
     def backward(self, x: Any, weight: Any, rstd: Any, dy: Any, dweight: Any, dx: Any) -> None:
-        # two passes a row (Numba); dx may be dy itself, but no other view of x or dy
-        separate = not np.may_share_memory(dx, x) and (dx is dy or not np.may_share_memory(dx, dy))
-        if self.fuses(x.dtype) and separate:
+        # Both paths read a row (a block of rows) of x and dy before writing that part of dx:
+        # dx may be dy itself (the same elements in the same order); any other overlap with x
+        # or dy is copied first, as rows written early would be read later.
+        if np.may_share_memory(dx, x):
+            x = x.copy()
+        if np.may_share_memory(dx, dy) and not same_view(dx, dy):
+            dy = dy.copy()
+        if self.fuses(x.dtype):  # two passes a row (Numba)
             _fused_layers.rms_norm_backward_rows(
                 as_rows(x), weight, rstd.reshape(-1), as_rows(dy), dweight, out_rows(dx)
             )

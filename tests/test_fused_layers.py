@@ -281,3 +281,54 @@ def test_the_rms_norm_backward_of_overlapping_buffers(
     dw = np.zeros(dim, np.float32)
     op.backward(over_x, w, rstd, dy, dw, over_x)  # dx over x
     check(over_x, dw)
+
+
+@pytest.mark.parametrize("backend", ["auto", "numpy"])
+def test_row_ops_with_an_output_one_row_ahead_of_an_input(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An output overlapping an input one row further on (3000 rows of 64, several NumPy row
+    blocks): the ops copy the input apart first, so no row is read after it was overwritten.
+    The exact in-place pairs (SwiGLU's dgate as dh) still run in place."""
+    from mila_py.ops.cpu.swiglu import CpuSwiGLUOp, swiglu_forward
+
+    monkeypatch.setenv("MILA_PY_CPU_BACKEND", backend)
+    rng = np.random.default_rng(21)
+    n, h = 3000, 64
+    g, u, dh = (rng.standard_normal((n, h)).astype(np.float32) for _ in range(3))
+    w = rng.standard_normal(h).astype(np.float32)
+
+    def shifted(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(input, output)``: ``a``'s values, and the view one row ahead in one buffer."""
+        buf = np.concatenate([a, np.zeros((1, a.shape[1]), a.dtype)])
+        return buf[:n], buf[1:]
+
+    swiglu = CpuSwiGLUOp(None, None, None)  # type: ignore[arg-type]
+    ref = np.empty_like(g)
+    swiglu_forward(g, u, ref)
+    gate, out = shifted(g)
+    swiglu.forward(gate, u, out)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+    ref_dg, ref_du = np.empty_like(g), np.empty_like(g)
+    swiglu_backward(g, u, dh, ref_dg, ref_du)
+    gate, dgate = shifted(g)
+    du = np.empty_like(g)
+    swiglu.backward(gate, u, dh, dgate, du)
+    np.testing.assert_allclose(dgate, ref_dg, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(du, ref_du, rtol=1e-5, atol=1e-6)
+    grad, dgate = shifted(dh)
+    du = np.empty_like(g)
+    swiglu.backward(g, u, grad, dgate, du)
+    np.testing.assert_allclose(dgate, ref_dg, rtol=1e-5, atol=1e-6)
+    own = dh.copy()
+    du = np.empty_like(g)
+    swiglu.backward(g, u, own, own[...], du)  # dgate over dh's own elements: in place
+    np.testing.assert_allclose(own, ref_dg, rtol=1e-5, atol=1e-6)
+
+    norm = CpuRmsNormOp(None, RmsNormConfig(h), None)  # type: ignore[arg-type]
+    ref_y, rstd = np.empty_like(g), np.empty(n, np.float32)
+    rms_norm_forward(g, w, 1e-5, ref_y, rstd)
+    x, y = shifted(g)
+    norm.forward(x, w, y, np.empty(n, np.float32))
+    np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-5)

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-__all__ = ["as_rows", "out_flat", "out_rows", "row_blocks"]
+__all__ = ["apart_from", "as_rows", "out_flat", "out_rows", "row_blocks"]
 
 #: elements of one row block: temporaries of a block (a few of them) stay in a 1-2 MiB L2
 BLOCK_ELEMENTS = 1 << 15
@@ -44,3 +44,16 @@ def row_blocks(n_rows: int, row_length: int) -> Iterator[slice]:
     step = max(1, BLOCK_ELEMENTS // max(1, row_length))
     for start in range(0, n_rows, step):
         yield slice(start, min(n_rows, start + step))
+
+
+def apart_from(outputs: tuple[np.ndarray, ...], *inputs: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``inputs``, each copied if it shares memory with one of ``outputs``.
+
+    The row-wise kernels (fused, and the NumPy references block by block) read a row of their
+    inputs and then write that row of their outputs: an input that overlaps an output shifted
+    by a row would be read after it was overwritten. Ops call this on their general paths
+    (decode plans bind their own, separate buffers); an op that supports one exact in-place
+    pair (the same elements as input and output) leaves that input out."""
+    return tuple(
+        a.copy() if any(np.may_share_memory(a, out) for out in outputs) else a for a in inputs
+    )

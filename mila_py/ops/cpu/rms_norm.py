@@ -24,7 +24,7 @@ from mila_py.devices.device import DeviceType
 from mila_py.devices.overlap import same_view
 from mila_py.ops.cpu import _fused_layers
 from mila_py.ops.cpu._fused_op import FusedCpuOp
-from mila_py.ops.cpu._rows import as_rows, out_flat, out_rows, row_blocks
+from mila_py.ops.cpu._rows import apart_from, as_rows, out_flat, out_rows, row_blocks
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
@@ -97,6 +97,7 @@ class CpuRmsNormOp(FusedCpuOp):
     backward run the fused Numba kernels of :mod:`._fused_layers` when they are available."""
 
     def forward(self, x: Any, weight: Any, out: Any, rstd: Any) -> None:
+        x, weight = apart_from((out, rstd), x, weight)
         if self.fuses(x.dtype):  # one pass (Numba), see _fused_layers
             _fused_layers.rms_norm_rows(
                 as_rows(x), weight, self.config.eps, out_rows(out), out_flat(rstd)
@@ -121,10 +122,8 @@ class CpuRmsNormOp(FusedCpuOp):
         # Both paths read a row (a block of rows) of x and dy before writing that part of dx:
         # dx may be dy itself (the same elements in the same order); any other overlap with x
         # or dy is copied first, as rows written early would be read later.
-        if np.may_share_memory(dx, x):
-            x = x.copy()
-        if np.may_share_memory(dx, dy) and not same_view(dx, dy):
-            dy = dy.copy()
+        x, weight, rstd = apart_from((dx, dweight), x, weight, rstd)
+        (dy,) = apart_from((dweight,) if same_view(dx, dy) else (dx, dweight), dy)
         if self.fuses(x.dtype):  # two passes a row (Numba)
             _fused_layers.rms_norm_backward_rows(
                 as_rows(x), weight, rstd.reshape(-1), as_rows(dy), dweight, out_rows(dx)

@@ -22,9 +22,10 @@ from typing import Any
 import numpy as np
 
 from mila_py.devices.device import DeviceType
+from mila_py.devices.overlap import same_view
 from mila_py.ops.cpu import _fused_layers
 from mila_py.ops.cpu._fused_op import FusedCpuOp
-from mila_py.ops.cpu._rows import as_rows, out_rows, row_blocks
+from mila_py.ops.cpu._rows import apart_from, as_rows, out_rows, row_blocks
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
@@ -93,6 +94,7 @@ class CpuSwiGLUOp(FusedCpuOp):
     backward run the fused Numba kernels of :mod:`._fused_layers` when they are available."""
 
     def forward(self, gate: Any, up: Any, out: Any) -> None:
+        gate, up = apart_from((out,), gate, up)
         if self.fuses(gate.dtype):
             _fused_layers.swiglu_rows(as_rows(gate), as_rows(up), out_rows(out))
         else:
@@ -116,12 +118,15 @@ class CpuSwiGLUOp(FusedCpuOp):
         return super().bind_forward(both[..., :h], both[..., h:], out)
 
     def backward(self, gate: Any, up: Any, dh: Any, dgate: Any, dup: Any) -> None:
-        overlaps = dgate is not dh and any(np.may_share_memory(dgate, a) for a in (gate, up))
-        if overlaps or not self.fuses(gate.dtype):
-            # the kernel copies dh into dgate first, which must not clobber its inputs
+        """``dgate``, ``dup`` for ``dh``; ``dgate`` may be ``dh`` itself (the same elements), any
+        other overlap of an output with an input is copied apart first."""
+        in_place = same_view(dgate, dh)
+        gate, up = apart_from((dgate, dup), gate, up)
+        (dh,) = apart_from((dup,) if in_place else (dgate, dup), dh)
+        if not self.fuses(gate.dtype):
             swiglu_backward(gate, up, dh, dgate, dup)
             return
         dg2 = out_rows(dgate)
-        if dgate is not dh:  # the kernel turns dh into dgate in place
+        if not same_view(dgate, dh):  # the kernel turns dh into dgate in place
             np.copyto(dg2, as_rows(dh))
         _fused_layers.swiglu_backward_rows(as_rows(gate), as_rows(up), dg2, out_rows(dup))

@@ -349,6 +349,13 @@ def test_prefetch_is_a_hint_that_changes_nothing_and_never_faults() -> None:
                 acc += a[r, c]
         return acc
 
-    for ahead in (0, 16, 1 << 20):
+    for ahead in (0, 16, 1 << 20, np.uint32(3_000_000_000), np.int32(-7)):
         assert total(a, ahead) == float(a.sum())
     assert _fused_math.prefetch(a, 0, 0) is None  # plain Python: nothing
+
+    @_fused_math.numba.njit
+    def by_floats(a: np.ndarray) -> None:
+        _fused_math.prefetch(a, 1.0, 2.0)
+
+    with pytest.raises(_fused_math.numba.core.errors.TypingError):
+        by_floats(a)  # indexes are integers: refused when typing, not by LLVM

@@ -166,7 +166,8 @@ if AVAILABLE:
 
     @overload(prefetch, inline="always")
     def _prefetch_overload(a, row, col):
-        if not (isinstance(a, types.Array) and a.ndim == 2):
+        indexes = isinstance(row, types.Integer) and isinstance(col, types.Integer)
+        if not (isinstance(a, types.Array) and a.ndim == 2 and indexes):
             return None
         return lambda a, row, col: _prefetch_at(a, row, col)
 
@@ -178,11 +179,11 @@ if AVAILABLE:
         def codegen(context, builder, signature, args):
             array = context.make_array(signature.args[0])(context, builder, args[0])
             strides = cgutils.unpack_tuple(builder, array.strides, 2)
-            index = ir.IntType(64)
-            offset = builder.add(
-                builder.mul(builder.sext(args[1], index), strides[0]),
-                builder.mul(builder.sext(args[2], index), strides[1]),
+            row_, col_ = (  # as intp, by their own signedness
+                context.cast(builder, value, kind, types.intp)
+                for value, kind in zip(args[1:], signature.args[1:], strict=True)
             )
+            offset = builder.add(builder.mul(row_, strides[0]), builder.mul(col_, strides[1]))
             byte = ir.IntType(8).as_pointer()
             address = builder.gep(builder.bitcast(array.data, byte), [offset])
             hint = builder.module.declare_intrinsic(

@@ -187,11 +187,11 @@ def decode_kernel(
     plain function ``f(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g)``.
 
     Kept per types and geometry; calling the returned function skips Numba's dispatch, which
-    for the literal head size costs ~60 ms a call. Its arguments must have exactly the types
+    for the literal head size costs ~60-90 ms a call. Its arguments must have exactly the types
     given here (a decode plan binds the same arrays every step; :func:`decode_attention` asks
-    for each call's arrays), ``scale`` a scalar of ``q``'s dtype. The compiled function checks
-    dtypes and dimensions but not memory layout: an array with other strides than the one it
-    was compiled for would be read wrongly.
+    for each call's arrays), ``scale`` a scalar of ``q``'s dtype: the compiled function checks
+    little more than the arrays' item size, so an array of another dtype, dimension count or
+    layout is read wrongly or crashes the process.
 
     Head counts may be NumPy integers; ``d`` and ``g`` are Python ints (literal types)."""
     n_heads, n_kv_heads = int(n_heads), int(n_kv_heads)

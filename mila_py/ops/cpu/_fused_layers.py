@@ -1,8 +1,9 @@
-"""Fused single-pass CPU kernels for the row-wise layers (Numba, the ``jit`` extra).
+"""Fused CPU kernels for the row-wise layers (Numba, the ``jit`` extra), one pass each.
 
 The NumPy ops make several passes over their data, one ufunc call each; for the one-row calls of
 decode the cost is the calls, not the arithmetic (RMSNorm of one 384-wide row: ~15 us in NumPy).
-These kernels do the same math in one pass:
+These kernels do the same math in one pass over the data (two over each row for RMSNorm's
+backward):
 
 - :func:`rms_norm_rows`: ``out = x * r * w`` with ``r = 1 / sqrt(mean(x^2) + eps)`` (the sum of
   squares accumulates in float64);

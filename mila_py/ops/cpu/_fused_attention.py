@@ -235,10 +235,11 @@ def decode_attention(
     probs = np.empty((n_b, n_heads, n_tk), dtype=q.dtype)
     scale = q.dtype.type(scale)
     d, g = q.shape[2] // n_heads, n_heads // n_kv_heads
+    if n_b:  # every sequence's rows have the first one's types: one lookup
+        kernel = decode_kernel(q[0, 0], k[0], v[0], n_heads, n_kv_heads, out[0, 0], probs[0])
     for b in range(n_b):
-        args = (q[b, 0], k[b], v[b], int(visible[b]), n_heads, n_kv_heads, scale, out[b, 0])
-        kernel = decode_kernel(*args[:3], n_heads, n_kv_heads, args[7], probs[b])
-        kernel(*args, probs[b], d, g)
+        kernel(q[b, 0], k[b], v[b], int(visible[b]), n_heads, n_kv_heads, scale, out[b, 0],
+               probs[b], d, g)  # fmt: skip
     return probs.reshape(n_b, n_kv_heads, n_heads // n_kv_heads, 1, n_tk)
 
 

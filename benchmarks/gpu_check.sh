@@ -35,6 +35,7 @@ else
   t_tests=480 t_rope=300 t_train=200 t_gen=200 t_plan=120
   rope_args=() gen_args=() plan_args=()
 fi
+mark() { echo "== $1 at ${SECONDS}s" | tee -a "$out/stages.log"; }
 stage() { [[ "$what" == all || "$what" == once || "$what" == "$1" || ( "$what" == bench && "$1" != tests ) ]]; }
 
 {
@@ -44,15 +45,18 @@ stage() { [[ "$what" == all || "$what" == once || "$what" == "$1" || ( "$what" =
 } 2>&1 | tee "$out/env.log"
 
 if stage tests; then
+  mark tests
   # the whole suite: with a GPU the CUDA cases run instead of skipping (-rs lists any skip)
-  timeout "$t_tests" python3 -m pytest tests -q -rs --tb=short -p no:cacheprovider 2>&1 \
+  timeout "$t_tests" python3 -m pytest tests -q -rs --tb=short --durations=10 -p no:cacheprovider 2>&1 \
     | tee "$out/tests.log" || status=1
 fi
 if stage rope; then
+  mark rope
   timeout "$t_rope" python3 benchmarks/rope_cuda.py ${rope_args[@]+"${rope_args[@]}"} --json "$out/rope_cuda.json" 2>&1 \
     | tee "$out/rope_cuda.log" || status=1
 fi
 if stage llama; then
+  mark llama
   timeout "$t_train" python3 benchmarks/train_step_cuda.py --device CUDA:0 2>&1 \
     | tee "$out/train_step_cuda.log" || status=1
   timeout "$t_gen" python3 benchmarks/generate.py --device CUDA:0 ${gen_args[@]+"${gen_args[@]}"} 2>&1 \
@@ -60,4 +64,5 @@ if stage llama; then
   timeout "$t_plan" python3 benchmarks/decode_plan.py --device CUDA:0 ${plan_args[@]+"${plan_args[@]}"} 2>&1 \
     | tee "$out/decode_plan_cuda.log" || status=1
 fi
+mark done
 exit $status

@@ -3,6 +3,7 @@ library and emulated ``CUDA:0`` for the ``*_emulated`` modules."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,6 +11,10 @@ import numpy as np
 import pytest
 
 from mila_py.devices.cuda import cuda_device_count
+
+# transformers must never reach the Hub from a test: some config classes of older releases fetch a
+# sub-config (a timm backbone) and retry for ~50 s without a network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 HAS_CUDA = cuda_device_count() > 0
 NO_CUDA_REASON = "no CUDA GPU / CuPy"

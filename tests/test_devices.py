@@ -241,6 +241,18 @@ def test_cpu_context_allocates_zeroed_arrays_of_the_requested_dtype() -> None:
     assert not ctx.is_device_array([0.0, 1.0])
 
 
+def test_cpu_context_to_host_copies_like_the_cuda_context() -> None:
+    # a record taken with to_host must not change when the model reuses its output buffer
+    ctx = CpuExecutionContext()
+    on_device = ctx.to_device(np.arange(6, dtype=np.float32))
+    back = ctx.to_host(on_device)
+    assert isinstance(back, np.ndarray) and not np.shares_memory(back, on_device)
+    on_device[0] = 100.0
+    back[1] = -5.0
+    assert back[0] == 0.0 and on_device[1] == 1.0
+    assert ctx.to_host([1, 2]).tolist() == [1, 2]
+
+
 def test_cpu_context_to_device_copies_and_to_host_returns_numpy() -> None:
     ctx = CpuExecutionContext()
     source = np.arange(6, dtype=np.float32).reshape(2, 3)

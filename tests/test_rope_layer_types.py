@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hf_versions import skip_unless_transformers_has
 from rope_helpers import make_rope, random_qk
 
 from mila_py.components import RopeConfig
@@ -125,6 +126,7 @@ def hf() -> Any:
 def _hf_config(transformers: Any, case: str) -> Any:
     cls_name, _, config_json = CASES[case]
     kwargs = {k: v for k, v in config_json.items() if k != "model_type"}
+    skip_unless_transformers_has(config_json["model_type"])
     return getattr(transformers, cls_name)(**kwargs)
 
 

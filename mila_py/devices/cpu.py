@@ -40,6 +40,11 @@ class CpuExecutionContext(ExecutionContext):
     def to_device(self, array: Any) -> np.ndarray:
         return np.array(array, copy=True)
 
+    def to_host(self, array: Any) -> np.ndarray:
+        """A NumPy copy, as on the GPU: what a caller keeps does not follow the buffers a
+        component reuses on its next call (its outputs, gradients)."""
+        return np.array(array, copy=True)
+
     def as_device_array(self, array: Any) -> Any:
         """A NumPy view (no copy) of a CPU array of another library: anything with
         ``__dlpack__`` whose memory is on the CPU (a torch CPU tensor, JAX, ...), so that a

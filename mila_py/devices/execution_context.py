@@ -55,7 +55,7 @@ class ExecutionContext(abc.ABC):
         return contextlib.nullcontext()
 
     def to_host(self, array: Any) -> np.ndarray:
-        """Copy an array of this device to a NumPy array."""
+        """A NumPy copy of an array of this device (never a view of it, on any device)."""
         return np.asarray(array)
 
     def as_device_array(self, array: Any) -> Any:

@@ -10,9 +10,11 @@
 # Each of tests, rope and llama fits one 10-minute call of the device tool; bench and all may not.
 # A lent GPU session has ~15 minutes of device time in all, start-up included, and the machine is
 # given back after ~30 s idle (each new call starts it again): use `once` with timeout_s 590. It
-# runs the whole suite (~270 s at most), RoPE without the torch.compile peer and 10 repeats, and
-# the Llama benchmarks at their small settings, each stage under its own timeout (~560 s in all);
-# logs stream to $OUT as they go, so a stage that runs out still leaves what it printed.
+# runs the whole suite (in parallel: ~85 s on an H100 machine's 16 cores), RoPE without the
+# torch.compile peer and 10 repeats (~35 s), the decode launch-cost breakdown, and the Llama
+# benchmarks at their small settings (both model sizes), each stage under its own timeout
+# (530 s in all; ~330 s were used on 2026-11-26); logs stream to $OUT as they go, so a stage that
+# runs out still leaves what it printed. At most 8 files come back: keep it to 8 logs.
 # Without `pip install -e`, the checkout is put on PYTHONPATH. The RoPE peers Liger-Kernel and
 # flash-attention (Triton code) are not on the lent GPU machines: `python benchmarks/gpu_peers.py`
 # fetches them into .gpu_peers/ beforehand; carry that folder and they are put on PYTHONPATH.
@@ -27,15 +29,15 @@ fi
 what="${1:-all}"
 status=0
 if [[ "$what" == once ]]; then
-  t_tests=270 t_rope=150 t_train=50 t_gen=60 t_plan=30
+  t_tests=170 t_rope=100 t_launch=40 t_train=50 t_gen=140 t_plan=30
   rope_args=(--no-compile --repeats 10)
-  gen_args=(--repeat 1 --sizes "~10M")
+  gen_args=(--repeat 1)
   plan_args=(--steps 100 --rounds 3)
 else
-  t_tests=480 t_rope=300 t_train=200 t_gen=200 t_plan=120
+  t_tests=480 t_rope=300 t_launch=60 t_train=200 t_gen=200 t_plan=120
   rope_args=() gen_args=() plan_args=()
 fi
-mark() { echo "== $1 at ${SECONDS}s" | tee -a "$out/stages.log"; }
+mark() { echo "== $1 at ${SECONDS}s"; }
 stage() { [[ "$what" == all || "$what" == once || "$what" == "$1" || ( "$what" == bench && "$1" != tests ) ]]; }
 
 {
@@ -47,13 +49,23 @@ stage() { [[ "$what" == all || "$what" == once || "$what" == "$1" || ( "$what" =
 if stage tests; then
   mark tests
   # the whole suite: with a GPU the CUDA cases run instead of skipping (-rs lists any skip)
-  timeout "$t_tests" python3 -m pytest tests -q -rs --tb=short --durations=10 -p no:cacheprovider 2>&1 \
+  # in parallel where pytest-xdist is installed (the GPU image has it): serially the suite ran
+  # past 270 s on an H100 machine, in ~85 s on 14 workers
+  workers=()
+  if python3 -c "import xdist" 2>/dev/null; then workers=(-n "$(( $(nproc) > 4 ? $(nproc) - 2 : 2 ))"); fi
+  timeout "$t_tests" python3 -m pytest tests -q -rs --tb=short --durations=10 -p no:cacheprovider \
+    ${workers[@]+"${workers[@]}"} 2>&1 \
     | tee "$out/tests.log" || status=1
 fi
 if stage rope; then
   mark rope
   timeout "$t_rope" python3 benchmarks/rope_cuda.py ${rope_args[@]+"${rope_args[@]}"} --json "$out/rope_cuda.json" 2>&1 \
     | tee "$out/rope_cuda.log" || status=1
+fi
+if stage rope; then
+  mark launch
+  # where the host time of one decode call goes (component, op, raw launch, toy kernels)
+  timeout "$t_launch" python3 benchmarks/cuda_launch_cost.py 2>&1 | tee "$out/launch_cost.log" || status=1
 fi
 if stage llama; then
   mark llama

@@ -1,0 +1,180 @@
+"""Where the host time of one CUDA ``Rope.decode`` call goes (needs an NVIDIA GPU and CuPy).
+
+``benchmarks/rope_cuda.py`` measured a B=1 decode call at ~25 us on an H100 with the host wall
+time equal to the event time: the call is host-bound, and the Rope issue asks for <= 10 us.
+This splits the call into its layers, each timed as host wall time per call over many calls
+(the stream synchronized once at the end, median of rounds):
+
+- ``Rope.decode`` (the component: argument checks, the op, the launch);
+- ``Rope._decode_at`` (what a parent that checked its arrays calls: the op and the launch);
+- ``CudaRopeOp.apply`` and ``CudaRopeOp._launch``;
+- the compiled kernel called with the exact argument tuple ``_launch`` builds (CuPy alone);
+- toy kernels that do nothing: no arguments, the rope kernel's 27 (7 pointers, 20 scalars),
+  9 (8 pointers and one ``long long``: the 20 scalars moved to a device block), and 8 pointers
+  plus the 20 scalars as one struct passed by value (a NumPy structured scalar);
+- ``cupy.cuda.runtime.getDevice()`` and ``ctx.activate()``.
+
+The toy rows say what a launch with fewer scalar arguments would cost; the difference between
+the component and the raw launch is the Python the component adds.
+
+    python benchmarks/cuda_launch_cost.py [--calls 3000] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mila_py import BuildContext, Precision, RuntimeMode
+from mila_py.components import Rope, RopeConfig
+from mila_py.devices.cuda import cuda_device_count
+from mila_py.ops.cuda import _kernels
+
+TOY_SOURCE = r"""
+struct Scalars {
+    int use_positions; long long offset; int n_t, n_heads, n_kv_heads, head_dim, n_freq;
+    long long q_sb, q_st, k_sb, k_st, qo_sb, qo_st, ko_sb, ko_st;
+    float sign; int copy_rest, mrope, mrope_a, mrope_b;
+};
+extern "C" __global__ void toy0() {}
+extern "C" __global__ void toy27(
+    const float* a, float* b, const float* c, float* d, const float* e, const float* f,
+    const long long* g, int h, long long i, int j, int k, int l, int m, int n,
+    long long o, long long p, long long q, long long r, long long s, long long t, long long u,
+    long long v, float w, int x, int y, int z, int zz)
+{ if (threadIdx.x > 4096) b[0] = h + i + zz; }
+extern "C" __global__ void toy9(
+    const float* a, float* b, const float* c, float* d, const float* e, const float* f,
+    const long long* g, const long long* params, long long offset)
+{ if (threadIdx.x > 4096) b[0] = params[0] + offset; }
+extern "C" __global__ void toy_struct(
+    const float* a, float* b, const float* c, float* d, const float* e, const float* f,
+    const long long* g, Scalars s)
+{ if (threadIdx.x > 4096) b[0] = s.offset; }
+"""
+
+SCALARS = [
+    ("use_positions", np.int32), ("offset", np.int64), ("n_t", np.int32),
+    ("n_heads", np.int32), ("n_kv_heads", np.int32), ("head_dim", np.int32),
+    ("n_freq", np.int32), ("q_sb", np.int64), ("q_st", np.int64), ("k_sb", np.int64),
+    ("k_st", np.int64), ("qo_sb", np.int64), ("qo_st", np.int64), ("ko_sb", np.int64),
+    ("ko_st", np.int64), ("sign", np.float32), ("copy_rest", np.int32), ("mrope", np.int32),
+    ("mrope_a", np.int32), ("mrope_b", np.int32),
+]  # fmt: skip
+
+
+def per_call_us(fn: Callable[[], Any], sync: Callable[[], None], calls: int, rounds: int) -> float:
+    """Median over ``rounds`` of host wall time per call, ``calls`` calls then one sync."""
+    for _ in range(200):
+        fn()
+    sync()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    if cuda_device_count() == 0:
+        raise SystemExit("cuda_launch_cost.py needs an NVIDIA GPU and CuPy (none seen)")
+    import cupy
+
+    cfg = RopeConfig(channels=32 * 128, n_heads=32, n_kv_heads=8, max_seq_len=8192)
+    rope = Rope("rope", cfg, device="CUDA:0", precision=Precision.FP32)
+    rope.build(BuildContext((1, 1, cfg.channels), RuntimeMode.INFERENCE))
+    ctx = rope.execution_context
+    rng = np.random.default_rng(0)
+    q = ctx.to_device(rng.standard_normal((1, 1, cfg.channels)).astype(np.float32))
+    k = ctx.to_device(rng.standard_normal((1, 1, cfg.kv_channels)).astype(np.float32))
+    op = rope._op  # type: ignore[attr-defined]
+    tables = op.table.tables_for(4001)
+
+    captured: dict[str, Any] = {}
+    real_launch = _kernels.launch
+
+    def capture(c: Any, source: str, name: str, grid: Any, block: Any, a: Any, **kw: Any) -> None:
+        captured.update(source=source, name=name, grid=grid, block=block, args=a, kw=kw)
+        real_launch(c, source, name, grid, block, a, **kw)
+
+    _kernels.launch = capture  # type: ignore[assignment]
+    rope.decode(q, k, 4000)
+    _kernels.launch = real_launch  # type: ignore[assignment]
+    kw = captured["kw"]
+    function = _kernels.kernel(
+        captured["source"], captured["name"], ctx.device_id.index, kw.get("name_expressions", ())
+    )
+    raw_args, grid, block = captured["args"], captured["grid"], (captured["block"],)
+    shared, stream = kw.get("shared_mem", 0), ctx.stream
+
+    toys = cupy.RawModule(code=TOY_SOURCE)
+    toy0, toy27 = toys.get_function("toy0"), toys.get_function("toy27")
+    toy9, toy_struct = toys.get_function("toy9"), toys.get_function("toy_struct")
+    ptrs = (q, q, k, k, tables[0], tables[1], _kernels.NULL)
+    scalars = tuple(t(1) for _, t in SCALARS)
+    params = cupy.zeros(len(SCALARS), dtype=cupy.int64)
+    struct_dtype = np.dtype(SCALARS, align=True)
+    struct = np.zeros((), dtype=struct_dtype)[()]
+
+    sync = ctx.synchronize
+
+    def activate() -> None:
+        with ctx.activate():
+            pass
+
+    rows: list[tuple[str, Callable[[], Any]]] = [
+        ("Rope.decode (component)", lambda: rope.decode(q, k, 4000)),
+        ("Rope._decode_at (no checks)", lambda: rope._decode_at(q, k, 4000)),
+        ("CudaRopeOp.apply", lambda: op.apply(q, k, offset=4000, seq_len=4001)),
+        ("CudaRopeOp._launch", lambda: op._launch(q, k, q, k, *tables, None, 4000, False)),
+        (
+            f"rope kernel, prebuilt args ({len(raw_args)})",
+            lambda: function(grid, block, raw_args, shared_mem=shared, stream=stream),
+        ),
+        ("toy kernel, 0 args", lambda: toy0((1,), (128,), (), stream=stream)),
+        (
+            "toy kernel, 27 args (7 ptr + 20 scalars)",
+            lambda: toy27((1,), (128,), (*ptrs, *scalars), stream=stream),
+        ),
+        (
+            "toy kernel, 9 args (8 ptr + int64)",
+            lambda: toy9((1,), (128,), (*ptrs, params, np.int64(4000)), stream=stream),
+        ),
+        (
+            "toy kernel, 7 ptr + 1 struct",
+            lambda: toy_struct((1,), (128,), (*ptrs, struct), stream=stream),
+        ),
+        ("cupy.cuda.runtime.getDevice()", cupy.cuda.runtime.getDevice),
+        ("with ctx.activate(): pass", activate),
+    ]
+    props = cupy.cuda.runtime.getDeviceProperties(ctx.device_id.index)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    print(f"host wall per call, median of {args.rounds} rounds of {args.calls}; {name}, "
+          f"CuPy {cupy.__version__}")  # fmt: skip
+    print(f"{'what':44} {'us/call':>8}")
+    for label, fn in rows:
+        try:
+            us = per_call_us(fn, sync, args.calls, args.rounds)
+            print(f"{label:44} {us:8.2f}", flush=True)
+        except Exception as exc:  # a variant CuPy refuses is a finding, not a crash
+            print(f"{label:44}   failed: {type(exc).__name__}: {exc}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -658,3 +658,25 @@ def test_cuda_sources_compile_with_nvrtc(index: int) -> None:
     assert names or kernels
     for symbol in [*kernels, *lowered]:
         assert symbol.encode() in cubin, symbol
+
+
+def test_bound_scalars_hold_the_exact_bytes_cupy_passes_by_value() -> None:
+    """A launch argument made once (``bound_scalar``) is CuPy's own by-value object, which its
+    launcher passes through without converting, holding the value at the scalar's own width;
+    with NumPy (the emulator) it is the scalar itself. Needs CuPy importable, not a GPU."""
+    import ctypes
+
+    cupy = pytest.importorskip("cupy")
+    from cupy.cuda.function import CPointer
+
+    cases = [
+        (np.int32(-7), ctypes.c_int32),
+        (np.int64(2**40 + 3), ctypes.c_int64),
+        (np.float32(-1.5), ctypes.c_float),
+        (_kernels.NULL, ctypes.c_uint64),
+    ]
+    for value, c_type in cases:
+        made = _kernels.bound_scalar(cupy, value)
+        assert isinstance(made, CPointer)
+        assert c_type.from_address(made.ptr).value == value
+        assert _kernels.bound_scalar(np, value) is value

@@ -599,6 +599,120 @@ def test_scaling_types(
         assert rope.attention_scaling > 1.0
 
 
+# ---------------------------------------------------------------------------------- decode again
+
+
+def _decode_loop_cases(n: int) -> dict[str, Any]:
+    scalings = _scalings(n)
+    return {"none": None, "dynamic": scalings["dynamic"], "longrope": scalings["longrope"]}
+
+
+@pytest.mark.parametrize("precision", [FP32, BF16], ids=str)
+@pytest.mark.parametrize("scaling", ["none", "dynamic", "longrope"])
+def test_decode_again_on_the_same_buffers_matches_the_cpu(
+    cuda: None, scaling: str, precision: Precision, rng
+) -> None:
+    """A decode loop writes each new token into the same Q/K buffers: from the second call on
+    the same pair, decode launches with nothing re-checked (the op's fast path), at positions
+    across the original context (1024) where dynamic NTK computes rows per call and LongRoPE
+    switches tables, which the fast path leaves to the checked path."""
+    cfg = rope_config((3, 1), 16, max_seq_len=4096, scaling=_decode_loop_cases(8)[scaling])
+    batch = 2
+    rope = cuda_rope_of(cfg, batch, 1, precision)
+    cpu = make_rope(cfg, batch, 1, precision=precision)
+    q, k = random_qk(rng, cfg, batch, 1, precision)
+    for position in (5, 6, 7, 1022, 1023, 1024, 1500, 4095, 3, np.int64(9), 1023):
+        q0, k0 = random_qk(rng, cfg, batch, 1, precision)
+        q[...], k[...] = q0, k0  # the loop's new token, in place
+        rope.decode(q, k, position)
+        cpu_q, cpu_k = q0.copy(), k0.copy()
+        cpu.decode(cpu_q, cpu_k, position)
+        assert_parity(q, cpu_q, precision)
+        assert_parity(k, cpu_k, precision)
+    assert rope._fast_decode is not None
+
+
+def test_decode_again_skips_the_checks_of_its_buffers(cuda: None, monkeypatch, rng) -> None:
+    cfg = rope_config((4, 2), 16, max_seq_len=64)
+    rope = cuda_rope_of(cfg, 2, 1)
+    q, k = random_qk(rng, cfg, 2, 1)
+    rope.decode(q, k, 3)
+    rope.decode(q, k, 4)
+
+    def no_checks(*args: Any, **kwargs: Any) -> int:
+        raise AssertionError("checked again")
+
+    monkeypatch.setattr(rope, "_check_qk", no_checks)
+    before = len(launches(rope))
+    rope.decode(q, k, 5)
+    assert len(launches(rope)) == before + 1
+    with pytest.raises(AssertionError, match="checked again"):  # another pair: checked
+        rope.decode(q.copy(), k.copy(), 5)
+
+
+def test_decode_again_still_refuses_what_can_change(cuda: None, rng) -> None:
+    """What the fast path does not pin (the position, the arrays' shape) is still checked, and
+    a refused call leaves Q and K untouched, launches nothing and keeps the fast path for the
+    next good call."""
+    cfg = rope_config((4, 2), 16, max_seq_len=64)
+    batch = 3
+    rope = cuda_rope_of(cfg, batch, 1)
+    cpu = make_rope(cfg, batch, 1)
+    q, k = random_qk(rng, cfg, batch, 1)
+    rope.decode(q, k, 1)
+    rope.decode(q, k, 2)
+    assert rope._fast_decode is not None
+    q0, k0 = q.copy(), k.copy()
+    done = len(launches(rope))
+    bad: list[tuple[Any, type[Exception], str]] = [
+        (64, ValueError, "position 64"),
+        (-1, ValueError, ">= 0"),
+        (True, TypeError, "integers"),
+        (2.0, TypeError, "integers"),
+        (np.array([3, 64, 0]), ValueError, "position 64"),
+    ]
+    for position, error, match in bad:
+        with pytest.raises(error, match=match):
+            rope.decode(q, k, position)
+        assert same_bits(q, q0) and same_bits(k, k0)
+    q.shape = (1, batch, q.shape[2])  # the same object, reshaped in place: T = 3
+    with pytest.raises(ValueError, match=r"share B and T|T == 1"):
+        rope.decode(q, k, 5)
+    q.shape = (batch, 1, q.shape[2])
+    assert same_bits(q, q0) and same_bits(k, k0)
+    assert len(launches(rope)) == done
+    rope.decode(q, k, np.int32(7))
+    cpu.decode(q0, k0, 7)
+    assert_parity(q, q0, FP32)
+    assert_parity(k, k0, FP32)
+
+
+def test_decode_again_keeps_no_buffer_alive_and_alternating_pairs_get_none(cuda: None, rng) -> None:
+    import gc
+    import weakref
+
+    cfg = rope_config((2, 1), 8, max_seq_len=32)
+    rope = cuda_rope_of(cfg, 1, 1)
+    cpu = make_rope(cfg, 1, 1)
+    pairs = [random_qk(rng, cfg, 1, 1) for _ in range(2)]
+    for step in range(6):  # two callers taking turns: each call checked, none remembered
+        q, k = pairs[step % 2]
+        q0, k0 = random_qk(rng, cfg, 1, 1)
+        q[...], k[...] = q0, k0
+        rope.decode(q, k, step)
+        cpu.decode(q0, k0, step)
+        assert_parity(q, q0, FP32)
+        assert rope._fast_decode is None
+    q, k = random_qk(rng, cfg, 1, 1)
+    rope.decode(q, k, 0)
+    rope.decode(q, k, 1)
+    assert rope._fast_decode is not None
+    refs = weakref.ref(q), weakref.ref(k)
+    del q, k
+    gc.collect()
+    assert refs[0]() is None and refs[1]() is None
+
+
 # ---------------------------------------------------------------------------------- refusals
 
 

@@ -368,6 +368,37 @@ def test_decode_at_each_position_equals_forward(layout: str, precision: Precisio
 
 
 @pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
+@pytest.mark.parametrize("scaling", [None, "dynamic"], ids=["plain", "dynamic"])
+def test_decode_again_on_the_same_buffers(precision: Precision, scaling: Any, rng) -> None:
+    """A decode loop on one Q/K pair: from the second call on, one launch with its arguments
+    made once (CuPy's by-value objects for the scalars) and nothing re-checked; past dynamic
+    NTK's original context (1024) the checked path computes rows per call. Each step equals the
+    float64 reference, and decoding a fresh copy (the checked path) gives the same bits."""
+    extra = (
+        {}
+        if scaling is None
+        else {"scaling": {"rope_type": "dynamic", "factor": 4.0,
+                          "original_max_position_embeddings": 1024}}
+    )  # fmt: skip
+    cfg = rope_config((4, 2), 16, max_seq_len=4096, **extra)
+    batch = 2
+    rope = cuda_rope_of(cfg, batch, 1, precision=precision)
+    q, k = (up(x) for x in random_qk(rng, cfg, batch, 1, precision))
+    for position in (5, 6, 7, 1023, 1024, 3000, 4095, np.int64(9), 2):
+        q0, k0 = random_qk(rng, cfg, batch, 1, precision)
+        for buffer, host in ((q, q0), (k, k0)):  # the loop's new token, in place (as bytes)
+            buffer.data.copy_from_host(np.ascontiguousarray(host).ctypes.data, host.nbytes)
+        rope.decode(q, k, position)
+        fresh_q, fresh_k = up(q0), up(k0)
+        rope.decode(fresh_q, fresh_k, int(position))
+        assert bits(q) == bits(fresh_q) and bits(k) == bits(fresh_k)
+        ref_q, ref_k = reference(cfg, q0, k0, np.full((batch, 1), int(position)))
+        assert_close(down(q), ref_q, precision)
+        assert_close(down(k), ref_k, precision)
+    assert rope._fast_decode is not None
+
+
+@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
 def test_decode_per_sequence_positions(precision: Precision, rng) -> None:
     cfg = rope_config((4, 1))
     batch = 4

@@ -21,6 +21,7 @@ of the CPU test suite swaps :func:`launch`; see ``tests/kernel_emulator.py``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,8 @@ __all__ = [
     "ROW_THREADS",
     "THREADS",
     "address",
+    "bind_launch",
+    "bound_scalar",
     "contiguous_rows",
     "device_is_current",
     "gemm_accumulate",
@@ -201,6 +204,68 @@ def launch(
     """
     function = kernel(source, name, ctx.device_id.index, name_expressions)
     function(grid, (block,), args, shared_mem=shared_mem, stream=ctx.stream)
+
+
+def bind_launch(
+    ctx: Any,
+    source: str,
+    name: str,
+    grid: tuple[int, ...],
+    block: int,
+    *,
+    shared_mem: int = 0,
+    name_expressions: tuple[str, ...] = (),
+) -> Callable[[tuple[Any, ...]], None]:
+    """:func:`launch` with everything but the arguments fixed: ``call(args)`` launches kernel
+    ``name`` on ``ctx``'s stream (the kernel looked up once, for calls made again and again
+    such as a decode step's). The caller keeps ``ctx``'s device current. With NumPy arrays (the
+    kernel emulator) each call goes through :func:`launch`, which the emulator swaps."""
+    if ctx.xp is np:
+
+        def emulated(args: tuple[Any, ...]) -> None:
+            launch(ctx, source, name, grid, block, args, shared_mem=shared_mem,
+                   name_expressions=name_expressions)  # fmt: skip
+
+        return emulated
+    function = kernel(source, name, ctx.device_id.index, name_expressions)
+    threads, stream = (block,), ctx.stream
+
+    def call(args: tuple[Any, ...]) -> None:
+        function(grid, threads, args, shared_mem=shared_mem, stream=stream)
+
+    return call
+
+
+def bound_scalar(xp: Any, value: np.generic) -> Any:
+    """``value`` (a NumPy scalar of the kernel parameter's exact type) as a launch argument made
+    once, for launches that pass it again and again.
+
+    CuPy turns every NumPy scalar argument into a C value object at each launch (~0.35 us a
+    scalar on a 2-core Xeon VM; the RoPE kernel takes 20) and passes its own argument objects
+    through unchanged. This makes that object once: a one-element array passed by value, as
+    CuPy's ``cupy.cuda.function.CNumpyArray`` holds it (the array kept alive with it). With
+    NumPy (the kernel emulator), or a CuPy without that class, ``value`` itself.
+    """
+    if xp is np:
+        return value
+    by_value = _by_value_class()
+    if by_value is None:
+        return value
+    return by_value(np.full(1, value, dtype=value.dtype))
+
+
+_BY_VALUE: list[Any] = []
+
+
+def _by_value_class() -> Any:
+    """CuPy's by-value argument class (None if this CuPy has none), looked up once."""
+    if not _BY_VALUE:
+        try:
+            from cupy.cuda.function import CNumpyArray
+        except ImportError:  # pragma: no cover - CuPy 14 has it (and passes size-1 arrays by value)
+            CNumpyArray = None
+        _BY_VALUE.append(CNumpyArray)
+    return _BY_VALUE[0]
 
 
 def device_is_current(ctx: Any) -> bool:

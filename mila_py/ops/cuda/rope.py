@@ -28,6 +28,7 @@ emulator (``tests/test_rope_cuda_emulated.py``).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -208,8 +209,8 @@ __global__ void __launch_bounds__(128) rope_qk(
 
 _CTYPES = {Precision.FP32: "float", Precision.FP16: "mila_half", Precision.BF16: "mila_bf16"}
 _THREADS = 128
-_SIGNS = {False: np.float32(1.0), True: np.float32(-1.0)}  # forward, inverse (backward)
-_NO_MROPE = (np.int32(0), np.int32(0), np.int32(0))
+#: stride patterns (and chunk lengths) whose launch arguments an op keeps made
+_ARG_CACHE = 64
 
 
 def vector_widths(precision: Precision) -> tuple[int, ...]:
@@ -252,23 +253,40 @@ class CudaRopeOp(Operation):
         # host work per launch, kept small (a B=1 decode is a few microseconds of it): the width
         # each address alignment allows, and the stride arguments of each stride pattern
         self._width_of: dict[int, int] = {}
-        self._stride_args: dict[tuple[tuple[int, ...], ...], tuple[np.int64, ...]] = {}
+        # launch arguments made once (bound_scalar: CuPy passes them without converting)
+        self._stride_args: dict[tuple[tuple[int, ...], ...], tuple[Any, ...]] = {}
+        self._n_t_args: dict[int, Any] = {}
+        self._null: Any = _kernels.NULL
+        self._flags: tuple[Any, Any] = (np.int32(0), np.int32(1))
+        self._signs: tuple[Any, Any] = (np.float32(1.0), np.float32(-1.0))
+        self._no_mrope: tuple[Any, ...] = (np.int32(0),) * 3
+        self._mrope_args = self._no_mrope  # with an M-RoPE config: for positions [3, B, T]
         self._axes: np.ndarray | None = None
-        self._mrope_args = _NO_MROPE  # with an M-RoPE config: for positions [3, B, T]
 
     def build(self, build_context: BuildContext) -> None:
         super().build(build_context)
         self.table = get_rope(self.config, self.context.device_id)
         cfg = self.config
-        # the kernel's fixed int32 arguments, made once: n_heads, n_kv_heads, head_dim, n_freq
+        b = self._bound
+        # the kernel's fixed arguments, made once: n_heads, n_kv_heads, head_dim, n_freq
         self._shape_args = tuple(
-            np.int32(v) for v in (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.table.n_freq)
+            b(np.int32(v)) for v in (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.table.n_freq)
         )
+        self._null = b(_kernels.NULL)
+        self._flags = (b(np.int32(0)), b(np.int32(1)))  # use_positions / copy_rest: no, yes
+        self._signs = (b(np.float32(1.0)), b(np.float32(-1.0)))  # forward, inverse (backward)
+        self._no_mrope = (self._flags[0],) * 3
+        self._mrope_args = self._no_mrope
+        self._n_t_args.clear()
+        self._stride_args.clear()
         self._axes = mrope_axes(cfg, self.table)
         if cfg.mrope_section is not None:  # the kernel's (mode, a, b) of mrope_axis()
             t, h, w = cfg.mrope_section
-            mode, a, b = (2, 3 * h, 3 * w) if cfg.mrope_interleaved else (1, t, t + h)
-            self._mrope_args = (np.int32(mode), np.int32(a), np.int32(b))
+            mode, lo, hi = (2, 3 * h, 3 * w) if cfg.mrope_interleaved else (1, t, t + h)
+            self._mrope_args = (b(np.int32(mode)), b(np.int32(lo)), b(np.int32(hi)))
+
+    def _bound(self, value: np.generic) -> Any:
+        return _kernels.bound_scalar(self.context.xp, value)
 
     def state_arrays(self) -> list[Any]:
         return self.table.arrays() if self.table is not None else []
@@ -297,9 +315,14 @@ class CudaRopeOp(Operation):
         if q.shape[1] != 1 or q.shape[0] == 0 or q.strides[2] != item or k.strides[2] != item:
             return general
         ctx = self.context
+        at = self.launcher(q, k)
+        limit = self.static_limit()
 
         def rotate() -> None:
             top = positions.highest
+            if positions.uniform and top < limit and at is not None:
+                at(q, k, top)
+                return
             tables = table.tables_for(top + 1)
             if tables is None:
                 general()
@@ -434,23 +457,13 @@ class CudaRopeOp(Operation):
         arrays = (q, k) if in_place else (q, k, q_out, k_out)
         vec = self.vector_width(*arrays)
         copy_rest = not in_place and 2 * n_freq < self.config.head_dim
-        key = (q.strides, k.strides, q_out.strides, k_out.strides)
-        strides = self._stride_args.get(key)
-        if strides is None:
-            item = self._item
-            strides = tuple(
-                np.int64(st // item) for a in (q, k, q_out, k_out) for st in a.strides[:2]
-            )
-            if len(self._stride_args) < 64:  # a model has a handful; odd callers, any number
-                self._stride_args[key] = strides
-        q_sb, q_st, k_sb, k_st, qo_sb, qo_st, ko_sb, ko_st = strides
+        flags = self._flags
         args = (
-            q, q_out, k, k_out, cos, sin, _kernels.NULL if pos is None else pos,
-            np.int32(pos is not None), np.int64(offset), np.int32(n_t),
-            *self._shape_args,
-            q_sb, q_st, k_sb, k_st, qo_sb, qo_st, ko_sb, ko_st,
-            _SIGNS[inverse], np.int32(copy_rest),
-            *(self._mrope_args if per_axis else _NO_MROPE),
+            q, q_out, k, k_out, cos, sin, self._null if pos is None else pos,
+            flags[pos is not None], np.int64(offset), self._n_t_arg(n_t),
+            *self._shape_args, *self._strides_of(q, k, q_out, k_out),
+            self._signs[inverse], flags[copy_rest],
+            *(self._mrope_args if per_axis else self._no_mrope),
         )  # fmt: skip
         _kernels.launch(
             ctx,
@@ -462,3 +475,115 @@ class CudaRopeOp(Operation):
             shared_mem=2 * n_freq * 4,
             name_expressions=self._names,
         )
+
+    def _strides_of(self, q: Any, k: Any, q_out: Any, k_out: Any) -> tuple[Any, ...]:
+        """The kernel's eight row-stride arguments (elements), made once per stride pattern."""
+        key = (q.strides, k.strides, q_out.strides, k_out.strides)
+        strides = self._stride_args.get(key)
+        if strides is None:
+            item = self._item
+            strides = tuple(
+                self._bound(np.int64(st // item))
+                for a in (q, k, q_out, k_out)
+                for st in a.strides[:2]
+            )
+            if len(self._stride_args) < _ARG_CACHE:  # a model has a handful; odd callers, any
+                self._stride_args[key] = strides
+        return strides
+
+    def _n_t_arg(self, n_t: int) -> Any:
+        arg = self._n_t_args.get(n_t)
+        if arg is None:
+            arg = self._bound(np.int32(n_t))
+            if len(self._n_t_args) < _ARG_CACHE:
+                self._n_t_args[n_t] = arg
+        return arg
+
+    def launcher(self, q: Any, k: Any) -> Callable[[Any, Any, int], None] | None:
+        """``rotate_at(q, k, offset)``: rotate ``q`` ``[B, T, n_heads * head_dim]`` and ``k`` in
+        place at positions ``offset .. offset + T - 1``, one launch whose other arguments are
+        made here (the kernel, its access width, strides and table; a decode step pays for the
+        position's argument alone). It takes the arrays per call, so it keeps none alive.
+
+        The caller passes these very arrays, unchanged in shape and strides (the access width
+        follows their addresses), with the context's device current and ``offset + T <=``
+        :meth:`static_limit`. None where one launch at an offset does not apply: no rows, or a
+        last axis that is not contiguous.
+        """
+        table = self.table
+        assert table is not None, "CudaRopeOp used before build"
+        n_b, n_t = int(q.shape[0]), int(q.shape[1])
+        item = self._item
+        if n_b == 0 or n_t == 0 or q.strides[2] != item or k.strides[2] != item:
+            return None
+        n_freq = table.n_freq
+        cos, sin = table.cos, table.sin
+        call = _kernels.bind_launch(
+            self.context,
+            ROPE_CUDA_SOURCE,
+            self._name_of[self.vector_width(q, k)],
+            (n_b * n_t,),
+            _THREADS,
+            shared_mem=2 * n_freq * 4,
+            name_expressions=self._names,
+        )
+        tables = (cos, sin, self._null, self._flags[0])
+        tail = (
+            self._n_t_arg(n_t), *self._shape_args, *self._strides_of(q, k, q, k),
+            self._signs[0], self._flags[0], *self._no_mrope,
+        )  # fmt: skip
+        int64 = np.int64
+
+        def rotate_at(q: Any, k: Any, offset: int) -> None:
+            call((q, q, k, k, *tables, int64(offset), *tail))
+
+        return rotate_at
+
+    def decode_fast_path(self, q: Any, k: Any) -> Callable[[Any, Any, Any], bool] | None:
+        """For a component whose ``decode`` is called again and again on the buffers ``q``,
+        ``k`` ``[B, 1, width]`` it has checked: ``again(q2, k2, position)`` rotates them at
+        ``position`` with one :meth:`launcher` launch and returns True when ``q2`` and ``k2``
+        are those arrays (the same objects, held weakly, with the same shape, strides and
+        dtype), ``position`` an int below :meth:`static_limit` and the device current; else
+        it does nothing and returns False (the caller takes its checked path). None where
+        :meth:`launcher` does not apply."""
+        at = self.launcher(q, k)
+        if at is None or q.shape[1] != 1:
+            return None
+        q_ref: Callable[[], Any] = weakref.ref(q)
+        k_ref: Callable[[], Any] = weakref.ref(k)
+        q_key, k_key = (q.shape, q.strides, q.dtype), (k.shape, k.strides, k.dtype)
+        limit = self.static_limit()
+        xp = self.context.xp
+        device = self.context.device_id.index
+        get_device = (lambda: device) if xp is np else xp.cuda.runtime.getDevice
+        integer = np.integer
+
+        def again(q2: Any, k2: Any, position: Any) -> bool:
+            if q2 is not q_ref() or k2 is not k_ref():
+                return False
+            if type(position) is not int:
+                if not isinstance(position, integer):
+                    return False
+                position = int(position)
+            if not 0 <= position < limit or get_device() != device:
+                return False
+            if (q2.shape, q2.strides, q2.dtype) != q_key:
+                return False
+            if (k2.shape, k2.strides, k2.dtype) != k_key:
+                return False
+            at(q2, k2, position)
+            return True
+
+        return again
+
+    def static_limit(self) -> int:
+        """A call whose positions all lie below this uses the table :meth:`launcher` binds:
+        ``max_seq_len``, or the original context where a longer call takes other tables
+        (LongRoPE's long ones) or rows of its own (length-dependent types, see
+        :meth:`RopeTable.tables_for`)."""
+        table = self.table
+        assert table is not None, "CudaRopeOp used before build"
+        if table.per_length or table.long_cos is not None:
+            return min(table.original_len, self.config.max_seq_len)
+        return self.config.max_seq_len

@@ -215,23 +215,25 @@ def bind_launch(
     *,
     shared_mem: int = 0,
     name_expressions: tuple[str, ...] = (),
-) -> Callable[[tuple[Any, ...]], None]:
+) -> Callable[..., None]:
     """:func:`launch` with everything but the arguments fixed: ``call(args)`` launches kernel
     ``name`` on ``ctx``'s stream (the kernel looked up once, for calls made again and again
-    such as a decode step's). The caller keeps ``ctx``'s device current. With NumPy arrays (the
-    kernel emulator) each call goes through :func:`launch`, which the emulator swaps."""
+    such as a decode step's); ``call(args, shared)`` with ``shared`` bytes of dynamic shared
+    memory instead of ``shared_mem``. The caller keeps ``ctx``'s device current. With NumPy
+    arrays (the kernel emulator) each call goes through :func:`launch`, which the emulator
+    swaps."""
     if ctx.xp is np:
 
-        def emulated(args: tuple[Any, ...]) -> None:
-            launch(ctx, source, name, grid, block, args, shared_mem=shared_mem,
+        def emulated(args: tuple[Any, ...], shared: int = shared_mem) -> None:
+            launch(ctx, source, name, grid, block, args, shared_mem=shared,
                    name_expressions=name_expressions)  # fmt: skip
 
         return emulated
     function = kernel(source, name, ctx.device_id.index, name_expressions)
     threads, stream = (block,), ctx.stream
 
-    def call(args: tuple[Any, ...]) -> None:
-        function(grid, threads, args, shared_mem=shared_mem, stream=stream)
+    def call(args: tuple[Any, ...], shared: int = shared_mem) -> None:
+        function(grid, threads, args, shared_mem=shared, stream=stream)
 
     return call
 

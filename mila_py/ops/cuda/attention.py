@@ -20,6 +20,7 @@ this exact orchestration with NumPy and reference kernels.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -354,18 +355,20 @@ class CudaAttentionOp(Operation):
             return bind_cache_write(self.context.xp, k_new, v_new, k_cache, v_cache, positions)
         ctx: Any = self.context
         n_b, t_max, width = k_cache.shape
+        b = functools.partial(_kernels.bound_scalar, ctx.xp)  # arguments made once
         fixed = (
-            np.int64(k_new.strides[0] // item), np.int64(v_new.strides[0] // item),
-            np.int32(t_max), np.int32(width), np.int32(n_b),
+            b(np.int64(k_new.strides[0] // item)), b(np.int64(v_new.strides[0] // item)),
+            b(np.int32(t_max)), b(np.int32(width)), b(np.int32(n_b)),
         )  # fmt: skip
-        grid = _kernels.grid_1d(n_b * width)
+        null, int64 = b(_kernels.NULL), np.int64
+        call = _kernels.bind_launch(
+            ctx, ATTENTION_CUDA_SOURCE, "kv_cache_write", _kernels.grid_1d(n_b * width),
+            _kernels.THREADS,
+        )  # fmt: skip
 
         def write() -> None:
-            pos = _kernels.NULL if positions.uniform else positions.on_device(ctx)
-            args = (k_new, v_new, k_cache, v_cache, pos, np.int64(positions.highest), *fixed)
-            _kernels.launch(
-                ctx, ATTENTION_CUDA_SOURCE, "kv_cache_write", grid, _kernels.THREADS, args
-            )
+            pos = null if positions.uniform else positions.on_device(ctx)
+            call((k_new, v_new, k_cache, v_cache, pos, int64(positions.highest), *fixed))
 
         return write
 
@@ -405,10 +408,13 @@ class CudaAttentionOp(Operation):
         ctx: Any = self.context
         n_b, t_max = k_cache.shape[0], k_cache.shape[1]
         head_dim = q.shape[2] // n_heads
-        fixed = tuple(np.int32(v) for v in (t_max, n_heads, n_kv_heads, head_dim))
-        stride = np.int64(q.strides[0] // item)
-        grid = (n_heads, n_b)
-        s = np.float32(scale)
+        b = functools.partial(_kernels.bound_scalar, ctx.xp)  # arguments made once
+        fixed = tuple(b(np.int32(v)) for v in (t_max, n_heads, n_kv_heads, head_dim))
+        stride, s, null = b(np.int64(q.strides[0] // item)), b(np.float32(scale)), b(_kernels.NULL)
+        call = _kernels.bind_launch(
+            ctx, ATTENTION_CUDA_SOURCE, "attention_decode", (n_heads, n_b), _DECODE_THREADS
+        )
+        int32 = np.int32
 
         def attend() -> None:
             n = positions.highest + 1
@@ -416,12 +422,8 @@ class CudaAttentionOp(Operation):
                 general()
                 return
             # per-sequence lengths from the step's positions on the device (one copy per step)
-            pos = _kernels.NULL if positions.uniform else positions.on_device(ctx)
-            args = (q, k_cache, v_cache, out, pos, np.int32(n), stride, *fixed, s)
-            _kernels.launch(
-                ctx, ATTENTION_CUDA_SOURCE, "attention_decode", grid, _DECODE_THREADS, args,
-                shared_mem=n * 4,
-            )  # fmt: skip
+            pos = null if positions.uniform else positions.on_device(ctx)
+            call((q, k_cache, v_cache, out, pos, int32(n), stride, *fixed, s), n * 4)
 
         return attend
 

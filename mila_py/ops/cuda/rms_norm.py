@@ -139,21 +139,19 @@ class CudaRmsNormOp(Operation):
         ctx: Any = self.context
         x2 = x.reshape(-1, x.shape[-1])
         n_rows, dim = x2.shape
+        b = _kernels.bound_scalar
         args = (
             x2,
             weight,
             out_rows(out),
             out_flat(rstd),
-            np.int32(dim),
-            np.float32(self.config.eps),
+            b(ctx.xp, np.int32(dim)),
+            b(ctx.xp, np.float32(self.config.eps)),
         )
-
-        def run() -> None:
-            _kernels.launch(
-                ctx, RMS_NORM_CUDA_SOURCE, "rms_norm_forward", (n_rows,), _kernels.ROW_THREADS, args
-            )
-
-        return run
+        call = _kernels.bind_launch(
+            ctx, RMS_NORM_CUDA_SOURCE, "rms_norm_forward", (n_rows,), _kernels.ROW_THREADS
+        )
+        return lambda: call(args)
 
     def backward(self, x: Any, weight: Any, rstd: Any, dy: Any, dweight: Any, dx: Any) -> None:
         """Accumulate ``dweight [D]``; overwrite ``dx [..., D]`` (C-contiguous)."""

@@ -98,13 +98,11 @@ class CudaSwiGLUOp(Operation):
         if not (gate.flags.c_contiguous and up.flags.c_contiguous) or n == 0:
             return super().bind_forward(gate, up, out)
         ctx: Any = self.context
-        args = (gate, up, out_rows(out), np.int64(n))
-        grid = _kernels.grid_1d(n)
-
-        def run() -> None:
-            _kernels.launch(ctx, SWIGLU_CUDA_SOURCE, "swiglu_forward", grid, _kernels.THREADS, args)
-
-        return run
+        args = (gate, up, out_rows(out), _kernels.bound_scalar(ctx.xp, np.int64(n)))
+        call = _kernels.bind_launch(
+            ctx, SWIGLU_CUDA_SOURCE, "swiglu_forward", _kernels.grid_1d(n), _kernels.THREADS
+        )
+        return lambda: call(args)
 
     def backward(self, gate: Any, up: Any, dh: Any, dgate: Any, dup: Any) -> None:
         """Overwrite ``dgate`` and ``dup`` (C-contiguous); ``dgate`` may be ``dh`` itself."""

@@ -5,7 +5,8 @@ time equal to the event time: the call is host-bound, and the Rope issue asks fo
 This splits the call into its layers, each timed as host wall time per call over many calls
 (the stream synchronized once at the end, median of rounds):
 
-- ``Rope.decode`` (the component: argument checks, the op, the launch);
+- ``Rope.decode`` on the buffers it decoded the call before (the component's fast path: identity,
+  shape and position checks, then the op's bound launch);
 - ``Rope._decode_at`` (what a parent that checked its arrays calls: the op and the launch);
 - ``CudaRopeOp.apply`` and ``CudaRopeOp._launch``;
 - the compiled kernel called with the exact argument tuple ``_launch`` builds (CuPy alone);

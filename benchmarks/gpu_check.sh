@@ -54,27 +54,27 @@ if stage tests; then
   # past 270 s on an H100 machine, in ~85 s on 14 workers
   workers=()
   if python3 -c "import xdist" 2>/dev/null; then workers=(-n "$(( $(nproc) > 4 ? $(nproc) - 2 : 2 ))"); fi
-  timeout "$t_tests" python3 -m pytest tests -q -rs --tb=short --durations=10 -p no:cacheprovider \
+  timeout -k 10 "$t_tests" python3 -m pytest tests -q -rs --tb=short --durations=10 -p no:cacheprovider \
     ${workers[@]+"${workers[@]}"} 2>&1 \
     | tee "$out/tests.log" || status=1
 fi
 if stage rope; then
   mark rope
-  timeout "$t_rope" python3 benchmarks/rope_cuda.py ${rope_args[@]+"${rope_args[@]}"} --json "$out/rope_cuda.json" 2>&1 \
+  timeout -k 10 "$t_rope" python3 benchmarks/rope_cuda.py ${rope_args[@]+"${rope_args[@]}"} --json "$out/rope_cuda.json" 2>&1 \
     | tee "$out/rope_cuda.log" || status=1
 fi
 if stage rope; then
   mark launch
   # where the host time of one decode call goes (component, op, raw launch, toy kernels)
-  timeout "$t_launch" python3 benchmarks/cuda_launch_cost.py 2>&1 | tee -a "$out/rope_cuda.log" || status=1
+  timeout -k 10 "$t_launch" python3 benchmarks/cuda_launch_cost.py 2>&1 | tee -a "$out/rope_cuda.log" || status=1
 fi
 if stage llama; then
   mark llama
-  timeout "$t_train" python3 benchmarks/train_step_cuda.py --device CUDA:0 2>&1 \
+  timeout -k 10 "$t_train" python3 benchmarks/train_step_cuda.py --device CUDA:0 2>&1 \
     | tee "$out/train_step_cuda.log" || status=1
-  timeout "$t_gen" python3 benchmarks/generate.py --device CUDA:0 ${gen_args[@]+"${gen_args[@]}"} 2>&1 \
+  timeout -k 10 "$t_gen" python3 benchmarks/generate.py --device CUDA:0 ${gen_args[@]+"${gen_args[@]}"} 2>&1 \
     | grep -v Writing | tee "$out/generate_cuda.log" || status=1
-  timeout "$t_plan" python3 benchmarks/decode_plan.py --device CUDA:0 ${plan_args[@]+"${plan_args[@]}"} 2>&1 \
+  timeout -k 10 "$t_plan" python3 benchmarks/decode_plan.py --device CUDA:0 ${plan_args[@]+"${plan_args[@]}"} 2>&1 \
     | tee "$out/decode_plan_cuda.log" || status=1
 fi
 if [[ "$what" == once ]]; then
@@ -83,7 +83,7 @@ if [[ "$what" == once ]]; then
   left=$(( 560 - SECONDS ))
   if (( left > 40 )); then
     mark compile
-    timeout "$left" python3 benchmarks/rope_cuda.py --repeats 10 2>&1 \
+    timeout -k 10 "$left" python3 benchmarks/rope_cuda.py --repeats 10 2>&1 \
       | tee "$out/rope_compile.log" || status=1
   fi
 fi

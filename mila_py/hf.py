@@ -45,7 +45,12 @@ from mila_py.components._layer import is_int
 from mila_py.components.llama import Llama, LlamaConfig
 from mila_py.components.rope_config import RopeConfig
 from mila_py.components.rope_scaling import rope_type_name
-from mila_py.serialization import assign_parameters, open_safetensors, read_safetensors
+from mila_py.serialization import (
+    assign_parameters,
+    open_safetensors,
+    read_safetensors,
+    readable_on_host,
+)
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -487,8 +492,9 @@ def mila_to_hf(tensors: Mapping[str, Any], cfg: LlamaConfig) -> dict[str, np.nda
     """The inverse of :func:`hf_to_mila`: mila_py names -> ``LlamaForCausalLM`` names.
 
     ``qkv_proj.weight`` is split into ``q_proj``, ``k_proj`` and ``v_proj``; no ``lm_head.weight``
-    is written for tied embeddings (as ``save_pretrained`` does). Arrays are host copies (a
-    CuPy array is accepted through ``.get()``).
+    is written for tied embeddings (as ``save_pretrained`` does). Arrays are on the host: a CuPy
+    array comes through ``.get()``, a NumPy one is passed on as it is (Q, K and V split off as
+    copies); nothing is written into ``tensors``.
 
     Raises:
         ValueError: listing every missing, unexpected or mis-shaped tensor.
@@ -686,7 +692,7 @@ def save_hf_checkpoint(model: Llama, path: str | os.PathLike[str]) -> None:
     if not model.is_built:
         raise RuntimeError(f"{model._describe()}: build it before save_hf_checkpoint()")
     ctx = model.execution_context
-    params = {name: ctx.to_host(p) for name, p in model.named_parameters()}
+    params = {name: readable_on_host(ctx, p) for name, p in model.named_parameters()}
     tensors = mila_to_hf(params, model.config)
     config = llama_config_to_hf(model.config)  # refused before anything is written
     root = Path(path)

@@ -27,11 +27,20 @@ def save(component: Any, path: str | os.PathLike[str]) -> None:
     if not component.is_built:
         raise RuntimeError(f"{component._describe()}: build it before save()")
     ctx = component.execution_context
-    tensors = {name: np.ascontiguousarray(ctx.to_host(p)) for name, p in _named(component, "save")}
+    tensors = {
+        name: np.ascontiguousarray(readable_on_host(ctx, p))
+        for name, p in _named(component, "save")
+    }
     try:
         save_file(tensors, os.fspath(path), metadata={"format": "mila_py"})
     except SafetensorError as exc:  # the library's I/O errors are plain Exceptions
         raise OSError(f"{component._describe()}: cannot write {os.fspath(path)} ({exc})") from exc
+
+
+def readable_on_host(ctx: Any, array: Any) -> np.ndarray:
+    """``array`` to read on the host: itself where it is a NumPy array already (a save writes
+    from the parameters, without a second copy of every weight), else ``ctx.to_host``'s copy."""
+    return array if isinstance(array, np.ndarray) else ctx.to_host(array)
 
 
 def _named(component: Any, what: str) -> list[tuple[str, Any]]:

@@ -4,6 +4,8 @@ any drift after an upgrade fails and shows."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 #: the transformers release the HF comparisons were verified against, and that
@@ -15,8 +17,10 @@ def transformers_version() -> tuple[int, int]:
     """The installed transformers' ``(major, minor)``."""
     import transformers
 
-    major, minor = transformers.__version__.split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+    major, minor = (
+        re.match(r"\d*", part).group() or "0" for part in transformers.__version__.split(".")[:2]
+    )  # type: ignore[union-attr]
+    return int(major), int(minor)
 
 
 def skip_before_verified_transformers(what: str) -> None:

@@ -675,8 +675,13 @@ def test_bound_scalars_hold_the_exact_bytes_cupy_passes_by_value() -> None:
         (np.float32(-1.5), ctypes.c_float),
         (_kernels.NULL, ctypes.c_uint64),
     ]
-    for value, c_type in cases:
-        made = _kernels.bound_scalar(cupy, value)
-        assert isinstance(made, CPointer)
-        assert c_type.from_address(made.ptr).value == value
+    made = [_kernels.bound_scalar(cupy, value) for value, _ in cases]
+    import gc
+
+    gc.collect()
+    churn = [np.full(1, -1.0) for _ in range(1000)]  # reuse of freed memory would show
+    for (value, c_type), arg in zip(cases, made, strict=True):
+        assert isinstance(arg, CPointer)
+        assert c_type.from_address(arg.ptr).value == value
         assert _kernels.bound_scalar(np, value) is value
+    del churn

@@ -632,6 +632,46 @@ def test_decode_again_on_the_same_buffers_matches_the_cpu(
     assert rope._fast_decode is not None
 
 
+@pytest.mark.parametrize("scaling", ["none", "dynamic", "longrope"])
+def test_a_decode_plan_step_across_the_original_context(cuda: None, scaling: str, rng) -> None:
+    """The op's bound decode (a decode plan's call) launches with its arguments made once while
+    the step's positions stay under the original context (1024); past it, dynamic NTK's rows
+    are computed per call and LongRoPE switches tables, through the general path."""
+    from mila_py.ops.operation import DecodePositions
+
+    cfg = rope_config((3, 1), 16, max_seq_len=4096, scaling=_decode_loop_cases(8)[scaling])
+    batch = 2
+    rope = cuda_rope_of(cfg, batch, 1)
+    cpu = make_rope(cfg, batch, 1)
+    q, k = random_qk(rng, cfg, batch, 1)
+    positions = DecodePositions(batch)
+    step = rope.op.bind_decode(q, k, positions)
+    for position in (1022, 1023, 1024, 1025, 3000, 7):
+        q0, k0 = random_qk(rng, cfg, batch, 1)
+        q[...], k[...] = q0, k0
+        positions.set(position, position, position)
+        step()
+        cpu.decode(q0, k0, position)
+        assert_parity(q, q0, FP32)
+        assert_parity(k, k0, FP32)
+
+
+def test_decode_again_past_the_original_context_makes_its_fast_path_once(
+    cuda: None, monkeypatch, rng
+) -> None:
+    """Positions the fast path leaves to the checked path (LongRoPE past 1024) do not make it
+    anew at each step: it is made once per pair of buffers."""
+    cfg = rope_config((3, 1), 16, max_seq_len=4096, scaling=_decode_loop_cases(8)["longrope"])
+    rope = cuda_rope_of(cfg, 1, 1)
+    made: list[int] = []
+    make = rope.op.decode_fast_path
+    monkeypatch.setattr(rope.op, "decode_fast_path", lambda q, k: made.append(1) or make(q, k))
+    q, k = random_qk(rng, cfg, 1, 1)
+    for position in range(1020, 1040):
+        rope.decode(q, k, position)
+    assert len(made) == 1
+
+
 def test_decode_again_skips_the_checks_of_its_buffers(cuda: None, monkeypatch, rng) -> None:
     cfg = rope_config((4, 2), 16, max_seq_len=64)
     rope = cuda_rope_of(cfg, 2, 1)
@@ -661,7 +701,8 @@ def test_decode_again_still_refuses_what_can_change(cuda: None, rng) -> None:
     q, k = random_qk(rng, cfg, batch, 1)
     rope.decode(q, k, 1)
     rope.decode(q, k, 2)
-    assert rope._fast_decode is not None
+    fast = rope._fast_decode
+    assert fast is not None
     q0, k0 = q.copy(), k.copy()
     done = len(launches(rope))
     bad: list[tuple[Any, type[Exception], str]] = [
@@ -679,9 +720,15 @@ def test_decode_again_still_refuses_what_can_change(cuda: None, rng) -> None:
     with pytest.raises(ValueError, match=r"share B and T|T == 1"):
         rope.decode(q, k, 5)
     q.shape = (batch, 1, q.shape[2])
+    k.shape = (1, batch, k.shape[2])  # K reshaped in place instead
+    with pytest.raises(ValueError, match=r"share B and T|T == 1"):
+        rope.decode(q, k, 5)
+    k.shape = (batch, 1, k.shape[2])
     assert same_bits(q, q0) and same_bits(k, k0)
     assert len(launches(rope)) == done
+    assert rope._fast_decode is fast  # refusals keep it for the next good call
     rope.decode(q, k, np.int32(7))
+    assert len(launches(rope)) == done + 1 and rope._fast_decode is fast
     cpu.decode(q0, k0, 7)
     assert_parity(q, q0, FP32)
     assert_parity(k, k0, FP32)

@@ -11,11 +11,12 @@ config.json) and rotary module, with HF's ``rotate_half`` rotation written out h
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 import numpy as np
 import pytest
-from hf_versions import skip_before_verified_transformers, skip_unless_transformers_has
+from hf_versions import skip_before_verified_transformers
 from rope_helpers import make_rope, random_qk
 
 from mila_py.components import RopeConfig
@@ -29,8 +30,9 @@ pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 def _family(package: str, config_class: str, rotary: str, **kwargs: Any) -> tuple[Any, Any]:
     """``(config, rotary module)`` of a family, its config built from the class defaults."""
-    skip_unless_transformers_has(package)
     models = f"transformers.models.{package}"
+    if importlib.util.find_spec(models) is None:
+        pytest.skip(f"this transformers has no {models}")
     config = getattr(importlib.import_module(f"{models}.configuration_{package}"), config_class)
     hf_config = config(**kwargs)
     module = importlib.import_module(f"{models}.modeling_{package}")

@@ -223,9 +223,11 @@ class Rope(Component):
         the op for a fast path on it (a caller alternating between buffers never pays for one)."""
         last = self._last_decoded
         if last is not None and last[0]() is q and last[1]() is k:
-            make = getattr(self._op, "decode_fast_path", None)
-            self._fast_decode = None if make is None else make(q, k)
+            if self._fast_decode is None:  # kept while the pair stays (a refused position too)
+                make = getattr(self._op, "decode_fast_path", None)
+                self._fast_decode = None if make is None else make(q, k)
             return
+        self._fast_decode = None  # another pair: the last one's fast path goes
         try:
             self._last_decoded = weakref.ref(q), weakref.ref(k)
         except TypeError:  # an array type without weak references: no fast path

@@ -56,7 +56,7 @@ class ExecutionContext(abc.ABC):
 
     def to_host(self, array: Any) -> np.ndarray:
         """A NumPy copy of an array of this device (never a view of it, on any device)."""
-        return np.asarray(array)
+        return np.array(array, copy=True)
 
     def as_device_array(self, array: Any) -> Any:
         """A view (no copy) of another library's array on this device, in this context's array

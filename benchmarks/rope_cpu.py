@@ -8,7 +8,9 @@ Measures, for Q ``[B, T, Hq*d]`` and K ``[B, T, Hk*d]`` in fp32:
 - mila_py ``Rope.rotate`` at explicit positions ``[B, T]`` and, with a Qwen2-VL M-RoPE config
   (``mrope_section`` 16/24/24 for head_dim 128, else a third each), at positions ``[3, B, T]``;
 - Hugging Face ``apply_rotary_pos_emb`` in torch eager, when torch and transformers are installed;
-- ``Rope.decode`` for B=1 (whole component call, checks included), in microseconds per call.
+- ``Rope.decode`` for B=1 (whole component calls), in microseconds per call: on the same buffers
+  again (the component's fast path: identity, shape and position checks, one kernel call), and
+  alternating between two buffer pairs (every call fully checked).
 
 Run: ``python benchmarks/rope_cpu.py`` (``--help`` for shapes). Prints a table with ratios.
 """
@@ -200,11 +202,23 @@ def main() -> None:
     # decode: the whole component call for B=1, T=1
     dq = rng.standard_normal((1, 1, hq * d), dtype=np.float32)
     dk = rng.standard_normal((1, 1, hk * d), dtype=np.float32)
+    other = dq.copy(), dk.copy()
+    turn = [0]
+
+    def alternating() -> None:  # two buffer pairs taking turns: every call checked
+        turn[0] ^= 1
+        q, k = (dq, dk) if turn[0] else other
+        rope.decode(q, k, 1234)
+
     print(f"\n{'Rope.decode B=1 (whole call)':<42} {'us/call':>9}")
     for backend in backends:
         rope.op.backend = backend
-        seconds = _per_call_seconds(lambda: rope.decode(dq, dk, 1234), calls=2000)
-        print(f"{'  ' + backend:<42} {seconds * 1e6:9.2f}")
+        for label, call in (
+            ("same buffers again", lambda: rope.decode(dq, dk, 1234)),
+            ("alternating buffers (checked)", alternating),
+        ):
+            seconds = _per_call_seconds(call, calls=2000)
+            print(f"{'  ' + backend + ', ' + label:<42} {seconds * 1e6:9.2f}")
     rope.op.backend = "auto"
 
 

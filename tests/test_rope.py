@@ -364,6 +364,72 @@ def test_an_empty_batch_decodes_nothing(backend: str, position: Any) -> None:
     assert q.shape == (0, 1, cfg.channels)
 
 
+SCALINGS_ACROSS_1024: dict[str, Any] = {
+    "none": None,
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 1024},
+    "longrope": {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.05 * i for i in range(8)],
+        "long_factor": [1.0 + 1.7 * i for i in range(8)],
+        "original_max_position_embeddings": 1024,
+    },
+}
+
+
+@pytest.mark.parametrize("precision", [FP32, BF16], ids=str)
+@pytest.mark.parametrize("scaling", list(SCALINGS_ACROSS_1024))
+def test_decode_again_on_the_same_buffers(
+    backend: str, scaling: str, precision: Precision, rng
+) -> None:
+    """A decode loop writes each token into the same Q/K buffers. From the second call on the
+    fused fp32 path launches its kernel with nothing re-checked but the position and the
+    arrays' identity, shape, strides and dtype; positions past the original context (dynamic
+    NTK's rows, LongRoPE's long table), other backends and 16-bit data take the checked path.
+    Each step gives the bits of a fresh component's checked call and the float64 reference."""
+    cfg = rope_config((3, 1), 16, max_seq_len=4096, scaling=SCALINGS_ACROSS_1024[scaling])
+    batch = 2
+    rope = make_rope(cfg, batch, 1, precision=precision, backend=backend)
+    checked = make_rope(cfg, batch, 1, precision=precision, backend=backend)
+    q, k = random_qk(rng, cfg, batch, 1, precision)
+    for position in (5, 6, 1022, 1023, 1024, 1500, 4095, np.int64(9), 2):
+        q0, k0 = random_qk(rng, cfg, batch, 1, precision)
+        q[...], k[...] = q0, k0
+        rope.decode(q, k, position)
+        fresh_q, fresh_k = q0.copy(), k0.copy()
+        checked.decode(fresh_q, fresh_k, int(position))
+        assert _bits(q) == _bits(fresh_q) and _bits(k) == _bits(fresh_k)
+        ref_q, ref_k = reference(cfg, q0, k0, np.full((batch, 1), int(position)))
+        assert_close(q, ref_q, precision)
+        assert_close(k, ref_k, precision)
+    engaged = backend == "fused" and precision is FP32
+    assert (rope._fast_decode is not None) == engaged
+
+
+def test_decode_again_still_checks_what_can_change(rng) -> None:
+    """A buffer made read-only, a position past the table, a backend switched to NumPy: the
+    fast path hands each to the checked path, which refuses or runs it as before."""
+    pytest.importorskip("numba")
+    cfg = rope_config((4, 2), 16, max_seq_len=64)
+    rope = make_rope(cfg, 1, 1, backend="fused")
+    q, k = random_qk(rng, cfg, 1, 1)
+    rope.decode(q, k, 1)
+    rope.decode(q, k, 2)
+    assert rope._fast_decode is not None
+    q0, k0 = q.copy(), k.copy()
+    q.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        rope.decode(q, k, 3)
+    q.flags.writeable = True
+    with pytest.raises(ValueError, match="position 64"):
+        rope.decode(q, k, 64)
+    assert _bits(q) == _bits(q0) and _bits(k) == _bits(k0)
+    rope.op.backend = "numpy"
+    rope.decode(q, k, 7)
+    want_q, want_k = reference(cfg, q0, k0, np.full((1, 1), 7))
+    assert_close(q, want_q, FP32)
+    assert_close(k, want_k, FP32)
+
+
 def test_backends_agree(rng) -> None:
     pytest.importorskip("numba")
     cfg = rope_config((5, 1), layout="interleaved", rotary_dim=10)

@@ -8,6 +8,7 @@ one table (counted once in memory statistics).
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from typing import Any
@@ -122,6 +123,15 @@ class RopeTable:
     def per_length(self) -> bool:
         """True for types with new frequencies for every length past the original (dynamic)."""
         return self._entry.length_dependent == "per_length"
+
+    @property
+    def static_len(self) -> int:
+        """Every call of ``seq_len <=`` this (and ``<= max_seq_len``) reads :attr:`cos` and
+        :attr:`sin`: the original context where a longer call takes LongRoPE's long tables or
+        rows of its own (length-dependent types), else any length."""
+        if self.per_length or self.long_cos is not None:
+            return self.original_len
+        return sys.maxsize
 
     def tables_for(self, seq_len: int) -> tuple[Any, Any] | None:
         """The ``(cos, sin)`` tables for a call whose largest position is ``seq_len - 1``.

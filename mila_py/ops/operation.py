@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -250,3 +251,39 @@ class FusedAdamW(Operation):
         """Run the kernel: ``scalars`` are ``(decay, beta1, 1 - beta1, beta2, 1 - beta2,
         sqrt(correction2), eps, step_size)`` in the parameter's dtype."""
         raise NotImplementedError
+
+
+def decode_again(
+    q: Any,
+    k: Any,
+    limit: int,
+    rotate: Callable[[Any, Any, int], None],
+    ready: Callable[[Any, Any], bool],
+) -> Callable[[Any, Any, Any], bool]:
+    """A RoPE op's fast path for a component's ``decode`` called again on buffers it checked:
+    ``again(q2, k2, position)`` calls ``rotate(q2, k2, position)`` and returns True when ``q2``
+    and ``k2`` are ``q`` and ``k`` (the same objects, held weakly, with the shape, strides and
+    dtype they had here), ``position`` an int in ``[0, limit)`` and ``ready(q2, k2)``; else it
+    does nothing and returns False (the caller takes its checked path)."""
+    q_ref: Callable[[], Any] = weakref.ref(q)
+    k_ref: Callable[[], Any] = weakref.ref(k)
+    q_key, k_key = (q.shape, q.strides, q.dtype), (k.shape, k.strides, k.dtype)
+    integer = np.integer
+
+    def again(q2: Any, k2: Any, position: Any) -> bool:
+        if q2 is not q_ref() or k2 is not k_ref():
+            return False
+        if type(position) is not int:
+            if not isinstance(position, integer):
+                return False
+            position = int(position)
+        if not 0 <= position < limit:
+            return False
+        if (q2.shape, q2.strides, q2.dtype) != q_key or (k2.shape, k2.strides, k2.dtype) != k_key:
+            return False
+        if not ready(q2, k2):
+            return False
+        rotate(q2, k2, position)
+        return True
+
+    return again

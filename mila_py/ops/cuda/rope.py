@@ -28,7 +28,6 @@ emulator (``tests/test_rope_cuda_emulated.py``).
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +38,7 @@ from mila_py.components.rope_config import RopeConfig, RopeLayout
 from mila_py.components.rope_table import RopeTable, get_rope, mrope_axes
 from mila_py.devices import DeviceType
 from mila_py.ops.cuda import _kernels
-from mila_py.ops.operation import DecodePositions, Operation, bind_rope_decode
+from mila_py.ops.operation import DecodePositions, Operation, bind_rope_decode, decode_again
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
@@ -550,40 +549,15 @@ class CudaRopeOp(Operation):
         at = self.launcher(q, k)
         if at is None or q.shape[1] != 1:
             return None
-        q_ref: Callable[[], Any] = weakref.ref(q)
-        k_ref: Callable[[], Any] = weakref.ref(k)
-        q_key, k_key = (q.shape, q.strides, q.dtype), (k.shape, k.strides, k.dtype)
-        limit = self.static_limit()
         xp = self.context.xp
         device = self.context.device_id.index
         get_device = (lambda: device) if xp is np else xp.cuda.runtime.getDevice
-        integer = np.integer
-
-        def again(q2: Any, k2: Any, position: Any) -> bool:
-            if q2 is not q_ref() or k2 is not k_ref():
-                return False
-            if type(position) is not int:
-                if not isinstance(position, integer):
-                    return False
-                position = int(position)
-            if not 0 <= position < limit or get_device() != device:
-                return False
-            if (q2.shape, q2.strides, q2.dtype) != q_key:
-                return False
-            if (k2.shape, k2.strides, k2.dtype) != k_key:
-                return False
-            at(q2, k2, position)
-            return True
-
-        return again
+        return decode_again(q, k, self.static_limit(), at, lambda q, k: get_device() == device)
 
     def static_limit(self) -> int:
         """A call whose positions all lie below this uses the table :meth:`launcher` binds:
         ``max_seq_len``, or the original context where a longer call takes other tables
         (LongRoPE's long ones) or rows of its own (length-dependent types, see
         :meth:`RopeTable.tables_for`)."""
-        table = self.table
-        assert table is not None, "CudaRopeOp used before build"
-        if table.per_length or table.long_cos is not None:
-            return min(table.original_len, self.config.max_seq_len)
-        return self.config.max_seq_len
+        assert self.table is not None, "CudaRopeOp used before build"
+        return min(self.table.static_len, self.config.max_seq_len)

@@ -179,8 +179,10 @@ class CpuRopeOp(Operation):
         def rotate(q: Any, k: Any, position: int) -> None:
             kernel(q, k, cos, sin, position, no_positions, False, 0, n_rows, *args)
 
-        def ready(q: Any, k: Any) -> bool:  # the backend may be switched between calls
-            return bool(q.flags.writeable and k.flags.writeable) and self.uses_fused
+        backend = self._backend  # it may be switched between calls
+
+        def ready(q: Any, k: Any) -> bool:
+            return bool(self._backend is backend and q.flags.writeable and k.flags.writeable)
 
         limit = min(table.static_len, cfg.max_seq_len)
         return decode_again(q, k, limit, rotate, ready)

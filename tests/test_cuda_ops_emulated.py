@@ -685,3 +685,20 @@ def test_bound_scalars_hold_the_exact_bytes_cupy_passes_by_value() -> None:
         assert c_type.from_address(arg.ptr).value == value
         assert _kernels.bound_scalar(np, value) is value
     del churn
+
+
+def test_a_scalar_slot_is_one_argument_object_holding_the_latest_value() -> None:
+    """``ScalarSlot``: each call writes the value into the same by-value object (what a launch
+    passes); with NumPy it is a NumPy scalar of the slot's exact type."""
+    import ctypes
+
+    cupy = pytest.importorskip("cupy")
+    slot = _kernels.ScalarSlot(cupy, np.int64)
+    first = slot(1234)
+    assert ctypes.c_int64.from_address(first.ptr).value == 1234
+    again = slot(-(2**40))
+    assert again is first and ctypes.c_int64.from_address(again.ptr).value == -(2**40)
+    small = _kernels.ScalarSlot(cupy, np.int32)(7)
+    assert ctypes.c_int32.from_address(small.ptr).value == 7
+    emulated = _kernels.ScalarSlot(np, np.int32)(7)
+    assert type(emulated) is np.int32 and emulated == 7

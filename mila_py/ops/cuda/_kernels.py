@@ -32,6 +32,7 @@ __all__ = [
     "NVRTC_OPTIONS",
     "ROW_THREADS",
     "THREADS",
+    "ScalarSlot",
     "address",
     "bind_launch",
     "bound_scalar",
@@ -254,6 +255,29 @@ def bound_scalar(xp: Any, value: np.generic) -> Any:
     if by_value is None:
         return value
     return by_value(np.full(1, value, dtype=value.dtype))
+
+
+class ScalarSlot:
+    """A scalar launch argument that changes at every launch (a decode step's position) without
+    a new object per launch: ``slot(value)`` writes ``value`` into a one-element array whose
+    CuPy by-value object (made once) is the argument it returns. The driver copies argument
+    values when a launch is made, so the next write cannot reach a launched kernel. With NumPy
+    (the kernel emulator) or a CuPy without that class, ``slot(value)`` is the NumPy scalar.
+    One slot serves one launch at a time (a component's calls are not thread-safe anyway)."""
+
+    __slots__ = ("_arg", "_cell", "_type")
+
+    def __init__(self, xp: Any, scalar_type: type[np.generic]) -> None:
+        self._type = scalar_type
+        self._cell = np.zeros(1, dtype=scalar_type)
+        by_value = None if xp is np else _by_value_class()
+        self._arg = None if by_value is None else by_value(self._cell)
+
+    def __call__(self, value: int | float) -> Any:
+        if self._arg is None:
+            return self._type(value)
+        self._cell[0] = value
+        return self._arg
 
 
 _BY_VALUE: list[Any] = []

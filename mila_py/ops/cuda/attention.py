@@ -360,7 +360,7 @@ class CudaAttentionOp(Operation):
             b(np.int64(k_new.strides[0] // item)), b(np.int64(v_new.strides[0] // item)),
             b(np.int32(t_max)), b(np.int32(width)), b(np.int32(n_b)),
         )  # fmt: skip
-        null, int64 = b(_kernels.NULL), np.int64
+        null, highest = b(_kernels.NULL), _kernels.ScalarSlot(ctx.xp, np.int64)
         call = _kernels.bind_launch(
             ctx, ATTENTION_CUDA_SOURCE, "kv_cache_write", _kernels.grid_1d(n_b * width),
             _kernels.THREADS,
@@ -368,7 +368,7 @@ class CudaAttentionOp(Operation):
 
         def write() -> None:
             pos = null if positions.uniform else positions.on_device(ctx)
-            call((k_new, v_new, k_cache, v_cache, pos, int64(positions.highest), *fixed))
+            call((k_new, v_new, k_cache, v_cache, pos, highest(positions.highest), *fixed))
 
         return write
 
@@ -414,7 +414,7 @@ class CudaAttentionOp(Operation):
         call = _kernels.bind_launch(
             ctx, ATTENTION_CUDA_SOURCE, "attention_decode", (n_heads, n_b), _DECODE_THREADS
         )
-        int32 = np.int32
+        keys = _kernels.ScalarSlot(ctx.xp, np.int32)
 
         def attend() -> None:
             n = positions.highest + 1
@@ -423,7 +423,7 @@ class CudaAttentionOp(Operation):
                 return
             # per-sequence lengths from the step's positions on the device (one copy per step)
             pos = null if positions.uniform else positions.on_device(ctx)
-            call((q, k_cache, v_cache, out, pos, int32(n), stride, *fixed, s), n * 4)
+            call((q, k_cache, v_cache, out, pos, keys(n), stride, *fixed, s), n * 4)
 
         return attend
 

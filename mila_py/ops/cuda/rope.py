@@ -531,10 +531,10 @@ class CudaRopeOp(Operation):
             self._n_t_arg(n_t), *self._shape_args, *self._strides_of(q, k, q, k),
             self._signs[0], self._flags[0], *self._no_mrope,
         )  # fmt: skip
-        int64 = np.int64
+        position = _kernels.ScalarSlot(self.context.xp, np.int64)
 
         def rotate_at(q: Any, k: Any, offset: int) -> None:
-            call((q, q, k, k, *tables, int64(offset), *tail))
+            call((q, q, k, k, *tables, position(offset), *tail))
 
         return rotate_at
 

@@ -440,6 +440,29 @@ def test_backward_matches_finite_differences(hq: int, hk: int, kernels: str) -> 
         np.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-8)
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_outputs_may_be_views_with_any_strides(kernels: str) -> None:
+    """``out``, ``dq``, ``dk`` and ``dv`` as every other column of larger buffers (a last axis
+    that is not contiguous, which a reshape would copy): written in place, equal to dense
+    outputs, and the columns between them untouched."""
+    rng = np.random.default_rng(11)
+    n_b, n_t, hq, hk, d, scale = 2, 5, 4, 2, 3, 0.7
+    q = rng.standard_normal((n_b, n_t, hq * d)).astype(np.float32)
+    k = rng.standard_normal((n_b, n_t, hk * d)).astype(np.float32)
+    v = rng.standard_normal((n_b, n_t, hk * d)).astype(np.float32)
+    dout = rng.standard_normal((n_b, n_t, hq * d)).astype(np.float32)
+    dense = [np.empty_like(q), np.empty_like(q), np.empty_like(k), np.empty_like(v)]
+    probs = attention_forward(q, k, v, hq, hk, scale, dense[0], **forward_hooks(kernels))
+    attention_backward(dout, q, k, v, probs, hq, hk, scale, *dense[1:], **backward_hooks(kernels))
+    bigs = [np.full((*a.shape[:2], 2 * a.shape[2]), 7.0, np.float32) for a in dense]
+    views = [big[..., ::2] for big in bigs]
+    probs = attention_forward(q, k, v, hq, hk, scale, views[0], **forward_hooks(kernels))
+    attention_backward(dout, q, k, v, probs, hq, hk, scale, *views[1:], **backward_hooks(kernels))
+    for view, want, big in zip(views, dense, bigs, strict=True):
+        np.testing.assert_array_equal(view, want)
+        assert (big[..., 1::2] == 7.0).all()
+
+
 def test_deepseek_softmax_multiplier_is_opt_in() -> None:
     from mila_py import BuildContext, RuntimeMode
     from mila_py.components import AttentionConfig, GroupedQueryAttention

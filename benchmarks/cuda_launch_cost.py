@@ -19,6 +19,7 @@ The toy rows say what a launch with fewer scalar arguments would cost; the diffe
 the component and the raw launch is the Python the component adds.
 
     python benchmarks/cuda_launch_cost.py [--calls 3000] [--rounds 5]
+    python benchmarks/cuda_launch_cost.py --stub-cuda   # no GPU: the Python of the calls
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from mila_py import BuildContext, Precision, RuntimeMode
 from mila_py.components import Rope, RopeConfig
 from mila_py.devices.cuda import cuda_device_count
 from mila_py.ops.cuda import _kernels
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_plan import stubbed_cuda
 
 TOY_SOURCE = r"""
 struct Scalars {
@@ -92,18 +96,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--stub-cuda", action="store_true",
+        help="no GPU: the component's calls on CUDA:0 with launches stubbed (Python only)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.stub_cuda:
+        with stubbed_cuda():
+            rope, q, k = decode_rope()
+            rows = component_rows(rope, q, k)
+            emulated = _kernels.launch
+            # not even the emulator's argument checks: launch() itself does nothing
+            _kernels.launch = lambda *a, **kw: None  # type: ignore[assignment]
+            try:
+                print(f"host time per call, CUDA:0 with launch() a no-op (the Python alone, no "
+                      f"CuPy); median of {args.rounds} rounds of {args.calls}")  # fmt: skip
+                report(rows, lambda: None, args.calls, args.rounds)
+            finally:
+                _kernels.launch = emulated  # type: ignore[assignment]
+        return
     if cuda_device_count() == 0:
         raise SystemExit("cuda_launch_cost.py needs an NVIDIA GPU and CuPy (none seen)")
     import cupy
 
-    cfg = RopeConfig(channels=32 * 128, n_heads=32, n_kv_heads=8, max_seq_len=8192)
-    rope = Rope("rope", cfg, device="CUDA:0", precision=Precision.FP32)
-    rope.build(BuildContext((1, 1, cfg.channels), RuntimeMode.INFERENCE))
+    rope, q, k = decode_rope()
     ctx = rope.execution_context
-    rng = np.random.default_rng(0)
-    q = ctx.to_device(rng.standard_normal((1, 1, cfg.channels)).astype(np.float32))
-    k = ctx.to_device(rng.standard_normal((1, 1, cfg.kv_channels)).astype(np.float32))
     op = rope._op  # type: ignore[attr-defined]
     tables = op.table.tables_for(4001)
 
@@ -139,11 +156,8 @@ def main() -> None:
         with ctx.activate():
             pass
 
-    rows: list[tuple[str, Callable[[], Any]]] = [
-        ("Rope.decode (component)", lambda: rope.decode(q, k, 4000)),
-        ("Rope._decode_at (no checks)", lambda: rope._decode_at(q, k, 4000)),
-        ("CudaRopeOp.apply", lambda: op.apply(q, k, offset=4000, seq_len=4001)),
-        ("CudaRopeOp._launch", lambda: op._launch(q, k, q, k, *tables, None, 4000, False)),
+    rows = [
+        *component_rows(rope, q, k),
         (
             f"rope kernel, prebuilt args ({len(raw_args)})",
             lambda: function(grid, block, raw_args, shared_mem=shared, stream=stream),
@@ -168,10 +182,47 @@ def main() -> None:
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     print(f"host wall per call, median of {args.rounds} rounds of {args.calls}; {name}, "
           f"CuPy {cupy.__version__}")  # fmt: skip
+    report(rows, sync, args.calls, args.rounds)
+
+
+def decode_rope() -> tuple[Rope, Any, Any]:
+    """A B=1 decode Rope on CUDA:0 (32/8 heads of 128, fp32) and its Q, K ``[1, 1, width]``."""
+    cfg = RopeConfig(channels=32 * 128, n_heads=32, n_kv_heads=8, max_seq_len=8192)
+    rope = Rope("rope", cfg, device="CUDA:0", precision=Precision.FP32)
+    rope.build(BuildContext((1, 1, cfg.channels), RuntimeMode.INFERENCE))
+    ctx = rope.execution_context
+    rng = np.random.default_rng(0)
+    q = ctx.to_device(rng.standard_normal((1, 1, cfg.channels)).astype(np.float32))
+    k = ctx.to_device(rng.standard_normal((1, 1, cfg.kv_channels)).astype(np.float32))
+    return rope, q, k
+
+
+def component_rows(rope: Rope, q: Any, k: Any) -> list[tuple[str, Callable[[], Any]]]:
+    """The component's and the op's calls of one decode step at position 4000."""
+    op = rope._op  # type: ignore[attr-defined]
+    tables = op.table.tables_for(4001)
+    other = q.copy(), k.copy()
+    turn = [0]
+
+    def alternating() -> None:  # two buffer pairs taking turns: every call checked
+        turn[0] ^= 1
+        rope.decode(*((q, k) if turn[0] else other), 4000)
+
+    return [
+        ("Rope.decode, same buffers (fast path)", lambda: rope.decode(q, k, 4000)),
+        ("Rope.decode, alternating buffers (checked)", alternating),
+        ("Rope._decode_at (no checks)", lambda: rope._decode_at(q, k, 4000)),
+        ("CudaRopeOp.apply", lambda: op.apply(q, k, offset=4000, seq_len=4001)),
+        ("CudaRopeOp._launch", lambda: op._launch(q, k, q, k, *tables, None, 4000, False)),
+    ]
+
+
+def report(rows: list[tuple[str, Callable[[], Any]]], sync: Callable[[], None], calls: int,
+           rounds: int) -> None:  # fmt: skip
     print(f"{'what':44} {'us/call':>8}")
     for label, fn in rows:
         try:
-            us = per_call_us(fn, sync, args.calls, args.rounds)
+            us = per_call_us(fn, sync, calls, rounds)
             print(f"{label:44} {us:8.2f}", flush=True)
         except Exception as exc:  # a variant CuPy refuses is a finding, not a crash
             print(f"{label:44}   failed: {type(exc).__name__}: {exc}", flush=True)

@@ -74,7 +74,8 @@ class Rope(Component):
         self._max_batch = 0
         self._max_tokens = 0
         # decode() on the buffers it checked the last two times, again: a launch with nothing
-        # re-checked (the op's decode_fast_path; CUDA only), reset when the op or build changes
+        # re-checked (the op's decode_fast_path, where it has one), reset when the op or build
+        # changes
         self._fast_decode: Callable[[Any, Any, Any], bool] | None = None
         self._last_decoded: tuple[Any, Any] | None = None  # weak references to Q and K
 

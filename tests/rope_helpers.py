@@ -7,6 +7,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 from rope_reference import Spec
 
 from mila_py import BuildContext, Precision, RuntimeMode
@@ -111,3 +112,68 @@ def reference(
 
 def arange_positions(batch: int, tokens: int, offset: int = 0) -> np.ndarray:
     return np.broadcast_to(np.arange(offset, offset + tokens), (batch, tokens))
+
+
+# ---------------------------------------------------------------------------------- decode programs
+#: one step of a decode program: (which buffer pair, what to do to it first, the position)
+_STEPS = st.tuples(
+    st.sampled_from([0, 0, 0, 1]),  # mostly the same pair, now and then the other
+    st.sampled_from(["none", "none", "none", "readonly", "reshape", "numpy", "int64"]),
+    st.one_of(  # mostly in range; else out of range or not an int
+        *[st.integers(0, 63)] * 4,
+        st.sampled_from([-2, -1, 64, 65, 1000, True, False, 1.5, np.int64(-1), np.int64(64)]),
+    ),
+)
+#: decode programs that start by decoding pair 0 twice (so a fast path exists for what follows)
+DECODE_PROGRAMS = st.lists(_STEPS, min_size=1, max_size=12).map(
+    lambda steps: [(0, "none", 1), (0, "none", 2), *steps]
+)
+
+
+def run_decode_program(program: list[tuple[int, str, Any]], rng: np.random.Generator,
+                       device: str) -> None:  # fmt: skip
+    """Run ``program`` (:data:`DECODE_PROGRAMS`) on one Rope (max_seq_len 64, B=2) and check
+    every call against the same call on fresh copies through a new component: the same bits,
+    or the same error type with Q and K left as they were. The "numpy" action switches a CPU
+    op to its NumPy backend for the call (a CUDA op has none: a plain call)."""
+    cfg = rope_config((2, 1), 8, max_seq_len=64)
+    batch = 2
+    cpu = device == "CPU"
+    rope = make_rope(cfg, batch, 1, backend="fused" if cpu else None, device=device)
+    pairs = [random_qk(rng, cfg, batch, 1) for _ in range(2)]
+    for which, action, position in program:
+        q, k = pairs[which]
+        q[...], k[...] = random_qk(rng, cfg, batch, 1)
+        backend = ("numpy" if action == "numpy" else "fused") if cpu else None
+        if cpu:
+            rope.op.backend = backend
+        if action == "readonly":
+            q.flags.writeable = False
+        if action == "reshape":
+            q.shape = (1, batch, q.shape[2])
+        if action == "int64" and type(position) is int:
+            position = np.int64(position)
+        fresh = make_rope(cfg, batch, 1, backend=backend, device=device)
+        want_q, want_k = q.copy(), k.copy()
+        want_q.flags.writeable = q.flags.writeable
+        before_q, before_k = q.copy(), k.copy()
+        try:
+            fresh.decode(want_q, want_k, position)
+            expected: Any = None
+        except (TypeError, ValueError) as exc:
+            expected = type(exc)
+        if expected is None:
+            rope.decode(q, k, position)
+            assert _same_bits(q, want_q) and _same_bits(k, want_k)
+        else:
+            with pytest.raises(expected):
+                rope.decode(q, k, position)
+            assert _same_bits(q, before_q) and _same_bits(k, before_k)
+        if action == "readonly":
+            q.flags.writeable = True
+        if action == "reshape":
+            q.shape = (batch, 1, q.shape[2])
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()

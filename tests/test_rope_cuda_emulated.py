@@ -21,14 +21,18 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kernel_emulator import (
     COMPILER,
     EmulatedContext,
     KernelLibrary,
     emulated_context,
+    emulated_cuda_devices,
 )
 from rope_helpers import (
     BF16,
+    DECODE_PROGRAMS,
     FP16,
     FP32,
     INFERENCE,
@@ -41,6 +45,7 @@ from rope_helpers import (
     random_qk,
     reference,
     rope_config,
+    run_decode_program,
 )
 
 from mila_py import Precision, RuntimeMode
@@ -670,6 +675,18 @@ def test_decode_again_past_the_original_context_makes_its_fast_path_once(
     for position in range(1020, 1040):
         rope.decode(q, k, position)
     assert len(made) == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(program=DECODE_PROGRAMS, seed=st.integers(0, 2**16))
+def test_any_program_of_decodes_matches_a_fresh_checked_component(  # type: ignore[no-untyped-def]
+    library, program, seed
+) -> None:
+    """As on the CPU (``tests/test_rope.py``): decode calls in any order on two buffer pairs,
+    with bad positions, read-only or reshaped buffers, each equal to a fresh component's
+    checked call on copies, whatever fast path the component kept."""
+    with emulated_cuda_devices(library):
+        run_decode_program(program, np.random.default_rng(seed), device=DEVICE)
 
 
 def test_decode_again_skips_the_checks_of_its_buffers(cuda: None, monkeypatch, rng) -> None:

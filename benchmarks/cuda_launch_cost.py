@@ -106,7 +106,7 @@ def main() -> None:
             rope, q, k = decode_rope()
             rows = component_rows(rope, q, k)
             emulated = _kernels.launch
-            # not even the emulator's argument checks: launch() itself does nothing
+            # launch() itself does nothing (no argument packing, no kernel)
             _kernels.launch = lambda *a, **kw: None  # type: ignore[assignment]
             try:
                 print(f"host time per call, CUDA:0 with launch() a no-op (the Python alone, no "

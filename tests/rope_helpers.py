@@ -115,10 +115,22 @@ def arange_positions(batch: int, tokens: int, offset: int = 0) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------- decode programs
+#: what a step does to its pair before the call: nothing, Q or K made read-only, reshaped or
+#: given another dtype in place, the CPU backend switched to NumPy, the position as np.int64
+_ACTIONS = ["none"] * 4 + [
+    "readonly-q",
+    "readonly-k",
+    "reshape-q",
+    "reshape-k",
+    "dtype-q",
+    "dtype-k",
+    "numpy",
+    "int64",
+]
 #: one step of a decode program: (which buffer pair, what to do to it first, the position)
 _STEPS = st.tuples(
     st.sampled_from([0, 0, 0, 1]),  # mostly the same pair, now and then the other
-    st.sampled_from(["none", "none", "none", "readonly", "reshape", "numpy", "int64"]),
+    st.sampled_from(_ACTIONS),
     st.one_of(  # mostly in range; else out of range or not an int
         *[st.integers(0, 63)] * 4,
         st.sampled_from([-2, -1, 64, 65, 1000, True, False, 1.5, np.int64(-1), np.int64(64)]),
@@ -128,51 +140,78 @@ _STEPS = st.tuples(
 DECODE_PROGRAMS = st.lists(_STEPS, min_size=1, max_size=12).map(
     lambda steps: [(0, "none", 1), (0, "none", 2), *steps]
 )
+#: the configs a program runs on: (layout, rotary_dim: 0 for the whole head)
+DECODE_CONFIGS = st.tuples(st.sampled_from(["half", "interleaved"]), st.sampled_from([0, 4]))
+
+
+def _change(x: np.ndarray, how: str, batch: int, undo: bool = False) -> None:
+    """Change ``x`` in place (``how``: readonly, reshape, dtype), or undo that."""
+    if how == "readonly":
+        x.flags.writeable = undo
+    elif how == "reshape":
+        x.shape = (batch, 1, x.shape[2]) if undo else (1, batch, x.shape[2])
+    elif how == "dtype":
+        x.dtype = np.float32 if undo else np.int32  # the same bytes, another type
 
 
 def run_decode_program(program: list[tuple[int, str, Any]], rng: np.random.Generator,
-                       device: str) -> None:  # fmt: skip
-    """Run ``program`` (:data:`DECODE_PROGRAMS`) on one Rope (max_seq_len 64, B=2) and check
-    every call against the same call on fresh copies through a new component: the same bits,
-    or the same error type with Q and K left as they were. The "numpy" action switches a CPU
-    op to its NumPy backend for the call (a CUDA op has none: a plain call)."""
-    cfg = rope_config((2, 1), 8, max_seq_len=64)
+                       device: str, config: tuple[str, int] = ("half", 0)) -> None:  # fmt: skip
+    """Run ``program`` (:data:`DECODE_PROGRAMS`) on one Rope (max_seq_len 64, B=2; ``config``
+    from :data:`DECODE_CONFIGS`) and check every call against the same call on fresh copies
+    through a new component: the same bits, or the same error type with Q and K left as they
+    were. The "numpy" action switches a CPU op to its NumPy backend for the call, which then
+    must not call the fused kernel (a CUDA op has no backend: a plain call there)."""
+    layout, rotary_dim = config
+    cfg = rope_config((2, 1), 8, max_seq_len=64, layout=layout, rotary_dim=rotary_dim)
     batch = 2
     cpu = device == "CPU"
-    rope = make_rope(cfg, batch, 1, backend="fused" if cpu else None, device=device)
-    pairs = [random_qk(rng, cfg, batch, 1) for _ in range(2)]
-    for which, action, position in program:
-        q, k = pairs[which]
-        q[...], k[...] = random_qk(rng, cfg, batch, 1)
-        backend = ("numpy" if action == "numpy" else "fused") if cpu else None
-        if cpu:
-            rope.op.backend = backend
-        if action == "readonly":
-            q.flags.writeable = False
-        if action == "reshape":
-            q.shape = (1, batch, q.shape[2])
-        if action == "int64" and type(position) is int:
-            position = np.int64(position)
-        fresh = make_rope(cfg, batch, 1, backend=backend, device=device)
-        want_q, want_k = q.copy(), k.copy()
-        want_q.flags.writeable = q.flags.writeable
-        before_q, before_k = q.copy(), k.copy()
-        try:
-            fresh.decode(want_q, want_k, position)
-            expected: Any = None
-        except (TypeError, ValueError) as exc:
-            expected = type(exc)
-        if expected is None:
-            rope.decode(q, k, position)
-            assert _same_bits(q, want_q) and _same_bits(k, want_k)
-        else:
-            with pytest.raises(expected):
+    calls = [0]
+    fused = _rope_fused.rope_rows_inplace
+
+    def counted(*args: Any) -> None:
+        calls[0] += 1
+        fused(*args)
+
+    if cpu:
+        _rope_fused.rope_rows_inplace = counted
+    try:
+        rope = make_rope(cfg, batch, 1, backend="fused" if cpu else None, device=device)
+        pairs = [random_qk(rng, cfg, batch, 1) for _ in range(2)]
+        for which, action, position in program:
+            q, k = pairs[which]
+            q[...], k[...] = random_qk(rng, cfg, batch, 1)
+            backend = ("numpy" if action == "numpy" else "fused") if cpu else None
+            if cpu:
+                rope.op.backend = backend
+            how, _, target = action.partition("-")
+            changed = {"q": q, "k": k}.get(target)
+            if changed is not None:
+                _change(changed, how, batch)
+            if action == "int64" and type(position) is int:
+                position = np.int64(position)
+            fresh = make_rope(cfg, batch, 1, backend=backend, device=device)
+            want_q, want_k = q.copy(), k.copy()
+            want_q.flags.writeable, want_k.flags.writeable = q.flags.writeable, k.flags.writeable
+            before_q, before_k = q.copy(), k.copy()
+            try:
+                fresh.decode(want_q, want_k, position)
+                expected: Any = None
+            except (TypeError, ValueError) as exc:
+                expected = type(exc)
+            made = calls[0]
+            if expected is None:
                 rope.decode(q, k, position)
-            assert _same_bits(q, before_q) and _same_bits(k, before_k)
-        if action == "readonly":
-            q.flags.writeable = True
-        if action == "reshape":
-            q.shape = (batch, 1, q.shape[2])
+                assert _same_bits(q, want_q) and _same_bits(k, want_k)
+            else:
+                with pytest.raises(expected):
+                    rope.decode(q, k, position)
+                assert _same_bits(q, before_q) and _same_bits(k, before_k)
+            if action == "numpy":
+                assert calls[0] == made, "the NumPy backend called the fused kernel"
+            if changed is not None:
+                _change(changed, how, batch, undo=True)
+    finally:
+        _rope_fused.rope_rows_inplace = fused
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:

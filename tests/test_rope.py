@@ -20,6 +20,7 @@ from numpy.lib.stride_tricks import as_strided
 from rope_helpers import (
     BACKEND_PARAMS,
     BF16,
+    DECODE_CONFIGS,
     DECODE_PROGRAMS,
     FP16,
     FP32,
@@ -433,15 +434,15 @@ def test_decode_again_still_checks_what_can_change(rng) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(program=DECODE_PROGRAMS, seed=st.integers(0, 2**16))
-def test_any_program_of_decodes_matches_a_fresh_checked_component(program, seed) -> None:  # type: ignore[no-untyped-def]
+@given(program=DECODE_PROGRAMS, config=DECODE_CONFIGS, seed=st.integers(0, 2**16))
+def test_any_program_of_decodes_matches_a_fresh_checked_component(program, config, seed) -> None:  # type: ignore[no-untyped-def]
     """Decode calls in any order on two buffer pairs, with positions in and out of range (and
     not ints), a pair made read-only or reshaped in place before a call, the backend switched,
     a position given as np.int64: each call does what the same call on fresh copies through a
     new component does, the same values or the same error (and then leaves Q and K as they
     were), whatever fast path the component kept from the calls before."""
     pytest.importorskip("numba")
-    run_decode_program(program, np.random.default_rng(seed), device="CPU")
+    run_decode_program(program, np.random.default_rng(seed), device="CPU", config=config)
 
 
 def test_backends_agree(rng) -> None:

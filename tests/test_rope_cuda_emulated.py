@@ -32,6 +32,7 @@ from kernel_emulator import (
 )
 from rope_helpers import (
     BF16,
+    DECODE_CONFIGS,
     DECODE_PROGRAMS,
     FP16,
     FP32,
@@ -678,15 +679,17 @@ def test_decode_again_past_the_original_context_makes_its_fast_path_once(
 
 
 @settings(max_examples=40, deadline=None)
-@given(program=DECODE_PROGRAMS, seed=st.integers(0, 2**16))
+@given(program=DECODE_PROGRAMS, config=DECODE_CONFIGS, seed=st.integers(0, 2**16))
 def test_any_program_of_decodes_matches_a_fresh_checked_component(  # type: ignore[no-untyped-def]
-    library, program, seed
+    library, program, config, seed
 ) -> None:
     """As on the CPU (``tests/test_rope.py``): decode calls in any order on two buffer pairs,
-    with bad positions, read-only or reshaped buffers, each equal to a fresh component's
-    checked call on copies, whatever fast path the component kept."""
+    with bad positions, read-only, reshaped or retyped buffers, each equal to a fresh
+    component's checked call on copies, whatever fast path the component kept. (A read-only
+    NumPy buffer exists only in emulation, where the emulator refuses it at launch; CuPy
+    arrays have no writeable flag.)"""
     with emulated_cuda_devices(library):
-        run_decode_program(program, np.random.default_rng(seed), device=DEVICE)
+        run_decode_program(program, np.random.default_rng(seed), device=DEVICE, config=config)
 
 
 def test_decode_again_skips_the_checks_of_its_buffers(cuda: None, monkeypatch, rng) -> None:

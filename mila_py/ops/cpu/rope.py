@@ -82,6 +82,9 @@ class CpuRopeOp(Operation):
     def __init__(self, context: Any, config: RopeConfig, precision: Precision) -> None:
         super().__init__(context, config, precision)
         self._backend = _default_backend()
+        self._fused_on = self._backend == "fused" or (
+            self._backend == "auto" and _rope_fused.AVAILABLE
+        )
         self.table: RopeTable | None = None
         self._dtype = precision.numpy_dtype
         self._interleaved = config.layout is RopeLayout.INTERLEAVED
@@ -98,10 +101,11 @@ class CpuRopeOp(Operation):
         if value == "fused" and not _rope_fused.AVAILABLE:
             raise RuntimeError("the fused CPU RoPE kernel needs Numba: pip install mila-py[jit]")
         self._backend = value
+        self._fused_on = value == "fused" or (value == "auto" and _rope_fused.AVAILABLE)
 
     @property
     def uses_fused(self) -> bool:
-        return self._backend == "fused" or (self._backend == "auto" and _rope_fused.AVAILABLE)
+        return self._fused_on
 
     def build(self, build_context: BuildContext) -> None:
         super().build(build_context)
@@ -179,10 +183,8 @@ class CpuRopeOp(Operation):
         def rotate(q: Any, k: Any, position: int) -> None:
             kernel(q, k, cos, sin, position, no_positions, False, 0, n_rows, *args)
 
-        backend = self._backend  # it may be switched between calls
-
-        def ready(q: Any, k: Any) -> bool:
-            return bool(self._backend is backend and q.flags.writeable and k.flags.writeable)
+        def ready(q: Any, k: Any) -> bool:  # the backend may be switched between calls
+            return bool(self._fused_on and q.flags.writeable and k.flags.writeable)
 
         limit = min(table.static_len, cfg.max_seq_len)
         return decode_again(q, k, limit, rotate, ready)

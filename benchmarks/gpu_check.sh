@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs an NVIDIA GPU, in one go: the CUDA tests, then the GPU benchmarks.
+# What earlier runs measured and predicted: benchmarks/GPU_NOTES.md.
 # Logs go to $OUT (or ./gpu_check_out). Run from the repository root:
 #   bash benchmarks/gpu_check.sh tests   # the test suite, CUDA cases included
 #   bash benchmarks/gpu_check.sh rope    # RoPE benchmark (copy ceiling, peers)

@@ -12,7 +12,8 @@
 # A lent GPU session has ~15 minutes of device time in all, start-up included, and the machine is
 # given back after ~30 s idle (each new call starts it again): use `once` with timeout_s 590. It
 # runs the whole suite (in parallel: ~85 s on an H100 machine's 16 cores), RoPE without the
-# torch.compile peer and 10 repeats (~35 s), the decode launch-cost breakdown, and the Llama
+# torch.compile peer and 10 repeats (~35 s), the decode launch-cost breakdown, the RoPE kernel
+# against its streaming-hints variant (rope_cuda_variants.py), and the Llama
 # benchmarks at their small settings (both model sizes), each stage under its own timeout
 # (530 s in all; ~330 s were used on 2026-11-26), then RoPE again with the torch.compile peer on
 # the time left; logs stream to $OUT as they go, so a stage that runs out still leaves what it
@@ -68,6 +69,9 @@ if stage rope; then
   mark launch
   # where the host time of one decode call goes (component, op, raw launch, toy kernels)
   timeout -k 10 "$t_launch" python3 benchmarks/cuda_launch_cost.py 2>&1 | tee -a "$out/rope_cuda.log" || status=1
+  mark variants
+  # the RoPE kernel against a variant with streaming cache hints, same arguments, bit-checked
+  timeout -k 10 "$t_launch" python3 benchmarks/rope_cuda_variants.py 2>&1 | tee -a "$out/rope_cuda.log" || status=1
 fi
 if stage llama; then
   mark llama

@@ -43,6 +43,7 @@ from mila_py.ops.cuda import _kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_plan import stubbed_cuda
+from rope_cuda_variants import capture_launch
 
 TOY_SOURCE = r"""
 struct Scalars {
@@ -124,16 +125,7 @@ def main() -> None:
     op = rope._op  # type: ignore[attr-defined]
     tables = op.table.tables_for(4001)
 
-    captured: dict[str, Any] = {}
-    real_launch = _kernels.launch
-
-    def capture(c: Any, source: str, name: str, grid: Any, block: Any, a: Any, **kw: Any) -> None:
-        captured.update(source=source, name=name, grid=grid, block=block, args=a, kw=kw)
-        real_launch(c, source, name, grid, block, a, **kw)
-
-    _kernels.launch = capture  # type: ignore[assignment]
-    rope.decode(q, k, 4000)
-    _kernels.launch = real_launch  # type: ignore[assignment]
+    captured = capture_launch(lambda: rope.decode(q, k, 4000))  # a checked call: launch()
     kw = captured["kw"]
     function = _kernels.kernel(
         captured["source"], captured["name"], ctx.device_id.index, kw.get("name_expressions", ())

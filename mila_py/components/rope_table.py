@@ -8,7 +8,6 @@ one table (counted once in memory statistics).
 
 from __future__ import annotations
 
-import sys
 import threading
 import weakref
 from typing import Any
@@ -126,12 +125,12 @@ class RopeTable:
 
     @property
     def static_len(self) -> int:
-        """Every call of ``seq_len <=`` this (and ``<= max_seq_len``) reads :attr:`cos` and
-        :attr:`sin`: the original context where a longer call takes LongRoPE's long tables or
-        rows of its own (length-dependent types), else any length."""
+        """Every call of ``seq_len <=`` this reads :attr:`cos` and :attr:`sin` (a call whose
+        positions all lie below it): the original context where a longer call takes LongRoPE's
+        long tables or rows of its own (length-dependent types), else ``max_seq_len``."""
         if self.per_length or self.long_cos is not None:
-            return self.original_len
-        return sys.maxsize
+            return min(self.original_len, self.config.max_seq_len)
+        return self.config.max_seq_len
 
     def tables_for(self, seq_len: int) -> tuple[Any, Any] | None:
         """The ``(cos, sin)`` tables for a call whose largest position is ``seq_len - 1``.

@@ -164,8 +164,7 @@ class CpuRopeOp(Operation):
         ``k`` ``[B, 1, width]`` it has checked: ``again(q2, k2, position)`` rotates them at
         ``position`` with one call of the fused kernel (its arguments made here) and returns
         True when they are those arrays (:func:`~mila_py.ops.operation.decode_again`), still
-        writeable, ``position`` under the table's :attr:`~RopeTable.static_len` and
-        ``max_seq_len``, and the fused path in use; else False, having done nothing. None where
+        writeable, ``position`` under the table's :attr:`~RopeTable.static_len`, and the fused path in use; else False, having done nothing. None where
         one single-threaded kernel call does not apply (the NumPy path, 16-bit data, a batch
         large enough to split over the cores)."""
         table = self.table
@@ -186,8 +185,7 @@ class CpuRopeOp(Operation):
         def ready(q: Any, k: Any) -> bool:  # the backend may be switched between calls
             return bool(self._fused_on and q.flags.writeable and k.flags.writeable)
 
-        limit = min(table.static_len, cfg.max_seq_len)
-        return decode_again(q, k, limit, rotate, ready)
+        return decode_again(q, k, table.static_len, rotate, ready)
 
     def apply(
         self,

@@ -315,7 +315,7 @@ class CudaRopeOp(Operation):
             return general
         ctx = self.context
         at = self.launcher(q, k)
-        limit = self.static_limit()
+        limit = table.static_len
 
         def rotate() -> None:
             top = positions.highest
@@ -506,7 +506,7 @@ class CudaRopeOp(Operation):
 
         The caller passes these very arrays, unchanged in shape and strides (the access width
         follows their addresses), with the context's device current and ``offset + T <=``
-        :meth:`static_limit`. None where one launch at an offset does not apply: no rows, or a
+        :attr:`RopeTable.static_len`. None where one launch at an offset does not apply: no rows, or a
         last axis that is not contiguous.
         """
         table = self.table
@@ -543,21 +543,14 @@ class CudaRopeOp(Operation):
         ``k`` ``[B, 1, width]`` it has checked: ``again(q2, k2, position)`` rotates them at
         ``position`` with one :meth:`launcher` launch and returns True when ``q2`` and ``k2``
         are those arrays (the same objects, held weakly, with the same shape, strides and
-        dtype), ``position`` an int below :meth:`static_limit` and the device current; else
+        dtype), ``position`` an int below :attr:`RopeTable.static_len` and the device current; else
         it does nothing and returns False (the caller takes its checked path). None where
         :meth:`launcher` does not apply."""
         at = self.launcher(q, k)
         if at is None or q.shape[1] != 1:
             return None
+        assert self.table is not None  # launcher() checked it
         xp = self.context.xp
         device = self.context.device_id.index
         get_device = (lambda: device) if xp is np else xp.cuda.runtime.getDevice
-        return decode_again(q, k, self.static_limit(), at, lambda q, k: get_device() == device)
-
-    def static_limit(self) -> int:
-        """A call whose positions all lie below this uses the table :meth:`launcher` binds:
-        ``max_seq_len``, or the original context where a longer call takes other tables
-        (LongRoPE's long ones) or rows of its own (length-dependent types, see
-        :meth:`RopeTable.tables_for`)."""
-        assert self.table is not None, "CudaRopeOp used before build"
-        return min(self.table.static_len, self.config.max_seq_len)
+        return decode_again(q, k, self.table.static_len, at, lambda q, k: get_device() == device)

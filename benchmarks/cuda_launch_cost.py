@@ -10,6 +10,8 @@ This splits the call into its layers, each timed as host wall time per call over
 - ``Rope._decode_at`` (what a parent that checked its arrays calls: the op and the launch);
 - ``CudaRopeOp.apply`` and ``CudaRopeOp._launch``;
 - the compiled kernel called with the exact argument tuple ``_launch`` builds (CuPy alone);
+- the same kernel launched by ``cuLaunchKernel`` with its parameters packed once (the floor of
+  any Python launch; its output checked equal to the op's first);
 - toy kernels that do nothing: no arguments, the rope kernel's 27 (7 pointers, 20 scalars),
   9 (8 pointers and one ``long long``: the 20 scalars moved to a device block), and 8 pointers
   plus the 20 scalars as one struct passed by value (a NumPy structured scalar);
@@ -154,6 +156,7 @@ def main() -> None:
             f"rope kernel, prebuilt args ({len(raw_args)})",
             lambda: function(grid, block, raw_args, shared_mem=shared, stream=stream),
         ),
+        driver_row(cupy, rope, q, k, function, grid, block, shared, stream),
         ("toy kernel, 0 args", lambda: toy0((1,), (128,), (), stream=stream)),
         (
             "toy kernel, 27 args (7 ptr + 20 scalars)",
@@ -175,6 +178,45 @@ def main() -> None:
     print(f"host wall per call, median of {args.rounds} rounds of {args.calls}; {name}, "
           f"CuPy {cupy.__version__}")  # fmt: skip
     report(rows, sync, args.calls, args.rounds)
+
+
+def driver_row(cupy: Any, rope: Rope, q: Any, k: Any, function: Any, grid: Any, block: Any,
+               shared: int, stream: Any) -> tuple[str, Callable[[], Any]]:  # fmt: skip
+    """The rope kernel launched by ``cuLaunchKernel`` itself (CuPy's driver binding) with its
+    27 parameters packed once as C values: the floor of any Python launch of it. Checked first:
+    its output equals the op's on the same input, bit for bit."""
+    from cupy_backends.cuda.api import driver
+
+    op = rope._op  # type: ignore[attr-defined]
+    cos, sin = op.table.tables_for(4001)
+    item = q.dtype.itemsize
+    strides = [st // item for a in (q, k, q, k) for st in a.strides[:2]]
+    values = [
+        *(np.uint64(x.data.ptr) for x in (q, q, k, k, cos, sin)), np.uint64(0),
+        np.int32(0), np.int64(4000), np.int32(1), np.int32(32), np.int32(8), np.int32(128),
+        np.int32(op.table.n_freq), *map(np.int64, strides), np.float32(1.0),
+        np.int32(0), np.int32(0), np.int32(0), np.int32(0),
+    ]  # fmt: skip
+    cells = [np.full(1, v) for v in values]  # each parameter's value, kept alive by the row
+    params = np.array([c.ctypes.data for c in cells], dtype=np.uint64)
+    # the stream's handle: CuPy 14 has the CUDA stream protocol, older ones an attribute
+    protocol = getattr(stream, "__cuda_stream__", None)
+    ptr = int(protocol()[1]) if protocol is not None else int(stream.ptr)
+    gx, bx = int(grid[0]), int(block[0])
+
+    def launch() -> None:
+        driver.launchKernel(function.ptr, gx, 1, 1, bx, 1, 1, shared, ptr, params.ctypes.data, 0)
+
+    q0, k0 = q.copy(), k.copy()
+    rope.decode(q, k, 4000)
+    expected = q.copy(), k.copy()
+    q[...], k[...] = q0, k0
+    launch()
+    rope.execution_context.synchronize()
+    same = all(bool((a.view(cupy.uint32) == b.view(cupy.uint32)).all())
+               for a, b in zip((q, k), expected, strict=True))  # fmt: skip
+    label = f"rope kernel, cuLaunchKernel, packed ({'same bits' if same else 'DIFFERS'})"
+    return label, launch
 
 
 def decode_rope() -> tuple[Rope, Any, Any]:

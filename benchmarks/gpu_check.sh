@@ -11,13 +11,13 @@
 # Each of tests, rope and llama fits one 10-minute call of the device tool; bench and all may not.
 # A lent GPU session has ~15 minutes of device time in all, start-up included, and the machine is
 # given back after ~30 s idle (each new call starts it again): use `once` with timeout_s 590. It
-# runs the whole suite (in parallel: ~85 s on an H100 machine's 16 cores), RoPE without the
-# torch.compile peer and 10 repeats (~35 s), the decode launch-cost breakdown, the RoPE kernel
-# against its streaming-hints variant (rope_cuda_variants.py), and the Llama
-# benchmarks at their small settings (both model sizes), each stage under its own timeout
-# (530 s in all; ~330 s were used on 2026-11-26), then RoPE again with the torch.compile peer on
-# the time left; logs stream to $OUT as they go, so a stage that runs out still leaves what it
-# printed. At most 8 files come back: keep it to 8.
+# runs what the open CUDA issue still needs first: the whole suite (in parallel: ~85 s on an H100
+# machine's 16 cores), RoPE without the torch.compile peer and 10 repeats (~35 s), the decode
+# launch-cost breakdown, the RoPE kernel's tuning settings against each other and Liger
+# (rope_cuda_variants.py), then RoPE against the torch.compile peer alone, then the Llama
+# benchmarks at their small settings on the time left; each stage under its own timeout, the
+# whole call ending by ~560 s; logs stream to $OUT as they go, so a stage that runs out still
+# leaves what it printed. At most 8 files come back: keep it to 8.
 # Without `pip install -e`, the checkout is put on PYTHONPATH. The RoPE peers Liger-Kernel and
 # flash-attention (Triton code) are not on the lent GPU machines: `python benchmarks/gpu_peers.py`
 # fetches them into .gpu_peers/ beforehand; carry that folder and they are put on PYTHONPATH.
@@ -32,12 +32,12 @@ fi
 what="${1:-all}"
 status=0
 if [[ "$what" == once ]]; then
-  t_tests=170 t_rope=100 t_launch=40 t_train=50 t_gen=140 t_plan=30
+  t_tests=170 t_rope=100 t_launch=40 t_variants=120 t_compile=150 t_train=50 t_gen=140 t_plan=30
   rope_args=(--no-compile --repeats 10)
   gen_args=(--repeat 1)
   plan_args=(--steps 100 --rounds 3)
 else
-  t_tests=480 t_rope=300 t_launch=60 t_train=200 t_gen=200 t_plan=120
+  t_tests=480 t_rope=300 t_launch=60 t_variants=200 t_compile=0 t_train=200 t_gen=200 t_plan=120
   rope_args=() gen_args=() plan_args=()
 fi
 mark() { echo "== $1 at ${SECONDS}s"; }
@@ -70,27 +70,30 @@ if stage rope; then
   # where the host time of one decode call goes (component, op, raw launch, toy kernels)
   timeout -k 10 "$t_launch" python3 benchmarks/cuda_launch_cost.py 2>&1 | tee -a "$out/rope_cuda.log" || status=1
   mark variants
-  # the RoPE kernel against a variant with streaming cache hints, same arguments, bit-checked
-  timeout -k 10 "$t_launch" python3 benchmarks/rope_cuda_variants.py 2>&1 | tee -a "$out/rope_cuda.log" || status=1
+  # the RoPE kernel's tuning settings against each other and Liger, same arguments, bit-checked
+  timeout -k 10 "$t_variants" python3 benchmarks/rope_cuda_variants.py 2>&1 | tee -a "$out/rope_cuda.log" || status=1
 fi
-if stage llama; then
+left() { echo $(( 560 - SECONDS )); }
+if [[ "$what" == once ]] && (( $(left) > 40 )); then
+  # RoPE against the torch.compile peer alone (it compiles a graph per shape and dtype; each
+  # case prints as it is measured); `all` and `rope` time it with the other peers
+  mark compile
+  (( $(left) < t_compile )) && t_compile=$(left)
+  timeout -k 10 "$t_compile" python3 benchmarks/rope_cuda.py --repeats 10 --peer "HF compile" 2>&1 \
+    | tee "$out/rope_compile.log" || status=1
+fi
+if stage llama && { [[ "$what" != once ]] || (( $(left) > 120 )); }; then
   mark llama
+  if [[ "$what" == once ]]; then  # the time left, shared in the proportions of the timeouts
+    share=$(left)
+    t_train=$(( share * t_train / 220 )) t_gen=$(( share * t_gen / 220 )) t_plan=$(( share * t_plan / 220 ))
+  fi
   timeout -k 10 "$t_train" python3 benchmarks/train_step_cuda.py --device CUDA:0 2>&1 \
     | tee "$out/train_step_cuda.log" || status=1
   timeout -k 10 "$t_gen" python3 benchmarks/generate.py --device CUDA:0 ${gen_args[@]+"${gen_args[@]}"} 2>&1 \
     | grep -v Writing | tee "$out/generate_cuda.log" || status=1
   timeout -k 10 "$t_plan" python3 benchmarks/decode_plan.py --device CUDA:0 ${plan_args[@]+"${plan_args[@]}"} 2>&1 \
     | tee "$out/decode_plan_cuda.log" || status=1
-fi
-if [[ "$what" == once ]]; then
-  # last, on the time left (the whole call ends by ~560 s): RoPE against the torch.compile
-  # peer, which compiles a graph per shape and dtype; each case prints as it is measured
-  left=$(( 560 - SECONDS ))
-  if (( left > 40 )); then
-    mark compile
-    timeout -k 10 "$left" python3 benchmarks/rope_cuda.py --repeats 10 2>&1 \
-      | tee "$out/rope_compile.log" || status=1
-  fi
 fi
 mark done
 exit $status

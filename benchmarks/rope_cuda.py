@@ -409,6 +409,10 @@ def main() -> int:
     parser.add_argument("--decode-calls", type=int, default=200)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
     parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument(
+        "--peer", action="append", default=None, metavar="NAME",
+        help="time only this peer (repeatable): 'HF eager', 'HF compile', 'Liger', 'flash-attn'",
+    )  # fmt: skip
     parser.add_argument("--json", default=None, help="write the raw numbers to this file")
     parser.add_argument(
         "--quick", action="store_true", help="small shapes and few repeats: a smoke run only"
@@ -421,7 +425,7 @@ def main() -> int:
     if cuda_device_count() == 0:
         print(
             "rope_cuda: no CUDA GPU / CuPy found, nothing measured. Run it on a machine with an "
-            "NVIDIA GPU and `pip install mila-py[cuda12]` (or [cuda13])."
+            'NVIDIA GPU after `pip install -e ".[cuda12]"` (or [cuda13]) in the checkout.'
         )
         return 0
 
@@ -436,6 +440,11 @@ def main() -> int:
         except Exception as exc:
             print(f"peers: torch not importable ({type(exc).__name__}); timing mila_py alone")
     peers = load_peers(torch, not args.no_compile) if torch is not None else {}
+    if args.peer:
+        missing = [name for name in args.peer if name not in peers]
+        if missing:
+            print(f"peers asked for but not available: {', '.join(missing)}")
+        peers = {name: fn for name, fn in peers.items() if name in args.peer}
     bench = Bench(
         cupy, torch, peers, args.repeats, args.calls, args.decode_calls, np.random.default_rng(0)
     )

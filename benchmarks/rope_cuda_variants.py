@@ -1,25 +1,35 @@
-"""An experiment for the RoPE kernel, run beside the kernel in use (needs an NVIDIA GPU and CuPy).
+"""The RoPE kernel's tuning settings timed against each other on one GPU (needs CuPy and a GPU).
 
 ``rope_cuda.py`` measured the in-place forward at 85-93% of a device-to-device copy on an H100,
-tied with Liger-Kernel at fp32 B=4 T=4096 (both at 93%). This times, on the same arguments, the
-kernel as compiled for the op and a variant of its source whose 16-byte Q/K loads and stores
-carry streaming cache hints (``__ldcs``/``__stcs``: evict first, each byte is touched once).
-The variant's output must equal the kernel's bit for bit before it is timed. CUDA events, median
-of ``--repeats`` rounds of ``--calls`` launches, each case on fresh buffers:
+tied with Liger-Kernel at fp32 B=4 T=4096 (both at 93%). The kernel has knobs that change no
+result bit (:class:`mila_py.ops.cuda.rope.RopeKernelTuning`: threads per block, pair groups a
+thread holds in flight, streaming cache hints, loads issued before the block's barrier, blocks
+per multiprocessor; ``tests/test_rope_cuda_emulated.py`` checks settings against the one in use). This times :data:`VARIANTS` on the forward launch the op makes
+for each prefill shape and dtype, with the op's own arguments: each variant's output must equal
+the kernel in use's bit for bit before it is timed. CUDA events; each round times every variant
+in turn (``--calls`` launches), the median of ``--repeats`` rounds is kept. In the same run: the
+copy ceiling and, when importable, Liger-Kernel's forward on the same shape (the peer of the tie).
 
     python benchmarks/rope_cuda_variants.py [--calls 20] [--repeats 15]
+    python benchmarks/rope_cuda_variants.py --registers   # no GPU: nvcc's register counts
 
-Prints, per dtype and shape, the kernel's time, the variant's, and kernel / variant (> 1: the
-variant is faster). A variant that wins here is a candidate for ``ROPE_CUDA_SOURCE``; the
-library itself is unchanged by this script.
+Per case it prints each variant's time, its % of the copy, ``in use / variant`` (> 1: the
+variant is faster), the spread of the kernel in use's rounds, and ``x Liger`` (Liger's time over
+the variant's); at the end, each variant's worst and geometric-mean ratio over the cases. A
+setting is a candidate for :data:`mila_py.ops.cuda.rope.ROPE_TUNING` only where it wins on every
+case by more than the spread. The library itself is unchanged by this script.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,101 +41,235 @@ from mila_py import BuildContext, Precision, RuntimeMode
 from mila_py.components import Rope, RopeConfig
 from mila_py.devices.cuda import cuda_device_count
 from mila_py.ops.cuda import _kernels
-from mila_py.ops.cuda.rope import ROPE_CUDA_SOURCE
+from mila_py.ops.cuda.rope import ROPE_TUNING, RopeKernelTuning, kernel_name, rope_source
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SHAPES = [(1, 8192), (4, 4096)]
 
-#: loads and stores of whole 16-byte packs with streaming hints; narrower packs unchanged
-STREAMING_HELPERS = r"""
-template <typename P> __device__ __forceinline__ P mila_load(const P* p) {
-    if constexpr (sizeof(P) == 16) {
-        const int4 v = __ldcs(reinterpret_cast<const int4*>(p));
-        return *reinterpret_cast<const P*>(&v);
-    } else {
-        return *p;
-    }
+#: the settings timed, the one in use first
+VARIANTS: dict[str, RopeKernelTuning] = {
+    "in use": ROPE_TUNING,
+    "batch 2": RopeKernelTuning(batch=2),
+    "batch 4": RopeKernelTuning(batch=4),
+    "streaming": RopeKernelTuning(streaming=True),
+    "batch 4, streaming": RopeKernelTuning(batch=4, streaming=True),
+    "256 threads": RopeKernelTuning(threads=256),
+    "16 blocks/SM": RopeKernelTuning(min_blocks=16),
+    "16 blocks/SM, streaming": RopeKernelTuning(min_blocks=16, streaming=True),
+    "early": RopeKernelTuning(early=True),
+    "early, batch 2": RopeKernelTuning(early=True, batch=2),
+    "early, 16 blocks/SM": RopeKernelTuning(early=True, min_blocks=16),
+    "early, 16 blocks/SM, str.": RopeKernelTuning(early=True, min_blocks=16, streaming=True),
 }
-template <typename P> __device__ __forceinline__ void mila_store(P* p, const P& v) {
-    if constexpr (sizeof(P) == 16) {
-        __stcs(reinterpret_cast<int4*>(p), *reinterpret_cast<const int4*>(&v));
-    } else {
-        *p = v;
-    }
-}
-"""
-
-
-def streaming_variant(source: str) -> str:
-    """``source`` with every ``Pack`` load and store routed through :data:`STREAMING_HELPERS`."""
-    loads = re.compile(r"\*reinterpret_cast<const Pack<T, VEC>\*>\(([^;]*?)\);")
-    stores = re.compile(r"\*reinterpret_cast<Pack<T, VEC>\*>\(([^;]*?)\) = (\w+);")
-    out, n_loads = loads.subn(r"mila_load(reinterpret_cast<const Pack<T, VEC>*>(\1));", source)
-    out, n_stores = stores.subn(r"mila_store(reinterpret_cast<Pack<T, VEC>*>(\1), \2);", out)
-    if n_loads != 3 or n_stores != 3:  # the kernel's three pack loads and three pack stores
-        raise SystemExit(f"the kernel's source changed: {n_loads} loads, {n_stores} stores matched")
-    anchor = "template <typename T, int VEC> struct alignas"
-    head, sep, tail = out.partition(anchor)
-    return head + STREAMING_HELPERS + sep + tail
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument(
+        "--registers", action="store_true",
+        help="no GPU: registers per thread of each variant's prefill kernels (nvcc, sm_90)",
+    )  # fmt: skip
     args = parser.parse_args()
-    variant_source = streaming_variant(ROPE_CUDA_SOURCE)
+    if args.registers:
+        print_registers()
+        return
     if cuda_device_count() == 0:
         raise SystemExit("rope_cuda_variants.py needs an NVIDIA GPU and CuPy (none seen)")
     import cupy
 
+    liger = load_liger()
     cfg = RopeConfig(channels=HEADS * HEAD_DIM, n_heads=HEADS, n_kv_heads=KV_HEADS,
                      max_seq_len=8192)  # fmt: skip
     rng = np.random.default_rng(0)
-    print(f"{'case':24} {'dtype':5} {'kernel us':>10} {'variant us':>11} {'kernel/variant':>15}")
+    copy_bw = copy_bandwidth(cupy, args)
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    print(f"{device}, CuPy {cupy.__version__}; copy ceiling: {copy_bw / 1e9:.0f} GB/s (bytes read + written); "
+          f"Liger: {'timed' if liger else 'not importable'}")  # fmt: skip
+    ratios: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for precision in (Precision.FP32, Precision.BF16):
         for n_b, n_t in SHAPES:
-            print(
-                measure_case(cupy, cfg, precision, n_b, n_t, rng, variant_source, args), flush=True
-            )
+            for name, ratio in measure_case(cupy, cfg, precision, n_b, n_t, rng, copy_bw,
+                                            liger, args).items():  # fmt: skip
+                ratios[name].append(ratio)
             cupy.get_default_memory_pool().free_all_blocks()
+    print(f"\n{'variant':24} {'settings':42} {'worst':>7} {'geomean':>8}  (in use / variant)")
+    for name, values in ratios.items():
+        if values:
+            geo = math.exp(sum(map(math.log, values)) / len(values))
+            print(f"{name:24} {VARIANTS[name]!s:42} {min(values):7.3f} {geo:8.3f}")
 
 
 def measure_case(cupy: Any, cfg: RopeConfig, precision: Precision, n_b: int, n_t: int,
-                 rng: np.random.Generator, variant_source: str, args: argparse.Namespace) -> str:  # fmt: skip
-    """One table line: the op's forward kernel and the variant on the same arguments."""
+                 rng: np.random.Generator, copy_bw: float, liger: Any,
+                 args: argparse.Namespace) -> dict[str, float]:  # fmt: skip
+    """Print one case's table; return ``in use / variant`` per variant that was timed."""
     rope = Rope("rope", cfg, device="CUDA:0", precision=precision)
     rope.build(BuildContext((n_b, n_t, cfg.channels), RuntimeMode.INFERENCE))
     ctx = rope.execution_context
     shape_q, shape_k = (n_b, n_t, cfg.channels), (n_b, n_t, cfg.kv_channels)
-    q = ctx.to_device(rng.standard_normal(shape_q, dtype=np.float32).astype(precision.numpy_dtype))
-    k = ctx.to_device(rng.standard_normal(shape_k, dtype=np.float32).astype(precision.numpy_dtype))
+    q_host = rng.standard_normal(shape_q, dtype=np.float32)
+    k_host = rng.standard_normal(shape_k, dtype=np.float32)
+    q = ctx.to_device(q_host.astype(precision.numpy_dtype))
+    k = ctx.to_device(k_host.astype(precision.numpy_dtype))
     launch = capture_launch(lambda: rope.forward(q, k))
     names = launch["kw"].get("name_expressions", ())
     device = ctx.device_id.index
-    kernel = _kernels.kernel(launch["source"], launch["name"], device, names)
-    variant = _kernels.kernel(variant_source, launch["name"], device, names)
-    grid, block, shared = launch["grid"], (launch["block"],), launch["kw"]["shared_mem"]
+    grid, shared = launch["grid"], launch["kw"]["shared_mem"]
+    nbytes = 2 * (q.nbytes + k.nbytes) + n_t * (cfg.head_dim // 2) * 8
     q0, k0 = q.copy(), k.copy()
 
-    def run(fn: Any) -> None:
-        fn(grid, block, launch["args"], shared_mem=shared, stream=ctx.stream)
+    def runner(tuning: RopeKernelTuning) -> Any:
+        fn = _kernels.kernel(rope_source(tuning), launch["name"], device, names)
+        threads = (tuning.threads,)
+        return lambda: fn(grid, threads, launch["args"], shared_mem=shared, stream=ctx.stream)
 
-    results = []
-    for fn in (kernel, variant):  # the same function of the same input, bit for bit
+    runners, outputs = {}, {}
+    for name, tuning in VARIANTS.items():  # the same function of the same input, bit for bit
         q.view(cupy.uint8)[...] = q0.view(cupy.uint8)
         k.view(cupy.uint8)[...] = k0.view(cupy.uint8)
-        run(fn)
+        runners[name] = runner(tuning)
+        runners[name]()
         ctx.synchronize()
-        results.append((cupy.asnumpy(q.view(cupy.uint8)), cupy.asnumpy(k.view(cupy.uint8))))
+        outputs[name] = (cupy.asnumpy(q.view(cupy.uint8)), cupy.asnumpy(k.view(cupy.uint8)))
+    base = outputs["in use"]
+    differ = [n for n, out in outputs.items() if not all(map(np.array_equal, out, base))]
+    timed = {n: fn for n, fn in runners.items() if n not in differ}
+    times = interleaved_us(cupy, ctx.stream, timed, args)
     dtype = "fp32" if precision is Precision.FP32 else "bf16"
-    case = f"forward B={n_b} T={n_t}"
-    if not all(np.array_equal(a, b) for a, b in zip(*results, strict=True)):
-        return f"{case:24} {dtype:5} variant output differs: not timed"
-    mine, other = (
-        median_us(cupy, ctx.stream, lambda fn=fn: run(fn), args) for fn in (kernel, variant)
-    )
-    return f"{case:24} {dtype:5} {mine:10.1f} {other:11.1f} {mine / other:15.3f}"
+    liger_us = liger_forward_us(liger, q_host, k_host, rope, precision, args) if liger else None
+    mine = statistics.median(times["in use"])
+    q1, q3 = np.percentile(times["in use"], [25, 75])
+    print(f"\nforward B={n_b} T={n_t} {dtype} (kernel {launch['name']}, in-use rounds' "
+          f"IQR {100 * (q3 - q1) / mine:.1f}%"
+          + (f"; Liger {liger_us:.1f} us" if liger_us else "") + ")")  # fmt: skip
+    print(f"  {'variant':24} {'us':>8} {'% copy':>7} {'in use/variant':>15} {'x Liger':>8}")
+    ratios = {}
+    for name, rounds in times.items():
+        us = statistics.median(rounds)
+        ratios[name] = mine / us
+        pct = 100 * nbytes / (us * 1e-6) / copy_bw
+        x_liger = f"{liger_us / us:8.3f}" if liger_us else f"{'-':>8}"
+        print(f"  {name:24} {us:8.1f} {pct:6.1f}% {mine / us:15.3f} {x_liger}")
+    for name in differ:
+        print(f"  {name:24} output differs from the kernel in use: not timed")
+    return ratios
+
+
+def interleaved_us(cupy: Any, stream: Any, runners: dict[str, Any],
+                   args: argparse.Namespace) -> dict[str, list[float]]:  # fmt: skip
+    """Microseconds per launch of each runner, one value per round; every round times each
+    runner in turn, so drift of the GPU's clocks reaches all of them alike."""
+    for fn in runners.values():
+        for _ in range(3):
+            fn()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(args.repeats):
+        for name, fn in runners.items():
+            start.record(stream)
+            for _ in range(args.calls):
+                fn()
+            end.record(stream)
+            end.synchronize()
+            times[name].append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / args.calls)
+    return times
+
+
+def copy_bandwidth(cupy: Any, args: argparse.Namespace) -> float:
+    """Bytes per second (read + written) of a 1 GiB device-to-device copy."""
+    stream = cupy.cuda.Stream(non_blocking=False)
+    with stream:
+        src = cupy.arange(2**28, dtype=cupy.float32)
+        dst = cupy.empty_like(src)
+
+    def copy() -> None:
+        dst.data.copy_from_device_async(src.data, src.nbytes, stream)
+
+    times = interleaved_us(cupy, stream, {"copy": copy}, args)
+    return 2 * src.nbytes / (statistics.median(times["copy"]) * 1e-6)
+
+
+def load_liger() -> Any:
+    """Liger-Kernel's ``liger_rotary_pos_emb`` and torch, or None where either is missing."""
+    try:
+        import torch
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    except Exception:
+        return None
+    return (torch, liger_rotary_pos_emb) if torch.cuda.is_available() else None
+
+
+def liger_forward_us(liger: Any, q_host: np.ndarray, k_host: np.ndarray, rope: Rope,
+                     precision: Precision, args: argparse.Namespace) -> float:  # fmt: skip
+    """Liger's forward on the same shape and the same table rows, as ``rope_cuda.py`` calls it
+    (``[B, H, T, D]`` transposed views of ``[B, T, H, D]``), median microseconds per call."""
+    torch, fn = liger
+    dtype = torch.float32 if precision is Precision.FP32 else torch.bfloat16
+    n_b, n_t = q_host.shape[:2]
+    tq = torch.from_numpy(q_host).cuda().to(dtype).view(n_b, n_t, HEADS, HEAD_DIM)
+    tk = torch.from_numpy(k_host).cuda().to(dtype).view(n_b, n_t, KV_HEADS, HEAD_DIM)
+    ctx = rope.execution_context
+    cos = torch.from_numpy(ctx.to_host(rope.table.cos)[:n_t]).cuda()
+    sin = torch.from_numpy(ctx.to_host(rope.table.sin)[:n_t]).cuda()
+    cos = torch.cat([cos, cos], -1)[None].to(dtype).contiguous()
+    sin = torch.cat([sin, sin], -1)[None].to(dtype).contiguous()
+
+    def call() -> None:
+        fn(tq.transpose(1, 2), tk.transpose(1, 2), cos, sin)
+
+    for _ in range(3):
+        call()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(args.repeats):
+        start.record()
+        for _ in range(args.calls):
+            call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / args.calls)
+    return statistics.median(times)
+
+
+#: the Itanium-mangled prefixes of ``rope_qk<float, 4, false>`` and ``rope_qk<mila_bf16, 8, false>``
+MANGLED = ("_Z7rope_qkIfLi4ELb0E", "_Z7rope_qkI9mila_bf16Li8ELb0E")
+
+
+def print_registers() -> None:
+    """Registers per thread (and spills) of each variant's widest prefill kernels, by nvcc."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise SystemExit("--registers needs nvcc")
+    names = [kernel_name(Precision.FP32, 4, False), kernel_name(Precision.BF16, 8, False)]
+    print(f"{'variant':24} " + " ".join(f"{n:>28}" for n in names) + "  (registers, spill bytes)")
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, tuning in VARIANTS.items():
+            path = Path(tmp) / "rope.cu"
+            instances = ", ".join(f"(void*)&{n}" for n in names)
+            path.write_text(
+                f"{_kernels.CUDA_PRELUDE}{rope_source(tuning)}\n"
+                f"void* const instances[] = {{{instances}}};\n"
+            )
+            out = subprocess.run(
+                [nvcc, "-std=c++17", "-arch=sm_90", "--resource-usage", "-c", str(path),
+                 "-o", str(Path(tmp) / "rope.o")],
+                capture_output=True, text=True, check=True,
+            )  # fmt: skip
+            report = out.stdout + out.stderr
+            cells = []
+            for mangled in MANGLED:  # nvcc names each entry by its mangled name
+                found = re.search(
+                    rf"Compiling entry function '{mangled}[^']*'.*?"
+                    r"(\d+) bytes spill stores.*?Used (\d+) registers",
+                    report,
+                    re.S,
+                )
+                cells.append(f"{found[2]} regs, {found[1]} spill" if found else "?")
+            print(f"{label:24} " + " ".join(f"{c:>28}" for c in cells))
 
 
 def capture_launch(call: Any) -> dict[str, Any]:
@@ -143,21 +287,6 @@ def capture_launch(call: Any) -> dict[str, Any]:
     finally:
         _kernels.launch = real  # type: ignore[assignment]
     return captured
-
-
-def median_us(cupy: Any, stream: Any, fn: Any, args: argparse.Namespace) -> float:
-    for _ in range(3):
-        fn()
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(args.repeats):
-        start.record(stream)
-        for _ in range(args.calls):
-            fn()
-        end.record(stream)
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / args.calls)
-    return statistics.median(times)
 
 
 if __name__ == "__main__":

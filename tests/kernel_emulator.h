@@ -243,7 +243,7 @@ inline const char* launch(dim3 grid, dim3 block, std::size_t dynamic_shared_byte
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 #define threadIdx (mila_emu::thread_index)
 #define blockIdx (mila_emu::block_index)
 #define blockDim (mila_emu::block_dim)
@@ -283,6 +283,11 @@ inline unsigned int __float_as_uint(float f) {
     std::memcpy(&u, &f, sizeof u);
     return u;
 }
+// CUDA's 16-byte vector type and its streaming-hint accesses (the hints change no value)
+struct alignas(16) int4 { int x, y, z, w; };
+inline int4 __ldcs(const int4* p) { return *p; }
+inline void __stcs(int4* p, int4 v) { *p = v; }
+
 inline float atomicAdd(float* address, float v) {
     const float old = *address;
     *address = old + v;

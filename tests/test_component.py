@@ -242,7 +242,7 @@ def test_standalone_cuda_without_cupy_fails_at_construction(
     import sys
 
     monkeypatch.setitem(sys.modules, "cupy", None)
-    with pytest.raises(RuntimeError, match=r"pip install mila-py\[cuda12\]"):
+    with pytest.raises(RuntimeError, match=r"pip install -e \"\.\[cuda12\]\""):
         Linear("lin", device="CUDA:0")
 
 

@@ -660,6 +660,34 @@ def test_cuda_sources_compile_with_nvrtc(index: int) -> None:
         assert symbol.encode() in cubin, symbol
 
 
+@pytest.mark.skipif(NVRTC is None, reason="CuPy's NVRTC is not loadable")
+@pytest.mark.parametrize(
+    "tuning",
+    [
+        rope.RopeKernelTuning(batch=4, streaming=True),
+        rope.RopeKernelTuning(early=True, min_blocks=16, streaming=True),
+        rope.RopeKernelTuning(threads=256, early=True, batch=2),
+    ],
+    ids=str,
+)
+def test_rope_kernel_tunings_compile_with_nvrtc(tuning: rope.RopeKernelTuning) -> None:
+    """Every knob of the RoPE kernel (``benchmarks/rope_cuda_variants.py`` times them on a GPU)
+    compiles with NVRTC, headers none, for every instantiation, without a warning."""
+    program = NVRTC.createProgram(
+        _kernels.CUDA_PRELUDE + rope.rope_source(tuning), "kernels.cu", [], []
+    )
+    for name in NAME_EXPRESSIONS:
+        NVRTC.addNameExpression(program, name)
+    try:
+        NVRTC.compileProgram(program, [*_kernels.NVRTC_OPTIONS, "-arch=sm_90"])
+    except NVRTC.NVRTCError as exc:
+        pytest.fail(f"{exc}\n{NVRTC.getProgramLog(program)}")
+    assert NVRTC.getProgramLog(program).strip() == ""
+    assert len({NVRTC.getLoweredName(program, name) for name in NAME_EXPRESSIONS}) == len(
+        NAME_EXPRESSIONS
+    )
+
+
 def test_bound_scalars_hold_the_exact_bytes_cupy_passes_by_value() -> None:
     """A launch argument made once (``bound_scalar``) is CuPy's own by-value object, which its
     launcher passes through without converting, holding the value at the scalar's own width;

@@ -356,7 +356,7 @@ def test_cuda_without_cupy_says_what_is_missing_and_how_to_install(
         create_execution_context("CUDA:0")
     message = str(info.value)
     assert "CuPy" in message
-    assert "pip install mila-py[cuda12]" in message
+    assert 'pip install -e ".[cuda12]"' in message
 
 
 def test_cuda_with_cupy_but_no_gpu_says_so(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -867,6 +867,92 @@ def test_one_op_through_changing_layouts(cuda: None, rng) -> None:
 # ---------------------------------------------------------------------------------- the emulator
 
 
+# ---------------------------------------------------------------------------------- tuning
+
+#: settings of the kernel's knobs beside the one in use: odd and wide batches (a thread's last
+#: batch partly empty), streaming hints, fewer and more threads than the default's 128, loads
+#: before the barrier, a register cap
+TUNINGS = {
+    "batch3": cuda_rope.RopeKernelTuning(batch=3),
+    "batch8-streaming": cuda_rope.RopeKernelTuning(batch=8, streaming=True),
+    "threads256-batch2": cuda_rope.RopeKernelTuning(threads=256, batch=2),
+    "threads64-batch4-streaming": cuda_rope.RopeKernelTuning(threads=64, batch=4, streaming=True),
+    "min-blocks16": cuda_rope.RopeKernelTuning(min_blocks=16),
+    "early": cuda_rope.RopeKernelTuning(early=True),
+    "early-batch3-threads64": cuda_rope.RopeKernelTuning(early=True, batch=3, threads=64),
+}
+
+
+def _tuning_battery(rng: np.random.Generator) -> list[np.ndarray]:
+    """What the Rope component computes on an emulated CUDA:0 for a spread of calls: every
+    precision and layout, 16-byte and element-by-element accesses (Q one element past an aligned
+    address), GQA with more items than threads, partial rotary out of place (backward), per-axis
+    M-RoPE positions, a decode step. Inputs come from ``rng``."""
+    out: list[np.ndarray] = []
+    for precision in PRECISIONS:
+        for layout in ("half", "interleaved"):
+            for heads, head_dim, rotary_dim in (((32, 8), 128, 0), ((5, 1), 12, 8)):
+                cfg = rope_config(heads, head_dim, rotary_dim=rotary_dim, layout=layout)
+                rope = cuda_rope_of(cfg, 2, 3, precision, mode=TRAINING)
+                q0, k0 = random_qk(rng, cfg, 2, 3, precision)
+                for shift in (0, 1):
+                    buf = aligned_empty(q0.size + shift, q0.dtype)
+                    q, k = buf[shift:].reshape(q0.shape), k0.copy()
+                    q[...] = q0
+                    rope.prefill(q, k, 100)
+                    out += [q, k, *(x.copy() for x in rope.backward(q, k))]
+                q, k = q0[:, :1].copy(), k0[:, :1].copy()
+                rope.decode(q, k, np.array([5, 900]))
+                out += [q, k]
+            mcfg = rope_config((4, 2), 64, layout=layout, mrope_section=(8, 12, 12))
+            mrope = cuda_rope_of(mcfg, 2, 3, precision)
+            q, k = random_qk(rng, mcfg, 2, 3, precision)
+            mrope.rotate(q, k, rng.integers(0, 1500, size=(3, 2, 3)))
+            out += [q, k]
+    return out
+
+
+@pytest.mark.parametrize("tuning", list(TUNINGS))
+def test_every_kernel_tuning_gives_the_same_bits(
+    library: KernelLibrary, monkeypatch, tuning: str
+) -> None:
+    """Each setting of :class:`RopeKernelTuning` (its source compiled on its own, launched with
+    its threads per block) computes exactly what the kernel in use does, on the same inputs."""
+    with emulated_cuda_devices(library):
+        expected = _tuning_battery(np.random.default_rng(7))
+    settings_ = TUNINGS[tuning]
+    source = cuda_rope.rope_source(settings_)
+    assert source != cuda_rope.ROPE_CUDA_SOURCE
+    names = [n for p in PRECISIONS for n in cuda_rope.kernel_names(p)]
+    variant = KernelLibrary([source], names)
+    monkeypatch.setattr(cuda_rope, "ROPE_CUDA_SOURCE", source)
+    monkeypatch.setattr(cuda_rope, "_THREADS", settings_.threads)
+    launched: list[tuple[str, int]] = []
+    real_launch = variant.launch
+
+    def launch(ctx: Any, src: str, name: str, grid: Any, block: int, args: Any, **kw: Any):
+        assert src is source  # the op hands over the tuned source ...
+        launched.append((name, block))  # ... and launches with its threads per block
+        real_launch(ctx, src, name, grid, block, args, **kw)
+
+    monkeypatch.setattr(variant, "launch", launch)
+    with emulated_cuda_devices(variant):
+        actual = _tuning_battery(np.random.default_rng(7))
+    assert {block for _, block in launched} == {settings_.threads}
+    assert len(actual) == len(expected)
+    assert all(same_bits(a, e) for a, e in zip(actual, expected, strict=True))
+
+
+def test_kernel_tuning_out_of_range_is_refused() -> None:
+    for bad in ({"threads": 100}, {"threads": 2048}, {"batch": 0}, {"min_blocks": -1}):
+        with pytest.raises(ValueError, match="out of range"):
+            cuda_rope.RopeKernelTuning(**bad)
+    assert cuda_rope.rope_source(cuda_rope.ROPE_TUNING) == cuda_rope.ROPE_CUDA_SOURCE
+    assert "__launch_bounds__(128)" in cuda_rope.rope_source(cuda_rope.RopeKernelTuning())
+    tuned = cuda_rope.rope_source(cuda_rope.RopeKernelTuning(threads=256, min_blocks=8))
+    assert "__launch_bounds__(256, 8)" in tuned
+
+
 def test_the_emulator_traps_what_the_gpu_would(cuda: None, monkeypatch, rng) -> None:
     """Misaligned vector accesses, too many threads for ``__launch_bounds__``, too little
     dynamic shared memory, and a template instantiation NVRTC was not asked for all raise."""

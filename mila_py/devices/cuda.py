@@ -32,8 +32,9 @@ _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 _DLPACK_CUDA = (2, 13)
 
 _INSTALL_HINT = (
-    "install CuPy for your CUDA toolkit with `pip install mila-py[cuda12]` "
-    "or `pip install mila-py[cuda13]`"
+    'install CuPy for your CUDA toolkit: `pip install -e ".[cuda12]"` or '
+    '`pip install -e ".[cuda13]"` in the mila_py checkout (CuPy\'s cupy-cuda12x or '
+    "cupy-cuda13x)"
 )
 
 

@@ -99,7 +99,10 @@ class CpuRopeOp(Operation):
         if value not in BACKENDS:
             raise ValueError(f"CpuRopeOp.backend must be one of {BACKENDS}, got {value!r}")
         if value == "fused" and not _rope_fused.AVAILABLE:
-            raise RuntimeError("the fused CPU RoPE kernel needs Numba: pip install mila-py[jit]")
+            raise RuntimeError(
+                'the fused CPU RoPE kernel needs Numba: `pip install -e ".[jit]"` in the '
+                "mila_py checkout (or `pip install numba`)"
+            )
         self._backend = value
         self._fused_on = value == "fused" or (value == "auto" and _rope_fused.AVAILABLE)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,9 +43,17 @@ from mila_py.ops.operation import DecodePositions, Operation, bind_rope_decode, 
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
-__all__ = ["ROPE_CUDA_SOURCE", "CudaRopeOp", "kernel_names", "vector_widths"]
+__all__ = [
+    "ROPE_CUDA_SOURCE",
+    "ROPE_TUNING",
+    "CudaRopeOp",
+    "RopeKernelTuning",
+    "kernel_names",
+    "rope_source",
+    "vector_widths",
+]
 
-ROPE_CUDA_SOURCE = r"""
+_ROPE_TEMPLATE = r"""
 // 16-bit floats as raw bits: no CUDA header needed.
 struct __align__(2) mila_half { unsigned short bits; };
 struct __align__(2) mila_bf16 { unsigned short bits; };
@@ -90,51 +99,81 @@ __device__ __forceinline__ void rotate_pair(
 // VEC elements of T moved as one aligned access of VEC * sizeof(T) bytes.
 template <typename T, int VEC> struct alignas(sizeof(T) * VEC) Pack { T v[VEC]; };
 
-// Group g of one head starting at element lo. Layout "half": VEC pairs (i, i + n) for
-// i in [g * VEC, g * VEC + VEC). Layout "interleaved": VEC / 2 pairs (2i, 2i + 1) in the VEC
-// elements from g * VEC; with VEC == 1, one pair (2g, 2g + 1) read element by element.
-template <typename T, int VEC, bool INTERLEAVED>
-__device__ __forceinline__ void rotate_group(
-    const T* x, T* y, int lo, int g, int n,
-    const float* __restrict__ c, const float* __restrict__ s, float sign)
-{
-    if constexpr (INTERLEAVED && VEC == 1) {
-        const int e = lo + 2 * g;
-        const float a = to_f32(x[e]), b = to_f32(x[e + 1]);
-        float u, w;
-        rotate_pair(a, b, c[g], __fmul_rn(s[g], sign), u, w);
-        y[e] = from_f32<T>(u);
-        y[e + 1] = from_f32<T>(w);
-    } else if constexpr (INTERLEAVED) {
-        const int e0 = lo + g * VEC;
-        const Pack<T, VEC> in = *reinterpret_cast<const Pack<T, VEC>*>(x + e0);
-        Pack<T, VEC> out;
-#pragma unroll
-        for (int j = 0; j < VEC; j += 2) {
-            const int i = (g * VEC + j) >> 1;
-            float u, w;
-            rotate_pair(to_f32(in.v[j]), to_f32(in.v[j + 1]), c[i], __fmul_rn(s[i], sign), u, w);
-            out.v[j] = from_f32<T>(u);
-            out.v[j + 1] = from_f32<T>(w);
-        }
-        *reinterpret_cast<Pack<T, VEC>*>(y + e0) = out;
-    } else {
-        const int i0 = g * VEC;
-        const Pack<T, VEC> in1 = *reinterpret_cast<const Pack<T, VEC>*>(x + lo + i0);
-        const Pack<T, VEC> in2 = *reinterpret_cast<const Pack<T, VEC>*>(x + lo + n + i0);
-        Pack<T, VEC> out1, out2;
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-            const int i = i0 + j;
-            float u, w;
-            rotate_pair(to_f32(in1.v[j]), to_f32(in2.v[j]), c[i], __fmul_rn(s[i], sign), u, w);
-            out1.v[j] = from_f32<T>(u);
-            out2.v[j] = from_f32<T>(w);
-        }
-        *reinterpret_cast<Pack<T, VEC>*>(y + lo + i0) = out1;
-        *reinterpret_cast<Pack<T, VEC>*>(y + lo + n + i0) = out2;
+// A pack's load and store. With MILA_ROPE_STREAMING, 16-byte packs carry the streaming cache
+// hints (evict first: each byte of Q and K is touched once); else plain accesses.
+template <typename P> __device__ __forceinline__ P load_pack(const P* p) {
+#if MILA_ROPE_STREAMING
+    if constexpr (sizeof(P) == 16) {
+        const int4 v = __ldcs(reinterpret_cast<const int4*>(p));
+        return *reinterpret_cast<const P*>(&v);
     }
+#endif
+    return *p;
 }
+template <typename P> __device__ __forceinline__ void store_pack(P* p, const P& v) {
+#if MILA_ROPE_STREAMING
+    if constexpr (sizeof(P) == 16) {
+        __stcs(reinterpret_cast<int4*>(p), *reinterpret_cast<const int4*>(&v));
+        return;
+    }
+#endif
+    *p = v;
+}
+
+// Group g of one head starting at element lo, held in registers between its load and its
+// store. Layout "half": VEC pairs (i, i + n) for i in [g * VEC, g * VEC + VEC), a the lower
+// and b the upper elements. Layout "interleaved": VEC / 2 pairs (2i, 2i + 1) in the VEC
+// elements of a from g * VEC; with VEC == 1, one pair (2g, 2g + 1): a and b one element each.
+template <typename T, int VEC, bool INTERLEAVED> struct Group {
+    Pack<T, VEC> a, b;
+
+    __device__ __forceinline__ void load(const T* x, int lo, int g, int n) {
+        if constexpr (INTERLEAVED && VEC == 1) {
+            a.v[0] = x[lo + 2 * g];
+            b.v[0] = x[lo + 2 * g + 1];
+        } else if constexpr (INTERLEAVED) {
+            a = load_pack(reinterpret_cast<const Pack<T, VEC>*>(x + lo + g * VEC));
+        } else {
+            a = load_pack(reinterpret_cast<const Pack<T, VEC>*>(x + lo + g * VEC));
+            b = load_pack(reinterpret_cast<const Pack<T, VEC>*>(x + lo + n + g * VEC));
+        }
+    }
+
+    // the rotated group written to y (c, s: this token's cos and sin by frequency)
+    __device__ __forceinline__ void rotate_store(
+        T* y, int lo, int g, int n, const float* c, const float* s, float sign) const
+    {
+        if constexpr (INTERLEAVED && VEC == 1) {
+            float u, w;
+            rotate_pair(to_f32(a.v[0]), to_f32(b.v[0]), c[g], __fmul_rn(s[g], sign), u, w);
+            y[lo + 2 * g] = from_f32<T>(u);
+            y[lo + 2 * g + 1] = from_f32<T>(w);
+        } else if constexpr (INTERLEAVED) {
+            Pack<T, VEC> out;
+#pragma unroll
+            for (int j = 0; j < VEC; j += 2) {
+                const int i = (g * VEC + j) >> 1;
+                float u, w;
+                rotate_pair(to_f32(a.v[j]), to_f32(a.v[j + 1]), c[i], __fmul_rn(s[i], sign), u, w);
+                out.v[j] = from_f32<T>(u);
+                out.v[j + 1] = from_f32<T>(w);
+            }
+            store_pack(reinterpret_cast<Pack<T, VEC>*>(y + lo + g * VEC), out);
+        } else {
+            Pack<T, VEC> out1, out2;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                const int i = g * VEC + j;
+                float u, w;
+                rotate_pair(to_f32(a.v[j]), to_f32(b.v[j]), c[i], __fmul_rn(s[i], sign), u, w);
+                out1.v[j] = from_f32<T>(u);
+                out2.v[j] = from_f32<T>(w);
+            }
+            store_pack(reinterpret_cast<Pack<T, VEC>*>(y + lo + g * VEC), out1);
+            store_pack(reinterpret_cast<Pack<T, VEC>*>(y + lo + n + g * VEC), out2);
+        }
+    }
+};
 
 // The position axis of frequency i under M-RoPE: contiguous sections (mode 1: [0, a) temporal,
 // [a, b) height, the rest width) or interleaved (mode 2, Qwen3-VL: i % 3 == 1 below a height,
@@ -149,7 +188,7 @@ __device__ __forceinline__ int mrope_axis(int i, int mode, int a, int b) {
 // x_in and x_out are the same array (so neither is __restrict__). With mrope != 0, positions
 // are [3, B * T] (one row per axis) and each frequency's cos/sin come from its axis' position.
 template <typename T, int VEC, bool INTERLEAVED>
-__global__ void __launch_bounds__(128) rope_qk(
+__global__ void __launch_bounds__(MILA_ROPE_THREADS) rope_qk(
     MILA_STRIDED const T* q_in, MILA_STRIDED T* q_out,
     MILA_STRIDED const T* k_in, MILA_STRIDED T* k_out,
     const float* __restrict__ cos_table, const float* __restrict__ sin_table,
@@ -171,7 +210,6 @@ __global__ void __launch_bounds__(128) rope_qk(
         row[i] = cos_table[pi * n_freq + i];
         row[n_freq + i] = sin_table[pi * n_freq + i];
     }
-    __syncthreads();
     const float* c = row;
     const float* s = row + n_freq;
     const T* qi = q_in + b * q_sb + t * q_st;
@@ -180,14 +218,64 @@ __global__ void __launch_bounds__(128) rope_qk(
     T* ko = k_out + b * ko_sb + t * ko_st;
     const int groups = INTERLEAVED ? (VEC == 1 ? n_freq : (2 * n_freq) / VEC) : n_freq / VEC;
     const int items = (n_heads + n_kv_heads) * groups;
-    for (int item = threadIdx.x; item < items; item += blockDim.x) {
-        const int h = item / groups;
-        const int g = item - h * groups;
-        if (h < n_heads) {
-            rotate_group<T, VEC, INTERLEAVED>(qi, qo, h * head_dim, g, n_freq, c, s, sign);
+    if constexpr (MILA_ROPE_BATCH == 1 && !MILA_ROPE_EARLY) {
+        __syncthreads();  // the row is staged
+        for (int item = threadIdx.x; item < items; item += blockDim.x) {
+            const int h = item / groups;
+            const int g = item - h * groups;
+            Group<T, VEC, INTERLEAVED> held;
+            if (h < n_heads) {
+                held.load(qi, h * head_dim, g, n_freq);
+                held.rotate_store(qo, h * head_dim, g, n_freq, c, s, sign);
+            } else {
+                const int lo = (h - n_heads) * head_dim;
+                held.load(ki, lo, g, n_freq);
+                held.rotate_store(ko, lo, g, n_freq, c, s, sign);
+            }
+        }
+    } else {
+        // A thread's items go MILA_ROPE_BATCH at a time: all their loads, then all their stores
+        // (in place, a store could alias a later load as far as the compiler knows, so one item
+        // at a time keeps one item's loads in flight). With MILA_ROPE_EARLY the first batch's
+        // loads, which need no cos/sin, are issued before the barrier that publishes the row.
+        Group<T, VEC, INTERLEAVED> held[MILA_ROPE_BATCH];
+        const auto load_batch = [&](int first) {
+#pragma unroll
+            for (int u = 0; u < MILA_ROPE_BATCH; ++u) {
+                const int item = first + u * (int)blockDim.x;
+                if (item < items) {
+                    const int h = item / groups;
+                    const bool is_q = h < n_heads;
+                    held[u].load(is_q ? qi : ki, (is_q ? h : h - n_heads) * head_dim,
+                                 item - h * groups, n_freq);
+                }
+            }
+        };
+        const auto store_batch = [&](int first) {
+#pragma unroll
+            for (int u = 0; u < MILA_ROPE_BATCH; ++u) {
+                const int item = first + u * (int)blockDim.x;
+                if (item < items) {
+                    const int h = item / groups;
+                    const bool is_q = h < n_heads;
+                    held[u].rotate_store(is_q ? qo : ko, (is_q ? h : h - n_heads) * head_dim,
+                                         item - h * groups, n_freq, c, s, sign);
+                }
+            }
+        };
+        const int step = MILA_ROPE_BATCH * (int)blockDim.x;
+        int first = threadIdx.x;
+        if constexpr (MILA_ROPE_EARLY) {  // the first batch peeled off the loop
+            load_batch(first);
+            __syncthreads();
+            store_batch(first);
+            first += step;
         } else {
-            rotate_group<T, VEC, INTERLEAVED>(
-                ki, ko, (h - n_heads) * head_dim, g, n_freq, c, s, sign);
+            __syncthreads();
+        }
+        for (; first < items; first += step) {
+            load_batch(first);
+            store_batch(first);
         }
     }
     if (copy_rest) {  // out of place: channels past the rotated part pass through
@@ -206,8 +294,59 @@ __global__ void __launch_bounds__(128) rope_qk(
 }
 """
 
+
+@dataclass(frozen=True)
+class RopeKernelTuning:
+    """The RoPE kernel's tuning knobs: none changes a result bit (the tests check each).
+
+    Attributes:
+        threads: threads per block (the kernel's ``__launch_bounds__``; a multiple of 32).
+        batch: pair groups each thread holds in registers at once: all their loads are issued
+            before any store (``MILA_ROPE_BATCH``).
+        streaming: 16-byte Q/K accesses carry streaming cache hints, ``__ldcs``/``__stcs``
+            (``MILA_ROPE_STREAMING``).
+        early: the loads of a thread's first batch are issued before the block's barrier
+            (the cos/sin row staged meanwhile), not after it (``MILA_ROPE_EARLY``).
+        min_blocks: blocks per multiprocessor the compiler must leave registers for (the
+            second ``__launch_bounds__`` argument; 0: none asked, the compiler's choice).
+
+    ``benchmarks/rope_cuda_variants.py`` times the settings against each other on a GPU.
+    """
+
+    threads: int = 128
+    batch: int = 1
+    streaming: bool = False
+    early: bool = False
+    min_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if (
+            self.threads % 32
+            or not 32 <= self.threads <= 1024
+            or self.batch < 1
+            or not (0 <= self.min_blocks <= 32)
+        ):
+            raise ValueError(f"RoPE kernel tuning out of range: {self}")
+
+
+def rope_source(tuning: RopeKernelTuning) -> str:
+    """The RoPE kernel source with ``tuning``'s settings compiled in."""
+    defines = (
+        f"#define MILA_ROPE_BATCH {tuning.batch}\n"
+        f"#define MILA_ROPE_STREAMING {int(tuning.streaming)}\n"
+        f"#define MILA_ROPE_EARLY {int(tuning.early)}\n"
+    )
+    bounds = f"{tuning.threads}, {tuning.min_blocks}" if tuning.min_blocks else str(tuning.threads)
+    return defines + _ROPE_TEMPLATE.replace("MILA_ROPE_THREADS", bounds)
+
+
+#: the settings the op compiles and launches with
+ROPE_TUNING = RopeKernelTuning()
+#: the kernel source the op compiles (:data:`ROPE_TUNING` rendered by :func:`rope_source`)
+ROPE_CUDA_SOURCE = rope_source(ROPE_TUNING)
+
 _CTYPES = {Precision.FP32: "float", Precision.FP16: "mila_half", Precision.BF16: "mila_bf16"}
-_THREADS = 128
+_THREADS = ROPE_TUNING.threads
 #: stride patterns (and chunk lengths) whose launch arguments an op keeps made
 _ARG_CACHE = 64
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -632,6 +632,20 @@ def _nvrtc() -> Any:
 NVRTC = _nvrtc()
 
 
+def _nvrtc_compile(source: str, names: Sequence[str]) -> Any:
+    """The NVRTC program of ``source`` as :func:`_kernels.module` hands it to CuPy (prelude,
+    options, name expressions), compiled for sm_90; the test fails on an error or a warning."""
+    program = NVRTC.createProgram(_kernels.CUDA_PRELUDE + source, "kernels.cu", [], [])
+    for name in names:
+        NVRTC.addNameExpression(program, name)
+    try:
+        NVRTC.compileProgram(program, [*_kernels.NVRTC_OPTIONS, "-arch=sm_90"])
+    except NVRTC.NVRTCError as exc:
+        pytest.fail(f"{exc}\n{NVRTC.getProgramLog(program)}")
+    assert NVRTC.getProgramLog(program).strip() == ""
+    return program
+
+
 @pytest.mark.skipif(NVRTC is None, reason="CuPy's NVRTC is not loadable")
 @pytest.mark.parametrize("index", range(len(SOURCES)))
 def test_cuda_sources_compile_with_nvrtc(index: int) -> None:
@@ -641,14 +655,7 @@ def test_cuda_sources_compile_with_nvrtc(index: int) -> None:
     NVRTC (``pip install cupy-cuda13x nvidia-cuda-nvrtc``)."""
     source = SOURCES[index]
     names = list(NAME_EXPRESSIONS) if source is rope.ROPE_CUDA_SOURCE else []
-    program = NVRTC.createProgram(_kernels.CUDA_PRELUDE + source, "kernels.cu", [], [])
-    for name in names:
-        NVRTC.addNameExpression(program, name)
-    try:
-        NVRTC.compileProgram(program, [*_kernels.NVRTC_OPTIONS, "-arch=sm_90"])
-    except NVRTC.NVRTCError as exc:
-        pytest.fail(f"{exc}\n{NVRTC.getProgramLog(program)}")
-    assert NVRTC.getProgramLog(program).strip() == ""
+    program = _nvrtc_compile(source, names)
     lowered = [NVRTC.getLoweredName(program, name) for name in names]
     assert len(set(lowered)) == len(names)
     cubin = NVRTC.getCUBIN(program)
@@ -673,16 +680,7 @@ def test_cuda_sources_compile_with_nvrtc(index: int) -> None:
 def test_rope_kernel_tunings_compile_with_nvrtc(tuning: rope.RopeKernelTuning) -> None:
     """Every knob of the RoPE kernel (``benchmarks/rope_cuda_variants.py`` times them on a GPU)
     compiles with NVRTC, headers none, for every instantiation, without a warning."""
-    program = NVRTC.createProgram(
-        _kernels.CUDA_PRELUDE + rope.rope_source(tuning), "kernels.cu", [], []
-    )
-    for name in NAME_EXPRESSIONS:
-        NVRTC.addNameExpression(program, name)
-    try:
-        NVRTC.compileProgram(program, [*_kernels.NVRTC_OPTIONS, "-arch=sm_90"])
-    except NVRTC.NVRTCError as exc:
-        pytest.fail(f"{exc}\n{NVRTC.getProgramLog(program)}")
-    assert NVRTC.getProgramLog(program).strip() == ""
+    program = _nvrtc_compile(rope.rope_source(tuning), NAME_EXPRESSIONS)
     assert len({NVRTC.getLoweredName(program, name) for name in NAME_EXPRESSIONS}) == len(
         NAME_EXPRESSIONS
     )

@@ -239,29 +239,27 @@ __global__ void __launch_bounds__(MILA_ROPE_THREADS) rope_qk(
         // at a time keeps one item's loads in flight). With MILA_ROPE_EARLY the first batch's
         // loads, which need no cos/sin, are issued before the barrier that publishes the row.
         Group<T, VEC, INTERLEAVED> held[MILA_ROPE_BATCH];
-        const auto load_batch = [&](int first) {
+        // f(held group, Q or K, the head's first element, group) for each item of the batch
+        const auto each_item = [&](int first, const auto& f) {
 #pragma unroll
             for (int u = 0; u < MILA_ROPE_BATCH; ++u) {
                 const int item = first + u * (int)blockDim.x;
                 if (item < items) {
                     const int h = item / groups;
                     const bool is_q = h < n_heads;
-                    held[u].load(is_q ? qi : ki, (is_q ? h : h - n_heads) * head_dim,
-                                 item - h * groups, n_freq);
+                    f(held[u], is_q, (is_q ? h : h - n_heads) * head_dim, item - h * groups);
                 }
             }
         };
+        const auto load_batch = [&](int first) {
+            each_item(first, [&](Group<T, VEC, INTERLEAVED>& g, bool is_q, int lo, int i) {
+                g.load(is_q ? qi : ki, lo, i, n_freq);
+            });
+        };
         const auto store_batch = [&](int first) {
-#pragma unroll
-            for (int u = 0; u < MILA_ROPE_BATCH; ++u) {
-                const int item = first + u * (int)blockDim.x;
-                if (item < items) {
-                    const int h = item / groups;
-                    const bool is_q = h < n_heads;
-                    held[u].rotate_store(is_q ? qo : ko, (is_q ? h : h - n_heads) * head_dim,
-                                         item - h * groups, n_freq, c, s, sign);
-                }
-            }
+            each_item(first, [&](Group<T, VEC, INTERLEAVED>& g, bool is_q, int lo, int i) {
+                g.rotate_store(is_q ? qo : ko, lo, i, n_freq, c, s, sign);
+            });
         };
         const int step = MILA_ROPE_BATCH * (int)blockDim.x;
         int first = threadIdx.x;

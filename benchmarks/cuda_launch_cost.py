@@ -197,14 +197,14 @@ def driver_row(cupy: Any, rope: Rope, q: Any, k: Any, function: Any, grid: Any, 
         np.int32(op.table.n_freq), *map(np.int64, strides), np.float32(1.0),
         np.int32(0), np.int32(0), np.int32(0), np.int32(0),
     ]  # fmt: skip
-    cells = [np.full(1, v) for v in values]  # each parameter's value, kept alive by the row
-    params = np.array([c.ctypes.data for c in cells], dtype=np.uint64)
+    cells = [np.full(1, v) for v in values]  # each parameter's value
+    params = np.array([c.ctypes.data for c in cells], dtype=np.uint64)  # their addresses
     # the stream's handle: CuPy 14 has the CUDA stream protocol, older ones an attribute
     protocol = getattr(stream, "__cuda_stream__", None)
     ptr = int(protocol()[1]) if protocol is not None else int(stream.ptr)
     gx, bx = int(grid[0]), int(block[0])
 
-    def launch() -> None:
+    def launch(keep: tuple[Any, ...] = (cells, params)) -> None:  # keep: the memory params name
         driver.launchKernel(function.ptr, gx, 1, 1, bx, 1, 1, shared, ptr, params.ctypes.data, 0)
 
     q0, k0 = q.copy(), k.copy()

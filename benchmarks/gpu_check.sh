@@ -85,7 +85,7 @@ fi
 if stage llama && { [[ "$what" != once ]] || (( $(left) > 120 )); }; then
   mark llama
   if [[ "$what" == once ]]; then  # the time left, shared in the proportions of the timeouts
-    share=$(left)
+    share=$(( $(left) - 30 ))  # each stage's kill may add its 10 s
     t_train=$(( share * t_train / 220 )) t_gen=$(( share * t_gen / 220 )) t_plan=$(( share * t_plan / 220 ))
   fi
   timeout -k 10 "$t_train" python3 benchmarks/train_step_cuda.py --device CUDA:0 2>&1 \

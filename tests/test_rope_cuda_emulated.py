@@ -904,6 +904,9 @@ def _tuning_battery(rng: np.random.Generator) -> list[np.ndarray]:
                 q, k = q0[:, :1].copy(), k0[:, :1].copy()
                 rope.decode(q, k, np.array([5, 900]))
                 out += [q, k]
+                for position in (31, 32, 33):  # the same buffers again: the bound fast path
+                    rope.decode(q, k, position)
+                    out += [q.copy(), k.copy()]
             mcfg = rope_config((4, 2), 64, layout=layout, mrope_section=(8, 12, 12))
             mrope = cuda_rope_of(mcfg, 2, 3, precision)
             q, k = random_qk(rng, mcfg, 2, 3, precision)
@@ -944,7 +947,13 @@ def test_every_kernel_tuning_gives_the_same_bits(
 
 
 def test_kernel_tuning_out_of_range_is_refused() -> None:
-    for bad in ({"threads": 100}, {"threads": 2048}, {"batch": 0}, {"min_blocks": -1}):
+    for bad in (
+        {"threads": 100},
+        {"threads": 2048},
+        {"batch": 0},
+        {"min_blocks": -1},
+        {"threads": 256, "min_blocks": 16},  # 4,096 threads: more than a multiprocessor holds
+    ):
         with pytest.raises(ValueError, match="out of range"):
             cuda_rope.RopeKernelTuning(**bad)
     assert cuda_rope.rope_source(cuda_rope.ROPE_TUNING) == cuda_rope.ROPE_CUDA_SOURCE

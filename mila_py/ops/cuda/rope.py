@@ -132,7 +132,8 @@ template <typename T, int VEC, bool INTERLEAVED> struct Group {
             a.v[0] = x[lo + 2 * g];
             b.v[0] = x[lo + 2 * g + 1];
         } else if constexpr (INTERLEAVED) {
-            a = load_pack(reinterpret_cast<const Pack<T, VEC>*>(x + lo + g * VEC));
+            const int e0 = lo + g * VEC;
+            a = load_pack(reinterpret_cast<const Pack<T, VEC>*>(x + e0));
         } else {
             a = load_pack(reinterpret_cast<const Pack<T, VEC>*>(x + lo + g * VEC));
             b = load_pack(reinterpret_cast<const Pack<T, VEC>*>(x + lo + n + g * VEC));
@@ -158,7 +159,8 @@ template <typename T, int VEC, bool INTERLEAVED> struct Group {
                 out.v[j] = from_f32<T>(u);
                 out.v[j + 1] = from_f32<T>(w);
             }
-            store_pack(reinterpret_cast<Pack<T, VEC>*>(y + lo + g * VEC), out);
+            const int e0 = lo + g * VEC;
+            store_pack(reinterpret_cast<Pack<T, VEC>*>(y + e0), out);
         } else {
             Pack<T, VEC> out1, out2;
 #pragma unroll
@@ -210,6 +212,9 @@ __global__ void __launch_bounds__(MILA_ROPE_THREADS) rope_qk(
         row[i] = cos_table[pi * n_freq + i];
         row[n_freq + i] = sin_table[pi * n_freq + i];
     }
+    if constexpr (MILA_ROPE_BATCH == 1 && !MILA_ROPE_EARLY) {
+        __syncthreads();  // the row is staged
+    }
     const float* c = row;
     const float* s = row + n_freq;
     const T* qi = q_in + b * q_sb + t * q_st;
@@ -219,7 +224,6 @@ __global__ void __launch_bounds__(MILA_ROPE_THREADS) rope_qk(
     const int groups = INTERLEAVED ? (VEC == 1 ? n_freq : (2 * n_freq) / VEC) : n_freq / VEC;
     const int items = (n_heads + n_kv_heads) * groups;
     if constexpr (MILA_ROPE_BATCH == 1 && !MILA_ROPE_EARLY) {
-        __syncthreads();  // the row is staged
         for (int item = threadIdx.x; item < items; item += blockDim.x) {
             const int h = item / groups;
             const int g = item - h * groups;
@@ -265,11 +269,11 @@ __global__ void __launch_bounds__(MILA_ROPE_THREADS) rope_qk(
         int first = threadIdx.x;
         if constexpr (MILA_ROPE_EARLY) {  // the first batch peeled off the loop
             load_batch(first);
-            __syncthreads();
+            __syncthreads();  // the row is staged
             store_batch(first);
             first += step;
         } else {
-            __syncthreads();
+            __syncthreads();  // the row is staged
         }
         for (; first < items; first += step) {
             load_batch(first);
@@ -322,7 +326,8 @@ class RopeKernelTuning:
             self.threads % 32
             or not 32 <= self.threads <= 1024
             or self.batch < 1
-            or not (0 <= self.min_blocks <= 32)
+            or not 0 <= self.min_blocks <= 32
+            or self.threads * self.min_blocks > 2048  # a multiprocessor's most threads
         ):
             raise ValueError(f"RoPE kernel tuning out of range: {self}")
 

@@ -18,11 +18,12 @@ Positions are validated on the host by the Rope component before launch; the op 
 ``seq_len`` against the table in O(1), so a bad call never reads past the table and Q, K stay
 untouched.
 
-The source is a module-level string compiled and launched through :mod:`._kernels` like the other
-CUDA ops' (lazily, with CuPy/NVRTC, one module per device and storage precision holding that
-precision's instantiations, see :func:`kernel_names`); scalars are passed with explicit widths
-(CuPy turns a Python int into 64 bits). The CPU test suite runs this source in its kernel
-emulator (``tests/test_rope_cuda_emulated.py``).
+The source (:data:`ROPE_CUDA_SOURCE`: a template rendered by :func:`rope_source` with the
+tuning knobs of :data:`ROPE_TUNING`, which change no result bit) is compiled and launched through
+:mod:`._kernels` like the other CUDA ops' (lazily, with CuPy/NVRTC, one module per device and
+storage precision holding that precision's instantiations, see :func:`kernel_names`); scalars
+are passed with explicit widths (CuPy turns a Python int into 64 bits). The CPU test suite runs
+this source in its kernel emulator (``tests/test_rope_cuda_emulated.py``).
 """
 
 from __future__ import annotations

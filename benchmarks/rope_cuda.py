@@ -208,13 +208,14 @@ class Bench:
     rng: np.random.Generator
     checks: list[str] = field(default_factory=list)
 
-    def torch_dtype(self, precision: Precision) -> Any:
-        return self.torch.float32 if precision is Precision.FP32 else self.torch.bfloat16
+
+def torch_dtype(torch: Any, precision: Precision) -> Any:
+    """The torch dtype the peers get for ``precision`` (fp32, else bf16)."""
+    return torch.float32 if precision is Precision.FP32 else torch.bfloat16
 
 
-def measure_copy(bench: Bench) -> Row:
+def measure_copy(cupy: Any, calls: int, repeats: int) -> Row:
     """The ceiling: a 1 GiB device-to-device copy, bytes read + written."""
-    cupy = bench.cupy
     stream = cupy.cuda.Stream(non_blocking=False)
     with stream:
         src = cupy.arange(2**28, dtype=cupy.float32)  # 1 GiB of non-zero data
@@ -223,18 +224,18 @@ def measure_copy(bench: Bench) -> Row:
     def copy() -> None:
         dst.data.copy_from_device_async(src.data, src.nbytes, stream)
 
-    seconds = CupyTimer(cupy, stream).median_seconds(copy, calls=bench.calls, repeats=bench.repeats)
+    seconds = CupyTimer(cupy, stream).median_seconds(copy, calls=calls, repeats=repeats)
     return Row("copy 1 GiB (ceiling)", "-", seconds, 2 * src.nbytes)
 
 
-def peer_tables(bench: Bench, rope: Rope, rows: slice, precision: Precision) -> Any:
+def peer_tables(torch: Any, rope: Rope, rows: slice, precision: Precision) -> Any:
     """HF-style cos/sin ``[1, T, D]`` (contiguous, broadcast over the batch) made from mila_py's
     own table rows, so every library computes the same function; in the peer's dtype as HF does.
     """
-    torch, ctx = bench.torch, rope.execution_context
+    ctx = rope.execution_context
     cos = torch.from_numpy(ctx.to_host(rope.table.cos)[rows]).cuda()
     sin = torch.from_numpy(ctx.to_host(rope.table.sin)[rows]).cuda()
-    dtype = bench.torch_dtype(precision)
+    dtype = torch_dtype(torch, precision)
     cos = torch.cat([cos, cos], -1)[None].to(dtype).contiguous()
     sin = torch.cat([sin, sin], -1)[None].to(dtype).contiguous()
     return cos, sin
@@ -288,10 +289,10 @@ def bench_prefill(
         nbytes,
     )
     if bench.peers:
-        tdtype = bench.torch_dtype(precision)
+        tdtype = torch_dtype(torch, precision)
         tq = torch.from_numpy(q_host).cuda().to(tdtype).view(n_b, n_t, HEADS, HEAD_DIM)
         tk = torch.from_numpy(k_host).cuda().to(tdtype).view(n_b, n_t, KV_HEADS, HEAD_DIM)
-        cos, sin = peer_tables(bench, rope, slice(0, n_t), precision)
+        cos, sin = peer_tables(torch, rope, slice(0, n_t), precision)
         # the same function? mila_py forward on the same input against each peer
         check_q = ctx.to_device(flat_numpy(tq).astype(precision.numpy_dtype))
         check_k = ctx.to_device(flat_numpy(tk).astype(precision.numpy_dtype))
@@ -366,10 +367,10 @@ def bench_decode(bench: Bench, cfg: RopeConfig, precision: Precision, n_b: int) 
             note=f"host wall {wall * 1e6:.1f} us/call;",
         )
         if bench.peers and label == "pos int":
-            tdtype = bench.torch_dtype(precision)
+            tdtype = torch_dtype(torch, precision)
             tq = torch.randn(n_b, 1, HEADS, HEAD_DIM, device="cuda", dtype=tdtype)
             tk = torch.randn(n_b, 1, KV_HEADS, HEAD_DIM, device="cuda", dtype=tdtype)
-            cos, sin = peer_tables(bench, rope, slice(4000, 4001), precision)
+            cos, sin = peer_tables(torch, rope, slice(4000, 4001), precision)
             ttimer = TorchTimer(torch)
             for name, fn in bench.peers.items():
                 try:
@@ -454,7 +455,7 @@ def main() -> int:
     versions = f"CuPy {cupy.__version__}" + (f", torch {torch.__version__}" if torch else "")
     print(f"device: {device}; {versions}; peers: {', '.join(peers) or 'none'}")
 
-    copy = measure_copy(bench)
+    copy = measure_copy(cupy, bench.calls, bench.repeats)
     copy_bw = copy.nbytes / copy.seconds
     rows = [copy]
     cfg = RopeConfig(

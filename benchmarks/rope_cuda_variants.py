@@ -43,6 +43,9 @@ from mila_py.devices.cuda import cuda_device_count
 from mila_py.ops.cuda import _kernels
 from mila_py.ops.cuda.rope import ROPE_TUNING, RopeKernelTuning, kernel_name, rope_source
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rope_cuda import TorchTimer, load_peers, measure_copy, peer_tables, torch_dtype
+
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SHAPES = [(1, 8192), (4, 4096)]
 
@@ -83,7 +86,8 @@ def main() -> None:
     cfg = RopeConfig(channels=HEADS * HEAD_DIM, n_heads=HEADS, n_kv_heads=KV_HEADS,
                      max_seq_len=8192)  # fmt: skip
     rng = np.random.default_rng(0)
-    copy_bw = copy_bandwidth(cupy, args)
+    copy = measure_copy(cupy, args.calls, args.repeats)
+    copy_bw = copy.nbytes / copy.seconds
     props = cupy.cuda.runtime.getDeviceProperties(0)
     device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     print(f"{device}, CuPy {cupy.__version__}; copy ceiling: {copy_bw / 1e9:.0f} GB/s (bytes read + written); "
@@ -178,61 +182,33 @@ def interleaved_us(cupy: Any, stream: Any, runners: dict[str, Any],
     return times
 
 
-def copy_bandwidth(cupy: Any, args: argparse.Namespace) -> float:
-    """Bytes per second (read + written) of a 1 GiB device-to-device copy."""
-    stream = cupy.cuda.Stream(non_blocking=False)
-    with stream:
-        src = cupy.arange(2**28, dtype=cupy.float32)
-        dst = cupy.empty_like(src)
-
-    def copy() -> None:
-        dst.data.copy_from_device_async(src.data, src.nbytes, stream)
-
-    times = interleaved_us(cupy, stream, {"copy": copy}, args)
-    return 2 * src.nbytes / (statistics.median(times["copy"]) * 1e-6)
-
-
 def load_liger() -> Any:
-    """Liger-Kernel's ``liger_rotary_pos_emb`` and torch, or None where either is missing."""
+    """torch and ``rope_cuda.py``'s Liger forward ``fn(q4, k4, cos, sin)``, or None where torch,
+    a GPU for it, or Liger-Kernel is missing."""
     try:
         import torch
-        from liger_kernel.transformers.rope import liger_rotary_pos_emb
     except Exception:
         return None
-    return (torch, liger_rotary_pos_emb) if torch.cuda.is_available() else None
+    if not torch.cuda.is_available():
+        return None
+    liger = load_peers(torch, use_compile=False).get("Liger")
+    return None if liger is None else (torch, liger)
 
 
 def liger_forward_us(liger: Any, q_host: np.ndarray, k_host: np.ndarray, rope: Rope,
                      precision: Precision, args: argparse.Namespace) -> float:  # fmt: skip
-    """Liger's forward on the same shape and the same table rows, as ``rope_cuda.py`` calls it
-    (``[B, H, T, D]`` transposed views of ``[B, T, H, D]``), median microseconds per call."""
+    """Liger's forward on the same shape and the same table rows, called as ``rope_cuda.py``
+    calls it, median microseconds per call."""
     torch, fn = liger
-    dtype = torch.float32 if precision is Precision.FP32 else torch.bfloat16
+    dtype = torch_dtype(torch, precision)
     n_b, n_t = q_host.shape[:2]
     tq = torch.from_numpy(q_host).cuda().to(dtype).view(n_b, n_t, HEADS, HEAD_DIM)
     tk = torch.from_numpy(k_host).cuda().to(dtype).view(n_b, n_t, KV_HEADS, HEAD_DIM)
-    ctx = rope.execution_context
-    cos = torch.from_numpy(ctx.to_host(rope.table.cos)[:n_t]).cuda()
-    sin = torch.from_numpy(ctx.to_host(rope.table.sin)[:n_t]).cuda()
-    cos = torch.cat([cos, cos], -1)[None].to(dtype).contiguous()
-    sin = torch.cat([sin, sin], -1)[None].to(dtype).contiguous()
-
-    def call() -> None:
-        fn(tq.transpose(1, 2), tk.transpose(1, 2), cos, sin)
-
-    for _ in range(3):
-        call()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(args.repeats):
-        start.record()
-        for _ in range(args.calls):
-            call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / args.calls)
-    return statistics.median(times)
+    cos, sin = peer_tables(torch, rope, slice(0, n_t), precision)
+    seconds = TorchTimer(torch).median_seconds(
+        lambda: fn(tq, tk, cos, sin), calls=args.calls, repeats=args.repeats
+    )
+    return seconds * 1e6
 
 
 #: the Itanium-mangled prefixes of ``rope_qk<float, 4, false>`` and ``rope_qk<mila_bf16, 8, false>``

@@ -16,7 +16,8 @@
 # launch-cost breakdown, the RoPE kernel's tuning settings against each other and Liger
 # (rope_cuda_variants.py), then RoPE against the torch.compile peer alone, then the Llama
 # benchmarks at their small settings on the time left; each stage under its own timeout, the
-# whole call ending by ~560 s; logs stream to $OUT as they go, so a stage that runs out still
+# whole call ending by ~560 s (GPU_CHECK_END=SECONDS ends it sooner); where the variants' rule
+# picks a setting, the RoPE GPU tests and benchmark run again with it before the compile peer; logs stream to $OUT as they go, so a stage that runs out still
 # leaves what it printed. At most 8 files come back: keep it to 8.
 # Without `pip install -e`, the checkout is put on PYTHONPATH. The RoPE peers Liger-Kernel and
 # flash-attention (Triton code) are not on the lent GPU machines: `python benchmarks/gpu_peers.py`
@@ -32,11 +33,13 @@ fi
 what="${1:-all}"
 status=0
 if [[ "$what" == once ]]; then
+  end="${GPU_CHECK_END:-560}"  # seconds: where the call must end (the variable shortens it)
   t_tests=170 t_rope=100 t_launch=40 t_variants=120 t_compile=150 t_train=50 t_gen=140 t_plan=30
   rope_args=(--no-compile --repeats 10)
   gen_args=(--repeat 1)
   plan_args=(--steps 100 --rounds 3)
 else
+  end=560
   t_tests=480 t_rope=300 t_launch=60 t_variants=200 t_compile=0 t_train=200 t_gen=200 t_plan=120
   rope_args=() gen_args=() plan_args=()
 fi
@@ -71,9 +74,20 @@ if stage rope; then
   timeout -k 10 "$t_launch" python3 benchmarks/cuda_launch_cost.py 2>&1 | tee -a "$out/rope_cuda.log" || status=1
   mark variants
   # the RoPE kernel's tuning settings against each other and Liger, same arguments, bit-checked
-  timeout -k 10 "$t_variants" python3 benchmarks/rope_cuda_variants.py 2>&1 | tee -a "$out/rope_cuda.log" || status=1
+  timeout -k 10 "$t_variants" python3 benchmarks/rope_cuda_variants.py --adopt "$out/adopt.txt" 2>&1 \
+    | tee -a "$out/rope_cuda.log" || status=1
 fi
-left() { echo $(( 560 - SECONDS )); }
+left() { echo $(( end - SECONDS )); }
+if [[ "$what" == once && -s "$out/adopt.txt" ]] && (( $(left) > 100 )); then
+  # the variants' rule picked a setting: the RoPE GPU tests and the RoPE benchmark again with it
+  # (MILA_ROPE_TUNING is read when mila_py imports the kernel); the compile peer below uses it too
+  export MILA_ROPE_TUNING="$(cat "$out/adopt.txt")"
+  mark "adopted MILA_ROPE_TUNING=$MILA_ROPE_TUNING"
+  { timeout -k 10 60 python3 -m pytest tests/cuda/test_rope_cuda.py -q -p no:cacheprovider \
+      -rs --tb=short ${workers[@]+"${workers[@]}"} 2>&1
+    timeout -k 10 90 python3 benchmarks/rope_cuda.py ${rope_args[@]+"${rope_args[@]}"} 2>&1
+  } | tee "$out/rope_adopted.log" || status=1
+fi
 if [[ "$what" == once ]] && (( $(left) > 40 )); then
   # RoPE against the torch.compile peer alone (it compiles a graph per shape and dtype; each
   # case prints as it is measured); `all` and `rope` time it with the other peers

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -71,6 +71,10 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument(
+        "--adopt", metavar="PATH",
+        help="write the setting the rule picks (its MILA_ROPE_TUNING value) to PATH; empty: none",
+    )  # fmt: skip
+    parser.add_argument(
         "--registers", action="store_true",
         help="no GPU: registers per thread of each variant's prefill kernels (nvcc, sm_90)",
     )  # fmt: skip
@@ -93,23 +97,58 @@ def main() -> None:
     print(f"{device}, CuPy {cupy.__version__}; copy ceiling: {copy_bw / 1e9:.0f} GB/s (bytes read + written); "
           f"Liger: {'timed' if liger else 'not importable'}")  # fmt: skip
     ratios: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    x_liger: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    spreads: list[float] = []
     for precision in (Precision.FP32, Precision.BF16):
         for n_b, n_t in SHAPES:
-            for name, ratio in measure_case(cupy, cfg, precision, n_b, n_t, rng, copy_bw,
-                                            liger, args).items():  # fmt: skip
+            case = measure_case(cupy, cfg, precision, n_b, n_t, rng, copy_bw, liger, args)
+            for name, (ratio, over_liger) in case.ratios.items():
                 ratios[name].append(ratio)
+                if over_liger is not None:
+                    x_liger[name].append(over_liger)
+            spreads.append(case.spread)
             cupy.get_default_memory_pool().free_all_blocks()
-    print(f"\n{'variant':26} {'worst':>7} {'geomean':>8}  (in use / variant, over the cases)")
+    print(f"\n{'variant':26} {'worst':>7} {'geomean':>8} {'worst x Liger':>14}"
+          "  (in use / variant, over the cases)")  # fmt: skip
     for name, values in ratios.items():
         if values:
             geo = math.exp(sum(map(math.log, values)) / len(values))
-            print(f"{name:26} {min(values):7.3f} {geo:8.3f}")
+            vs = f"{min(x_liger[name]):14.3f}" if x_liger[name] else f"{'-':>14}"
+            print(f"{name:26} {min(values):7.3f} {geo:8.3f} {vs}")
+    n_cases = len(spreads)
+    pick = adoption(ratios, x_liger, max(spreads), n_cases)
+    print(f"\nrule: worst ratio > 1 + the largest in-use spread ({max(spreads):.3f}) on all "
+          f"{n_cases} cases, Liger slower on every case where it ran: "
+          + (f"adopt {pick!r} (MILA_ROPE_TUNING={VARIANTS[pick].spec})" if pick else "keep the setting in use"))  # fmt: skip
+    if args.adopt:
+        Path(args.adopt).write_text(VARIANTS[pick].spec if pick else "")
+
+
+def adoption(ratios: dict[str, list[float]], x_liger: dict[str, list[float]], spread: float,
+             n_cases: int) -> str | None:  # fmt: skip
+    """The variant to adopt: of those timed on all ``n_cases`` whose worst ``in use / variant``
+    beats 1 by more than ``spread`` and that Liger never beats, the one with the best worst
+    ratio; None where none qualifies."""
+    fit = [
+        name for name, values in ratios.items()
+        if name != "in use" and len(values) == n_cases and min(values) > 1 + spread
+        and all(x > 1 for x in x_liger[name])
+    ]  # fmt: skip
+    return max(fit, key=lambda name: min(ratios[name]), default=None)
+
+
+class Case(NamedTuple):
+    """One case's figures: per variant timed, ``(in use / variant, Liger / variant or None)``;
+    and the in-use rounds' interquartile range over their median."""
+
+    ratios: dict[str, tuple[float, float | None]]
+    spread: float
 
 
 def measure_case(cupy: Any, cfg: RopeConfig, precision: Precision, n_b: int, n_t: int,
                  rng: np.random.Generator, copy_bw: float, liger: Any,
-                 args: argparse.Namespace) -> dict[str, float]:  # fmt: skip
-    """Print one case's table; return ``in use / variant`` per variant that was timed."""
+                 args: argparse.Namespace) -> Case:  # fmt: skip
+    """Print one case's table and return its figures."""
     rope = Rope("rope", cfg, device="CUDA:0", precision=precision)
     rope.build(BuildContext((n_b, n_t, cfg.channels), RuntimeMode.INFERENCE))
     ctx = rope.execution_context
@@ -146,20 +185,21 @@ def measure_case(cupy: Any, cfg: RopeConfig, precision: Precision, n_b: int, n_t
     liger_us = liger_forward_us(liger, q_host, k_host, rope, precision, args) if liger else None
     mine = statistics.median(times["in use"])
     q1, q3 = np.percentile(times["in use"], [25, 75])
+    spread = (q3 - q1) / mine
     print(f"\nforward B={n_b} T={n_t} {dtype} (kernel {launch['name']}, in-use rounds' "
-          f"IQR {100 * (q3 - q1) / mine:.1f}%"
+          f"IQR {100 * spread:.1f}%"
           + (f"; Liger {liger_us:.1f} us" if liger_us else "") + ")")  # fmt: skip
     print(f"  {'variant':24} {'us':>8} {'% copy':>7} {'in use/variant':>15} {'x Liger':>8}")
     ratios = {}
     for name, rounds in times.items():
         us = statistics.median(rounds)
-        ratios[name] = mine / us
+        ratios[name] = (mine / us, liger_us / us if liger_us else None)
         pct = 100 * nbytes / (us * 1e-6) / copy_bw
         x_liger = f"{liger_us / us:8.3f}" if liger_us else f"{'-':>8}"
         print(f"  {name:24} {us:8.1f} {pct:6.1f}% {mine / us:15.3f} {x_liger}")
     for name in differ:
         print(f"  {name:24} output differs from the kernel in use: not timed")
-    return ratios
+    return Case(ratios, spread)
 
 
 def interleaved_us(cupy: Any, stream: Any, runners: dict[str, Any],

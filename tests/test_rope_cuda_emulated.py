@@ -16,6 +16,9 @@ K (V, padding) is checked untouched. What this cannot check (NVRTC, CuPy, stream
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Any
 
 import ml_dtypes
@@ -960,6 +963,45 @@ def test_kernel_tuning_out_of_range_is_refused() -> None:
     assert "__launch_bounds__(128)" in cuda_rope.rope_source(cuda_rope.RopeKernelTuning())
     tuned = cuda_rope.rope_source(cuda_rope.RopeKernelTuning(threads=256, min_blocks=8))
     assert "__launch_bounds__(256, 8)" in tuned
+
+
+def test_kernel_tuning_parses_from_its_spec_and_the_environment() -> None:
+    tuning_cls = cuda_rope.RopeKernelTuning
+    for tuning in (
+        tuning_cls(),
+        *TUNINGS.values(),
+        tuning_cls(threads=64, streaming=True, min_blocks=32),
+    ):
+        assert tuning_cls.parse(tuning.spec) == tuning
+    assert tuning_cls().spec == ""
+    assert tuning_cls.parse(" min_blocks = 16 , early=true,") == tuning_cls(
+        early=True, min_blocks=16
+    )
+    for bad, match in (
+        ("warp=2", "not one new knob"),
+        ("early", "not one new knob"),
+        ("batch=2,batch=3", "not one new knob"),
+        ("early=yes", "0/1 or true/false"),
+        ("batch=1.5", "integer"),
+        ("batch=0", "out of range"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            tuning_cls.parse(bad)
+    env = cuda_rope.TUNING_ENV
+    assert cuda_rope.tuning_from_env({}) == tuning_cls()
+    assert cuda_rope.tuning_from_env({env: "batch=2"}) == tuning_cls(batch=2)
+    with pytest.raises(ValueError, match=env):
+        cuda_rope.tuning_from_env({env: "threads=33"})
+    # read when the module is imported: the source and the launch width follow it
+    code = (
+        "from mila_py.ops.cuda import rope; "
+        "print(rope.ROPE_TUNING.spec, rope._THREADS, '__launch_bounds__(256, 4)' in rope.ROPE_CUDA_SOURCE)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, env: "threads=256,min_blocks=4"},
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert done.stdout.split() == ["threads=256,min_blocks=4", "256", "True"]
 
 
 def test_the_emulator_traps_what_the_gpu_would(cuda: None, monkeypatch, rng) -> None:

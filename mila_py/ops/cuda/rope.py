@@ -29,8 +29,9 @@ this source in its kernel emulator (``tests/test_rope_cuda_emulated.py``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -47,10 +48,12 @@ from mila_py.precision import Precision
 __all__ = [
     "ROPE_CUDA_SOURCE",
     "ROPE_TUNING",
+    "TUNING_ENV",
     "CudaRopeOp",
     "RopeKernelTuning",
     "kernel_names",
     "rope_source",
+    "tuning_from_env",
     "vector_widths",
 ]
 
@@ -332,6 +335,48 @@ class RopeKernelTuning:
         ):
             raise ValueError(f"RoPE kernel tuning out of range: {self}")
 
+    @classmethod
+    def parse(cls, spec: str) -> RopeKernelTuning:
+        """The tuning a comma-separated ``knob=value`` list names, the rest left at their
+        defaults: ``"min_blocks=16,early=1"`` (booleans as 0/1, true/false; ``""``: the defaults).
+
+        Raises:
+            ValueError: an unknown knob, a value that is not an integer or boolean, a knob given
+                twice, or a setting out of range.
+        """
+        kinds = {f.name: f.type for f in fields(cls)}
+        values: dict[str, int | bool] = {}
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            knob, eq, text = (t.strip() for t in part.partition("="))
+            if not eq or knob not in kinds or knob in values:
+                raise ValueError(
+                    f"RoPE kernel tuning {spec!r}: {part!r} is not one new knob=value "
+                    f"(knobs: {', '.join(kinds)})"
+                )
+            if kinds[knob] in (bool, "bool"):
+                flag = {"1": True, "true": True, "0": False, "false": False}.get(text.lower())
+                if flag is None:
+                    raise ValueError(f"RoPE kernel tuning {spec!r}: {knob} takes 0/1 or true/false")
+                values[knob] = flag
+            else:
+                try:
+                    values[knob] = int(text)
+                except ValueError:
+                    raise ValueError(
+                        f"RoPE kernel tuning {spec!r}: {knob} takes an integer"
+                    ) from None
+        return cls(**values)  # type: ignore[arg-type]
+
+    @property
+    def spec(self) -> str:
+        """The knobs that differ from the defaults, as :meth:`parse` reads them (``""``: none)."""
+        default = RopeKernelTuning()
+        return ",".join(
+            f"{f.name}={int(getattr(self, f.name))}"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(default, f.name)
+        )
+
 
 def rope_source(tuning: RopeKernelTuning) -> str:
     """The RoPE kernel source with ``tuning``'s settings compiled in."""
@@ -344,8 +389,26 @@ def rope_source(tuning: RopeKernelTuning) -> str:
     return defines + _ROPE_TEMPLATE.replace("MILA_ROPE_THREADS", bounds)
 
 
-#: the settings the op compiles and launches with
-ROPE_TUNING = RopeKernelTuning()
+#: the environment variable that overrides :data:`ROPE_TUNING` at import (``knob=value,...``)
+TUNING_ENV = "MILA_ROPE_TUNING"
+
+
+def tuning_from_env(environ: Mapping[str, str]) -> RopeKernelTuning:
+    """The tuning :data:`TUNING_ENV` names in ``environ`` (the defaults where it is unset).
+
+    Raises:
+        ValueError: the variable does not parse (:meth:`RopeKernelTuning.parse`), naming it.
+    """
+    spec = environ.get(TUNING_ENV, "")
+    try:
+        return RopeKernelTuning.parse(spec)
+    except ValueError as err:
+        raise ValueError(f"{TUNING_ENV}={spec!r}: {err}") from None
+
+
+#: the settings the op compiles and launches with: the defaults, or what ``MILA_ROPE_TUNING``
+#: names when this module is imported (``benchmarks/rope_cuda_variants.py`` times settings)
+ROPE_TUNING = tuning_from_env(os.environ)
 #: the kernel source the op compiles (:data:`ROPE_TUNING` rendered by :func:`rope_source`)
 ROPE_CUDA_SOURCE = rope_source(ROPE_TUNING)
 

@@ -20,7 +20,12 @@ This splits the call into its layers, each timed as host wall time per call over
 The toy rows say what a launch with fewer scalar arguments would cost; the difference between
 the component and the raw launch is the Python the component adds.
 
-    python benchmarks/cuda_launch_cost.py [--calls 3000] [--rounds 5]
+    python benchmarks/cuda_launch_cost.py [--calls 3000] [--rounds 5] [--torch]
+
+``--torch`` first initializes torch in the process, as ``rope_cuda.py`` does for its peers (a
+CUDA op and a CPU matmul), so that the two scripts' decode figures can be compared. The kernel's
+own GPU time (CUDA events around single launches) is printed too: a call can only be host-bound
+where it is longer than that.
     python benchmarks/cuda_launch_cost.py --stub-cuda   # no GPU: the Python of the calls
 """
 
@@ -103,6 +108,10 @@ def main() -> None:
         "--stub-cuda", action="store_true",
         help="no GPU: the component's calls on CUDA:0 with launches stubbed (Python only)",
     )  # fmt: skip
+    parser.add_argument(
+        "--torch", action="store_true",
+        help="initialize torch in this process first (a CUDA op and a CPU matmul), as rope_cuda.py does",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.stub_cuda:
         with stubbed_cuda():
@@ -122,6 +131,14 @@ def main() -> None:
         raise SystemExit("cuda_launch_cost.py needs an NVIDIA GPU and CuPy (none seen)")
     import cupy
 
+    if args.torch:
+        import torch
+
+        x = torch.ones(1 << 20, device="cuda")
+        float((x * 2).sum())  # torch's CUDA state made and used
+        y = torch.randn(512, 512)
+        float((y @ y).sum())  # and its CPU thread pool
+        print(f"torch {torch.__version__} initialized in this process (a CUDA op, a CPU matmul)")
     rope, q, k = decode_rope()
     ctx = rope.execution_context
     op = rope._op  # type: ignore[attr-defined]
@@ -178,6 +195,16 @@ def main() -> None:
     print(f"host wall per call, median of {args.rounds} rounds of {args.calls}; {name}, "
           f"CuPy {cupy.__version__}")  # fmt: skip
     report(rows, sync, args.calls, args.rounds)
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    single = []
+    for _ in range(200):  # one launch between two events: the kernel's own GPU time
+        start.record(stream)
+        function(grid, block, raw_args, shared_mem=shared, stream=stream)
+        end.record(stream)
+        end.synchronize()
+        single.append(cupy.cuda.get_elapsed_time(start, end) * 1e3)
+    print(f"rope decode kernel alone on the GPU (events around one launch, median of 200): "
+          f"{statistics.median(single):.2f} us")  # fmt: skip
 
 
 def driver_row(cupy: Any, rope: Rope, q: Any, k: Any, function: Any, grid: Any, block: Any,

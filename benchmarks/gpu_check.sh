@@ -43,6 +43,7 @@ else
   t_tests=480 t_rope=300 t_launch=60 t_variants=200 t_compile=0 t_train=200 t_gen=200 t_plan=120
   rope_args=() gen_args=() plan_args=()
 fi
+adopt="$(mktemp)"  # the variants' pick (not in $out: at most 8 files come back)
 mark() { echo "== $1 at ${SECONDS}s"; }
 stage() { [[ "$what" == all || "$what" == once || "$what" == "$1" || ( "$what" == bench && "$1" != tests ) ]]; }
 
@@ -74,14 +75,14 @@ if stage rope; then
   timeout -k 10 "$t_launch" python3 benchmarks/cuda_launch_cost.py 2>&1 | tee -a "$out/rope_cuda.log" || status=1
   mark variants
   # the RoPE kernel's tuning settings against each other and Liger, same arguments, bit-checked
-  timeout -k 10 "$t_variants" python3 benchmarks/rope_cuda_variants.py --adopt "$out/adopt.txt" 2>&1 \
+  timeout -k 10 "$t_variants" python3 benchmarks/rope_cuda_variants.py --adopt "$adopt" 2>&1 \
     | tee -a "$out/rope_cuda.log" || status=1
 fi
 left() { echo $(( end - SECONDS )); }
-if [[ "$what" == once && -s "$out/adopt.txt" ]] && (( $(left) > 100 )); then
+if [[ "$what" == once && -s "$adopt" ]] && (( $(left) > 100 )); then
   # the variants' rule picked a setting: the RoPE GPU tests and the RoPE benchmark again with it
   # (MILA_ROPE_TUNING is read when mila_py imports the kernel); the compile peer below uses it too
-  export MILA_ROPE_TUNING="$(cat "$out/adopt.txt")"
+  export MILA_ROPE_TUNING="$(cat "$adopt")"
   mark "adopted MILA_ROPE_TUNING=$MILA_ROPE_TUNING"
   { timeout -k 10 60 python3 -m pytest tests/cuda/test_rope_cuda.py -q -p no:cacheprovider \
       -rs --tb=short ${workers[@]+"${workers[@]}"} 2>&1
@@ -103,11 +104,11 @@ if stage llama && { [[ "$what" != once ]] || (( $(left) > 120 )); }; then
     t_train=$(( share * t_train / 220 )) t_gen=$(( share * t_gen / 220 )) t_plan=$(( share * t_plan / 220 ))
   fi
   timeout -k 10 "$t_train" python3 benchmarks/train_step_cuda.py --device CUDA:0 2>&1 \
-    | tee "$out/train_step_cuda.log" || status=1
+    | tee "$out/llama.log" || status=1
   timeout -k 10 "$t_gen" python3 benchmarks/generate.py --device CUDA:0 ${gen_args[@]+"${gen_args[@]}"} 2>&1 \
-    | grep -v Writing | tee "$out/generate_cuda.log" || status=1
+    | grep -v Writing | tee -a "$out/llama.log" || status=1
   timeout -k 10 "$t_plan" python3 benchmarks/decode_plan.py --device CUDA:0 ${plan_args[@]+"${plan_args[@]}"} 2>&1 \
-    | tee "$out/decode_plan_cuda.log" || status=1
+    | tee -a "$out/llama.log" || status=1
 fi
 mark done
 exit $status

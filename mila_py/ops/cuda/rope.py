@@ -320,8 +320,8 @@ class RopeKernelTuning:
     """
 
     threads: int = 128
-    batch: int = 1
-    streaming: bool = False
+    batch: int = 4
+    streaming: bool = True
     early: bool = False
     min_blocks: int = 0
 

@@ -70,8 +70,7 @@ class CupyTimer:
 
     def median_seconds(self, fn: Callable[[], object], *, calls: int, repeats: int) -> float:
         cupy = self.cupy
-        for _ in range(3):
-            fn()
+        warm_up(fn, self.stream.synchronize)
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         times = []
         for _ in range(repeats):
@@ -92,8 +91,7 @@ class TorchTimer:
 
     def median_seconds(self, fn: Callable[[], object], *, calls: int, repeats: int) -> float:
         torch = self.torch
-        for _ in range(3):
-            fn()
+        warm_up(fn, torch.cuda.synchronize)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         times = []
@@ -105,6 +103,18 @@ class TorchTimer:
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3 / calls)
         return statistics.median(times)
+
+
+def warm_up(fn: Callable[[], object], sync: Callable[[], None], seconds: float = 0.05) -> None:
+    """Call ``fn`` back to back for ``seconds`` of wall time (3 calls at least) before it is
+    timed: a few calls reach the GPU's steady state, but a host-bound call (decode) measured
+    right after the GPU-bound prefill cases ran up to 1.7x slower on an H100 machine until the
+    host had been busy for a while (a B=1 decode slower than the B=64 one timed next)."""
+    begin, n = time.perf_counter(), 0
+    while n < 3 or time.perf_counter() - begin < seconds:
+        fn()
+        n += 1
+    sync()
 
 
 def host_seconds_per_call(fn: Callable[[], object], sync: Callable[[], None], calls: int) -> float:

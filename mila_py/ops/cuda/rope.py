@@ -247,28 +247,28 @@ __global__ void __launch_bounds__(MILA_ROPE_THREADS) rope_qk(
         // at a time keeps one item's loads in flight). With MILA_ROPE_EARLY the first batch's
         // loads, which need no cos/sin, are issued before the barrier that publishes the row.
         Group<T, VEC, INTERLEAVED> held[MILA_ROPE_BATCH];
-        // f(held group, Q or K, the head's first element, group) for each item of the batch
-        const auto each_item = [&](int first, const auto& f) {
+        // Each item of the batch starting at `first`: its group's loads, or (store) its rotation
+        // and stores. No generic lambda: NVRTC before 13.5 takes one for a host function unless
+        // CuPy's --device-as-default-execution-space is given, and `store` folds when inlined.
+        const auto each_item = [&](int first, bool store) {
 #pragma unroll
             for (int u = 0; u < MILA_ROPE_BATCH; ++u) {
                 const int item = first + u * (int)blockDim.x;
                 if (item < items) {
                     const int h = item / groups;
                     const bool is_q = h < n_heads;
-                    f(held[u], is_q, (is_q ? h : h - n_heads) * head_dim, item - h * groups);
+                    const int lo = (is_q ? h : h - n_heads) * head_dim;
+                    if (store) {
+                        held[u].rotate_store(is_q ? qo : ko, lo, item - h * groups, n_freq, c, s,
+                                             sign);
+                    } else {
+                        held[u].load(is_q ? qi : ki, lo, item - h * groups, n_freq);
+                    }
                 }
             }
         };
-        const auto load_batch = [&](int first) {
-            each_item(first, [&](Group<T, VEC, INTERLEAVED>& g, bool is_q, int lo, int i) {
-                g.load(is_q ? qi : ki, lo, i, n_freq);
-            });
-        };
-        const auto store_batch = [&](int first) {
-            each_item(first, [&](Group<T, VEC, INTERLEAVED>& g, bool is_q, int lo, int i) {
-                g.rotate_store(is_q ? qo : ko, lo, i, n_freq, c, s, sign);
-            });
-        };
+        const auto load_batch = [&](int first) { each_item(first, false); };
+        const auto store_batch = [&](int first) { each_item(first, true); };
         const int step = MILA_ROPE_BATCH * (int)blockDim.x;
         int first = threadIdx.x;
         if constexpr (MILA_ROPE_EARLY) {  // the first batch peeled off the loop

@@ -24,8 +24,8 @@ the component and the raw launch is the Python the component adds.
 
 ``--torch`` first initializes torch in the process, as ``rope_cuda.py`` does for its peers (a
 CUDA op and a CPU matmul), so that the two scripts' decode figures can be compared. The kernel's
-own GPU time (CUDA events around single launches) is printed too: a call can only be host-bound
-where it is longer than that.
+own GPU time per launch is printed too (launches queued back to back behind a long copy): a
+call is host-bound where its host time is longer than that.
     python benchmarks/cuda_launch_cost.py --stub-cuda   # no GPU: the Python of the calls
 """
 
@@ -195,16 +195,32 @@ def main() -> None:
     print(f"host wall per call, median of {args.rounds} rounds of {args.calls}; {name}, "
           f"CuPy {cupy.__version__}")  # fmt: skip
     report(rows, sync, args.calls, args.rounds)
+    gpu_us = gpu_us_per_launch(cupy, function, grid, block, raw_args, shared, stream)
+    print(f"rope decode kernel on the GPU: {gpu_us:.2f} "
+          f"us per launch, launches queued back to back (a call is host-bound where its host "
+          f"time is longer)")  # fmt: skip
+
+
+def gpu_us_per_launch(cupy: Any, function: Any, grid: Any, block: Any, args: Any, shared: int,
+                      stream: Any, launches: int = 50) -> float:  # fmt: skip
+    """The GPU's own time per launch of ``function``: ``launches`` launches are queued behind a
+    copy long enough to outlast their host time, so the events around them time the GPU alone
+    (events around one launch would also time the host's launch of it). Median of 20 rounds."""
+    src = cupy.empty(1 << 28, dtype=cupy.uint8)  # 256 MiB: ~170 us of copy, both ways
+    dst = cupy.empty_like(src)
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    single = []
-    for _ in range(200):  # one launch between two events: the kernel's own GPU time
-        start.record(stream)
-        function(grid, block, raw_args, shared_mem=shared, stream=stream)
-        end.record(stream)
-        end.synchronize()
-        single.append(cupy.cuda.get_elapsed_time(start, end) * 1e3)
-    print(f"rope decode kernel alone on the GPU (events around one launch, median of 200): "
-          f"{statistics.median(single):.2f} us")  # fmt: skip
+    times = []
+    with stream:
+        for _ in range(20):
+            for _ in range(4):  # ~700 us of copies ahead of the launches
+                dst[...] = src
+            start.record(stream)
+            for _ in range(launches):
+                function(grid, block, args, shared_mem=shared, stream=stream)
+            end.record(stream)
+            end.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / launches)
+    return statistics.median(times)
 
 
 def driver_row(cupy: Any, rope: Rope, q: Any, k: Any, function: Any, grid: Any, block: Any,

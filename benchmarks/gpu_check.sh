@@ -16,7 +16,7 @@
 # launch-cost breakdown, the RoPE kernel's tuning settings against each other and Liger
 # (rope_cuda_variants.py), then RoPE against the torch.compile peer alone, then the Llama
 # benchmarks at their small settings on the time left; each stage under its own timeout, the
-# whole call ending by ~560 s (GPU_CHECK_END=SECONDS ends it sooner); where the variants' rule
+# whole call ending by ~560 s (GPU_CHECK_END=SECONDS ends it sooner: the stages after the variants get what is left); where the variants' rule
 # picks a setting, the RoPE GPU tests and benchmark run again with it before the compile peer; logs stream to $OUT as they go, so a stage that runs out still
 # leaves what it printed. At most 8 files come back: keep it to 8.
 # Without `pip install -e`, the checkout is put on PYTHONPATH. The RoPE peers Liger-Kernel and
@@ -79,15 +79,15 @@ if stage rope; then
     | tee -a "$out/rope_cuda.log" || status=1
 fi
 left() { echo $(( end - SECONDS )); }
-if [[ "$what" == once && -s "$adopt" ]] && (( $(left) > 100 )); then
+if [[ "$what" == once && -s "$adopt" ]] && (( $(left) > 180 )); then  # its two timeouts, kills included
   # the variants' rule picked a setting: the RoPE GPU tests and the RoPE benchmark again with it
   # (MILA_ROPE_TUNING is read when mila_py imports the kernel); the compile peer below uses it too
   export MILA_ROPE_TUNING="$(cat "$adopt")"
   mark "adopted MILA_ROPE_TUNING=$MILA_ROPE_TUNING"
-  { timeout -k 10 60 python3 -m pytest tests/cuda/test_rope_cuda.py -q -p no:cacheprovider \
-      -rs --tb=short ${workers[@]+"${workers[@]}"} 2>&1
-    timeout -k 10 90 python3 benchmarks/rope_cuda.py ${rope_args[@]+"${rope_args[@]}"} 2>&1
-  } | tee "$out/rope_adopted.log" || status=1
+  timeout -k 10 60 python3 -m pytest tests/cuda/test_rope_cuda.py -q -p no:cacheprovider \
+    -rs --tb=short ${workers[@]+"${workers[@]}"} 2>&1 | tee "$out/rope_adopted.log" || status=1
+  timeout -k 10 90 python3 benchmarks/rope_cuda.py ${rope_args[@]+"${rope_args[@]}"} 2>&1 \
+    | tee -a "$out/rope_adopted.log" || status=1
 fi
 if [[ "$what" == once ]] && (( $(left) > 40 )); then
   # RoPE against the torch.compile peer alone (it compiles a graph per shape and dtype; each

@@ -956,6 +956,7 @@ def test_kernel_tuning_out_of_range_is_refused() -> None:
         {"threads": 100},
         {"threads": 2048},
         {"batch": 0},
+        {"batch": 17},
         {"min_blocks": -1},
         {"threads": 256, "min_blocks": 16},  # 4,096 threads: more than a multiprocessor holds
     ):
@@ -975,7 +976,7 @@ def test_kernel_tuning_parses_from_its_spec_and_the_environment() -> None:
         tuning_cls(threads=64, streaming=True, min_blocks=32),
     ):
         assert tuning_cls.parse(tuning.spec) == tuning
-    assert tuning_cls().spec == ""
+    assert tuning_cls().spec == "threads=128,batch=4,streaming=1,early=0,min_blocks=0"
     assert tuning_cls.parse(" min_blocks = 16 , early=true,") == tuning_cls(
         early=True, min_blocks=16
     )
@@ -1003,7 +1004,33 @@ def test_kernel_tuning_parses_from_its_spec_and_the_environment() -> None:
         [sys.executable, "-c", code], env={**os.environ, env: "threads=256,min_blocks=4"},
         capture_output=True, text=True, check=True,
     )  # fmt: skip
-    assert done.stdout.split() == ["threads=256,min_blocks=4", "256", "True"]
+    assert done.stdout.split() == [
+        "threads=256,batch=4,streaming=1,early=0,min_blocks=4", "256", "True"
+    ]  # fmt: skip
+
+
+def test_a_bad_tuning_in_the_environment_fails_cuda_ropes_only() -> None:
+    """The op registry imports every backend's modules, so a bad ``MILA_ROPE_TUNING`` must not
+    raise at import: CPU components keep working, and making a CUDA RopeOp names the variable."""
+    code = """
+import numpy as np
+from mila_py import BuildContext, Precision, RuntimeMode
+from mila_py.components import Rope, RopeConfig
+from mila_py.ops.cuda import rope as cuda_rope
+cfg = RopeConfig(channels=64, n_heads=2, n_kv_heads=1, max_seq_len=16)
+cpu = Rope("rope", cfg, device="CPU")
+cpu.build(BuildContext((1, 4, 64), RuntimeMode.INFERENCE))
+q, k = np.ones((1, 4, 64), np.float32), np.ones((1, 4, 32), np.float32)
+cpu.forward(q, k)
+try:
+    cuda_rope.CudaRopeOp(None, cfg, Precision.FP32)
+except ValueError as err:
+    print("refused:", err)
+"""
+    env = {**os.environ, cuda_rope.TUNING_ENV: "batch=x"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("refused: MILA_ROPE_TUNING='batch=x'"), done.stdout
 
 
 def test_the_emulator_traps_what_the_gpu_would(cuda: None, monkeypatch, rng) -> None:

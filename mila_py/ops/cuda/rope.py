@@ -329,7 +329,7 @@ class RopeKernelTuning:
         if (
             self.threads % 32
             or not 32 <= self.threads <= 1024
-            or self.batch < 1
+            or not 1 <= self.batch <= 16  # registers per group held: 8 was the most timed
             or not 0 <= self.min_blocks <= 32
             or self.threads * self.min_blocks > 2048  # a multiprocessor's most threads
         ):
@@ -369,13 +369,9 @@ class RopeKernelTuning:
 
     @property
     def spec(self) -> str:
-        """The knobs that differ from the defaults, as :meth:`parse` reads them (``""``: none)."""
-        default = RopeKernelTuning()
-        return ",".join(
-            f"{f.name}={int(getattr(self, f.name))}"
-            for f in fields(self)
-            if getattr(self, f.name) != getattr(default, f.name)
-        )
+        """Every knob, as :meth:`parse` reads them (all of them: a spec keeps its meaning when
+        the defaults change)."""
+        return ",".join(f"{f.name}={int(getattr(self, f.name))}" for f in fields(self))
 
 
 def rope_source(tuning: RopeKernelTuning) -> str:
@@ -389,7 +385,9 @@ def rope_source(tuning: RopeKernelTuning) -> str:
     return defines + _ROPE_TEMPLATE.replace("MILA_ROPE_THREADS", bounds)
 
 
-#: the environment variable that overrides :data:`ROPE_TUNING` at import (``knob=value,...``)
+#: the environment variable that overrides :data:`ROPE_TUNING` (``knob=value,...``), read when
+#: this module is imported; a bad value is raised when a :class:`CudaRopeOp` is made, so that it
+#: cannot break the op registry's lookups (which import every backend's modules) for CPU users
 TUNING_ENV = "MILA_ROPE_TUNING"
 
 
@@ -408,7 +406,11 @@ def tuning_from_env(environ: Mapping[str, str]) -> RopeKernelTuning:
 
 #: the settings the op compiles and launches with: the defaults, or what ``MILA_ROPE_TUNING``
 #: names when this module is imported (``benchmarks/rope_cuda_variants.py`` times settings)
-ROPE_TUNING = tuning_from_env(os.environ)
+try:
+    ROPE_TUNING = tuning_from_env(os.environ)
+    _TUNING_ERROR: ValueError | None = None
+except ValueError as _err:  # raised when an op is made (see TUNING_ENV)
+    ROPE_TUNING, _TUNING_ERROR = RopeKernelTuning(), _err
 #: the kernel source the op compiles (:data:`ROPE_TUNING` rendered by :func:`rope_source`)
 ROPE_CUDA_SOURCE = rope_source(ROPE_TUNING)
 
@@ -444,6 +446,8 @@ class CudaRopeOp(Operation):
     config: RopeConfig
 
     def __init__(self, context: Any, config: RopeConfig, precision: Precision) -> None:
+        if _TUNING_ERROR is not None:
+            raise ValueError(str(_TUNING_ERROR))
         super().__init__(context, config, precision)
         self.table: RopeTable | None = None
         self._interleaved = config.layout is RopeLayout.INTERLEAVED

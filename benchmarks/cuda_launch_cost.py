@@ -11,7 +11,8 @@ This splits the call into its layers, each timed as host wall time per call over
 - ``CudaRopeOp.apply`` and ``CudaRopeOp._launch``;
 - the compiled kernel called with the exact argument tuple ``_launch`` builds (CuPy alone);
 - the same kernel launched by ``cuLaunchKernel`` with its parameters packed once (the floor of
-  any Python launch; its output checked equal to the op's first);
+  any Python launch; its output checked equal to the op's first), and the op's own packed
+  launcher (``CudaRopeOp.packed_launcher``, the same launch plus its position's write);
 - toy kernels that do nothing: no arguments, the rope kernel's 27 (7 pointers, 20 scalars),
   9 (8 pointers and one ``long long``: the 20 scalars moved to a device block), and 8 pointers
   plus the 20 scalars as one struct passed by value (a NumPy structured scalar);
@@ -174,6 +175,7 @@ def main() -> None:
             lambda: function(grid, block, raw_args, shared_mem=shared, stream=stream),
         ),
         driver_row(cupy, rope, q, k, function, grid, block, shared, stream),
+        packed_row(cupy, rope, q, k),
         ("toy kernel, 0 args", lambda: toy0((1,), (128,), (), stream=stream)),
         (
             "toy kernel, 27 args (7 ptr + 20 scalars)",
@@ -257,6 +259,24 @@ def driver_row(cupy: Any, rope: Rope, q: Any, k: Any, function: Any, grid: Any, 
     def launch(keep: tuple[Any, ...] = (cells, params)) -> None:  # keep: the memory params name
         driver.launchKernel(function.ptr, gx, 1, 1, bx, 1, 1, shared, ptr, params.ctypes.data, 0)
 
+    label = f"rope kernel, cuLaunchKernel, packed ({same_as_decode(cupy, rope, q, k, launch)})"
+    return label, launch
+
+
+def packed_row(cupy: Any, rope: Rope, q: Any, k: Any) -> tuple[str, Callable[[], Any]]:
+    """The op's own packed launcher (``CudaRopeOp.packed_launcher``: what a decode fast path
+    would call instead of the CuPy launch), checked bit for bit against ``Rope.decode``."""
+    rotate = rope._op.packed_launcher(q, k)  # type: ignore[attr-defined]
+
+    def launch() -> None:
+        rotate(4000)
+
+    return f"CudaRopeOp.packed_launcher ({same_as_decode(cupy, rope, q, k, launch)})", launch
+
+
+def same_as_decode(cupy: Any, rope: Rope, q: Any, k: Any, launch: Callable[[], Any]) -> str:
+    """'same bits' where ``launch()`` leaves Q, K as ``rope.decode(q, k, 4000)`` does, else
+    'DIFFERS' (Q and K are restored to their values before either)."""
     q0, k0 = q.copy(), k.copy()
     rope.decode(q, k, 4000)
     expected = q.copy(), k.copy()
@@ -265,8 +285,8 @@ def driver_row(cupy: Any, rope: Rope, q: Any, k: Any, function: Any, grid: Any, 
     rope.execution_context.synchronize()
     same = all(bool((a.view(cupy.uint32) == b.view(cupy.uint32)).all())
                for a, b in zip((q, k), expected, strict=True))  # fmt: skip
-    label = f"rope kernel, cuLaunchKernel, packed ({'same bits' if same else 'DIFFERS'})"
-    return label, launch
+    q[...], k[...] = q0, k0
+    return "same bits" if same else "DIFFERS"
 
 
 def decode_rope() -> tuple[Rope, Any, Any]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from typing import Any
 
 import ml_dtypes
@@ -53,7 +54,7 @@ from rope_helpers import (
 )
 
 from mila_py import Precision, RuntimeMode
-from mila_py.components import Rope, RopeConfig
+from mila_py.components import Rope, RopeConfig, RopeLayout
 from mila_py.ops.cuda import _kernels
 from mila_py.ops.cuda import rope as cuda_rope
 from mila_py.ops.cuda.rope import CudaRopeOp
@@ -1207,3 +1208,68 @@ def test_bf16_as_uint16_bits_on_a_cupy_without_bfloat16(
     with pytest.raises(TypeError, match="dtype"):
         rope.prefill(as_bf16, k0.copy(), 0)
     assert same_bits(as_bf16, q0)
+
+
+@pytest.mark.parametrize("precision", [FP32, BF16], ids=str)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+def test_packed_launch_values_are_the_launchers_arguments(
+    cuda: None, monkeypatch, rng, precision: Precision, interleaved: bool
+) -> None:
+    """``launch_values``, what ``packed_launcher`` packs once for ``cuLaunchKernel``, are the
+    launcher's own launch arguments one for one: the same arrays, scalars of the same types and
+    values (partial rotary, GQA, B=3 rows of a wider buffer)."""
+    layout = RopeLayout.INTERLEAVED if interleaved else RopeLayout.HALF
+    cfg = rope_config((4, 2), 16, rotary_dim=8, layout=layout)
+    rope = cuda_rope_of(cfg, 3, 1, precision)
+    q_wide, k_wide = random_qk(rng, replace(cfg, channels=2 * cfg.channels), 3, 1, precision)
+    q, k = q_wide[..., : cfg.channels], k_wide[..., : cfg.kv_channels]  # strided rows
+    captured: list[tuple[Any, ...]] = []
+    real = _kernels.launch
+
+    def capture(ctx: Any, source: str, name: str, grid: Any, block: Any, args: Any, **kw: Any):
+        captured.append(args)
+        real(ctx, source, name, grid, block, args, **kw)
+
+    monkeypatch.setattr(_kernels, "launch", capture)
+    at = rope.op.launcher(q, k)
+    assert at is not None
+    at(q, k, 7)
+    slot = _kernels.ScalarSlot(np, np.int64)
+    slot(7)
+    values = rope.op.launch_values(q, k, slot)
+    (args,) = captured
+    assert len(values) == len(args) == 27
+    for i, (value, arg) in enumerate(zip(values, args, strict=True)):
+        if isinstance(value, _kernels.ScalarSlot):
+            value = value._cell[0]
+        if isinstance(arg, np.ndarray):
+            assert value is arg, i
+        else:
+            assert type(value) is type(arg) and value == arg, (i, value, arg)
+    assert rope.op.packed_launcher(q, k) is None  # NumPy: no driver launch to bind
+
+
+def test_pack_params_packs_c_values_at_stable_addresses() -> None:
+    import ctypes
+    from types import SimpleNamespace
+
+    device_array = SimpleNamespace(data=SimpleNamespace(ptr=0xDEAD0000))
+    slot = _kernels.ScalarSlot(np, np.int64)
+    args = (device_array, np.int32(-3), slot, np.float32(0.5), _kernels.NULL, np.int64(1 << 40))
+    params, cells = _kernels.pack_params(args)
+    assert params.dtype == np.uint64 and len(params) == len(cells) == len(args)
+
+    def read(i: int, dtype: Any) -> Any:
+        raw = ctypes.string_at(int(params[i]), np.dtype(dtype).itemsize)
+        return np.frombuffer(raw, dtype)[0]
+
+    assert read(0, np.uint64) == 0xDEAD0000
+    assert read(1, np.int32) == -3
+    assert read(3, np.float32) == 0.5
+    assert read(4, np.uint64) == 0
+    assert read(5, np.int64) == 1 << 40
+    slot(4001)  # the slot's cell is the parameter: the next launch sees the new value
+    assert read(2, np.int64) == 4001
+    for bad in (np.zeros(2, np.float32), 3, 2.5):
+        with pytest.raises(TypeError, match="argument 0"):
+            _kernels.pack_params((bad,))

@@ -748,6 +748,48 @@ class CudaRopeOp(Operation):
 
         return rotate_at
 
+    def launch_values(self, q: Any, k: Any, position: Any) -> tuple[Any, ...]:
+        """The arguments of :meth:`launcher`'s launch on ``q``, ``k`` as plain values: the
+        device arrays, NumPy scalars of the kernel's exact types, and ``position`` (an int64
+        :class:`_kernels.ScalarSlot`) for the offset, for :func:`_kernels.pack_params`."""
+        table = self.table
+        assert table is not None, "CudaRopeOp used before build"
+        cfg, item = self.config, self._item
+        strides = (np.int64(st // item) for a in (q, k, q, k) for st in a.strides[:2])
+        return (
+            q, q, k, k, table.cos, table.sin, _kernels.NULL, np.int32(0), position,
+            np.int32(q.shape[1]), np.int32(cfg.n_heads), np.int32(cfg.n_kv_heads),
+            np.int32(cfg.head_dim), np.int32(table.n_freq), *strides,
+            np.float32(1.0), np.int32(0), np.int32(0), np.int32(0), np.int32(0),
+        )  # fmt: skip
+
+    def packed_launcher(self, q: Any, k: Any) -> Callable[[int], None] | None:
+        """:meth:`launcher`'s launch bound to these very arrays: ``rotate(offset)`` launches by
+        ``cuLaunchKernel`` with every argument packed once (:func:`_kernels.bind_packed_launch`;
+        their addresses included, so the caller keeps ``q`` and ``k`` alive, in place and
+        unchanged, the device current and ``offset + T <=`` :attr:`RopeTable.static_len`).
+        None where :meth:`launcher` does not apply, and on NumPy (the kernel emulator)."""
+        if self.context.xp is np or self.launcher(q, k) is None:
+            return None
+        assert self.table is not None  # launcher() checked it
+        position = _kernels.ScalarSlot(self.context.xp, np.int64)
+        call = _kernels.bind_packed_launch(
+            self.context,
+            ROPE_CUDA_SOURCE,
+            self._name_of[self.vector_width(q, k)],
+            (int(q.shape[0]) * int(q.shape[1]),),
+            _THREADS,
+            self.launch_values(q, k, position),
+            shared_mem=2 * self.table.n_freq * 4,
+            name_expressions=self._names,
+        )
+
+        def rotate(offset: int) -> None:
+            position(offset)
+            call()
+
+        return rotate
+
     def decode_fast_path(self, q: Any, k: Any) -> Callable[[Any, Any, Any], bool] | None:
         """For a component whose ``decode`` is called again and again on the buffers ``q``,
         ``k`` ``[B, 1, width]`` it has checked: ``again(q2, k2, position)`` rotates them at

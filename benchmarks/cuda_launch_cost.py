@@ -174,7 +174,7 @@ def main() -> None:
             f"rope kernel, prebuilt args ({len(raw_args)})",
             lambda: function(grid, block, raw_args, shared_mem=shared, stream=stream),
         ),
-        driver_row(cupy, rope, q, k, function, grid, block, shared, stream),
+        driver_row(cupy, rope, q, k, captured),
         packed_row(cupy, rope, q, k),
         ("toy kernel, 0 args", lambda: toy0((1,), (128,), (), stream=stream)),
         (
@@ -232,33 +232,22 @@ def gpu_us_per_launch(cupy: Any, function: Any, grid: Any, block: Any, args: Any
     return statistics.median(times) if times else None
 
 
-def driver_row(cupy: Any, rope: Rope, q: Any, k: Any, function: Any, grid: Any, block: Any,
-               shared: int, stream: Any) -> tuple[str, Callable[[], Any]]:  # fmt: skip
-    """The rope kernel launched by ``cuLaunchKernel`` itself (CuPy's driver binding) with its
-    27 parameters packed once as C values: the floor of any Python launch of it. Checked first:
-    its output equals the op's on the same input, bit for bit."""
-    from cupy_backends.cuda.api import driver
-
+def driver_row(
+    cupy: Any, rope: Rope, q: Any, k: Any, captured: dict[str, Any]
+) -> tuple[str, Callable[[], Any]]:
+    """The rope kernel launched by ``cuLaunchKernel`` itself (``_kernels.bind_packed_launch``:
+    CuPy's driver binding, its 27 parameters packed once as C values, the position fixed): the
+    floor of any Python launch of it. Checked first: its output equals the op's on the same
+    input, bit for bit."""
     op = rope._op  # type: ignore[attr-defined]
-    cos, sin = op.table.tables_for(4001)
-    item = q.dtype.itemsize
-    strides = [st // item for a in (q, k, q, k) for st in a.strides[:2]]
-    values = [
-        *(np.uint64(x.data.ptr) for x in (q, q, k, k, cos, sin)), np.uint64(0),
-        np.int32(0), np.int64(4000), np.int32(1), np.int32(32), np.int32(8), np.int32(128),
-        np.int32(op.table.n_freq), *map(np.int64, strides), np.float32(1.0),
-        np.int32(0), np.int32(0), np.int32(0), np.int32(0),
-    ]  # fmt: skip
-    cells = [np.full(1, v) for v in values]  # each parameter's value
-    params = np.array([c.ctypes.data for c in cells], dtype=np.uint64)  # their addresses
-    # the stream's handle: CuPy 14 has the CUDA stream protocol, older ones an attribute
-    protocol = getattr(stream, "__cuda_stream__", None)
-    ptr = int(protocol()[1]) if protocol is not None else int(stream.ptr)
-    gx, bx = int(grid[0]), int(block[0])
-
-    def launch(keep: tuple[Any, ...] = (cells, params)) -> None:  # keep: the memory params name
-        driver.launchKernel(function.ptr, gx, 1, 1, bx, 1, 1, shared, ptr, params.ctypes.data, 0)
-
+    position = _kernels.ScalarSlot(cupy, np.int64)
+    position(4000)
+    kw = captured["kw"]
+    launch = _kernels.bind_packed_launch(
+        op.context, captured["source"], captured["name"], captured["grid"], captured["block"],
+        op.launch_values(q, k, position), shared_mem=kw.get("shared_mem", 0),
+        name_expressions=kw.get("name_expressions", ()),
+    )  # fmt: skip
     label = f"rope kernel, cuLaunchKernel, packed ({same_as_decode(cupy, rope, q, k, launch)})"
     return label, launch
 

@@ -1215,9 +1215,10 @@ def test_bf16_as_uint16_bits_on_a_cupy_without_bfloat16(
 def test_packed_launch_values_are_the_launchers_arguments(
     cuda: None, monkeypatch, rng, precision: Precision, interleaved: bool
 ) -> None:
-    """``launch_values``, what ``packed_launcher`` packs once for ``cuLaunchKernel``, are the
-    launcher's own launch arguments one for one: the same arrays, scalars of the same types and
-    values (partial rotary, GQA, B=3 rows of a wider buffer)."""
+    """``launch_values``, what ``launcher`` binds and ``packed_launcher`` packs once for
+    ``cuLaunchKernel``, are the checked path's launch arguments one for one (``apply`` at an
+    offset, through ``_launch``): the same arrays, scalars of the same types and values
+    (partial rotary, GQA, B=3 rows of a wider buffer); the launcher passes the same."""
     layout = RopeLayout.INTERLEAVED if interleaved else RopeLayout.HALF
     cfg = rope_config((4, 2), 16, rotary_dim=8, layout=layout)
     rope = cuda_rope_of(cfg, 3, 1, precision)
@@ -1231,13 +1232,18 @@ def test_packed_launch_values_are_the_launchers_arguments(
         real(ctx, source, name, grid, block, args, **kw)
 
     monkeypatch.setattr(_kernels, "launch", capture)
+    rope.op.apply(q, k, offset=7, seq_len=8)
     at = rope.op.launcher(q, k)
     assert at is not None
     at(q, k, 7)
     slot = _kernels.ScalarSlot(np, np.int64)
     slot(7)
     values = rope.op.launch_values(q, k, slot)
-    (args,) = captured
+    args, bound_args = captured
+    assert len(bound_args) == len(args)
+    for arg, bound_arg in zip(args, bound_args, strict=True):
+        assert bound_arg is arg if isinstance(arg, np.ndarray) else type(bound_arg) is type(arg)
+        assert isinstance(arg, np.ndarray) or bound_arg == arg
     assert len(values) == len(args) == 27
     for i, (value, arg) in enumerate(zip(values, args, strict=True)):
         if isinstance(value, _kernels.ScalarSlot):

@@ -719,34 +719,34 @@ class CudaRopeOp(Operation):
         :attr:`RopeTable.static_len`. None where one launch at an offset does not apply: no rows, or a
         last axis that is not contiguous.
         """
-        table = self.table
-        assert table is not None, "CudaRopeOp used before build"
-        n_b, n_t = int(q.shape[0]), int(q.shape[1])
-        item = self._item
-        if n_b == 0 or n_t == 0 or q.strides[2] != item or k.strides[2] != item:
+        if not self._one_launch_applies(q, k):
             return None
-        n_freq = table.n_freq
-        cos, sin = table.cos, table.sin
+        assert self.table is not None  # checked above
         call = _kernels.bind_launch(
             self.context,
             ROPE_CUDA_SOURCE,
             self._name_of[self.vector_width(q, k)],
-            (n_b * n_t,),
+            (int(q.shape[0]) * int(q.shape[1]),),
             _THREADS,
-            shared_mem=2 * n_freq * 4,
+            shared_mem=2 * self.table.n_freq * 4,
             name_expressions=self._names,
         )
-        tables = (cos, sin, self._null, self._flags[0])
-        tail = (
-            self._n_t_arg(n_t), *self._shape_args, *self._strides_of(q, k, q, k),
-            self._signs[0], self._flags[0], *self._no_mrope,
-        )  # fmt: skip
         position = _kernels.ScalarSlot(self.context.xp, np.int64)
+        # launch_values' layout, its scalars made into launch arguments once
+        bound = [self._bound(v) if isinstance(v, np.generic) else v
+                 for v in self.launch_values(q, k, position)]  # fmt: skip
+        tables, tail = tuple(bound[4:8]), tuple(bound[9:])
 
         def rotate_at(q: Any, k: Any, offset: int) -> None:
             call((q, q, k, k, *tables, position(offset), *tail))
 
         return rotate_at
+
+    def _one_launch_applies(self, q: Any, k: Any) -> bool:
+        """:meth:`launcher` applies: rows to rotate, and last axes that are contiguous."""
+        assert self.table is not None, "CudaRopeOp used before build"
+        item = self._item
+        return bool(q.shape[0] and q.shape[1]) and q.strides[2] == item and k.strides[2] == item
 
     def launch_values(self, q: Any, k: Any, position: Any) -> tuple[Any, ...]:
         """The arguments of :meth:`launcher`'s launch on ``q``, ``k`` as plain values: the
@@ -769,9 +769,9 @@ class CudaRopeOp(Operation):
         their addresses included, so the caller keeps ``q`` and ``k`` alive, in place and
         unchanged, the device current and ``offset + T <=`` :attr:`RopeTable.static_len`).
         None where :meth:`launcher` does not apply, and on NumPy (the kernel emulator)."""
-        if self.context.xp is np or self.launcher(q, k) is None:
+        if self.context.xp is np or not self._one_launch_applies(q, k):
             return None
-        assert self.table is not None  # launcher() checked it
+        assert self.table is not None  # checked above
         position = _kernels.ScalarSlot(self.context.xp, np.int64)
         call = _kernels.bind_packed_launch(
             self.context,

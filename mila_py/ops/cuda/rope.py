@@ -721,16 +721,7 @@ class CudaRopeOp(Operation):
         """
         if not self._one_launch_applies(q, k):
             return None
-        assert self.table is not None  # checked above
-        call = _kernels.bind_launch(
-            self.context,
-            ROPE_CUDA_SOURCE,
-            self._name_of[self.vector_width(q, k)],
-            (int(q.shape[0]) * int(q.shape[1]),),
-            _THREADS,
-            shared_mem=2 * self.table.n_freq * 4,
-            name_expressions=self._names,
-        )
+        call = self._bind_one_launch(_kernels.bind_launch, q, k)
         position = _kernels.ScalarSlot(self.context.xp, np.int64)
         # launch_values' layout, its scalars made into launch arguments once
         bound = [self._bound(v) if isinstance(v, np.generic) else v
@@ -747,6 +738,22 @@ class CudaRopeOp(Operation):
         assert self.table is not None, "CudaRopeOp used before build"
         item = self._item
         return bool(q.shape[0] and q.shape[1]) and q.strides[2] == item and k.strides[2] == item
+
+    def _bind_one_launch(self, bind: Callable[..., Any], q: Any, k: Any, *args: Any) -> Any:
+        """``bind`` (:func:`_kernels.bind_launch` or :func:`_kernels.bind_packed_launch`, with
+        its ``args``) for the one launch that rotates ``q``, ``k`` in place: a block per token,
+        the access width their addresses allow, the cos/sin row in shared memory."""
+        assert self.table is not None, "CudaRopeOp used before build"
+        return bind(
+            self.context,
+            ROPE_CUDA_SOURCE,
+            self._name_of[self.vector_width(q, k)],
+            (int(q.shape[0]) * int(q.shape[1]),),
+            _THREADS,
+            *args,
+            shared_mem=2 * self.table.n_freq * 4,
+            name_expressions=self._names,
+        )
 
     def launch_values(self, q: Any, k: Any, position: Any) -> tuple[Any, ...]:
         """The arguments of :meth:`launcher`'s launch on ``q``, ``k`` as plain values: the
@@ -771,17 +778,9 @@ class CudaRopeOp(Operation):
         None where :meth:`launcher` does not apply, and on NumPy (the kernel emulator)."""
         if self.context.xp is np or not self._one_launch_applies(q, k):
             return None
-        assert self.table is not None  # checked above
         position = _kernels.ScalarSlot(self.context.xp, np.int64)
-        call = _kernels.bind_packed_launch(
-            self.context,
-            ROPE_CUDA_SOURCE,
-            self._name_of[self.vector_width(q, k)],
-            (int(q.shape[0]) * int(q.shape[1]),),
-            _THREADS,
-            self.launch_values(q, k, position),
-            shared_mem=2 * self.table.n_freq * 4,
-            name_expressions=self._names,
+        call = self._bind_one_launch(
+            _kernels.bind_packed_launch, q, k, self.launch_values(q, k, position)
         )
 
         def rotate(offset: int) -> None:

@@ -3,10 +3,12 @@
 ``benchmarks/rope_cuda.py`` measured a B=1 decode call at ~25 us on an H100 with the host wall
 time equal to the event time: the call is host-bound, and the Rope issue asks for <= 10 us.
 This splits the call into its layers, each timed as host wall time per call over many calls
-(the stream synchronized once at the end, median of rounds):
+(the stream synchronized once at the end; the median of rounds that take every row in turn, so
+a slow stretch of the host shows in the spread column rather than in one row):
 
 - ``Rope.decode`` on the buffers it decoded the call before (the component's fast path: identity,
-  shape and position checks, then the op's bound launch);
+  shape and position checks, then the op's bound launch), with CuPy's launch and with the packed
+  one (``PACKED_DECODE``; the row that decides whether it becomes the default);
 - ``Rope._decode_at`` (what a parent that checked its arrays calls: the op and the launch);
 - ``CudaRopeOp.apply`` and ``CudaRopeOp._launch``;
 - the compiled kernel called with the exact argument tuple ``_launch`` builds (CuPy alone);
@@ -48,6 +50,7 @@ from mila_py import BuildContext, Precision, RuntimeMode
 from mila_py.components import Rope, RopeConfig
 from mila_py.devices.cuda import cuda_device_count
 from mila_py.ops.cuda import _kernels
+from mila_py.ops.cuda import rope as cuda_rope
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_plan import stubbed_cuda
@@ -86,19 +89,30 @@ SCALARS = [
 ]  # fmt: skip
 
 
-def per_call_us(fn: Callable[[], Any], sync: Callable[[], None], calls: int, rounds: int) -> float:
-    """Median over ``rounds`` of host wall time per call, ``calls`` calls then one sync."""
-    for _ in range(200):
-        fn()
-    sync()
-    times = []
+def timed_rounds(rows: list[tuple[str, Callable[[], Any]]], sync: Callable[[], None], calls: int,
+                 rounds: int) -> list[list[float] | Exception]:  # fmt: skip
+    """Host wall time per call (seconds) of each row, ``calls`` calls then one sync, in
+    ``rounds`` rounds that take every row in turn (interleaved, each row warmed up before its
+    turn), so that a slow stretch of the host shows in every row's spread rather than setting
+    one row. A row that raises keeps its exception (a variant CuPy refuses is a finding)."""
+    times: list[list[float] | Exception] = [[] for _ in rows]
     for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times) * 1e6
+        for i, (_, fn) in enumerate(rows):
+            samples = times[i]
+            if isinstance(samples, Exception):
+                continue
+            try:
+                for _ in range(min(200, calls)):
+                    fn()
+                sync()
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                sync()
+                samples.append((time.perf_counter() - start) / calls)
+            except Exception as exc:
+                times[i] = exc
+    return times
 
 
 def main() -> None:
@@ -123,7 +137,7 @@ def main() -> None:
             _kernels.launch = lambda *a, **kw: None  # type: ignore[assignment]
             try:
                 print(f"host time per call, CUDA:0 with launch() a no-op (the Python alone, no "
-                      f"CuPy); median of {args.rounds} rounds of {args.calls}")  # fmt: skip
+                      f"CuPy); median of {args.rounds} interleaved rounds of {args.calls}")  # fmt: skip
                 report(rows, lambda: None, args.calls, args.rounds)
             finally:
                 _kernels.launch = emulated  # type: ignore[assignment]
@@ -176,6 +190,7 @@ def main() -> None:
         ),
         driver_row(cupy, rope, q, k, captured),
         packed_row(cupy, rope, q, k),
+        packed_decode_row(cupy),
         ("toy kernel, 0 args", lambda: toy0((1,), (128,), (), stream=stream)),
         (
             "toy kernel, 27 args (7 ptr + 20 scalars)",
@@ -194,7 +209,7 @@ def main() -> None:
     ]
     props = cupy.cuda.runtime.getDeviceProperties(ctx.device_id.index)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-    print(f"host wall per call, median of {args.rounds} rounds of {args.calls}; {name}, "
+    print(f"host wall per call, median of {args.rounds} interleaved rounds of {args.calls}; {name}, "
           f"CuPy {cupy.__version__}")  # fmt: skip
     report(rows, sync, args.calls, args.rounds)
     gpu_us = gpu_us_per_launch(cupy, function, grid, block, raw_args, shared, stream)
@@ -253,23 +268,45 @@ def driver_row(
 
 
 def packed_row(cupy: Any, rope: Rope, q: Any, k: Any) -> tuple[str, Callable[[], Any]]:
-    """The op's own packed launcher (``CudaRopeOp.packed_launcher``: what a decode fast path
-    would call instead of the CuPy launch), checked bit for bit against ``Rope.decode``."""
-    rotate = rope._op.packed_launcher(q, k)  # type: ignore[attr-defined]
+    """The op's own packed launcher (``CudaRopeOp.packed_launcher``: what the decode fast path
+    calls with ``PACKED_DECODE``), checked bit for bit against ``Rope.decode``."""
+    rotate_at = rope._op.packed_launcher(q, k)  # type: ignore[attr-defined]
 
     def launch() -> None:
-        rotate(4000)
+        rotate_at(q, k, 4000)
 
     return f"CudaRopeOp.packed_launcher ({same_as_decode(cupy, rope, q, k, launch)})", launch
 
 
-def same_as_decode(cupy: Any, rope: Rope, q: Any, k: Any, launch: Callable[[], Any]) -> str:
-    """'same bits' where ``launch()`` leaves Q, K as ``rope.decode(q, k, 4000)`` does, else
-    'DIFFERS' (Q and K are restored to their values before either)."""
+def packed_decode_row(cupy: Any) -> tuple[str, Callable[[], Any]]:
+    """``Rope.decode`` on the buffers it decoded the call before, its fast path made with
+    ``PACKED_DECODE`` on (a component of its own, so the other rows keep theirs), checked bit
+    for bit against the op's checked path."""
+    rope, q, k = decode_rope()
     q0, k0 = q.copy(), k.copy()
-    rope.decode(q, k, 4000)
-    expected = q.copy(), k.copy()
+    previous, cuda_rope.PACKED_DECODE = cuda_rope.PACKED_DECODE, True
+    try:
+        for _ in range(2):  # the second checked call on the pair makes its fast path
+            rope.decode(q, k, 4000)
+    finally:
+        cuda_rope.PACKED_DECODE = previous
     q[...], k[...] = q0, k0
+    made = "fast path made" if rope._fast_decode is not None else "NO FAST PATH"  # type: ignore[attr-defined]
+
+    def decode() -> None:
+        rope.decode(q, k, 4000)
+
+    return (f"Rope.decode, same buffers, packed ({made}, "
+            f"{same_as_decode(cupy, rope, q, k, decode)})", decode)  # fmt: skip
+
+
+def same_as_decode(cupy: Any, rope: Rope, q: Any, k: Any, launch: Callable[[], Any]) -> str:
+    """'same bits' where ``launch()`` leaves Q, K as a checked decode at 4000 does (the op's
+    ``apply`` on copies: no component's fast path is touched), else 'DIFFERS'; Q and K keep
+    their values."""
+    q0, k0 = q.copy(), k.copy()
+    expected = q.copy(), k.copy()
+    rope._op.apply(*expected, offset=4000, seq_len=4001)  # type: ignore[attr-defined]
     launch()
     rope.execution_context.synchronize()
     same = all(bool((a.view(cupy.uint32) == b.view(cupy.uint32)).all())
@@ -312,13 +349,14 @@ def component_rows(rope: Rope, q: Any, k: Any) -> list[tuple[str, Callable[[], A
 
 def report(rows: list[tuple[str, Callable[[], Any]]], sync: Callable[[], None], calls: int,
            rounds: int) -> None:  # fmt: skip
-    print(f"{'what':44} {'us/call':>8}")
-    for label, fn in rows:
-        try:
-            us = per_call_us(fn, sync, calls, rounds)
-            print(f"{label:44} {us:8.2f}", flush=True)
-        except Exception as exc:  # a variant CuPy refuses is a finding, not a crash
-            print(f"{label:44}   failed: {type(exc).__name__}: {exc}", flush=True)
+    """Each row's median over the interleaved rounds, with the rounds' spread (max / min)."""
+    print(f"{'what':56} {'us/call':>8} {'spread':>7}")
+    for (label, _), samples in zip(rows, timed_rounds(rows, sync, calls, rounds), strict=True):
+        if isinstance(samples, Exception):
+            print(f"{label:56}   failed: {type(samples).__name__}: {samples}", flush=True)
+            continue
+        spread = max(samples) / min(samples) - 1
+        print(f"{label:56} {statistics.median(samples) * 1e6:8.2f} {spread:6.1%}", flush=True)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from typing import Any
+from unittest import mock
 
 import ml_dtypes
 import numpy as np
@@ -682,17 +683,63 @@ def test_decode_again_past_the_original_context_makes_its_fast_path_once(
     assert len(made) == 1
 
 
+@pytest.mark.parametrize("default", [False, True], ids=["cupy-default", "packed-default"])
+def test_decode_fast_path_takes_the_packed_launcher_where_asked(
+    cuda: None, monkeypatch, rng, default: bool
+) -> None:
+    """``decode_fast_path`` launches through ``packed_launcher`` where ``packed`` (by default
+    ``PACKED_DECODE``) asks for it and one applies, else through ``launcher``; the component's
+    fast path follows the default. Every choice rotates as the checked path does (the emulator
+    launches the packed launcher's values through ``launch``)."""
+    monkeypatch.setattr(cuda_rope, "PACKED_DECODE", default)
+    cfg = rope_config((4, 2), 16, max_seq_len=64)
+    rope = cuda_rope_of(cfg, 2, 1)
+    q, k = random_qk(rng, cfg, 2, 1)
+    for packed in (None, True, False):
+        again = rope.op.decode_fast_path(q, k, packed=packed)
+        assert again is not None
+        q0, k0 = q.copy(), k.copy()
+        expected_q, expected_k = q.copy(), k.copy()
+        rope.op.apply(expected_q, expected_k, offset=9, seq_len=10)
+        assert again(q, k, 9)
+        assert q.tobytes() == expected_q.tobytes() and k.tobytes() == expected_k.tobytes()
+        q[...], k[...] = q0, k0
+    launched: list[tuple[str, int]] = []
+
+    def recorder(name: str) -> Any:
+        return lambda q, k: lambda q2, k2, offset: launched.append((name, offset))
+
+    monkeypatch.setattr(rope.op, "packed_launcher", recorder("packed"))
+    monkeypatch.setattr(rope.op, "launcher", recorder("cupy"))
+    chosen = "packed" if default else "cupy"
+    for packed, name in ((None, chosen), (True, "packed"), (False, "cupy")):
+        launched.clear()
+        again = rope.op.decode_fast_path(q, k, packed=packed)
+        assert again is not None and again(q, k, 3)
+        assert launched == [(name, 3)]
+    monkeypatch.setattr(rope.op, "packed_launcher", lambda q, k: None)  # none applies
+    launched.clear()
+    assert rope.op.decode_fast_path(q, k, packed=True)(q, k, 4)  # type: ignore[misc]
+    assert launched == [("cupy", 4)]
+    monkeypatch.setattr(rope.op, "packed_launcher", recorder("packed"))
+    launched.clear()
+    for position in (5, 5, 6):  # two checked calls on the pair, then its fast path
+        rope.decode(q, k, position)
+    assert launched == [(chosen, 6)]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["cupy-launch", "packed-launch"])
 @settings(max_examples=40, deadline=None)
 @given(program=DECODE_PROGRAMS, config=DECODE_CONFIGS, seed=st.integers(0, 2**16))
 def test_any_program_of_decodes_matches_a_fresh_checked_component(  # type: ignore[no-untyped-def]
-    library, program, config, seed
+    library, packed, program, config, seed
 ) -> None:
     """As on the CPU (``tests/test_rope.py``): decode calls in any order on two buffer pairs,
     with bad positions, read-only, reshaped or retyped buffers, each equal to a fresh
-    component's checked call on copies, whatever fast path the component kept. (A read-only
-    NumPy buffer exists only in emulation, where the emulator refuses it at launch; CuPy
-    arrays have no writeable flag.)"""
-    with emulated_cuda_devices(library):
+    component's checked call on copies, whatever fast path the component kept, with CuPy's
+    launch or the packed one. (A read-only NumPy buffer exists only in emulation, where the
+    emulator refuses it at launch; CuPy arrays have no writeable flag.)"""
+    with emulated_cuda_devices(library), mock.patch.object(cuda_rope, "PACKED_DECODE", packed):
         run_decode_program(program, np.random.default_rng(seed), device=DEVICE, config=config)
 
 
@@ -758,10 +805,14 @@ def test_decode_again_still_refuses_what_can_change(cuda: None, rng) -> None:
     assert_parity(k, k0, FP32)
 
 
-def test_decode_again_keeps_no_buffer_alive_and_alternating_pairs_get_none(cuda: None, rng) -> None:
+@pytest.mark.parametrize("packed", [False, True], ids=["cupy-launch", "packed-launch"])
+def test_decode_again_keeps_no_buffer_alive_and_alternating_pairs_get_none(
+    cuda: None, monkeypatch, rng, packed: bool
+) -> None:
     import gc
     import weakref
 
+    monkeypatch.setattr(cuda_rope, "PACKED_DECODE", packed)
     cfg = rope_config((2, 1), 8, max_seq_len=32)
     rope = cuda_rope_of(cfg, 1, 1)
     cpu = make_rope(cfg, 1, 1)
@@ -1252,7 +1303,36 @@ def test_packed_launch_values_are_the_launchers_arguments(
             assert value is arg, i
         else:
             assert type(value) is type(arg) and value == arg, (i, value, arg)
-    assert rope.op.packed_launcher(q, k) is None  # NumPy: no driver launch to bind
+    packed = rope.op.packed_launcher(q, k)  # the emulator launches what it would pack
+    assert packed is not None
+    for position in (7, 30):  # the position's slot written per call
+        q1, k1 = q.copy(), k.copy()
+        rope.op.apply(q1, k1, offset=position, seq_len=position + 1)
+        before = q_wide.copy(), k_wide.copy()
+        packed(q, k, position)
+        assert q.tobytes() == q1.tobytes() and k.tobytes() == k1.tobytes()
+        assert q_wide[..., cfg.channels :].tobytes() == before[0][..., cfg.channels :].tobytes()
+        q_wide[...], k_wide[...] = before
+
+
+def test_an_emulated_packed_launch_refuses_an_array_that_is_gone(cuda: None, rng) -> None:
+    """The emulator's packed launch holds its arrays weakly, as the real one holds their
+    addresses alone: launched after one is gone (where a GPU would write freed memory) it
+    raises before launching, the other array untouched."""
+    import gc
+
+    cfg = rope_config((2, 1), 8, max_seq_len=32)
+    rope = cuda_rope_of(cfg, 1, 1)
+    q, k = random_qk(rng, cfg, 1, 1)
+    k0 = k.copy()
+    rotate_at = rope.op.packed_launcher(q, k)
+    assert rotate_at is not None
+    del q
+    gc.collect()
+    done = len(launches(rope))
+    with pytest.raises(RuntimeError, match="gone"):
+        rotate_at(None, k, 3)
+    assert k.tobytes() == k0.tobytes() and len(launches(rope)) == done
 
 
 def test_pack_params_packs_c_values_at_stable_addresses() -> None:

@@ -367,13 +367,18 @@ def test_decode_at_each_position_equals_forward(layout: str, precision: Precisio
         assert bits(step_k) == bits(whole_k[:, t : t + 1])
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["cupy-launch", "packed-launch"])
 @pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
 @pytest.mark.parametrize("scaling", [None, "dynamic"], ids=["plain", "dynamic"])
-def test_decode_again_on_the_same_buffers(precision: Precision, scaling: Any, rng) -> None:
+def test_decode_again_on_the_same_buffers(
+    precision: Precision, scaling: Any, packed: bool, monkeypatch, rng
+) -> None:
     """A decode loop on one Q/K pair: from the second call on, one launch with its arguments
-    made once (CuPy's by-value objects for the scalars) and nothing re-checked; past dynamic
-    NTK's original context (1024) the checked path computes rows per call. Each step equals the
+    made once (CuPy's by-value objects for the scalars, or every argument packed once for
+    ``cuLaunchKernel`` with ``PACKED_DECODE``) and nothing re-checked; past dynamic NTK's
+    original context (1024) the checked path computes rows per call. Each step equals the
     float64 reference, and decoding a fresh copy (the checked path) gives the same bits."""
+    monkeypatch.setattr(cuda_rope, "PACKED_DECODE", packed)
     extra = (
         {}
         if scaling is None
@@ -397,6 +402,46 @@ def test_decode_again_on_the_same_buffers(precision: Precision, scaling: Any, rn
         assert_close(down(q), ref_q, precision)
         assert_close(down(k), ref_k, precision)
     assert rope._fast_decode is not None
+
+
+@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_packed_launcher_gives_the_checked_paths_bits(
+    layout: str, precision: Precision, batch: int, rng
+) -> None:
+    """``packed_launcher`` (``cuLaunchKernel``, every argument packed once) and ``launcher``
+    rotate as the checked ``apply`` does, bit for bit, on strided rows of wider buffers with
+    partial rotary (the channels past it untouched), at several positions; and the packed fast
+    path refuses arrays other than its own, and its own once they are gone."""
+    cfg = rope_config((4, 2), 16, layout=layout, rotary_dim=8)
+    rope = cuda_rope_of(cfg, batch, 1, precision=precision)
+    op = rope._op
+    wide = rope_config((4, 2), 32)  # rows twice as wide: Q and K are strided views
+    q_wide, k_wide = (up(x) for x in random_qk(rng, wide, batch, 1, precision))
+    q, k = q_wide[..., : cfg.channels], k_wide[..., : cfg.kv_channels]
+    packed, plain = op.packed_launcher(q, k), op.launcher(q, k)
+    assert packed is not None and plain is not None
+    for position in (0, 1, 777, 2047):
+        for rotate_at in (packed, plain):
+            before = q_wide.copy(), k_wide.copy()
+            expected = q_wide.copy(), k_wide.copy()
+            op.apply(expected[0][..., : cfg.channels], expected[1][..., : cfg.kv_channels],
+                     offset=position, seq_len=position + 1)  # fmt: skip
+            rotate_at(q, k, position)
+            assert bits(q_wide) == bits(expected[0]) and bits(k_wide) == bits(expected[1])
+            assert position == 0 or bits(q_wide) != bits(before[0])  # 0: the identity
+            q_wide[...], k_wide[...] = before
+    again = op.decode_fast_path(q, k, packed=True)
+    assert again is not None
+    other_q = q_wide.copy()[..., : cfg.channels]  # the same shape and strides, not the array
+    before = bits(other_q)
+    assert not again(other_q, k, 5) and bits(other_q) == before
+    assert again(q, k, 5)
+    del q, q_wide, packed, plain
+    gc.collect()
+    fresh_q = up(np.zeros((batch, 1, 2 * cfg.channels), dtype_of(precision)))[..., : cfg.channels]
+    assert not again(fresh_q, k, 5) and bits(fresh_q) == bytes(fresh_q.nbytes)
 
 
 @pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)

@@ -21,6 +21,7 @@ of the CPU test suite swaps :func:`launch`; see ``tests/kernel_emulator.py``).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -284,7 +285,13 @@ def bind_packed_launch(
     place; a :class:`ScalarSlot` among them changes per call). No per-call argument conversion
     at all: on an H100 machine such a launch of the RoPE kernel took 4.3 us against 5.2 us for
     CuPy's launch of prebuilt arguments. The caller keeps ``ctx``'s device current. CUDA only
-    (the kernel emulator runs :func:`launch`)."""
+    and NumPy: with NumPy arrays (the kernel emulator) each call goes through :func:`launch`
+    with the values ``args`` hold then (a :class:`ScalarSlot` its last write). The emulated
+    launch holds its arrays weakly, as the packed one holds their addresses alone, and raises
+    where one is gone (where a real launch would write freed memory)."""
+    if ctx.xp is np:
+        return _emulated_packed_launch(ctx, source, name, grid, block, args, shared_mem,
+                                       name_expressions)  # fmt: skip
     from cupy_backends.cuda.api import driver
 
     function = kernel(source, name, ctx.device_id.index, name_expressions)
@@ -299,6 +306,41 @@ def bind_packed_launch(
         launch_kernel(fn, gx, gy, gz, block, 1, 1, shared_mem, handle, address, 0)
 
     return call
+
+
+def _emulated_packed_launch(
+    ctx: Any,
+    source: str,
+    name: str,
+    grid: tuple[int, ...],
+    block: int,
+    args: Sequence[Any],
+    shared_mem: int,
+    name_expressions: tuple[str, ...],
+) -> Callable[[], None]:
+    """:func:`bind_packed_launch` for NumPy arrays: :func:`launch` with the current values."""
+    getters: list[Callable[[], Any]] = []
+    for i, arg in enumerate(args):
+        if isinstance(arg, ScalarSlot):
+            getters.append(arg.value)
+        elif isinstance(arg, np.generic):
+            getters.append(lambda arg=arg: arg)
+        elif isinstance(arg, np.ndarray):
+            getters.append(weakref.ref(arg))
+        else:
+            raise TypeError(
+                f"argument {i} ({type(arg).__name__}) is not a device array, a NumPy scalar or "
+                "a ScalarSlot"
+            )
+
+    def emulated() -> None:
+        values = tuple(get() for get in getters)
+        if any(v is None for v in values):
+            raise RuntimeError(f"packed launch of {name}: an array it was bound to is gone")
+        launch(ctx, source, name, grid, block, values, shared_mem=shared_mem,
+               name_expressions=name_expressions)  # fmt: skip
+
+    return emulated
 
 
 def bound_scalar(xp: Any, value: np.generic) -> Any:
@@ -340,6 +382,10 @@ class ScalarSlot:
         if self._arg is None:
             return self._type(value)
         return self._arg
+
+    def value(self) -> np.generic:
+        """The value last written, as a NumPy scalar of the slot's type."""
+        return self._type(self._cell[0])
 
 
 _BY_VALUE: list[Any] = []

@@ -418,6 +418,11 @@ _CTYPES = {Precision.FP32: "float", Precision.FP16: "mila_half", Precision.BF16:
 _THREADS = ROPE_TUNING.threads
 #: stride patterns (and chunk lengths) whose launch arguments an op keeps made
 _ARG_CACHE = 64
+#: :meth:`CudaRopeOp.decode_fast_path` launches by ``cuLaunchKernel`` with its arguments packed
+#: once (:meth:`CudaRopeOp.packed_launcher`) rather than by CuPy with bound arguments
+#: (:meth:`CudaRopeOp.launcher`); both give the same bits. Off until a GPU run times the two
+#: (``benchmarks/cuda_launch_cost.py``) with the GPU tests, which check both, passing.
+PACKED_DECODE = False
 
 
 def vector_widths(precision: Precision) -> tuple[int, ...]:
@@ -770,35 +775,47 @@ class CudaRopeOp(Operation):
             np.float32(1.0), np.int32(0), np.int32(0), np.int32(0), np.int32(0),
         )  # fmt: skip
 
-    def packed_launcher(self, q: Any, k: Any) -> Callable[[int], None] | None:
-        """:meth:`launcher`'s launch bound to these very arrays: ``rotate(offset)`` launches by
-        ``cuLaunchKernel`` with every argument packed once (:func:`_kernels.bind_packed_launch`;
-        their addresses included, so the caller keeps ``q`` and ``k`` alive, in place and
-        unchanged, the device current and ``offset + T <=`` :attr:`RopeTable.static_len`).
-        None where :meth:`launcher` does not apply, and on NumPy (the kernel emulator)."""
-        if self.context.xp is np or not self._one_launch_applies(q, k):
+    def packed_launcher(self, q: Any, k: Any) -> Callable[[Any, Any, int], None] | None:
+        """:meth:`launcher`'s launch bound to these very arrays: ``rotate_at(q, k, offset)``
+        launches by ``cuLaunchKernel`` with every argument packed once
+        (:func:`_kernels.bind_packed_launch`), writing ``offset`` alone per call. It takes the
+        arrays for :meth:`launcher`'s signature and launches on the ones bound here, by their
+        addresses: the caller passes those very arrays, kept alive, in place and unchanged, the
+        device current and ``offset + T <=`` :attr:`RopeTable.static_len`. None where
+        :meth:`launcher` does not apply. With NumPy (the kernel emulator) each call launches
+        the same values through :func:`_kernels.launch`."""
+        if not self._one_launch_applies(q, k):
             return None
         position = _kernels.ScalarSlot(self.context.xp, np.int64)
         call = self._bind_one_launch(
             _kernels.bind_packed_launch, q, k, self.launch_values(q, k, position)
         )
 
-        def rotate(offset: int) -> None:
+        def rotate_at(q: Any, k: Any, offset: int) -> None:
             position(offset)
             call()
 
-        return rotate
+        return rotate_at
 
-    def decode_fast_path(self, q: Any, k: Any) -> Callable[[Any, Any, Any], bool] | None:
+    def decode_fast_path(
+        self, q: Any, k: Any, *, packed: bool | None = None
+    ) -> Callable[[Any, Any, Any], bool] | None:
         """For a component whose ``decode`` is called again and again on the buffers ``q``,
         ``k`` ``[B, 1, width]`` it has checked: ``again(q2, k2, position)`` rotates them at
-        ``position`` with one :meth:`launcher` launch and returns True when ``q2`` and ``k2``
-        are those arrays (the same objects, held weakly, with the same shape, strides and
-        dtype), ``position`` an int below :attr:`RopeTable.static_len` and the device current; else
-        it does nothing and returns False (the caller takes its checked path). None where
-        :meth:`launcher` does not apply."""
-        at = self.launcher(q, k)
-        if at is None or q.shape[1] != 1:
+        ``position`` with one launch and returns True when ``q2`` and ``k2`` are those arrays
+        (the same objects, held weakly, with the same shape, strides and dtype), ``position``
+        an int below :attr:`RopeTable.static_len` and the device current; else it does nothing
+        and returns False (the caller takes its checked path). None where :meth:`launcher`
+        does not apply.
+
+        The launch is :meth:`packed_launcher`'s where ``packed`` (default
+        :data:`PACKED_DECODE`), else :meth:`launcher`'s; the identity check above is what
+        makes the packed one safe, since it launches on the arrays it was made for."""
+        if q.shape[1] != 1:
+            return None
+        use_packed = PACKED_DECODE if packed is None else packed
+        at = (use_packed and self.packed_launcher(q, k)) or self.launcher(q, k)
+        if at is None:
             return None
         assert self.table is not None  # launcher() checked it
         xp = self.context.xp

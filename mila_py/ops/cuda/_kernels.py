@@ -20,6 +20,7 @@ of the CPU test suite swaps :func:`launch`; see ``tests/kernel_emulator.py``).
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -308,6 +309,10 @@ def bind_packed_launch(
     return call
 
 
+def _same(value: Any) -> Any:
+    return value
+
+
 def _emulated_packed_launch(
     ctx: Any,
     source: str,
@@ -324,7 +329,7 @@ def _emulated_packed_launch(
         if isinstance(arg, ScalarSlot):
             getters.append(arg.value)
         elif isinstance(arg, np.generic):
-            getters.append(lambda arg=arg: arg)
+            getters.append(functools.partial(_same, arg))
         elif isinstance(arg, np.ndarray):
             getters.append(weakref.ref(arg))
         else:

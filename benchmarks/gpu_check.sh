@@ -12,7 +12,7 @@
 # A lent GPU session has ~15 minutes of device time in all, start-up included, and the machine is
 # given back after ~30 s idle (each new call starts it again): use `once` with timeout_s 590. It
 # runs what the open CUDA issue still needs first: the whole suite (in parallel: ~85 s on an H100
-# machine's 16 cores), RoPE without the torch.compile peer and 10 repeats (~35 s), the decode
+# machine's 16 cores), RoPE without the torch.compile peer in 5 interleaved rounds (~60 s), the decode
 # launch-cost breakdown, the RoPE kernel's tuning settings against each other and Liger
 # (rope_cuda_variants.py), then RoPE against the torch.compile peer alone, then the Llama
 # benchmarks at their small settings on the time left; each stage under its own timeout, the
@@ -35,7 +35,7 @@ status=0
 if [[ "$what" == once ]]; then
   end="${GPU_CHECK_END:-560}"  # seconds: where the call must end (the variable shortens it)
   t_tests=170 t_rope=100 t_launch=40 t_variants=120 t_compile=150 t_train=50 t_gen=140 t_plan=30
-  rope_args=(--no-compile --repeats 10)
+  rope_args=(--no-compile --rounds 5 --repeats 3)  # ~60 s: 73 figures a round
   gen_args=(--repeat 1)
   plan_args=(--steps 100 --rounds 3)
 else
@@ -94,7 +94,7 @@ if [[ "$what" == once ]] && (( $(left) > 40 )); then
   # case prints as it is measured); `all` and `rope` time it with the other peers
   mark compile
   (( $(left) < t_compile )) && t_compile=$(left)
-  timeout -k 10 "$t_compile" python3 benchmarks/rope_cuda.py --repeats 10 --peer "HF compile" 2>&1 \
+  timeout -k 10 "$t_compile" python3 benchmarks/rope_cuda.py --rounds 3 --repeats 4 --peer "HF compile" 2>&1 \
     | tee "$out/rope_compile.log" || status=1
 fi
 if stage llama && { [[ "$what" != once ]] || (( $(left) > 120 )); }; then

@@ -1,6 +1,11 @@
 """CUDA RoPE benchmark: mila_py against the copy ceiling and the peer libraries, in one run.
 
-Measures on one GPU, with CUDA events, the median of many repeats:
+Measures on one GPU, with CUDA events. Every case is set up first (its buffers kept), then timed
+in rounds (``--rounds``): each round times every figure of the table in turn (mila_py's, each
+peer's, the decode rows' host wall time), starting at a different figure each round, and a
+figure is the median over its rounds, so one slow stretch of the GPU or the host cannot set a
+row. The ``spread`` column is mila_py's slowest round over its fastest. The table is printed
+after every round. Measured:
 
 - the ceiling: a large device-to-device copy (``cudaMemcpyAsync``), counting bytes read + written;
 - mila_py ``Rope.forward`` and ``Rope.backward`` (whole component calls), fp32 and bf16, for
@@ -21,14 +26,15 @@ mila_py's (above 1: mila_py is faster). Before timing, mila_py's output is check
 peers' on the same input.
 
 Run: ``python benchmarks/rope_cuda.py`` (``--help`` for options; ``--json PATH`` keeps the raw
-numbers; ``--quick`` is a smoke run on small shapes). Each case is printed as it is measured, the
-table at the end. Without CuPy or a GPU it says so and exits 0.
+numbers, each figure's round medians included; ``--quick`` is a smoke run on small shapes).
+Without CuPy or a GPU it says so and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -53,22 +59,25 @@ MROPE_SECTION = (16, 24, 24)  # Qwen2-VL: temporal, height, width frequencies of
 class Row:
     case: str
     dtype: str
-    seconds: float
     nbytes: int
+    seconds: float = math.nan  # mila_py's, median over the rounds (NaN until a round timed it)
     peers: dict[str, float] = field(default_factory=dict)  # peer name -> seconds
     note: str = ""
+    spread: float = math.nan  # mila_py's slowest round over its fastest, minus 1
+    host_wall: float = math.nan  # decode rows: host wall seconds per call
 
 
 # ---------------------------------------------------------------------------------- timing
 
 
 class CupyTimer:
-    """Per-call milliseconds from CUDA events recorded on one CuPy stream."""
+    """Per-call seconds from CUDA events recorded on one CuPy stream."""
 
     def __init__(self, cupy: Any, stream: Any) -> None:
         self.cupy, self.stream = cupy, stream
 
-    def median_seconds(self, fn: Callable[[], object], *, calls: int, repeats: int) -> float:
+    def samples(self, fn: Callable[[], object], *, calls: int, repeats: int) -> list[float]:
+        """Seconds per call of each of ``repeats`` runs of ``calls`` back-to-back calls."""
         cupy = self.cupy
         warm_up(fn, self.stream.synchronize)
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
@@ -80,7 +89,10 @@ class CupyTimer:
             end.record(self.stream)
             end.synchronize()
             times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3 / calls)
-        return statistics.median(times)
+        return times
+
+    def median_seconds(self, fn: Callable[[], object], *, calls: int, repeats: int) -> float:
+        return statistics.median(self.samples(fn, calls=calls, repeats=repeats))
 
 
 class TorchTimer:
@@ -89,7 +101,7 @@ class TorchTimer:
     def __init__(self, torch: Any) -> None:
         self.torch = torch
 
-    def median_seconds(self, fn: Callable[[], object], *, calls: int, repeats: int) -> float:
+    def samples(self, fn: Callable[[], object], *, calls: int, repeats: int) -> list[float]:
         torch = self.torch
         warm_up(fn, torch.cuda.synchronize)
         start = torch.cuda.Event(enable_timing=True)
@@ -102,7 +114,28 @@ class TorchTimer:
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3 / calls)
-        return statistics.median(times)
+        return times
+
+    def median_seconds(self, fn: Callable[[], object], *, calls: int, repeats: int) -> float:
+        return statistics.median(self.samples(fn, calls=calls, repeats=repeats))
+
+
+class HostTimer:
+    """Per-call seconds of host wall time: ``calls`` back-to-back calls, then ``sync()``."""
+
+    def __init__(self, sync: Callable[[], None]) -> None:
+        self.sync = sync
+
+    def samples(self, fn: Callable[[], object], *, calls: int, repeats: int) -> list[float]:
+        warm_up(fn, self.sync)
+        times = []
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            self.sync()
+            times.append((time.perf_counter() - begin) / calls)
+        return times
 
 
 def warm_up(fn: Callable[[], object], sync: Callable[[], None], seconds: float = 0.05) -> None:
@@ -119,19 +152,56 @@ def warm_up(fn: Callable[[], object], sync: Callable[[], None], seconds: float =
     sync()
 
 
-def host_seconds_per_call(fn: Callable[[], object], sync: Callable[[], None], calls: int) -> float:
-    """Wall-clock seconds per call of ``calls`` back-to-back calls (best of 5 rounds)."""
-    for _ in range(10):
-        fn()
-    sync()
-    best = float("inf")
-    for _ in range(5):
-        begin = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        best = min(best, (time.perf_counter() - begin) / calls)
-    return best
+#: ``Timing.what`` of a decode row's host wall time (its note, not a column)
+HOST_WALL = "host wall"
+
+
+@dataclass
+class Timing:
+    """One figure of the table, timed once in every round: mila_py's time of ``row``
+    (``what`` empty), a peer's (``what`` its name) or a decode row's host wall time
+    (:data:`HOST_WALL`)."""
+
+    row: Row
+    what: str
+    fn: Callable[[], object]
+    timer: Any  # CupyTimer, TorchTimer or HostTimer
+    calls: int
+    rounds: list[float] = field(default_factory=list)  # median seconds per call, each round
+    failed: str = ""
+
+
+def run_round(timings: list[Timing], repeats: int, first: int) -> None:
+    """One round: every timing that has not failed, in turn from index ``first`` (each round
+    starts elsewhere, so no figure always follows the same one), its median of ``repeats``
+    appended to its rounds. One that raises is noted on its row and left out from then on."""
+    n = len(timings)
+    for i in range(n):
+        t = timings[(first + i) % n]
+        if t.failed:
+            continue
+        try:
+            t.rounds.append(statistics.median(t.timer.samples(t.fn, calls=t.calls,
+                                                              repeats=repeats)))  # fmt: skip
+        except Exception as exc:
+            t.failed = type(exc).__name__
+            t.row.note += f" {t.what or 'mila_py'} failed: {t.failed};"
+
+
+def settle(timings: list[Timing]) -> None:
+    """Each figure as the median over its rounds so far (a slow round does not set it), into
+    its row; mila_py's spread over the rounds (slowest / fastest - 1) into ``row.spread``."""
+    for t in timings:
+        if not t.rounds:
+            continue
+        seconds = statistics.median(t.rounds)
+        if t.what == HOST_WALL:
+            t.row.host_wall = seconds
+        elif t.what:
+            t.row.peers[t.what] = seconds
+        else:
+            t.row.seconds = seconds
+            t.row.spread = max(t.rounds) / min(t.rounds) - 1
 
 
 # ---------------------------------------------------------------------------------- peers
@@ -219,6 +289,11 @@ class Bench:
     decode_calls: int
     rng: np.random.Generator
     checks: list[str] = field(default_factory=list)
+    timings: list[Timing] = field(default_factory=list)
+
+    def time(self, row: Row, what: str, fn: Callable[[], object], timer: Any, calls: int) -> None:
+        """Time ``fn`` as ``row``'s figure ``what`` in every round (see :class:`Timing`)."""
+        self.timings.append(Timing(row, what, fn, timer, calls))
 
 
 def torch_dtype(torch: Any, precision: Precision) -> Any:
@@ -226,8 +301,9 @@ def torch_dtype(torch: Any, precision: Precision) -> Any:
     return torch.float32 if precision is Precision.FP32 else torch.bfloat16
 
 
-def measure_copy(cupy: Any, calls: int, repeats: int) -> Row:
-    """The ceiling: a 1 GiB device-to-device copy, bytes read + written."""
+def copy_ceiling(cupy: Any) -> tuple[Row, Callable[[], None], CupyTimer]:
+    """The ceiling: a 1 GiB device-to-device copy (bytes read + written): its row, the copy
+    and the timer of its stream."""
     stream = cupy.cuda.Stream(non_blocking=False)
     with stream:
         src = cupy.arange(2**28, dtype=cupy.float32)  # 1 GiB of non-zero data
@@ -236,8 +312,7 @@ def measure_copy(cupy: Any, calls: int, repeats: int) -> Row:
     def copy() -> None:
         dst.data.copy_from_device_async(src.data, src.nbytes, stream)
 
-    seconds = CupyTimer(cupy, stream).median_seconds(copy, calls=calls, repeats=repeats)
-    return Row("copy 1 GiB (ceiling)", "-", seconds, 2 * src.nbytes)
+    return Row("copy 1 GiB (ceiling)", "-", 2 * src.nbytes), copy, CupyTimer(cupy, stream)
 
 
 def peer_tables(torch: Any, rope: Rope, rows: slice, precision: Precision) -> Any:
@@ -256,7 +331,8 @@ def peer_tables(torch: Any, rope: Rope, rows: slice, precision: Precision) -> An
 def bench_prefill(
     bench: Bench, cfg: RopeConfig, precision: Precision, n_b: int, n_t: int
 ) -> list[Row]:
-    """Forward and backward of one prefill shape: mila_py, then each peer."""
+    """Forward and backward of one prefill shape, mila_py and each peer (checked against
+    mila_py's output here), and M-RoPE: their rows, timed in the rounds."""
     cupy, torch = bench.cupy, bench.torch
     dtype_name = "fp32" if precision is Precision.FP32 else "bf16"
     case = f"B={n_b} T={n_t}"
@@ -269,20 +345,13 @@ def bench_prefill(
     k = ctx.to_device(k_host.astype(precision.numpy_dtype))
     nbytes = 2 * (q.nbytes + k.nbytes) + n_t * (cfg.head_dim // 2) * 8
     timer = CupyTimer(cupy, ctx.stream)
-    # forward in place on the same buffers (a rotation keeps the values bounded)
-    forward = Row(
-        f"forward {case}",
-        dtype_name,
-        timer.median_seconds(lambda: rope.forward(q, k), calls=bench.calls, repeats=bench.repeats),
-        nbytes,
-    )
-    # backward: R^T of (dq, dk) into the component's gradient buffers
-    backward = Row(
-        f"backward {case}",
-        dtype_name,
-        timer.median_seconds(lambda: rope.backward(q, k), calls=bench.calls, repeats=bench.repeats),
-        nbytes,
-    )
+    forward = Row(f"forward {case}", dtype_name, nbytes)
+    backward = Row(f"backward {case}", dtype_name, nbytes)
+    mrope_row = Row(f"M-RoPE rotate {case}", dtype_name, nbytes)
+    # forward in place on the same buffers (a rotation keeps the values bounded); backward:
+    # R^T of (dq, dk) into the component's gradient buffers
+    bench.time(forward, "", lambda: rope.forward(q, k), timer, bench.calls)
+    bench.time(backward, "", lambda: rope.backward(q, k), timer, bench.calls)
     # M-RoPE (Qwen2-VL sections) at host positions [3, B, T]: the component checks them on the
     # host and the op uploads them, so this row includes that upload
     mrope = Rope("mrope", replace(cfg, mrope_section=MROPE_SECTION), device="CUDA:0",
@@ -291,15 +360,8 @@ def bench_prefill(
     grid = np.broadcast_to(np.arange(n_t), (n_b, n_t))
     per_axis = np.stack([grid, grid % 64, grid // 64])
     ctx.synchronize()  # q, k are ready before another stream (the component's own) uses them
-    mrope_timer = CupyTimer(cupy, mrope.execution_context.stream)
-    mrope_row = Row(
-        f"M-RoPE rotate {case}",
-        dtype_name,
-        mrope_timer.median_seconds(
-            lambda: mrope.rotate(q, k, per_axis), calls=bench.calls, repeats=bench.repeats
-        ),
-        nbytes,
-    )
+    bench.time(mrope_row, "", lambda: mrope.rotate(q, k, per_axis),
+               CupyTimer(cupy, mrope.execution_context.stream), bench.calls)  # fmt: skip
     if bench.peers:
         tdtype = torch_dtype(torch, precision)
         tq = torch.from_numpy(q_host).cuda().to(tdtype).view(n_b, n_t, HEADS, HEAD_DIM)
@@ -317,23 +379,21 @@ def bench_prefill(
                 out_q, _ = fn(tq.clone(), tk.clone(), cos, sin)
                 diff = float(np.max(np.abs(flat_numpy(out_q) - mine)))
                 bench.checks.append(f"{dtype_name} {case} {name}: max |diff| {diff:.2e}")
-                forward.peers[name] = ttimer.median_seconds(
-                    lambda fn=fn: fn(tq, tk, cos, sin), calls=bench.calls, repeats=bench.repeats
-                )
+                bench.time(forward, name, lambda fn=fn: fn(tq, tk, cos, sin), ttimer, bench.calls)
             except Exception as exc:
                 forward.note += f" {name} forward failed: {type(exc).__name__};"
             try:
-                backward.peers[name] = peer_backward_seconds(bench, ttimer, fn, tq, tk, cos, sin)
+                bench.time(backward, name, peer_backward(torch, fn, tq, tk, cos, sin), ttimer,
+                           bench.calls)  # fmt: skip
             except Exception as exc:
                 backward.note += f" {name} backward failed: {type(exc).__name__};"
     return [forward, backward, mrope_row]
 
 
-def peer_backward_seconds(
-    bench: Bench, timer: TorchTimer, fn: Callable[..., Any], tq: Any, tk: Any, cos: Any, sin: Any
-) -> float:
+def peer_backward(
+    torch: Any, fn: Callable[..., Any], tq: Any, tk: Any, cos: Any, sin: Any
+) -> Callable[[], Any]:
     """A peer's backward alone: autograd.grad of one recorded forward (no accumulation)."""
-    torch = bench.torch
     gq = tq.detach().clone().requires_grad_()
     gk = tk.detach().clone().requires_grad_()
     out_q, out_k = fn(gq, gk, cos, sin)
@@ -342,12 +402,14 @@ def peer_backward_seconds(
     def grad() -> Any:
         return torch.autograd.grad((out_q, out_k), (gq, gk), (up_q, up_k), retain_graph=True)
 
-    return timer.median_seconds(grad, calls=bench.calls, repeats=bench.repeats)
+    grad()  # it runs (a failure is the peer's, noted on the row)
+    return grad
 
 
 def bench_decode(bench: Bench, cfg: RopeConfig, precision: Precision, n_b: int) -> list[Row]:
-    """Whole ``Rope.decode`` calls, one token per sequence, and each peer on the same shape."""
-    cupy, torch = bench.cupy, bench.torch
+    """Whole ``Rope.decode`` calls, one token per sequence (events and host wall time), and
+    each peer on the same shape: their rows, timed in the rounds."""
+    torch = bench.torch
     dtype_name = "fp32" if precision is Precision.FP32 else "bf16"
     rope = Rope("rope", cfg, device="CUDA:0", precision=precision)
     rope.build(BuildContext((n_b, 1, cfg.channels), RuntimeMode.INFERENCE))
@@ -358,7 +420,7 @@ def bench_decode(bench: Bench, cfg: RopeConfig, precision: Precision, n_b: int) 
     k = ctx.to_device(
         bench.rng.standard_normal((n_b, 1, cfg.kv_channels)).astype(precision.numpy_dtype)
     )
-    timer = CupyTimer(cupy, ctx.stream)
+    timer, host = CupyTimer(bench.cupy, ctx.stream), HostTimer(ctx.synchronize)
     variants: list[tuple[str, Any, int]] = [("pos int", 4000, 1)]
     if n_b > 1:
         variants.append(("pos per seq", bench.rng.integers(0, MAX_SEQ, size=n_b), n_b))
@@ -368,16 +430,10 @@ def bench_decode(bench: Bench, cfg: RopeConfig, precision: Precision, n_b: int) 
         def call(position: Any = position) -> None:
             rope.decode(q, k, position)
 
-        seconds = timer.median_seconds(call, calls=bench.decode_calls, repeats=bench.repeats)
-        wall = host_seconds_per_call(call, ctx.synchronize, bench.decode_calls)
         nbytes = 2 * (q.nbytes + k.nbytes) + distinct * (cfg.head_dim // 2) * 8
-        row = Row(
-            f"decode B={n_b} ({label})",
-            dtype_name,
-            seconds,
-            nbytes,
-            note=f"host wall {wall * 1e6:.1f} us/call;",
-        )
+        row = Row(f"decode B={n_b} ({label})", dtype_name, nbytes)
+        bench.time(row, "", call, timer, bench.decode_calls)
+        bench.time(row, HOST_WALL, call, host, bench.decode_calls)
         if bench.peers and label == "pos int":
             tdtype = torch_dtype(torch, precision)
             tq = torch.randn(n_b, 1, HEADS, HEAD_DIM, device="cuda", dtype=tdtype)
@@ -385,14 +441,8 @@ def bench_decode(bench: Bench, cfg: RopeConfig, precision: Precision, n_b: int) 
             cos, sin = peer_tables(torch, rope, slice(4000, 4001), precision)
             ttimer = TorchTimer(torch)
             for name, fn in bench.peers.items():
-                try:
-                    row.peers[name] = ttimer.median_seconds(
-                        lambda fn=fn, tq=tq, tk=tk, cos=cos, sin=sin: fn(tq, tk, cos, sin),
-                        calls=bench.decode_calls,
-                        repeats=bench.repeats,
-                    )
-                except Exception as exc:
-                    row.note += f" {name} failed: {type(exc).__name__};"
+                bench.time(row, name, lambda fn=fn, tq=tq, tk=tk, cos=cos, sin=sin:
+                           fn(tq, tk, cos, sin), ttimer, bench.decode_calls)  # fmt: skip
         rows.append(row)
     return rows
 
@@ -400,24 +450,43 @@ def bench_decode(bench: Bench, cfg: RopeConfig, precision: Precision, n_b: int) 
 # ---------------------------------------------------------------------------------- main
 
 
-def progress(rows: list[Row]) -> list[Row]:
-    """Print each measured row at once (a run cut short still shows what it measured)."""
+def table(rows: list[Row], peers: list[str]) -> str:
+    """The table of ``rows`` (the first is the copy ceiling): time, bandwidth, share of the
+    copy's, mila_py's spread over the rounds, each peer's time over mila_py's (``-`` where not
+    timed), notes."""
+
+    def num(x: float, spec: str, width: int, unit: str = "") -> str:
+        return f"{'-':>{width + len(unit)}}" if math.isnan(x) else f"{x:{width}{spec}}{unit}"
+
+    copy_bw = rows[0].nbytes / rows[0].seconds
+    header = f"{'case':<30} {'dtype':<5} {'time':>10} {'GB/s':>7} {'% copy':>7} {'spread':>7}"
+    header += "".join(f" {'x ' + p:>12}" for p in peers)
+    lines = [f"copy ceiling: {num(copy_bw / 1e9, '.0f', 0)} GB/s (bytes read + written)",
+             header, "-" * len(header)]  # fmt: skip
     for r in rows:
-        peers = ", ".join(f"{name} {sec * 1e6:.1f} us" for name, sec in r.peers.items())
-        print(
-            f"measured {r.case} {r.dtype}: {r.seconds * 1e6:.1f} us"
-            + (f"; {peers}" if peers else "")
-            + (f"; {r.note.strip()}" if r.note else ""),
-            flush=True,
-        )
-    return rows
+        bw = r.nbytes / r.seconds
+        line = f"{r.case:<30} {r.dtype:<5} {num(r.seconds * 1e6, '.1f', 8, 'us')}"
+        line += f" {num(bw / 1e9, '.0f', 7)} {num(100 * bw / copy_bw, '.1f', 6, '%')}"
+        line += f" {num(100 * r.spread, '.1f', 6, '%')}"
+        for p in peers:
+            line += f" {num(r.peers.get(p, math.nan) / r.seconds, '.2f', 12)}"
+        note = r.note.strip()
+        if not math.isnan(r.host_wall):
+            note = f"host wall {r.host_wall * 1e6:.1f} us/call; {note}".strip()
+        lines.append(line + (f"  {note}" if note else ""))
+    return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--repeats", type=int, default=30, help="timed repeats (median)")
+    parser.add_argument(
+        "--rounds", type=int, default=5,
+        help="rounds, each timing every figure of the table in turn; a figure is the median "
+        "over its rounds",
+    )  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=6, help="timed repeats per round")
     parser.add_argument("--calls", type=int, default=10, help="back-to-back calls per repeat")
     parser.add_argument("--decode-calls", type=int, default=200)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
@@ -433,7 +502,7 @@ def main() -> int:
     args = parser.parse_args()
     prefill_shapes = ((1, 256), (2, 128)) if args.quick else PREFILL_SHAPES
     if args.quick:
-        args.repeats, args.calls, args.decode_calls = 3, 2, 5
+        args.rounds, args.repeats, args.calls, args.decode_calls = 2, 2, 2, 5
 
     if cuda_device_count() == 0:
         print(
@@ -467,36 +536,28 @@ def main() -> int:
     versions = f"CuPy {cupy.__version__}" + (f", torch {torch.__version__}" if torch else "")
     print(f"device: {device}; {versions}; peers: {', '.join(peers) or 'none'}")
 
-    copy = measure_copy(cupy, bench.calls, bench.repeats)
-    copy_bw = copy.nbytes / copy.seconds
+    copy, copy_fn, copy_timer = copy_ceiling(cupy)
+    bench.time(copy, "", copy_fn, copy_timer, bench.calls)
     rows = [copy]
     cfg = RopeConfig(
         channels=HEADS * HEAD_DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, max_seq_len=MAX_SEQ
     )
-    print(f"measured {copy.case}: {copy_bw / 1e9:.0f} GB/s", flush=True)
-    for precision in (Precision.FP32, Precision.BF16):
+    for precision in (Precision.FP32, Precision.BF16):  # every case's buffers stay made
         for n_b, n_t in prefill_shapes:
-            rows += progress(bench_prefill(bench, cfg, precision, n_b, n_t))
-            cupy.get_default_memory_pool().free_all_blocks()  # the case's buffers are gone
-            if torch is not None:
-                torch.cuda.empty_cache()
+            rows += bench_prefill(bench, cfg, precision, n_b, n_t)
         for n_b in DECODE_BATCHES:
-            rows += progress(bench_decode(bench, cfg, precision, n_b))
-
+            rows += bench_decode(bench, cfg, precision, n_b)
     for line in bench.checks:
         print("check:", line)
-    print(f"\ncopy ceiling: {copy_bw / 1e9:.0f} GB/s (bytes read + written)")
-    header = f"{'case':<30} {'dtype':<5} {'time':>10} {'GB/s':>7} {'% copy':>7}"
-    header += "".join(f" {'x ' + p:>12}" for p in peers)
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        bw = r.nbytes / r.seconds
-        line = f"{r.case:<30} {r.dtype:<5} {r.seconds * 1e6:8.1f}us {bw / 1e9:7.0f}"
-        line += f" {100 * bw / copy_bw:6.1f}%"
-        for p in peers:
-            line += f" {r.peers[p] / r.seconds:12.2f}" if p in r.peers else f" {'-':>12}"
-        print(line + (f"  {r.note.strip()}" if r.note else ""))
+    timings = bench.timings
+    print(f"{len(rows)} rows, {len(timings)} figures, timed in {args.rounds} rounds", flush=True)
+    begin = time.perf_counter()
+    for r in range(args.rounds):
+        run_round(timings, bench.repeats, r * len(timings) // args.rounds)
+        settle(timings)
+        # the table so far after every round (a run cut short still shows what it measured)
+        print(f"\nafter round {r + 1} of {args.rounds} ({time.perf_counter() - begin:.0f} s):")
+        print(table(rows, list(peers)), flush=True)
     print(
         "\ntargets: prefill >= 85% of copy; every 'x PEER' > 1 (mila_py faster); "
         "decode B=1 <= 10 us per component call"
@@ -505,10 +566,15 @@ def main() -> int:
         with open(args.json, "w") as fh:
             payload = {
                 "device": device,
-                "copy_bytes_per_second": copy_bw,
+                "copy_bytes_per_second": rows[0].nbytes / rows[0].seconds,
                 "checks": bench.checks,
                 "rows": [asdict(r) for r in rows],
-            }
+                "figures": [
+                    {"case": t.row.case, "dtype": t.row.dtype, "what": t.what or "mila_py",
+                     "seconds_per_round": t.rounds, "failed": t.failed}
+                    for t in timings
+                ],
+            }  # fmt: skip
             json.dump(payload, fh, indent=2)
     return 0
 

@@ -44,7 +44,7 @@ from mila_py.ops.cuda import _kernels
 from mila_py.ops.cuda.rope import ROPE_TUNING, RopeKernelTuning, kernel_name, rope_source
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rope_cuda import TorchTimer, load_peers, measure_copy, peer_tables, torch_dtype
+from rope_cuda import TorchTimer, copy_ceiling, load_peers, peer_tables, torch_dtype
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SHAPES = [(1, 8192), (4, 4096)]
@@ -88,8 +88,9 @@ def main() -> None:
     cfg = RopeConfig(channels=HEADS * HEAD_DIM, n_heads=HEADS, n_kv_heads=KV_HEADS,
                      max_seq_len=8192)  # fmt: skip
     rng = np.random.default_rng(0)
-    copy = measure_copy(cupy, args.calls, args.repeats)
-    copy_bw = copy.nbytes / copy.seconds
+    copy, copy_fn, copy_timer = copy_ceiling(cupy)
+    copy_bw = copy.nbytes / copy_timer.median_seconds(copy_fn, calls=args.calls,
+                                                      repeats=args.repeats)  # fmt: skip
     props = cupy.cuda.runtime.getDeviceProperties(0)
     device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     print(f"{device}, CuPy {cupy.__version__}; copy ceiling: {copy_bw / 1e9:.0f} GB/s (bytes read + written); "

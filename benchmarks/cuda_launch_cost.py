@@ -7,8 +7,8 @@ This splits the call into its layers, each timed as host wall time per call over
 a slow stretch of the host shows in the spread column rather than in one row):
 
 - ``Rope.decode`` on the buffers it decoded the call before (the component's fast path: identity,
-  shape and position checks, then the op's bound launch), with CuPy's launch and with the packed
-  one (``PACKED_DECODE``; the row that decides whether it becomes the default);
+  shape and position checks, then the op's bound launch), with the default launch and with the
+  other one (CuPy's launch or the packed ``cuLaunchKernel`` one, ``PACKED_DECODE``);
 - ``Rope._decode_at`` (what a parent that checked its arrays calls: the op and the launch);
 - ``CudaRopeOp.apply`` and ``CudaRopeOp._launch``;
 - the compiled kernel called with the exact argument tuple ``_launch`` builds (CuPy alone);
@@ -190,7 +190,7 @@ def main() -> None:
         ),
         driver_row(cupy, rope, q, k, captured),
         packed_row(cupy, rope, q, k),
-        packed_decode_row(cupy),
+        other_launch_decode_row(cupy),
         ("toy kernel, 0 args", lambda: toy0((1,), (128,), (), stream=stream)),
         (
             "toy kernel, 27 args (7 ptr + 20 scalars)",
@@ -278,13 +278,15 @@ def packed_row(cupy: Any, rope: Rope, q: Any, k: Any) -> tuple[str, Callable[[],
     return f"CudaRopeOp.packed_launcher ({same_as_decode(cupy, rope, q, k, launch)})", launch
 
 
-def packed_decode_row(cupy: Any) -> tuple[str, Callable[[], Any]]:
-    """``Rope.decode`` on the buffers it decoded the call before, its fast path made with
-    ``PACKED_DECODE`` on (a component of its own, so the other rows keep theirs), checked bit
-    for bit against the op's checked path."""
+def other_launch_decode_row(cupy: Any) -> tuple[str, Callable[[], Any]]:
+    """``Rope.decode`` on the buffers it decoded the call before, its fast path made with the
+    other launch than the default (``PACKED_DECODE`` flipped while it is made; a component of
+    its own, so the other rows keep theirs), checked bit for bit against the op's checked
+    path."""
     rope, q, k = decode_rope()
     q0, k0 = q.copy(), k.copy()
-    previous, cuda_rope.PACKED_DECODE = cuda_rope.PACKED_DECODE, True
+    packed = not cuda_rope.PACKED_DECODE
+    previous, cuda_rope.PACKED_DECODE = cuda_rope.PACKED_DECODE, packed
     try:
         for _ in range(2):  # the second checked call on the pair makes its fast path
             rope.decode(q, k, 4000)
@@ -296,7 +298,8 @@ def packed_decode_row(cupy: Any) -> tuple[str, Callable[[], Any]]:
     def decode() -> None:
         rope.decode(q, k, 4000)
 
-    return (f"Rope.decode, same buffers, packed ({made}, "
+    launch = "packed" if packed else "CuPy"
+    return (f"Rope.decode, same buffers, {launch} launch ({made}, "
             f"{same_as_decode(cupy, rope, q, k, decode)})", decode)  # fmt: skip
 
 
@@ -338,8 +341,12 @@ def component_rows(rope: Rope, q: Any, k: Any) -> list[tuple[str, Callable[[], A
         turn[0] ^= 1
         rope.decode(*((q, k) if turn[0] else other), 4000)
 
+    launch = "packed" if cuda_rope.PACKED_DECODE else "CuPy"
     return [
-        ("Rope.decode, same buffers (fast path)", lambda: rope.decode(q, k, 4000)),
+        (
+            f"Rope.decode, same buffers (fast path, {launch} launch)",
+            lambda: rope.decode(q, k, 4000),
+        ),
         ("Rope.decode, alternating buffers (checked)", alternating),
         ("Rope._decode_at (no checks)", lambda: rope._decode_at(q, k, 4000)),
         ("CudaRopeOp.apply", lambda: op.apply(q, k, offset=4000, seq_len=4001)),

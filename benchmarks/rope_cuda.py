@@ -14,7 +14,9 @@ after every round. Measured:
 - mila_py M-RoPE ``Rope.rotate`` (Qwen2-VL sections) on the same shapes at host positions
   ``[3, B, T]`` of a 64-wide image grid (the whole call: host checks and the positions' upload);
 - ``Rope.decode`` for ``B=1`` and ``B=64`` (whole component calls, validation included), in
-  microseconds per call, timed over many back-to-back calls so host work is included;
+  microseconds per call, timed over many back-to-back calls so host work is included; at one
+  position for all, with its fast path launching as by default and, in a row of its own, the
+  other way (CuPy's launch or the packed ``cuLaunchKernel`` one, ``PACKED_DECODE``);
 - peers, each only when importable: Hugging Face ``apply_rotary_pos_emb`` in torch eager and
   under ``torch.compile``, Liger-Kernel's rope, flash-attention's Triton rotary. Peers get their
   own layouts (HF and Liger ``[B, H, T, D]`` views of ``[B, T, H*D]``; flash-attention
@@ -47,6 +49,7 @@ import numpy as np
 from mila_py import BuildContext, Precision, RuntimeMode
 from mila_py.components import Rope, RopeConfig
 from mila_py.devices.cuda import cuda_device_count
+from mila_py.ops.cuda import rope as cuda_rope
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 PREFILL_SHAPES = ((1, 8192), (4, 4096))
@@ -296,6 +299,11 @@ class Bench:
         self.timings.append(Timing(row, what, fn, timer, calls))
 
 
+def row_dtype(precision: Precision) -> str:
+    """The table's name of ``precision``: fp32, else bf16 (the two the table times)."""
+    return "fp32" if precision is Precision.FP32 else "bf16"
+
+
 def torch_dtype(torch: Any, precision: Precision) -> Any:
     """The torch dtype the peers get for ``precision`` (fp32, else bf16)."""
     return torch.float32 if precision is Precision.FP32 else torch.bfloat16
@@ -334,7 +342,7 @@ def bench_prefill(
     """Forward and backward of one prefill shape, mila_py and each peer (checked against
     mila_py's output here), and M-RoPE: their rows, timed in the rounds."""
     cupy, torch = bench.cupy, bench.torch
-    dtype_name = "fp32" if precision is Precision.FP32 else "bf16"
+    dtype_name = row_dtype(precision)
     case = f"B={n_b} T={n_t}"
     rope = Rope("rope", cfg, device="CUDA:0", precision=precision)
     rope.build(BuildContext((n_b, n_t, cfg.channels), RuntimeMode.TRAINING))
@@ -410,7 +418,7 @@ def bench_decode(bench: Bench, cfg: RopeConfig, precision: Precision, n_b: int) 
     """Whole ``Rope.decode`` calls, one token per sequence (events and host wall time), and
     each peer on the same shape: their rows, timed in the rounds."""
     torch = bench.torch
-    dtype_name = "fp32" if precision is Precision.FP32 else "bf16"
+    dtype_name = row_dtype(precision)
     rope = Rope("rope", cfg, device="CUDA:0", precision=precision)
     rope.build(BuildContext((n_b, 1, cfg.channels), RuntimeMode.INFERENCE))
     ctx = rope.execution_context
@@ -444,7 +452,40 @@ def bench_decode(bench: Bench, cfg: RopeConfig, precision: Precision, n_b: int) 
                 bench.time(row, name, lambda fn=fn, tq=tq, tk=tk, cos=cos, sin=sin:
                            fn(tq, tk, cos, sin), ttimer, bench.decode_calls)  # fmt: skip
         rows.append(row)
+        if label == "pos int":
+            rows.append(other_launch_row(bench, cfg, precision, n_b, q, k))
     return rows
+
+
+def other_launch_row(
+    bench: Bench, cfg: RopeConfig, precision: Precision, n_b: int, q: Any, k: Any
+) -> Row:
+    """The ``pos int`` decode row again, its fast path made with the other launch than the
+    default (``PACKED_DECODE`` flipped while this component's fast path is made): the two
+    launches timed in the same rounds, the A/B that decides the default."""
+    packed = not cuda_rope.PACKED_DECODE
+    rope = Rope("rope", cfg, device="CUDA:0", precision=precision)
+    rope.build(BuildContext((n_b, 1, cfg.channels), RuntimeMode.INFERENCE))
+    ctx = rope.execution_context
+    q, k = q.copy(), k.copy()
+    previous, cuda_rope.PACKED_DECODE = cuda_rope.PACKED_DECODE, packed
+    try:
+        for _ in range(2):  # the second checked call on the pair makes its fast path
+            rope.decode(q, k, 4000)
+    finally:
+        cuda_rope.PACKED_DECODE = previous
+    made = "" if rope._fast_decode is not None else " NO FAST PATH;"  # type: ignore[attr-defined]
+
+    def call() -> None:
+        rope.decode(q, k, 4000)
+
+    launch = "packed" if packed else "CuPy"
+    nbytes = 2 * (q.nbytes + k.nbytes) + (cfg.head_dim // 2) * 8
+    row = Row(f"decode B={n_b} (pos int, {launch} launch)", row_dtype(precision), nbytes,
+              note=made)  # fmt: skip
+    bench.time(row, "", call, CupyTimer(bench.cupy, ctx.stream), bench.decode_calls)
+    bench.time(row, HOST_WALL, call, HostTimer(ctx.synchronize), bench.decode_calls)
+    return row
 
 
 # ---------------------------------------------------------------------------------- main

@@ -19,6 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import rope_cuda
 from rope_cuda import HOST_WALL, Row, Timing, run_round, settle, table
 
+from mila_py.ops.cuda import rope as cuda_rope
+
 
 class Replay:
     """A timer whose ``samples`` calls ``fn`` once and returns the next round's samples."""
@@ -110,8 +112,9 @@ def test_the_script_without_a_gpu_says_so_and_exits_0(monkeypatch, capsys) -> No
     assert "no CUDA GPU" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["cupy-default", "packed-default"])
 def test_the_whole_script_runs_its_rounds_on_the_emulated_gpu(
-    library, monkeypatch, tmp_path, capsys
+    library, monkeypatch, tmp_path, capsys, packed: bool
 ) -> None:
     """``main()`` end to end at its ``--quick`` sizes on ``CUDA:0`` emulated (kernels run on
     the CPU; host timers stand in for CUDA events, a small host copy for the ceiling): every
@@ -144,6 +147,7 @@ def test_the_whole_script_runs_its_rounds_on_the_emulated_gpu(
     monkeypatch.setattr(rope_cuda, "CupyTimer", HostEvents)
     monkeypatch.setattr(rope_cuda, "copy_ceiling", copy_ceiling)
     monkeypatch.setattr(rope_cuda, "warm_up", lambda fn, sync, seconds=0.0: fn())
+    monkeypatch.setattr(cuda_rope, "PACKED_DECODE", packed)
     out = tmp_path / "rope.json"
     argv = ["rope_cuda.py", "--quick", "--no-peers", "--json", str(out)]
     monkeypatch.setattr(sys, "argv", argv)
@@ -156,5 +160,8 @@ def test_the_whole_script_runs_its_rounds_on_the_emulated_gpu(
     assert ("forward B=2 T=128", "bf16") in cases and ("M-RoPE rotate B=1 T=256", "fp32") in cases
     assert all(not math.isnan(r["seconds"]) and r["seconds"] > 0 for r in payload["rows"])
     decode = [r for r in payload["rows"] if r["case"].startswith("decode")]
-    assert len(decode) == 6 and all(r["host_wall"] > 0 for r in decode)
+    assert len(decode) == 10 and all(r["host_wall"] > 0 for r in decode)
+    other = "CuPy" if cuda_rope.PACKED_DECODE else "packed"  # the A/B rows: the other launch
+    ab = [r for r in decode if r["case"].endswith(f"(pos int, {other} launch)")]
+    assert len(ab) == 4 and not any("NO FAST PATH" in r["note"] for r in ab)
     assert all(len(f["seconds_per_round"]) == 2 and not f["failed"] for f in payload["figures"])

@@ -21,7 +21,10 @@ its strides), and is writeable unless the parameter is ``const``; a null pointer
 ``_kernels.NULL`` (CuPy does not pass ``None`` as NULL everywhere); each scalar has the exact
 NumPy type of its parameter (``int`` int32, ``long long`` int64, ``float`` float32), as a raw
 kernel reads its arguments by position and width. The block size must respect
-``__launch_bounds__`` and the dynamic shared memory the default 48 KiB limit.
+``__launch_bounds__`` and the dynamic shared memory the default 48 KiB limit. And each launch
+runs on fenced copies of its arrays (:class:`_Fences`): poison (signaling NaNs of the arrays'
+type) before and after every array and in the gaps of strided views, so an out-of-bounds read
+gives NaN where a GPU would read a neighbour's values unseen, and an out-of-bounds write raises.
 
 One difference is left: CuPy compiles raw kernels with ``-ftz=true``, so on a GPU float32
 subnormals (below ~1.2e-38) flush to zero, where the emulation keeps them. The tests' data are
@@ -40,7 +43,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -162,6 +165,7 @@ class _Kernel:
         if len(args) != len(self.params):
             raise TypeError(f"{self.name}: {len(args)} arguments for {len(self.params)} parameters")
         values: list[Any] = []
+        fenced: list[tuple[int, np.ndarray, _Param]] = []
         for param, arg in zip(self.params, args, strict=True):
             where = f"{self.name}({param.name})"
             if param.pointer:
@@ -179,6 +183,7 @@ class _Kernel:
                 if not (param.const or arg.flags.writeable):
                     raise ValueError(f"{where}: {param.base}* given a read-only array")
                 values.append(arg.ctypes.data)
+                fenced.append((len(values) - 1, arg, param))
             else:
                 expected = _SCALARS[param.base][0]
                 if type(arg) is not expected:
@@ -199,9 +204,135 @@ class _Kernel:
                 f"{self.static_shared} static bytes (at most {MAX_DYNAMIC_SHARED} in all without "
                 "opting in)"
             )
+        fences = _Fences(self.name, fenced)
+        for i, address in fences.addresses.items():
+            values[i] = address
         fault = self.function(*grid3, block, shared_mem, *values)
         if fault is not None:
             raise RuntimeError(f"{self.name}: {fault.decode()}")
+        fences.check_and_copy_back()
+
+
+#: bytes of poison on either side of the arrays of a launch (0xFF: NaN in every float format)
+FENCE = 256
+#: the fenced copies keep their address modulo this (the op chose its access width by it)
+_ALIGN = 256
+#: the poison of a fenced copy by its arrays' dtype: signaling NaNs (quieted by arithmetic, so
+#: a kernel's write of a value it computed from them changes the bytes); -1 for the rest
+_POISON = {
+    np.dtype(np.float32): np.array(0x7FA00000, np.uint32).tobytes(),
+    np.dtype(np.float64): np.array(0x7FF4000000000000, np.uint64).tobytes(),
+    np.dtype(np.float16): np.array(0x7D00, np.uint16).tobytes(),
+    _BF16: np.array(0x7FA0, np.uint16).tobytes(),
+}
+
+
+class _Fences:
+    """The array arguments of one launch, moved into poisoned memory for it, so that what a GPU
+    would let pass unseen fails here. Arrays whose bytes overlap (``q`` and ``q_out`` in place)
+    share one copy, as on the GPU. Each copy holds the arrays' element bytes and poison
+    everywhere else: ``FENCE`` bytes before and after, and the gaps of strided views (the V of a
+    fused QKV buffer seen through Q's view). The poison is a signaling NaN of the arrays' float
+    type (-1 for integers): a kernel that reads it gets NaN, which the tests' comparisons
+    catch, and arithmetic on it gives a quiet NaN, other bytes. A kernel that changes a byte
+    outside its arrays fails the launch with :class:`RuntimeError`; a copy's element bytes go
+    back where any of its arrays is a writeable (non-``const``) parameter, nothing else does."""
+
+    def __init__(self, kernel: str, arrays: list[tuple[int, np.ndarray, _Param]]) -> None:
+        self.kernel = kernel
+        self.addresses: dict[int, int] = {}  # value index -> the address in the fenced copy
+        spans = []
+        for i, array, param in arrays:
+            lo, hi = _byte_extent(array)
+            if hi > lo:
+                start = array.ctypes.data + lo
+                spans.append([start, start + hi - lo, [(i, array, param)]])
+        spans.sort(key=lambda span: span[0])
+        merged: list[list[Any]] = []
+        for span in spans:
+            if merged and span[0] < merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], span[1])
+                merged[-1][2] += span[2]
+            else:
+                merged.append(span)
+        self.copies = [self._fence(start, end, members) for start, end, members in merged]
+
+    def _fence(
+        self, start: int, end: int, members: list[tuple[int, np.ndarray, _Param]]
+    ) -> _FencedCopy:
+        size = end - start
+        original = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(start))
+        buffer = np.empty(size + 2 * FENCE + _ALIGN, dtype=np.uint8)
+        offset = FENCE + (start - (buffer.ctypes.data + FENCE)) % _ALIGN
+        poison = _POISON.get(members[0][1].dtype, b"\xff")  # in step with the elements
+        repeated = np.frombuffer(poison * (buffer.size // len(poison) + 2), np.uint8)
+        phase = -offset % len(poison)
+        buffer[...] = repeated[phase : phase + buffer.size]
+        inner = buffer[offset : offset + size]
+        mask: np.ndarray | None = None  # the arrays' element bytes, where they leave gaps
+        if any(a.nbytes != size or not a.flags.c_contiguous for _, a, _ in members):
+            mask = np.zeros(size, dtype=bool)
+            for _, array, _ in members:
+                _byte_view(mask, array.ctypes.data - start, array)[...] = True
+            if mask.all():
+                mask = None
+        if mask is None:
+            inner[...] = original
+        else:
+            inner[mask] = original[mask]
+        before = None if mask is None else inner.copy()
+        for i, array, _ in members:
+            self.addresses[i] = inner.ctypes.data + (array.ctypes.data - start)
+        names = ", ".join(param.name for _, _, param in members)
+        writes = any(not param.const for _, _, param in members)
+        fences = buffer[:offset].copy(), buffer[offset + size :].copy()
+        return _FencedCopy(buffer, inner, original, mask, before, fences, names, writes)
+
+    def check_and_copy_back(self) -> None:
+        for c in self.copies:
+            start = c.inner.ctypes.data - c.buffer.ctypes.data
+            stray = int(np.count_nonzero(c.buffer[:start] != c.fences[0]))
+            stray += int(np.count_nonzero(c.buffer[start + c.inner.size :] != c.fences[1]))
+            if c.mask is not None:
+                stray += int(np.count_nonzero((c.inner != c.before) & ~c.mask))
+            if stray:
+                raise RuntimeError(
+                    f"{self.kernel}: wrote outside the elements of its array argument(s) "
+                    f"{c.names}: {stray} bytes changed past their ends or in the gaps of a "
+                    "strided view"
+                )
+        for c in self.copies:
+            if c.writes:
+                np.copyto(c.original, c.inner, where=True if c.mask is None else c.mask)
+
+
+class _FencedCopy(NamedTuple):
+    buffer: np.ndarray  # the poisoned allocation
+    inner: np.ndarray  # its bytes in place of the arrays' span
+    original: np.ndarray  # the span's bytes where the arrays live
+    mask: np.ndarray | None  # the arrays' element bytes within the span (None: all of it)
+    before: np.ndarray | None  # ``inner`` before the launch, where there are gaps
+    fences: tuple[np.ndarray, np.ndarray]  # the poison before and after ``inner``
+    names: str  # the parameters it serves
+    writes: bool  # one of them is not const
+
+
+def _byte_extent(array: np.ndarray) -> tuple[int, int]:
+    """Bytes from ``array``'s first element's address to the lowest and past the highest byte
+    of its elements: ``(lo, hi)``, ``lo <= 0 < hi`` (``(0, 0)`` for an empty array)."""
+    if array.size == 0:
+        return 0, 0
+    lo = sum(min(0, (n - 1) * st) for n, st in zip(array.shape, array.strides, strict=True))
+    hi = sum(max(0, (n - 1) * st) for n, st in zip(array.shape, array.strides, strict=True))
+    return lo, hi + array.itemsize
+
+
+def _byte_view(raw: np.ndarray, at: int, array: np.ndarray) -> np.ndarray:
+    """The bytes of ``array``'s elements within ``raw`` (uint8 or bool), whose byte ``at``
+    is ``array``'s first element: a view ``[*shape, itemsize]``."""
+    return np.lib.stride_tricks.as_strided(
+        raw[at:], shape=(*array.shape, array.itemsize), strides=(*array.strides, 1)
+    )
 
 
 _SHARED_ARRAY = re.compile(

@@ -577,6 +577,79 @@ def test_launches_check_argument_types(ctx: EmulatedContext, rng) -> None:
         _kernels.launch(ctx, "", "rms_norm_forward", (2,), 32, (x.T.copy().T, *good[1:]))
 
 
+FENCE_SOURCE = r"""
+#define MILA_STRIDED
+extern "C" __global__ void fence_read(const float* x, float* out, int n, int shift) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = x[i + shift];
+}
+extern "C" __global__ void fence_write(const float* x, float* out, int n, int shift) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i + shift] = x[i];
+}
+extern "C" __global__ void fence_rows(
+    MILA_STRIDED float* x, int rows, int width, long long stride, int extra) {
+    int r = blockIdx.x, c = threadIdx.x;
+    if (r < rows && c < width + extra) x[r * stride + c] = x[r * stride + c] + 1.0f;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def fence_library() -> KernelLibrary:
+    return KernelLibrary([FENCE_SOURCE])
+
+
+@pytest.mark.parametrize("shift", [-1, 1])
+def test_the_emulator_poisons_reads_outside_an_array(fence_library: KernelLibrary, shift: int):
+    """A kernel reading one element before or past its array reads 0xFF bytes (NaN) instead
+    of the neighbouring memory a GPU would hand it; within the array it reads the values."""
+    ctx = EmulatedContext()
+    block = np.arange(10, dtype=np.float32)
+    x = block[1:9]  # real memory on either side: the GPU would read 0 or 9 unseen
+    out = np.zeros(8, np.float32)
+    fence_library.launch(ctx, "", "fence_read", (1,), 32, (x, out, np.int32(8), np.int32(shift)))
+    edge = 0 if shift < 0 else 7
+    assert np.isnan(out[edge])
+    inside = np.delete(np.arange(8), edge)
+    assert np.array_equal(out[inside], x[inside + shift])
+
+
+@pytest.mark.parametrize("shift", [-1, 1])
+def test_the_emulator_refuses_writes_outside_an_array(fence_library: KernelLibrary, shift: int):
+    """A kernel writing one element before or past its output raises, and neither the output
+    nor its neighbours change."""
+    ctx = EmulatedContext()
+    block = np.zeros(10, np.float32)
+    out = block[1:9]
+    x = np.arange(8, dtype=np.float32)
+    with pytest.raises(
+        RuntimeError, match=r"wrote outside the elements of its array argument\(s\) out"
+    ):
+        fence_library.launch(ctx, "", "fence_write", (1,), 32,
+                             (x, out, np.int32(8), np.int32(shift)))  # fmt: skip
+    assert not block.any()
+    fence_library.launch(ctx, "", "fence_write", (1,), 32, (x, out, np.int32(8), np.int32(0)))
+    assert np.array_equal(out, x) and block[0] == block[9] == 0
+
+
+def test_the_emulator_guards_the_gaps_of_a_strided_view(fence_library: KernelLibrary) -> None:
+    """Rows of a wider buffer (Q's view of a fused QKV buffer): a kernel touching the columns
+    between the view's rows raises and changes nothing; one that keeps to them writes only
+    them, the other columns as they were."""
+    ctx = EmulatedContext()
+    qkv = np.arange(3 * 12, dtype=np.float32).reshape(3, 12)
+    before = qkv.copy()
+    q = qkv[:, :4]
+    args = (q, np.int32(3), np.int32(4), np.int64(12))
+    with pytest.raises(RuntimeError, match=r"wrote outside .* gaps of a strided view"):
+        fence_library.launch(ctx, "", "fence_rows", (3,), 32, (*args, np.int32(1)))
+    assert np.array_equal(qkv, before)
+    fence_library.launch(ctx, "", "fence_rows", (3,), 32, (*args, np.int32(0)))
+    assert np.array_equal(qkv[:, :4], before[:, :4] + 1)
+    assert np.array_equal(qkv[:, 4:], before[:, 4:])
+
+
 # --------------------------------------------------------------------------------- compiling
 NVCC = shutil.which("nvcc")
 

@@ -54,6 +54,7 @@ from mila_py.ops.cuda import rope as cuda_rope
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_plan import stubbed_cuda
+from rope_cuda import fast_path_with_other_launch
 from rope_cuda_variants import capture_launch
 
 TOY_SOURCE = r"""
@@ -285,21 +286,14 @@ def other_launch_decode_row(cupy: Any) -> tuple[str, Callable[[], Any]]:
     path."""
     rope, q, k = decode_rope()
     q0, k0 = q.copy(), k.copy()
-    packed = not cuda_rope.PACKED_DECODE
-    previous, cuda_rope.PACKED_DECODE = cuda_rope.PACKED_DECODE, packed
-    try:
-        for _ in range(2):  # the second checked call on the pair makes its fast path
-            rope.decode(q, k, 4000)
-    finally:
-        cuda_rope.PACKED_DECODE = previous
+    launch, made = fast_path_with_other_launch(rope, q, k, 4000)
     q[...], k[...] = q0, k0
-    made = "fast path made" if rope._fast_decode is not None else "NO FAST PATH"  # type: ignore[attr-defined]
 
     def decode() -> None:
         rope.decode(q, k, 4000)
 
-    launch = "packed" if packed else "CuPy"
-    return (f"Rope.decode, same buffers, {launch} launch ({made}, "
+    made_text = "fast path made" if made else "NO FAST PATH"
+    return (f"Rope.decode, same buffers, {launch} launch ({made_text}, "
             f"{same_as_decode(cupy, rope, q, k, decode)})", decode)  # fmt: skip
 
 

@@ -463,29 +463,35 @@ def other_launch_row(
     """The ``pos int`` decode row again, its fast path made with the other launch than the
     default (``PACKED_DECODE`` flipped while this component's fast path is made): the two
     launches timed in the same rounds, the A/B that decides the default."""
-    packed = not cuda_rope.PACKED_DECODE
     rope = Rope("rope", cfg, device="CUDA:0", precision=precision)
     rope.build(BuildContext((n_b, 1, cfg.channels), RuntimeMode.INFERENCE))
     ctx = rope.execution_context
     q, k = q.copy(), k.copy()
-    previous, cuda_rope.PACKED_DECODE = cuda_rope.PACKED_DECODE, packed
-    try:
-        for _ in range(2):  # the second checked call on the pair makes its fast path
-            rope.decode(q, k, 4000)
-    finally:
-        cuda_rope.PACKED_DECODE = previous
-    made = "" if rope._fast_decode is not None else " NO FAST PATH;"  # type: ignore[attr-defined]
+    launch, made = fast_path_with_other_launch(rope, q, k, 4000)
 
     def call() -> None:
         rope.decode(q, k, 4000)
 
-    launch = "packed" if packed else "CuPy"
     nbytes = 2 * (q.nbytes + k.nbytes) + (cfg.head_dim // 2) * 8
     row = Row(f"decode B={n_b} (pos int, {launch} launch)", row_dtype(precision), nbytes,
-              note=made)  # fmt: skip
+              note="" if made else " NO FAST PATH;")  # fmt: skip
     bench.time(row, "", call, CupyTimer(bench.cupy, ctx.stream), bench.decode_calls)
     bench.time(row, HOST_WALL, call, HostTimer(ctx.synchronize), bench.decode_calls)
     return row
+
+
+def fast_path_with_other_launch(rope: Rope, q: Any, k: Any, position: int) -> tuple[str, bool]:
+    """Make ``rope``'s decode fast path on ``q``, ``k`` with the other launch than the default
+    (``PACKED_DECODE`` flipped while two checked calls at ``position`` make it; Q and K are
+    rotated by them): that launch's name, "packed" or "CuPy", and whether a fast path was made."""
+    packed = not cuda_rope.PACKED_DECODE
+    previous, cuda_rope.PACKED_DECODE = cuda_rope.PACKED_DECODE, packed
+    try:
+        for _ in range(2):  # the second checked call on the pair makes its fast path
+            rope.decode(q, k, position)
+    finally:
+        cuda_rope.PACKED_DECODE = previous
+    return ("packed" if packed else "CuPy"), rope._fast_decode is not None  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------------------- main

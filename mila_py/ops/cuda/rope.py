@@ -787,11 +787,11 @@ class CudaRopeOp(Operation):
         if not self._one_launch_applies(q, k):
             return None
         position = _kernels.ScalarSlot(self.context.xp, np.int64)
-        call = self._bind_one_launch(
-            _kernels.bind_packed_launch, q, k, self.launch_values(q, k, position)
-        )
+        values = self.launch_values(q, k, position)
+        call = self._bind_one_launch(_kernels.bind_packed_launch, q, k, values)
+        tables = values[4:6]  # cos, sin: the op's own, kept alive with their addresses
 
-        def rotate_at(q: Any, k: Any, offset: int) -> None:
+        def rotate_at(q: Any, k: Any, offset: int, tables: tuple[Any, ...] = tables) -> None:
             position(offset)
             call()
 

@@ -292,7 +292,7 @@ def other_launch_decode_row(cupy: Any) -> tuple[str, Callable[[], Any]]:
     def decode() -> None:
         rope.decode(q, k, 4000)
 
-    made_text = "fast path made" if made else "NO FAST PATH"
+    made_text = "fast path made" if made else f"NO {launch.upper()} FAST PATH"
     return (f"Rope.decode, same buffers, {launch} launch ({made_text}, "
             f"{same_as_decode(cupy, rope, q, k, decode)})", decode)  # fmt: skip
 

@@ -35,7 +35,7 @@ status=0
 if [[ "$what" == once ]]; then
   end="${GPU_CHECK_END:-560}"  # seconds: where the call must end (the variable shortens it)
   t_tests=170 t_rope=100 t_launch=40 t_variants=120 t_compile=150 t_train=50 t_gen=140 t_plan=30
-  rope_args=(--no-compile --rounds 5 --repeats 3)  # ~60 s: 73 figures a round
+  rope_args=(--no-compile --rounds 5 --repeats 3)  # ~60 s: 69 figures a round (3 peers)
   gen_args=(--repeat 1)
   plan_args=(--steps 100 --rounds 3)
 else
@@ -90,8 +90,9 @@ if [[ "$what" == once && -s "$adopt" ]] && (( $(left) > 180 )); then  # its two 
     | tee -a "$out/rope_adopted.log" || status=1
 fi
 if [[ "$what" == once ]] && (( $(left) > 40 )); then
-  # RoPE against the torch.compile peer alone (it compiles a graph per shape and dtype; each
-  # case prints as it is measured); `all` and `rope` time it with the other peers
+  # RoPE against the torch.compile peer alone (it compiles a graph per shape and dtype while
+  # the cases are set up, a line each; the table prints after every round); `all` and `rope`
+  # time it with the other peers
   mark compile
   (( $(left) < t_compile )) && t_compile=$(left)
   timeout -k 10 "$t_compile" python3 benchmarks/rope_cuda.py --rounds 3 --repeats 4 --peer "HF compile" 2>&1 \

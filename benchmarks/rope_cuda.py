@@ -49,6 +49,7 @@ import numpy as np
 from mila_py import BuildContext, Precision, RuntimeMode
 from mila_py.components import Rope, RopeConfig
 from mila_py.devices.cuda import cuda_device_count
+from mila_py.ops.cuda import _kernels
 from mila_py.ops.cuda import rope as cuda_rope
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -474,7 +475,7 @@ def other_launch_row(
 
     nbytes = 2 * (q.nbytes + k.nbytes) + (cfg.head_dim // 2) * 8
     row = Row(f"decode B={n_b} (pos int, {launch} launch)", row_dtype(precision), nbytes,
-              note="" if made else " NO FAST PATH;")  # fmt: skip
+              note="" if made else f" NO {launch.upper()} FAST PATH;")  # fmt: skip
     bench.time(row, "", call, CupyTimer(bench.cupy, ctx.stream), bench.decode_calls)
     bench.time(row, HOST_WALL, call, HostTimer(ctx.synchronize), bench.decode_calls)
     return row
@@ -488,15 +489,25 @@ def bit_copy(x: Any) -> Any:
 def fast_path_with_other_launch(rope: Rope, q: Any, k: Any, position: int) -> tuple[str, bool]:
     """Make ``rope``'s decode fast path on ``q``, ``k`` with the other launch than the default
     (``PACKED_DECODE`` flipped while two checked calls at ``position`` make it; Q and K are
-    rotated by them): that launch's name, "packed" or "CuPy", and whether a fast path was made."""
+    rotated by them): that launch's name, "packed" or "CuPy", and whether a fast path was made
+    with it (a packed one binds a packed launch: it does not fall back to CuPy's unseen)."""
     packed = not cuda_rope.PACKED_DECODE
     previous, cuda_rope.PACKED_DECODE = cuda_rope.PACKED_DECODE, packed
+    real_bind, bound = _kernels.bind_packed_launch, []
+
+    def counting_bind(*args: Any, **kwargs: Any) -> Any:
+        bound.append(1)
+        return real_bind(*args, **kwargs)
+
+    _kernels.bind_packed_launch = counting_bind  # type: ignore[assignment]
     try:
         for _ in range(2):  # the second checked call on the pair makes its fast path
             rope.decode(q, k, position)
     finally:
         cuda_rope.PACKED_DECODE = previous
-    return ("packed" if packed else "CuPy"), rope._fast_decode is not None  # type: ignore[attr-defined]
+        _kernels.bind_packed_launch = real_bind  # type: ignore[assignment]
+    made = rope._fast_decode is not None and bool(bound) == packed  # type: ignore[attr-defined]
+    return ("packed" if packed else "CuPy"), made
 
 
 # ---------------------------------------------------------------------------------- main
@@ -511,13 +522,13 @@ def table(rows: list[Row], peers: list[str]) -> str:
         return f"{'-':>{width + len(unit)}}" if math.isnan(x) else f"{x:{width}{spec}}{unit}"
 
     copy_bw = rows[0].nbytes / rows[0].seconds
-    header = f"{'case':<30} {'dtype':<5} {'time':>10} {'GB/s':>7} {'% copy':>7} {'spread':>7}"
+    header = f"{'case':<38} {'dtype':<5} {'time':>10} {'GB/s':>7} {'% copy':>7} {'spread':>7}"
     header += "".join(f" {'x ' + p:>12}" for p in peers)
     lines = [f"copy ceiling: {num(copy_bw / 1e9, '.0f', 0)} GB/s (bytes read + written)",
              header, "-" * len(header)]  # fmt: skip
     for r in rows:
         bw = r.nbytes / r.seconds
-        line = f"{r.case:<30} {r.dtype:<5} {num(r.seconds * 1e6, '.1f', 8, 'us')}"
+        line = f"{r.case:<38} {r.dtype:<5} {num(r.seconds * 1e6, '.1f', 8, 'us')}"
         line += f" {num(bw / 1e9, '.0f', 7)} {num(100 * bw / copy_bw, '.1f', 6, '%')}"
         line += f" {num(100 * r.spread, '.1f', 6, '%')}"
         for p in peers:
@@ -594,11 +605,18 @@ def main() -> int:
     cfg = RopeConfig(
         channels=HEADS * HEAD_DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, max_seq_len=MAX_SEQ
     )
+    begin = time.perf_counter()
+
+    def set_up(made: list[Row]) -> list[Row]:  # a line per case: setup compiles the peers
+        print(f"set up {', '.join(f'{r.case} {r.dtype}' for r in made)}: {len(bench.timings)} "
+              f"figures so far ({time.perf_counter() - begin:.0f} s)", flush=True)  # fmt: skip
+        return made
+
     for precision in (Precision.FP32, Precision.BF16):  # every case's buffers stay made
         for n_b, n_t in prefill_shapes:
-            rows += bench_prefill(bench, cfg, precision, n_b, n_t)
+            rows += set_up(bench_prefill(bench, cfg, precision, n_b, n_t))
         for n_b in DECODE_BATCHES:
-            rows += bench_decode(bench, cfg, precision, n_b)
+            rows += set_up(bench_decode(bench, cfg, precision, n_b))
     for line in bench.checks:
         print("check:", line)
     timings = bench.timings

@@ -213,7 +213,7 @@ class _Kernel:
         fences.check_and_copy_back()
 
 
-#: bytes of poison on either side of the arrays of a launch (0xFF: NaN in every float format)
+#: bytes of poison on either side of the arrays of a launch (see :data:`_POISON`)
 FENCE = 256
 #: the fenced copies keep their address modulo this (the op chose its access width by it)
 _ALIGN = 256
@@ -269,52 +269,66 @@ class _Fences:
         phase = -offset % len(poison)
         buffer[...] = repeated[phase : phase + buffer.size]
         inner = buffer[offset : offset + size]
-        mask: np.ndarray | None = None  # the arrays' element bytes, where they leave gaps
-        if any(a.nbytes != size or not a.flags.c_contiguous for _, a, _ in members):
-            mask = np.zeros(size, dtype=bool)
-            for _, array, _ in members:
-                _byte_view(mask, array.ctypes.data - start, array)[...] = True
-            if mask.all():
-                mask = None
-        if mask is None:
-            inner[...] = original
-        else:
-            inner[mask] = original[mask]
-        before = None if mask is None else inner.copy()
         for i, array, _ in members:
             self.addresses[i] = inner.ctypes.data + (array.ctypes.data - start)
-        names = ", ".join(param.name for _, _, param in members)
-        writes = any(not param.const for _, _, param in members)
+        # the bytes of the arrays' elements, and of the writeable (non-const) ones among them;
+        # None where that is every byte of the span (no gaps)
+        elements = self._bytes(start, size, [a for _, a, _ in members])
+        writers = [a for _, a, param in members if not param.const]
+        writable: np.ndarray | bool | None = elements
+        if not writers:  # inputs alone: a const pointer cannot write (no check, nothing back)
+            writable = False
+        elif len(writers) < len(members):  # const arrays beside writeable ones
+            writable = self._bytes(start, size, writers)
+        if elements is None:
+            inner[...] = original
+        else:
+            inner[elements] = original[elements]
+        before = inner.copy() if isinstance(writable, np.ndarray) else None
         fences = buffer[:offset].copy(), buffer[offset + size :].copy()
-        return _FencedCopy(buffer, inner, original, mask, before, fences, names, writes)
+        names = ", ".join(param.name for _, _, param in members)
+        return _FencedCopy(buffer, inner, original, writable, before, fences, names)
+
+    @staticmethod
+    def _bytes(start: int, size: int, arrays: list[np.ndarray]) -> np.ndarray | None:
+        """The bytes of ``arrays``' elements in the span of ``size`` bytes at ``start``, as a
+        bool mask, or None where they are all of it."""
+        if len(arrays) == 1 and arrays[0].nbytes == size and arrays[0].flags.c_contiguous:
+            return None
+        mask = np.zeros(size, dtype=bool)
+        for array in arrays:
+            _byte_view(mask, array.ctypes.data - start, array)[...] = True
+        return None if mask.all() else mask
 
     def check_and_copy_back(self) -> None:
         for c in self.copies:
             start = c.inner.ctypes.data - c.buffer.ctypes.data
             stray = int(np.count_nonzero(c.buffer[:start] != c.fences[0]))
             stray += int(np.count_nonzero(c.buffer[start + c.inner.size :] != c.fences[1]))
-            if c.mask is not None:
-                stray += int(np.count_nonzero((c.inner != c.before) & ~c.mask))
+            if isinstance(c.writable, np.ndarray):
+                stray += int(np.count_nonzero((c.inner != c.before) & ~c.writable))
             if stray:
                 raise RuntimeError(
-                    f"{self.kernel}: wrote outside the elements of its array argument(s) "
-                    f"{c.names}: {stray} bytes changed past their ends or in the gaps of a "
-                    "strided view"
+                    f"{self.kernel}: wrote outside the elements of its writeable array "
+                    f"argument(s) among {c.names}: {stray} bytes changed past their ends, in "
+                    "the gaps of a strided view or in a const array"
                 )
         for c in self.copies:
-            if c.writes:
-                np.copyto(c.original, c.inner, where=True if c.mask is None else c.mask)
+            if c.writable is None:
+                c.original[...] = c.inner
+            elif c.writable is not False:
+                np.copyto(c.original, c.inner, where=c.writable)
 
 
 class _FencedCopy(NamedTuple):
     buffer: np.ndarray  # the poisoned allocation
     inner: np.ndarray  # its bytes in place of the arrays' span
     original: np.ndarray  # the span's bytes where the arrays live
-    mask: np.ndarray | None  # the arrays' element bytes within the span (None: all of it)
-    before: np.ndarray | None  # ``inner`` before the launch, where there are gaps
+    #: the non-const arrays' element bytes: a mask, None for the whole span, False for none
+    writable: np.ndarray | bool | None
+    before: np.ndarray | None  # ``inner`` before the launch, where ``writable`` is a mask
     fences: tuple[np.ndarray, np.ndarray]  # the poison before and after ``inner``
     names: str  # the parameters it serves
-    writes: bool  # one of them is not const
 
 
 def _byte_extent(array: np.ndarray) -> tuple[int, int]:

@@ -602,8 +602,8 @@ def fence_library() -> KernelLibrary:
 
 @pytest.mark.parametrize("shift", [-1, 1])
 def test_the_emulator_poisons_reads_outside_an_array(fence_library: KernelLibrary, shift: int):
-    """A kernel reading one element before or past its array reads 0xFF bytes (NaN) instead
-    of the neighbouring memory a GPU would hand it; within the array it reads the values."""
+    """A kernel reading one element before or past its array reads poison (a NaN) instead of
+    the neighbouring memory a GPU would hand it; within the array it reads the values."""
     ctx = EmulatedContext()
     block = np.arange(10, dtype=np.float32)
     x = block[1:9]  # real memory on either side: the GPU would read 0 or 9 unseen
@@ -624,13 +624,32 @@ def test_the_emulator_refuses_writes_outside_an_array(fence_library: KernelLibra
     out = block[1:9]
     x = np.arange(8, dtype=np.float32)
     with pytest.raises(
-        RuntimeError, match=r"wrote outside the elements of its array argument\(s\) out"
+        RuntimeError,
+        match=r"wrote outside the elements of its writeable array argument\(s\) among out:",
     ):
         fence_library.launch(ctx, "", "fence_write", (1,), 32,
                              (x, out, np.int32(8), np.int32(shift)))  # fmt: skip
     assert not block.any()
     fence_library.launch(ctx, "", "fence_write", (1,), 32, (x, out, np.int32(8), np.int32(0)))
     assert np.array_equal(out, x) and block[0] == block[9] == 0
+
+
+def test_the_emulator_keeps_a_const_array_sharing_memory_with_an_output_read_only(
+    fence_library: KernelLibrary,
+) -> None:
+    """A const input and an output over one buffer (overlapping): the kernel's writes to the
+    output land, and a write into the bytes that are the input's alone raises, the buffer as
+    it was."""
+    ctx = EmulatedContext()
+    block = np.arange(12, dtype=np.float32)
+    x, out = block[:8], block[4:]
+    fence_library.launch(ctx, "", "fence_write", (1,), 32, (x, out, np.int32(4), np.int32(0)))
+    assert np.array_equal(block, [0, 1, 2, 3, 0, 1, 2, 3, 8, 9, 10, 11])
+    before = block.copy()
+    with pytest.raises(RuntimeError, match="in a const array"):
+        fence_library.launch(ctx, "", "fence_write", (1,), 32,
+                             (x, out, np.int32(4), np.int32(-2)))  # fmt: skip
+    assert np.array_equal(block, before)
 
 
 def test_the_emulator_guards_the_gaps_of_a_strided_view(fence_library: KernelLibrary) -> None:

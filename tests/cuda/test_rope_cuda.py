@@ -11,6 +11,7 @@ The whole module is skipped on machines without CuPy or a GPU.
 from __future__ import annotations
 
 import gc
+import threading
 from typing import Any
 
 import ml_dtypes
@@ -443,8 +444,37 @@ def test_packed_launcher_gives_the_checked_paths_bits(
             assert bits(q_wide) == bits(expected[0]) and bits(k_wide) == bits(expected[1])
             assert position == 0 or bits(q_wide) != bits(before[0])  # 0: the identity
             raw(q_wide)[...], raw(k_wide)[...] = raw(before[0]), raw(before[1])
-    again = op.decode_fast_path(q, k, packed=True)
-    assert again is not None
+    # a thread that never used CUDA (no current context): the packed launch makes it current
+    expected = raw_copy(q_wide), raw_copy(k_wide)
+    op.apply(expected[0][..., : cfg.channels], expected[1][..., : cfg.kv_channels],
+             offset=9, seq_len=10)  # fmt: skip
+    errors: list[BaseException] = []
+
+    def in_a_new_thread(rotate_at: Any, q: Any, k: Any) -> None:
+        try:
+            rotate_at(q, k, 9)
+            cupy.cuda.runtime.deviceSynchronize()
+        except BaseException as exc:  # raised in the test's thread below
+            errors.append(exc)
+
+    thread = threading.Thread(target=in_a_new_thread, args=(packed, q, k))
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    assert bits(q_wide) == bits(expected[0]) and bits(k_wide) == bits(expected[1])
+    bound: list[int] = []
+    real_bind = _kernels.bind_packed_launch
+
+    def counting_bind(*args: Any, **kwargs: Any) -> Any:
+        bound.append(1)
+        return real_bind(*args, **kwargs)
+
+    _kernels.bind_packed_launch = counting_bind  # type: ignore[assignment]
+    try:
+        again = op.decode_fast_path(q, k, packed=True)
+    finally:
+        _kernels.bind_packed_launch = real_bind  # type: ignore[assignment]
+    assert again is not None and bound == [1]  # the packed launch, not the CuPy one
     other_q = raw_copy(q_wide)[..., : cfg.channels]  # the same shape and strides, not the array
     before = bits(other_q)
     assert not again(other_q, k, 5) and bits(other_q) == before

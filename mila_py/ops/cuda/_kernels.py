@@ -285,17 +285,20 @@ def bind_packed_launch(
     (:func:`pack_params`: arrays by their address, so the caller keeps them alive and in
     place; a :class:`ScalarSlot` among them changes per call). No per-call argument conversion
     at all: on an H100 machine such a launch of the RoPE kernel took 4.3 us against 5.2 us for
-    CuPy's launch of prebuilt arguments. The caller keeps ``ctx``'s device current. CUDA only
-    and NumPy: with NumPy arrays (the kernel emulator) each call goes through :func:`launch`
-    with the values ``args`` hold then (a :class:`ScalarSlot` its last write). The emulated
-    launch holds its arrays weakly, as the packed one holds their addresses alone, and raises
-    where one is gone (where a real launch would write freed memory)."""
+    CuPy's launch of prebuilt arguments. The caller keeps ``ctx``'s device current; in a
+    thread where its context is not current yet, the call makes it current.
+
+    With NumPy arrays (the kernel emulator) each call goes through :func:`launch` with the
+    values ``args`` hold then (a :class:`ScalarSlot` its last write). The emulated launch holds
+    its arrays weakly, as the packed one holds their addresses alone, and raises where one is
+    gone (where a real launch would write freed memory)."""
     if ctx.xp is np:
         return _emulated_packed_launch(ctx, source, name, grid, block, args, shared_mem,
                                        name_expressions)  # fmt: skip
-    from cupy_backends.cuda.api import driver
+    from cupy_backends.cuda.api import driver, runtime
 
-    function = kernel(source, name, ctx.device_id.index, name_expressions)
+    device = ctx.device_id.index
+    function = kernel(source, name, device, name_expressions)
     params, cells = pack_params(args)
     stream = ctx.stream
     protocol = getattr(stream, "__cuda_stream__", None)  # CuPy 14; older CuPy: .ptr
@@ -304,7 +307,14 @@ def bind_packed_launch(
     fn, address, launch_kernel = function.ptr, params.ctypes.data, driver.launchKernel
 
     def call(keep: tuple[Any, ...] = (params, cells, function)) -> None:  # keep: what it points to
-        launch_kernel(fn, gx, gy, gz, block, 1, 1, shared_mem, handle, address, 0)
+        try:
+            launch_kernel(fn, gx, gy, gz, block, 1, 1, shared_mem, handle, address, 0)
+        except driver.CUDADriverError:
+            # a thread where the runtime has not made the device's context current yet (it does
+            # so lazily, and cuLaunchKernel needs it; CuPy's launch makes it first): make it
+            # current and launch again (any other error is raised again)
+            runtime.setDevice(device)
+            launch_kernel(fn, gx, gy, gz, block, 1, 1, shared_mem, handle, address, 0)
 
     return call
 

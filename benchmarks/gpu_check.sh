@@ -12,7 +12,7 @@
 # A lent GPU session has ~15 minutes of device time in all, start-up included, and the machine is
 # given back after ~30 s idle (each new call starts it again): use `once` with timeout_s 590. It
 # runs what the open CUDA issue still needs first: the whole suite (in parallel: ~85 s on an H100
-# machine's 16 cores), RoPE without the torch.compile peer in 5 interleaved rounds (~60 s), the decode
+# machine's 16 cores), the CUDA tests again with --packed-decode (PACKED_DECODE on), RoPE without the torch.compile peer in 5 interleaved rounds (~60 s), the decode
 # launch-cost breakdown, the RoPE kernel's tuning settings against each other and Liger
 # (rope_cuda_variants.py), then RoPE against the torch.compile peer alone, then the Llama
 # benchmarks at their small settings on the time left; each stage under its own timeout, the
@@ -34,13 +34,13 @@ what="${1:-all}"
 status=0
 if [[ "$what" == once ]]; then
   end="${GPU_CHECK_END:-560}"  # seconds: where the call must end (the variable shortens it)
-  t_tests=170 t_rope=100 t_launch=40 t_variants=120 t_compile=150 t_train=50 t_gen=140 t_plan=30
+  t_tests=170 t_packed=90 t_rope=100 t_launch=40 t_variants=120 t_compile=150 t_train=50 t_gen=140 t_plan=30
   rope_args=(--no-compile --rounds 5 --repeats 3)  # ~60 s: 69 figures a round (3 peers)
   gen_args=(--repeat 1)
   plan_args=(--steps 100 --rounds 3)
 else
   end=560
-  t_tests=480 t_rope=300 t_launch=60 t_variants=200 t_compile=0 t_train=200 t_gen=200 t_plan=120
+  t_tests=480 t_packed=200 t_rope=300 t_launch=60 t_variants=200 t_compile=0 t_train=200 t_gen=200 t_plan=120
   rope_args=() gen_args=() plan_args=()
 fi
 adopt="$(mktemp)"  # the variants' pick (not in $out: at most 8 files come back)
@@ -63,6 +63,11 @@ if stage tests; then
   timeout -k 10 "$t_tests" python3 -m pytest tests -q -rs --tb=short --durations=10 -p no:cacheprovider \
     ${workers[@]+"${workers[@]}"} 2>&1 \
     | tee "$out/tests.log" || status=1
+  # the CUDA tests again with the packed cuLaunchKernel launch for RoPE decode steps
+  # (PACKED_DECODE, off by default until this and the benchmarks' A/B rows say otherwise)
+  mark "tests --packed-decode"
+  timeout -k 10 "$t_packed" python3 -m pytest tests/cuda -q -rs --tb=short -p no:cacheprovider \
+    --packed-decode ${workers[@]+"${workers[@]}"} 2>&1 | tee -a "$out/tests.log" || status=1
 fi
 if stage rope; then
   mark rope

@@ -22,6 +22,28 @@ NO_CUDA_REASON = "no CUDA GPU / CuPy"
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA_REASON)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--packed-decode",
+        action="store_true",
+        help="run with mila_py.ops.cuda.rope.PACKED_DECODE on: RoPE decode steps launch by "
+        "cuLaunchKernel with packed arguments (tests that set it themselves still do)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--packed-decode"):
+        from mila_py.ops.cuda import rope
+
+        rope.PACKED_DECODE = True
+
+
+@pytest.fixture(scope="session")
+def packed_decode(pytestconfig: pytest.Config) -> bool:
+    """Whether this run asked for ``--packed-decode``."""
+    return bool(pytestconfig.getoption("--packed-decode"))
+
+
 @pytest.fixture(
     params=[
         "CPU",

@@ -643,12 +643,22 @@ def test_decode_again_on_the_same_buffers_matches_the_cpu(
     assert rope._fast_decode is not None
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["cupy-launch", "packed-launch"])
 @pytest.mark.parametrize("scaling", ["none", "dynamic", "longrope"])
-def test_a_decode_plan_step_across_the_original_context(cuda: None, scaling: str, rng) -> None:
-    """The op's bound decode (a decode plan's call) launches with its arguments made once while
-    the step's positions stay under the original context (1024); past it, dynamic NTK's rows
-    are computed per call and LongRoPE switches tables, through the general path."""
+def test_a_decode_plan_step_across_the_original_context(
+    cuda: None, monkeypatch, scaling: str, packed: bool, rng
+) -> None:
+    """The op's bound decode (a decode plan's call) launches with its arguments made once (by
+    CuPy or packed, ``PACKED_DECODE``) while the step's positions stay under the original
+    context (1024); past it, dynamic NTK's rows are computed per call and LongRoPE switches
+    tables, through the general path."""
     from mila_py.ops.operation import DecodePositions
+
+    monkeypatch.setattr(cuda_rope, "PACKED_DECODE", packed)
+    bound: list[int] = []
+    real_bind = _kernels.bind_packed_launch
+    monkeypatch.setattr(_kernels, "bind_packed_launch",
+                        lambda *a, **kw: bound.append(1) or real_bind(*a, **kw))  # fmt: skip
 
     cfg = rope_config((3, 1), 16, max_seq_len=4096, scaling=_decode_loop_cases(8)[scaling])
     batch = 2
@@ -665,6 +675,7 @@ def test_a_decode_plan_step_across_the_original_context(cuda: None, scaling: str
         cpu.decode(q0, k0, position)
         assert_parity(q, q0, FP32)
         assert_parity(k, k0, FP32)
+    assert len(bound) == packed
 
 
 def test_decode_again_past_the_original_context_makes_its_fast_path_once(
@@ -1359,3 +1370,10 @@ def test_pack_params_packs_c_values_at_stable_addresses() -> None:
     for bad in (np.zeros(2, np.float32), 3, 2.5):
         with pytest.raises(TypeError, match="argument 0"):
             _kernels.pack_params((bad,))
+
+
+def test_packed_decode_is_what_the_run_asked_for(packed_decode: bool) -> None:
+    """Decode steps launch by CuPy unless the run passes ``--packed-decode`` (the GPU check runs
+    the CUDA tests once more with it; ``benchmarks/GPU_NOTES.md`` says when it becomes the
+    default)."""
+    assert cuda_rope.PACKED_DECODE is packed_decode

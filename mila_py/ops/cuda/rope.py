@@ -418,8 +418,9 @@ _CTYPES = {Precision.FP32: "float", Precision.FP16: "mila_half", Precision.BF16:
 _THREADS = ROPE_TUNING.threads
 #: stride patterns (and chunk lengths) whose launch arguments an op keeps made
 _ARG_CACHE = 64
-#: :meth:`CudaRopeOp.decode_fast_path` launches by ``cuLaunchKernel`` with its arguments packed
-#: once (:meth:`CudaRopeOp.packed_launcher`) rather than by CuPy with bound arguments
+#: decode steps at one position (:meth:`CudaRopeOp.decode_fast_path`, a decode plan's
+#: :meth:`CudaRopeOp.bind_decode`) launch by ``cuLaunchKernel`` with their arguments packed once
+#: (:meth:`CudaRopeOp.packed_launcher`) rather than by CuPy with bound arguments
 #: (:meth:`CudaRopeOp.launcher`); both give the same bits. Off until a GPU run times the two
 #: (``benchmarks/cuda_launch_cost.py``) with the GPU tests, which check both, passing.
 PACKED_DECODE = False
@@ -529,7 +530,8 @@ class CudaRopeOp(Operation):
         if q.shape[1] != 1 or q.shape[0] == 0 or q.strides[2] != item or k.strides[2] != item:
             return general
         ctx = self.context
-        at = self.launcher(q, k)
+        # the plan keeps q and k (its own buffers) alive, as a packed launch needs
+        at = (PACKED_DECODE and self.packed_launcher(q, k)) or self.launcher(q, k)
         limit = table.static_len
 
         def rotate() -> None:

@@ -16,6 +16,12 @@ microseconds there) and matters for small models on the CPU:
   emulator, ``tests/kernel_emulator.py``, with its launches stubbed). The matrix products still
   run (in NumPy), so this overstates the host work of the component path and the plan alike.
 
+On CUDA a third row times the plan with the other matrix-product call than the default
+(``DIRECT_GEMM`` in ``mila_py/ops/cuda/linear.py``: cuBLAS ``sgemm`` bound once, or
+``cupy.matmul`` per call), a second model whose plan is made with the flag flipped: the A/B that
+decides the default. With ``--stub-cuda`` its ``sgemm`` is the test suite's NumPy emulation,
+slower than a matmul: that row means nothing there.
+
 Run: ``python benchmarks/decode_plan.py [--device CPU | --device CUDA:0 | --stub-cuda]
 [--batch B [--ragged]]`` (``--ragged``: every sequence at its own position).
 """
@@ -35,6 +41,7 @@ import numpy as np
 
 from mila_py import BuildContext, RuntimeMode
 from mila_py.components import Llama, LlamaConfig
+from mila_py.ops.cuda import linear as cuda_linear
 
 CFG = LlamaConfig(
     vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=192, max_seq_len=512
@@ -69,25 +76,26 @@ def main() -> None:
     args = parser.parse_args()
     device = "CUDA:0" if args.stub_cuda else args.device
     with stubbed_cuda() if args.stub_cuda else contextlib.nullcontext():
-        model = Llama("llama", CFG, device=device)
-        model.build(
-            BuildContext(
-                (args.batch, CFG.max_seq_len),
-                RuntimeMode.INFERENCE,
-                initialize_parameters=True,
-                prefill_size=32,
-            )
-        )
+        prompt = np.random.default_rng(0).integers(0, CFG.vocab_size, size=(args.batch, 33))
+        model = prefilled_model(device, prompt[:, :32])
         ctx = model.execution_context
-        rng = np.random.default_rng(0)
-        model.prefill(rng.integers(0, CFG.vocab_size, size=(args.batch, 32)))
-        token = rng.integers(0, CFG.vocab_size, size=args.batch)
+        token = prompt[:, 32]
         column = ctx.to_device(token.reshape(-1, 1))  # the components take device arrays
         at: Any = np.arange(32 - args.batch + 1, 33) if args.ragged else 32
         cases: dict[str, Callable[[], object]] = {
             "components (checked calls)": lambda: model._decode_components(column, at),
             "decode plan": lambda: model.decode(token, at),
         }
+        if device.upper().startswith("CUDA"):  # the plan with the other product call
+            direct = not cuda_linear.DIRECT_GEMM
+            other = prefilled_model(device, prompt[:, :32])
+            previous, cuda_linear.DIRECT_GEMM = cuda_linear.DIRECT_GEMM, direct
+            try:
+                other.decode(token, at)  # its plan is made now, with the flag flipped
+            finally:
+                cuda_linear.DIRECT_GEMM = previous
+            name = f"plan, {'direct sgemm' if direct else 'cupy.matmul'}"
+            cases[name] = lambda: other.decode(token, at)
         seconds: dict[str, list[float]] = {name: [] for name in cases}
         for fn in cases.values():  # warm: plans, compiled kernels, caches
             fn()
@@ -113,6 +121,26 @@ def main() -> None:
     pairs = zip(seconds["components (checked calls)"], seconds["decode plan"], strict=True)
     ratios = [b / p for b, p in pairs]
     print(f"plan speedup per round: median {statistics.median(ratios):.2f}x")
+    for name in list(seconds)[2:]:  # the plan with the other product call, against the plan
+        pairs = zip(seconds["decode plan"], seconds[name], strict=True)
+        ratios = [p / o for p, o in pairs]
+        print(f"{name} over the decode plan (DIRECT_GEMM={cuda_linear.DIRECT_GEMM}) per round: "
+              f"median {statistics.median(ratios):.2f}x (above 1: faster)")  # fmt: skip
+
+
+def prefilled_model(device: str, prompt: np.ndarray) -> Llama:
+    """The benchmark's model on ``device``, built for ``prompt``'s batch, ``prompt`` prefilled."""
+    model = Llama("llama", CFG, device=device)
+    model.build(
+        BuildContext(
+            (prompt.shape[0], CFG.max_seq_len),
+            RuntimeMode.INFERENCE,
+            initialize_parameters=True,
+            prefill_size=32,
+        )
+    )
+    model.prefill(prompt)
+    return model
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@
 # A lent GPU session has ~15 minutes of device time in all, start-up included, and the machine is
 # given back after ~30 s idle (each new call starts it again): use `once` with timeout_s 590. It
 # runs what the open CUDA issue still needs first: the whole suite (in parallel: ~85 s on an H100
-# machine's 16 cores), the CUDA tests again with --packed-decode (PACKED_DECODE on), RoPE without the torch.compile peer in 5 interleaved rounds (~60 s), the decode
+# machine's 16 cores), the CUDA tests again with --packed-decode --direct-gemm, RoPE without the torch.compile peer in 5 interleaved rounds (~60 s), the decode
 # launch-cost breakdown, the RoPE kernel's tuning settings against each other and Liger
 # (rope_cuda_variants.py), then RoPE against the torch.compile peer alone, then the Llama
 # benchmarks at their small settings on the time left; each stage under its own timeout, the
@@ -63,11 +63,12 @@ if stage tests; then
   timeout -k 10 "$t_tests" python3 -m pytest tests -q -rs --tb=short --durations=10 -p no:cacheprovider \
     ${workers[@]+"${workers[@]}"} 2>&1 \
     | tee "$out/tests.log" || status=1
-  # the CUDA tests again with the packed cuLaunchKernel launch for RoPE decode steps
-  # (PACKED_DECODE, off by default until this and the benchmarks' A/B rows say otherwise)
-  mark "tests --packed-decode"
+  # the CUDA tests again with the launches that are off by default until this and the
+  # benchmarks' A/B rows say otherwise: RoPE decode steps by packed cuLaunchKernel
+  # (PACKED_DECODE) and a decode plan's products by bound cuBLAS sgemm (DIRECT_GEMM)
+  mark "tests --packed-decode --direct-gemm"
   timeout -k 10 "$t_packed" python3 -m pytest tests/cuda -q -rs --tb=short -p no:cacheprovider \
-    --packed-decode ${workers[@]+"${workers[@]}"} 2>&1 | tee -a "$out/tests.log" || status=1
+    --packed-decode --direct-gemm ${workers[@]+"${workers[@]}"} 2>&1 | tee -a "$out/tests.log" || status=1
 fi
 if stage rope; then
   mark rope

@@ -29,6 +29,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run with mila_py.ops.cuda.rope.PACKED_DECODE on: RoPE decode steps launch by "
         "cuLaunchKernel with packed arguments (tests that set it themselves still do)",
     )
+    parser.addoption(
+        "--direct-gemm",
+        action="store_true",
+        help="run with mila_py.ops.cuda.linear.DIRECT_GEMM on: a decode plan's matrix "
+        "products call cuBLAS sgemm with their arguments made once",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -36,12 +42,22 @@ def pytest_configure(config: pytest.Config) -> None:
         from mila_py.ops.cuda import rope
 
         rope.PACKED_DECODE = True
+    if config.getoption("--direct-gemm"):
+        from mila_py.ops.cuda import linear
+
+        linear.DIRECT_GEMM = True
 
 
 @pytest.fixture(scope="session")
 def packed_decode(pytestconfig: pytest.Config) -> bool:
     """Whether this run asked for ``--packed-decode``."""
     return bool(pytestconfig.getoption("--packed-decode"))
+
+
+@pytest.fixture(scope="session")
+def direct_gemm(pytestconfig: pytest.Config) -> bool:
+    """Whether this run asked for ``--direct-gemm``."""
+    return bool(pytestconfig.getoption("--direct-gemm"))
 
 
 @pytest.fixture(

@@ -544,18 +544,43 @@ class EmulatedContext(ExecutionContext):
 def emulated_context(library: KernelLibrary) -> Iterator[EmulatedContext]:
     """An :class:`EmulatedContext`, with every kernel launch of the CUDA ops emulated meanwhile."""
     ctx = EmulatedContext()
-    original = _kernels.launch
+    original = _kernels.launch, _kernels.sgemm
 
     def launch(c: Any, source: str, name: str, grid: tuple, block: int, args: tuple, **kw: Any):
         assert c is ctx, "a CUDA op launched on another context"
         ctx.launches.append(name)
         library.launch(c, source, name, grid, block, args, **kw)
 
-    _kernels.launch = launch  # type: ignore[assignment]
+    _kernels.launch, _kernels.sgemm = launch, emulated_sgemm  # type: ignore[assignment]
     try:
         yield ctx
     finally:
-        _kernels.launch = original  # type: ignore[assignment]
+        _kernels.launch, _kernels.sgemm = original  # type: ignore[assignment]
+
+
+def emulated_sgemm(ctx: Any, arguments: tuple[int, ...]) -> None:
+    """cuBLAS ``sgemm`` with ``alpha`` 1 and ``beta`` 0 on host memory, as cuBLAS defines it
+    (column-major): ``C = op(A) op(B)``, ``C`` m x n at ``c`` with leading dimension ``ldc``,
+    ``op(A)`` m x k (``A`` itself, stored m x k with ``lda >= m``, for op N; ``A^T`` of ``A``
+    stored k x m with ``lda >= k`` for op T), ``op(B)`` k x n likewise; products summed in
+    float64, stored float32. A leading dimension below its minimum raises ``ValueError``, as
+    cuBLAS returns CUBLAS_STATUS_INVALID_VALUE. Stands in for :func:`_kernels.sgemm`."""
+    assert isinstance(ctx, EmulatedContext), "a cuBLAS call on a real CUDA context"
+    op_a, op_b, m, n, k, a, lda, b, ldb, c, ldc = arguments
+
+    def matrix(address: int, rows: int, cols: int, ld: int) -> np.ndarray:
+        if ld < max(1, rows):
+            raise ValueError(f"sgemm: leading dimension {ld} below {rows} rows (INVALID_VALUE)")
+        count = ld * (cols - 1) + rows
+        flat = np.ctypeslib.as_array((ctypes.c_float * count).from_address(address))
+        return np.lib.stride_tricks.as_strided(flat, (rows, cols), (4, 4 * ld))
+
+    if min(m, n, k) < 1 or op_a not in (0, 1) or op_b not in (0, 1):
+        raise ValueError(f"sgemm: sizes {(m, n, k)} or operations {(op_a, op_b)} (INVALID_VALUE)")
+    left = matrix(a, m, k, lda) if op_a == 0 else matrix(a, k, m, lda).T
+    right = matrix(b, k, n, ldb) if op_b == 0 else matrix(b, n, k, ldb).T
+    product = left.astype(np.float64) @ right.astype(np.float64)
+    matrix(c, m, n, ldc)[...] = product.astype(np.float32)
 
 
 @contextlib.contextmanager
@@ -572,7 +597,12 @@ def emulated_cuda_devices(library: KernelLibrary) -> Iterator[None]:
     from mila_py.ops import registry
 
     registry.registered_ops()  # load every op module
-    saved = (component_module.create_execution_context, cuda_module.shared_context, _kernels.launch)
+    saved = (
+        component_module.create_execution_context,
+        cuda_module.shared_context,
+        _kernels.launch,
+        _kernels.sgemm,
+    )
     real_factory = saved[0]
 
     def create(device: Any) -> ExecutionContext:
@@ -589,7 +619,7 @@ def emulated_cuda_devices(library: KernelLibrary) -> Iterator[None]:
     clear_rope_cache()
     component_module.create_execution_context = create  # type: ignore[assignment]
     cuda_module.shared_context = lambda device: EmulatedContext()  # type: ignore[assignment]
-    _kernels.launch = launch  # type: ignore[assignment]
+    _kernels.launch, _kernels.sgemm = launch, emulated_sgemm  # type: ignore[assignment]
     try:
         yield
     finally:
@@ -597,6 +627,7 @@ def emulated_cuda_devices(library: KernelLibrary) -> Iterator[None]:
             component_module.create_execution_context,
             cuda_module.shared_context,
             _kernels.launch,
+            _kernels.sgemm,
         ) = saved  # type: ignore[assignment]
         clear_rope_cache()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ from kernel_emulator import (
     EmulatedContext,
     KernelLibrary,
     emulated_context,
+    emulated_sgemm,
 )
 from layer_helpers import assert_same_optimizer_state
 
@@ -117,6 +119,135 @@ def test_linear_matches_cpu(ctx: EmulatedContext, rng, bias: bool, transposed: b
     close(dx, dx_ref)
     if bias:
         close(db, db_ref)
+
+
+def _operand(rng: np.random.Generator, rows: int, cols: int, layout: str) -> np.ndarray:
+    """A float32 ``[rows, cols]`` in ``layout``: C order, F order, rows of a wider buffer."""
+    if layout == "rows":
+        return f32(rng, rows, cols)
+    if layout == "columns":
+        return np.asfortranarray(f32(rng, rows, cols))
+    return f32(rng, rows, cols + 5)[:, 2 : cols + 2]  # strided rows, an odd offset
+
+
+@pytest.mark.parametrize("out_layout", ["rows", "strided"])
+@pytest.mark.parametrize("b_layout", ["rows", "columns", "strided"])
+@pytest.mark.parametrize("a_layout", ["rows", "columns", "strided"])
+@pytest.mark.parametrize("m", [1, 5])
+def test_bound_gemm_is_the_matrix_product(
+    ctx: EmulatedContext, rng, m: int, a_layout: str, b_layout: str, out_layout: str
+) -> None:
+    """``bind_gemm``'s cuBLAS arguments (``out^T = b^T a^T`` in column-major terms) give
+    ``a @ b`` for every layout cuBLAS can read in place, one row included (a decode step), run
+    through a cuBLAS ``sgemm`` emulated from its definition; nothing outside ``out`` changes."""
+    k, n = 7, 6
+    a, b = _operand(rng, m, k, a_layout), _operand(rng, k, n, b_layout)
+    wide = np.full((m, n + 4), np.nan, np.float32)
+    out = wide[:, 1 : n + 1] if out_layout == "strided" else np.empty((m, n), np.float32)
+    call = _kernels.bind_gemm(ctx, a, b, out)
+    assert call is not None
+    call()
+    np.testing.assert_allclose(out, a.astype(np.float64) @ b, rtol=1e-6, atol=1e-6)
+    if out_layout == "strided":
+        assert np.isnan(wide[:, 0]).all() and np.isnan(wide[:, n + 1 :]).all()
+
+
+def test_bound_gemm_refuses_what_cublas_cannot_read_in_place(ctx: EmulatedContext, rng) -> None:
+    a, b, out = f32(rng, 4, 6), f32(rng, 6, 3), np.empty((4, 3), np.float32)
+    assert _kernels.gemm_arguments(a, b, out) is not None
+    assert _kernels.gemm_arguments(a.astype(np.float64), b, out) is None
+    assert _kernels.gemm_arguments(f32(rng, 8, 12)[::2, ::2], b, out) is None  # both strided
+    assert _kernels.gemm_arguments(a, b, np.asfortranarray(out)) is None  # out's columns
+    assert _kernels.gemm_arguments(a[:0], b, out[:0]) is None  # nothing to multiply
+    assert _kernels.gemm_arguments(a, b[:5], out) is None  # K does not match
+    with pytest.raises(ValueError, match="leading dimension"):  # the emulation checks them too
+        emulated_sgemm(ctx, (0, 0, 3, 4, 6, 0, 2, 0, 6, 0, 3))
+    row = np.broadcast_to(f32(rng, 6), (1, 6))  # one row whose row stride is 0: never stepped
+    one = np.empty((1, 3), np.float32)
+    call = _kernels.bind_gemm(ctx, row, b, one)
+    assert call is not None
+    call()
+    np.testing.assert_allclose(one, row.astype(np.float64) @ b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("by_pointer", [True, False], ids=["CuPy 14 pointers", "values"])
+def test_bound_gemm_calls_cupys_cublas_binding_as_declared(rng, monkeypatch, by_pointer: bool):
+    """The CuPy side of ``bind_gemm`` against stand-ins of the two CuPy modules it uses,
+    declared as CuPy 14.2 declares them (``alpha`` and ``beta`` as host addresses; older CuPy:
+    as values): each call takes the current handle, sets host pointer mode and passes
+    ``gemm_arguments`` in cuBLAS's order, ``alpha`` 1 and ``beta`` 0."""
+    import ctypes
+    import types
+
+    calls: list[tuple[Any, ...]] = []
+    scalar = "size_t" if by_pointer else "float"
+
+    def sgemm(*args: Any) -> None:
+        calls.append(("sgemm", *args))
+
+    sgemm.__doc__ = (
+        "sgemm(intptr_t handle, int transa, int transb, int m, int n, int k, "
+        f"{scalar} alpha, size_t A, int lda, size_t B, int ldb, {scalar} beta, size_t C, int ldc)"
+    )
+    cublas = types.SimpleNamespace(
+        sgemm=sgemm, setPointerMode=lambda handle, mode: calls.append(("mode", handle, mode))
+    )
+    device = types.SimpleNamespace(get_cublas_handle=lambda: 77)
+    modules = {
+        "cupy": types.SimpleNamespace(cuda=types.SimpleNamespace(device=device)),
+        "cupy.cuda": types.SimpleNamespace(device=device),
+        "cupy.cuda.device": device,
+        "cupy_backends": types.SimpleNamespace(),
+        "cupy_backends.cuda": types.SimpleNamespace(),
+        "cupy_backends.cuda.libs": types.SimpleNamespace(cublas=cublas),
+        "cupy_backends.cuda.libs.cublas": cublas,
+    }
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    a, b, out = f32(rng, 3, 5), np.asfortranarray(f32(rng, 5, 4)), np.empty((3, 4), np.float32)
+    arguments = _kernels.gemm_arguments(a, b, out)
+    assert arguments is not None
+    call = _kernels.bind_gemm_arguments(None, arguments)
+    for _ in range(2):
+        call()
+    assert [c[:3] for c in calls[::2]] == [("mode", 77, 0)] * 2  # CUBLAS_POINTER_MODE_HOST
+    gemms = calls[1::2]
+    assert len(gemms) == 2 and gemms[0] == gemms[1]
+    _, handle, op_a, op_b, m, n, k, alpha, a_ptr, lda, b_ptr, ldb, beta, c_ptr, ldc = gemms[0]
+    assert handle == 77
+    assert (op_a, op_b, m, n, k, a_ptr, lda, b_ptr, ldb, c_ptr, ldc) == arguments
+    if by_pointer:
+        alpha = ctypes.c_float.from_address(alpha).value
+        beta = ctypes.c_float.from_address(beta).value
+    assert (alpha, beta) == (1.0, 0.0)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["out-in", "in-out storage"])
+def test_linear_bind_forward_calls_cublas_directly_where_asked(
+    ctx: EmulatedContext, rng, monkeypatch, transposed: bool
+) -> None:
+    """With ``DIRECT_GEMM`` the bound forward (a decode plan's product) is one bound ``sgemm``
+    for either weight layout, equal to the op's forward; with a bias it keeps the general
+    call; without the flag, ``matmul``."""
+    from mila_py.ops.cuda import linear as cuda_linear
+
+    n_in, n_out = 12, 7
+    x = f32(rng, 2, 1, n_in)
+    w = f32(rng, n_in, n_out).T if transposed else f32(rng, n_out, n_in)  # [out, in]
+    b = f32(rng, n_out)
+    op = CudaLinearOp(ctx, LinearConfig(n_in, n_out, bias=False), FP32)
+    gemms: list[int] = []
+    emulated = _kernels.sgemm
+    monkeypatch.setattr(_kernels, "sgemm", lambda c, args: gemms.append(1) or emulated(c, args))
+    want = np.empty((2, 1, n_out), np.float32)
+    op.forward(x, w, None, want)
+    for direct, bias, calls in ((True, None, 1), (True, b, 0), (False, None, 0)):
+        monkeypatch.setattr(cuda_linear, "DIRECT_GEMM", direct)
+        gemms.clear()
+        out = np.empty((2, 1, n_out), np.float32)
+        op.bind_forward(x, w, bias, out)()
+        assert len(gemms) == calls
+        np.testing.assert_allclose(out, want + (0 if bias is None else bias), rtol=1e-6, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------ rmsnorm
@@ -820,3 +951,12 @@ def test_a_scalar_slot_is_one_argument_object_holding_the_latest_value() -> None
     assert ctypes.c_int32.from_address(small.ptr).value == 7
     emulated = _kernels.ScalarSlot(np, np.int32)(7)
     assert type(emulated) is np.int32 and emulated == 7
+
+
+def test_direct_gemm_is_what_the_run_asked_for(direct_gemm: bool) -> None:
+    """A decode plan's products go through ``cupy.matmul`` unless the run passes
+    ``--direct-gemm`` (the GPU check runs the CUDA tests once more with it;
+    ``benchmarks/GPU_NOTES.md`` says when it becomes the default)."""
+    from mila_py.ops.cuda import linear as cuda_linear
+
+    assert cuda_linear.DIRECT_GEMM is direct_gemm

@@ -133,6 +133,37 @@ def test_linear_op(ctx, rng, bias: bool, transposed: bool) -> None:
         close(db, db_ref)
 
 
+@pytest.mark.parametrize("b_layout", ["rows", "columns", "strided"])
+@pytest.mark.parametrize("a_layout", ["rows", "columns", "strided"])
+@pytest.mark.parametrize("m", [1, 5, 300])
+def test_bound_gemm_equals_matmul(ctx, rng, m: int, a_layout: str, b_layout: str) -> None:
+    """``_kernels.bind_gemm`` (one cuBLAS ``sgemm``, its arguments made once: a decode plan's
+    product with ``DIRECT_GEMM``) against ``cupy.matmul`` and the float64 product, for every
+    layout it reads in place, into rows of a wider buffer (the columns beside them untouched),
+    on the context's stream, with the context active."""
+    from mila_py.ops.cuda import _kernels
+
+    def operand(rows: int, cols: int, layout: str) -> Any:
+        if layout == "rows":
+            return dev(f32(rng, rows, cols))
+        if layout == "columns":
+            return cupy.asfortranarray(dev(f32(rng, rows, cols)))
+        return dev(f32(rng, rows, cols + 5))[:, 2 : cols + 2]
+
+    k, n = 96, 40
+    a, b = operand(m, k, a_layout), operand(k, n, b_layout)
+    wide = cupy.full((m, n + 4), np.nan, cupy.float32)
+    out = wide[:, 1 : n + 1]
+    with ctx.activate():
+        call = _kernels.bind_gemm(ctx, a, b, out)
+        assert call is not None
+        call()
+        want = cupy.matmul(a, b)
+    close(out, host(want), rtol=1e-5, atol=1e-5)
+    close(out, host(a).astype(np.float64) @ host(b), rtol=1e-5, atol=1e-5)
+    assert bool(cupy.isnan(wide[:, 0]).all()) and bool(cupy.isnan(wide[:, n + 1 :]).all())
+
+
 @pytest.mark.parametrize(("n_rows", "dim"), [(1, 5), (37, 300), (300, 1000)])
 def test_rms_norm_op(ctx, rng, n_rows: int, dim: int) -> None:
     op = create_op("RmsNormOp", ctx, RmsNormConfig(dim, 1e-5), FP32)

@@ -358,6 +358,104 @@ def _emulated_packed_launch(
     return emulated
 
 
+#: cuBLAS ``cublasOperation_t``: the matrix as stored (N), or transposed (T)
+OP_N, OP_T = 0, 1
+
+
+def _gemm_operand(x: Any) -> tuple[int, int] | None:
+    """``(op, ld)`` under which cuBLAS (column-major) reads the float32 ``x [R, C]`` (2-D,
+    row-major meaning) as ``x^T [C, R]``: op N where its rows are contiguous (the memory is
+    ``x^T`` column-major, ``ld`` the row stride), op T where its columns are (the memory is ``x``
+    column-major, ``ld`` the column stride); None for other layouts. Axes of length 1 are never
+    stepped: their strides do not count, and ``ld`` is then the least cuBLAS accepts."""
+    rows, cols = int(x.shape[0]), int(x.shape[1])
+    row_stride, col_stride = (int(st) // 4 for st in x.strides)
+    if any(int(st) % 4 for st in x.strides):
+        return None
+    if cols == 1 or col_stride == 1:
+        ld = cols if rows == 1 else row_stride
+        return (OP_N, ld) if ld >= max(1, cols) else None
+    if rows == 1 or row_stride == 1:
+        ld = rows if cols == 1 else col_stride
+        return (OP_T, ld) if ld >= max(1, rows) else None
+    return None
+
+
+def gemm_arguments(a: Any, b: Any, out: Any) -> tuple[int, ...] | None:
+    """cuBLAS ``sgemm``'s arguments for ``out [M, N] = a [M, K] @ b [K, N]`` (2-D float32
+    views, row-major meaning, any strides cuBLAS can read): ``(op_a, op_b, m, n, k, A, lda, B,
+    ldb, C, ldc)`` with A, B, C addresses, computed as ``out^T = b^T a^T`` in cuBLAS's
+    column-major terms (``m = N``, ``n = M``). None where that does not apply: another dtype,
+    a size 0, an ``out`` whose rows are not contiguous, an operand whose rows and columns are
+    both strided."""
+    if not (a.dtype == b.dtype == out.dtype == np.float32) or 0 in (*a.shape, *b.shape):
+        return None
+    (n_m, n_k), n_n = a.shape, b.shape[1]
+    if b.shape[0] != n_k or out.shape != (n_m, n_n):
+        return None
+    first, second, result = _gemm_operand(b), _gemm_operand(a), _gemm_operand(out)
+    if first is None or second is None or result is None or result[0] != OP_N:
+        return None
+    return (
+        first[0], second[0], int(n_n), int(n_m), int(n_k),
+        address(b), first[1], address(a), second[1], address(out), result[1],
+    )  # fmt: skip
+
+
+def sgemm(ctx: Any, arguments: tuple[int, ...]) -> None:
+    """One cuBLAS ``sgemm`` of :func:`gemm_arguments`' ``arguments`` (``alpha`` 1, ``beta`` 0) on
+    ``ctx``'s device and current stream (CuPy sets the handle's stream to the current one at
+    each call: run it with ``ctx`` active). The kernel emulator swaps this for a NumPy one."""
+    bind_gemm_arguments(ctx, arguments)()
+
+
+def bind_gemm(ctx: Any, a: Any, b: Any, out: Any) -> Callable[[], None] | None:
+    """``call()``: ``out [M, N] = a [M, K] @ b [K, N]`` by one cuBLAS ``sgemm`` with every
+    argument made here (a decode plan's matrix product, without :func:`cupy.matmul`'s checks
+    and dispatch at each call; the arrays are kept alive with it), on ``ctx``'s device and
+    current stream (run it with ``ctx`` active). None where :func:`gemm_arguments` does not
+    apply. With NumPy arrays (the kernel emulator) each call goes through :func:`sgemm`."""
+    arguments = gemm_arguments(a, b, out)
+    if arguments is None:
+        return None
+    if ctx.xp is np:
+
+        def emulated(keep: tuple[Any, ...] = (a, b, out)) -> None:
+            sgemm(ctx, arguments)
+
+        return emulated
+    call = bind_gemm_arguments(ctx, arguments)
+
+    def run(keep: tuple[Any, ...] = (a, b, out)) -> None:
+        call()
+
+    return run
+
+
+def bind_gemm_arguments(ctx: Any, arguments: tuple[int, ...]) -> Callable[[], None]:
+    """The cuBLAS call of :func:`gemm_arguments`' ``arguments``, its scalars made once
+    (``alpha`` 1 and ``beta`` 0 in host memory, the handle's pointer mode set to host at each
+    call as CuPy's own calls do). The caller keeps the arrays alive."""
+    from cupy.cuda import device as cuda_device
+    from cupy_backends.cuda.libs import cublas
+
+    op_a, op_b, m, n, k, a_ptr, lda, b_ptr, ldb, c_ptr, ldc = arguments
+    scalars = np.array([1.0, 0.0], dtype=np.float32)  # alpha, beta
+    alpha: int | float = scalars.ctypes.data
+    beta: int | float = scalars.ctypes.data + 4
+    if "float alpha" in (cublas.sgemm.__doc__ or ""):  # a CuPy whose binding takes the values
+        alpha, beta = 1.0, 0.0
+    handle_of, set_mode, host = cuda_device.get_cublas_handle, cublas.setPointerMode, 0
+    gemm = cublas.sgemm
+
+    def call(keep: np.ndarray = scalars) -> None:
+        handle = handle_of()
+        set_mode(handle, host)  # CUBLAS_POINTER_MODE_HOST: alpha and beta are host values
+        gemm(handle, op_a, op_b, m, n, k, alpha, a_ptr, lda, b_ptr, ldb, beta, c_ptr, ldc)
+
+    return call
+
+
 def bound_scalar(xp: Any, value: np.generic) -> Any:
     """``value`` (a NumPy scalar of the kernel parameter's exact type) as a launch argument made
     once, for launches that pass it again and again.

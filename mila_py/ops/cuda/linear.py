@@ -19,14 +19,20 @@ from collections.abc import Callable
 from typing import Any
 
 from mila_py.devices.device import DeviceType
-from mila_py.ops.cpu._rows import out_rows
+from mila_py.ops.cpu._rows import as_rows, out_rows
 from mila_py.ops.cpu.linear import bind_linear_forward, linear_forward
 from mila_py.ops.cuda import _kernels
 from mila_py.ops.operation import Operation
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
-__all__ = ["CudaLinearOp"]
+__all__ = ["DIRECT_GEMM", "CudaLinearOp"]
+
+#: :meth:`CudaLinearOp.bind_forward` (a decode plan's products) calls cuBLAS ``sgemm`` with its
+#: arguments made once (:func:`_kernels.bind_gemm`) instead of :func:`cupy.matmul` at each call.
+#: Off until a GPU run times the two (``benchmarks/decode_plan.py``) with the GPU tests, run
+#: with ``pytest --direct-gemm``, passing.
+DIRECT_GEMM = False
 
 
 @register_op("LinearOp", DeviceType.CUDA, precisions=(Precision.FP32,))
@@ -40,7 +46,14 @@ class CudaLinearOp(Operation):
             linear_forward(x, weight, bias, out, xp=ctx.xp)
 
     def bind_forward(self, x: Any, weight: Any, bias: Any, out: Any) -> Callable[[], Any]:
-        """One cuBLAS call on 2-D views of ``x`` and ``out`` (see :func:`bind_linear_forward`)."""
+        """One cuBLAS call on 2-D views of ``x`` and ``out``: with :data:`DIRECT_GEMM`, a
+        ``sgemm`` whose arguments are made here (:func:`_kernels.bind_gemm`), else
+        :func:`cupy.matmul` (see :func:`bind_linear_forward`). Run it with the context active
+        (a decode plan is)."""
+        if DIRECT_GEMM and bias is None and x.flags.c_contiguous and out.flags.c_contiguous:
+            call = _kernels.bind_gemm(self.context, as_rows(x), weight.T, out_rows(out))
+            if call is not None:
+                return call
         return bind_linear_forward(self, x, weight, bias, out)
 
     def backward(self, x: Any, weight: Any, dy: Any, dweight: Any, dbias: Any, dx: Any) -> None:

@@ -94,7 +94,11 @@ def main() -> None:
                 other.decode(token, at)  # its plan is made now, with the flag flipped
             finally:
                 cuda_linear.DIRECT_GEMM = previous
-            name = f"plan, {'direct sgemm' if direct else 'cupy.matmul'}"
+            steps = [s for _, plan, _ in (other._plans or {}).values() for s in plan]
+            bound = sum(hasattr(step, "gemm_arguments") for step in steps)
+            if bool(bound) != direct:  # the label must say what the row times
+                raise SystemExit(f"decode_plan: the other plan has {bound} bound sgemm calls")
+            name = f"plan, {f'{bound} direct sgemm' if direct else 'cupy.matmul'}"
             cases[name] = lambda: other.decode(token, at)
         seconds: dict[str, list[float]] = {name: [] for name in cases}
         for fn in cases.values():  # warm: plans, compiled kernels, caches

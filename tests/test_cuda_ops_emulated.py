@@ -160,6 +160,10 @@ def test_bound_gemm_refuses_what_cublas_cannot_read_in_place(ctx: EmulatedContex
     assert _kernels.gemm_arguments(a, b, np.asfortranarray(out)) is None  # out's columns
     assert _kernels.gemm_arguments(a[:0], b, out[:0]) is None  # nothing to multiply
     assert _kernels.gemm_arguments(a, b[:5], out) is None  # K does not match
+    assert _kernels.gemm_arguments(a, b, a[:, :3]) is None  # out aliases a: undefined
+    assert _kernels.gemm_arguments(a, b, b[:4]) is None  # out aliases b (K=6 rows, 4 used)
+    raw = np.zeros(4 * 24 + 1, np.uint8)[1:].view(np.float32).reshape(4, 6)  # odd address
+    assert _kernels.gemm_arguments(raw, b, out) is None
     with pytest.raises(ValueError, match="leading dimension"):  # the emulation checks them too
         emulated_sgemm(ctx, (0, 0, 3, 4, 6, 0, 2, 0, 6, 0, 3))
     row = np.broadcast_to(f32(rng, 6), (1, 6))  # one row whose row stride is 0: never stepped

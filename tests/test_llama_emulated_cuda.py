@@ -191,6 +191,9 @@ def test_decode_plan_equals_the_component_path(
     assert planned._plans is not None and sorted(planned._plans) == [1, 2]
     assert components._plans == {}  # the reference never made one
     assert bool(gemms) == direct
+    bound = [step for _, steps, _ in planned._plans.values() for step in steps
+             if hasattr(step, "gemm_arguments")]  # fmt: skip
+    assert bool(bound) == direct
     for a, b in zip(planned.layers, components.layers, strict=True):
         for cache in ("k_cache", "v_cache"):
             np.testing.assert_allclose(

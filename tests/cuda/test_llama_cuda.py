@@ -431,11 +431,14 @@ def test_chunked_prefill_and_decode_equal_cpu(weights: str, rng) -> None:
 
 
 @pytest.mark.parametrize(("tie", "extras"), [(False, False), (True, False), (False, True)])
-def test_decode_plan_equals_the_component_path(tmp_path, rng, tie: bool, extras: bool) -> None:
+def test_decode_plan_equals_the_component_path(
+    tmp_path, rng, tie: bool, extras: bool, direct_gemm: bool
+) -> None:
     """The GPU decode plan (bound cuBLAS calls and launches, ``attention_decode``,
     ``kv_cache_write``, one device copy of ragged positions per step) against the components'
     own calls on the GPU: one position for all, ragged positions (also given as a CuPy array),
-    B=1 in a B=2 build; logits and KV caches."""
+    B=1 in a B=2 build; logits and KV caches. Under ``--direct-gemm`` the plan's products are
+    bound ``sgemm`` calls (checked: none fell back to ``cupy.matmul`` unseen)."""
     cfg = dataclasses.replace(CFG, tie_embeddings=tie, **(EXTRAS if extras else {}))
     trained = Llama("llama", cfg, device="CPU")
     trained.build(BuildContext((1, 8), TRAINING))
@@ -464,6 +467,9 @@ def test_decode_plan_equals_the_component_path(tmp_path, rng, tie: bool, extras:
         want = components._decode_components(dev(x[:n_b, position, None]), where)
         close(got, host(want), rtol=1e-5, atol=1e-5)
     assert sorted(planned._plans) == [1, 2] and components._plans == {}
+    bound = [step for _, steps, _ in planned._plans.values() for step in steps
+             if hasattr(step, "gemm_arguments")]  # fmt: skip
+    assert bool(bound) == direct_gemm
     for a, b in zip(planned.layers, components.layers, strict=True):
         for cache in ("k_cache", "v_cache"):
             close(a.self_attn._state[cache], host(b.self_attn._state[cache]), rtol=1e-5, atol=1e-5)

@@ -370,8 +370,10 @@ def _gemm_operand(x: Any) -> tuple[int, int] | None:
     stepped: their strides do not count, and ``ld`` is then the least cuBLAS accepts."""
     rows, cols = int(x.shape[0]), int(x.shape[1])
     row_stride, col_stride = (int(st) // 4 for st in x.strides)
-    if any(int(st) % 4 for st in x.strides):
-        return None
+    if address(x) % 4 or any(
+        n > 1 and int(st) % 4 for n, st in zip(x.shape, x.strides, strict=True)
+    ):
+        return None  # not at whole float32 elements
     if cols == 1 or col_stride == 1:
         ld = cols if rows == 1 else row_stride
         return (OP_N, ld) if ld >= max(1, cols) else None
@@ -396,10 +398,24 @@ def gemm_arguments(a: Any, b: Any, out: Any) -> tuple[int, ...] | None:
     first, second, result = _gemm_operand(b), _gemm_operand(a), _gemm_operand(out)
     if first is None or second is None or result is None or result[0] != OP_N:
         return None
+    if _overlap(out, a) or _overlap(out, b):  # cuBLAS leaves an aliased product undefined
+        return None
     return (
         first[0], second[0], int(n_n), int(n_m), int(n_k),
         address(b), first[1], address(a), second[1], address(out), result[1],
     )  # fmt: skip
+
+
+def _overlap(x: Any, y: Any) -> bool:
+    """Whether the byte spans of arrays ``x`` and ``y`` (first to last element) overlap."""
+
+    def span(z: Any) -> tuple[int, int]:
+        low = sum(min(0, (n - 1) * st) for n, st in zip(z.shape, z.strides, strict=True))
+        high = sum(max(0, (n - 1) * st) for n, st in zip(z.shape, z.strides, strict=True))
+        return address(z) + low, address(z) + high + z.itemsize
+
+    (x0, x1), (y0, y1) = span(x), span(y)
+    return x0 < y1 and y0 < x1
 
 
 def sgemm(ctx: Any, arguments: tuple[int, ...]) -> None:
@@ -414,21 +430,23 @@ def bind_gemm(ctx: Any, a: Any, b: Any, out: Any) -> Callable[[], None] | None:
     argument made here (a decode plan's matrix product, without :func:`cupy.matmul`'s checks
     and dispatch at each call; the arrays are kept alive with it), on ``ctx``'s device and
     current stream (run it with ``ctx`` active). None where :func:`gemm_arguments` does not
-    apply. With NumPy arrays (the kernel emulator) each call goes through :func:`sgemm`."""
+    apply. With NumPy arrays (the kernel emulator) each call goes through :func:`sgemm`. The
+    callable carries its arguments as ``call.gemm_arguments`` (what a plan's steps are)."""
     arguments = gemm_arguments(a, b, out)
     if arguments is None:
         return None
     if ctx.xp is np:
 
-        def emulated(keep: tuple[Any, ...] = (a, b, out)) -> None:
+        def run(keep: tuple[Any, ...] = (a, b, out)) -> None:
             sgemm(ctx, arguments)
 
-        return emulated
-    call = bind_gemm_arguments(ctx, arguments)
+    else:
+        call = bind_gemm_arguments(ctx, arguments)
 
-    def run(keep: tuple[Any, ...] = (a, b, out)) -> None:
-        call()
+        def run(keep: tuple[Any, ...] = (a, b, out)) -> None:
+            call()
 
+    run.gemm_arguments = arguments  # type: ignore[attr-defined]
     return run
 
 

@@ -11,14 +11,16 @@
 # Each of tests, rope and llama fits one 10-minute call of the device tool; bench and all may not.
 # A lent GPU session has ~15 minutes of device time in all, start-up included, and the machine is
 # given back after ~30 s idle (each new call starts it again): use `once` with timeout_s 590. It
-# runs what the open CUDA issue still needs first: the whole suite (in parallel: ~85 s on an H100
-# machine's 16 cores), the CUDA tests again with --packed-decode --direct-gemm, RoPE without the torch.compile peer in 5 interleaved rounds (~60 s), the decode
-# launch-cost breakdown, the RoPE kernel's tuning settings against each other and Liger
-# (rope_cuda_variants.py), then RoPE against the torch.compile peer alone, then the Llama
-# benchmarks at their small settings on the time left; each stage under its own timeout, the
-# whole call ending by ~560 s (GPU_CHECK_END=SECONDS ends it sooner: the stages after the variants get what is left); where the variants' rule
-# picks a setting, the RoPE GPU tests and benchmark run again with it before the compile peer; logs stream to $OUT as they go, so a stage that runs out still
-# leaves what it printed. At most 8 files come back: keep it to 8.
+# runs what the open CUDA issue still needs first:
+#   the whole suite (in parallel: ~85 s on an H100 machine's 16 cores); the CUDA tests again with
+#   --packed-decode --direct-gemm; RoPE without the torch.compile peer in 5 interleaved rounds
+#   (~60 s); the decode launch-cost breakdown; the decode plan with and without DIRECT_GEMM;
+#   [the RoPE kernel's tuning settings, rope_cuda_variants.py, only with GPU_CHECK_VARIANTS=1;
+#   where its rule picks a setting, the RoPE GPU tests and benchmark again with it]; RoPE against
+#   the torch.compile peer alone; the training and generation benchmarks on the time left.
+# Each stage runs under its own timeout, the whole call ending by ~560 s (GPU_CHECK_END=SECONDS
+# ends it sooner: the later stages get what is left); logs stream to $OUT as they go, so a stage
+# that runs out still leaves what it printed. At most 8 files come back: keep it to 8.
 # Without `pip install -e`, the checkout is put on PYTHONPATH. The RoPE peers Liger-Kernel and
 # flash-attention (Triton code) are not on the lent GPU machines: `python benchmarks/gpu_peers.py`
 # fetches them into .gpu_peers/ beforehand; carry that folder and they are put on PYTHONPATH.
@@ -79,10 +81,20 @@ if stage rope; then
   mark launch
   # where the host time of one decode call goes (component, op, raw launch, toy kernels)
   timeout -k 10 "$t_launch" python3 benchmarks/cuda_launch_cost.py 2>&1 | tee -a "$out/rope_cuda.log" || status=1
-  mark variants
-  # the RoPE kernel's tuning settings against each other and Liger, same arguments, bit-checked
-  timeout -k 10 "$t_variants" python3 benchmarks/rope_cuda_variants.py --adopt "$adopt" 2>&1 \
-    | tee -a "$out/rope_cuda.log" || status=1
+  if [[ "$what" == once ]]; then
+    # the decode plan with and without DIRECT_GEMM (its third row), before the optional stages
+    mark plan
+    timeout -k 10 "$t_plan" python3 benchmarks/decode_plan.py --device CUDA:0 ${plan_args[@]+"${plan_args[@]}"} 2>&1 \
+      | tee -a "$out/rope_cuda.log" || status=1
+  fi
+  if [[ "$what" != once || "${GPU_CHECK_VARIANTS:-0}" == 1 ]]; then
+    # the RoPE kernel's tuning settings against each other and Liger, same arguments,
+    # bit-checked (in `once` only with GPU_CHECK_VARIANTS=1: the tuning in use was picked and
+    # confirmed on an H100 on 2026-11-26)
+    mark variants
+    timeout -k 10 "$t_variants" python3 benchmarks/rope_cuda_variants.py --adopt "$adopt" 2>&1 \
+      | tee -a "$out/rope_cuda.log" || status=1
+  fi
 fi
 left() { echo $(( end - SECONDS )); }
 if [[ "$what" == once && -s "$adopt" ]] && (( $(left) > 180 )); then  # its two timeouts, kills included
@@ -108,14 +120,16 @@ if stage llama && { [[ "$what" != once ]] || (( $(left) > 120 )); }; then
   mark llama
   if [[ "$what" == once ]]; then  # the time left, shared in the proportions of the timeouts
     share=$(( $(left) - 30 ))  # each stage's kill may add its 10 s
-    t_train=$(( share * t_train / 220 )) t_gen=$(( share * t_gen / 220 )) t_plan=$(( share * t_plan / 220 ))
+    t_train=$(( share * t_train / 190 )) t_gen=$(( share * t_gen / 190 ))
   fi
   timeout -k 10 "$t_train" python3 benchmarks/train_step_cuda.py --device CUDA:0 2>&1 \
     | tee "$out/llama.log" || status=1
   timeout -k 10 "$t_gen" python3 benchmarks/generate.py --device CUDA:0 ${gen_args[@]+"${gen_args[@]}"} 2>&1 \
     | grep -v Writing | tee -a "$out/llama.log" || status=1
-  timeout -k 10 "$t_plan" python3 benchmarks/decode_plan.py --device CUDA:0 ${plan_args[@]+"${plan_args[@]}"} 2>&1 \
-    | tee -a "$out/llama.log" || status=1
+  if [[ "$what" != once ]]; then  # `once` ran it after the launch costs
+    timeout -k 10 "$t_plan" python3 benchmarks/decode_plan.py --device CUDA:0 ${plan_args[@]+"${plan_args[@]}"} 2>&1 \
+      | tee -a "$out/llama.log" || status=1
+  fi
 fi
 mark done
 exit $status

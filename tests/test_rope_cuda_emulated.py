@@ -1346,6 +1346,21 @@ def test_an_emulated_packed_launch_refuses_an_array_that_is_gone(cuda: None, rng
     assert k.tobytes() == k0.tobytes() and len(launches(rope)) == done
 
 
+@pytest.mark.parametrize("scalar_type", [np.int64, np.int32, np.float32])
+def test_a_scalar_slots_c_value_writes_its_cell(scalar_type: type[np.generic]) -> None:
+    """``c_value()`` (the packed decode's per-call write) and ``slot(v)`` write the same cell,
+    the one ``pack_params`` passes, at the slot's exact width."""
+    slot = _kernels.ScalarSlot(np, scalar_type)
+    cell = slot.c_value()
+    cell.value = -5
+    assert slot.value() == -5 and type(slot.value()) is scalar_type
+    slot(7)
+    assert cell.value == 7
+    params, _ = _kernels.pack_params((slot,))
+    assert int(params[0]) == slot._cell.ctypes.data
+    assert slot._cell.itemsize == np.dtype(scalar_type).itemsize
+
+
 def test_pack_params_packs_c_values_at_stable_addresses() -> None:
     import ctypes
     from types import SimpleNamespace

@@ -792,9 +792,12 @@ class CudaRopeOp(Operation):
         values = self.launch_values(q, k, position)
         call = self._bind_one_launch(_kernels.bind_packed_launch, q, k, values)
         tables = values[4:6]  # cos, sin: the op's own, kept alive with their addresses
+        cell = position.c_value()  # the position's parameter, written per call
 
-        def rotate_at(q: Any, k: Any, offset: int, tables: tuple[Any, ...] = tables) -> None:
-            position(offset)
+        def rotate_at(
+            q: Any, k: Any, offset: int, keep: tuple[Any, ...] = (*tables, position)
+        ) -> None:
+            cell.value = offset
             call()
 
         return rotate_at

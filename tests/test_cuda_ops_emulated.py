@@ -14,6 +14,7 @@ is in :data:`SOURCES` too, is checked in ``test_rope_cuda_emulated.py``.
 
 from __future__ import annotations
 
+import itertools
 import re
 import shutil
 import subprocess
@@ -150,6 +151,46 @@ def test_bound_gemm_is_the_matrix_product(
     np.testing.assert_allclose(out, a.astype(np.float64) @ b, rtol=1e-6, atol=1e-6)
     if out_layout == "strided":
         assert np.isnan(wide[:, 0]).all() and np.isnan(wide[:, n + 1 :]).all()
+
+
+def _strided(buffer: np.ndarray, rows: int, cols: int, strides: tuple[int, int]) -> np.ndarray:
+    """A ``[rows, cols]`` float32 view of ``buffer`` with element ``strides`` (any signs),
+    starting where every element stays inside the buffer."""
+    start = sum(-(n - 1) * st for n, st in zip((rows, cols), strides, strict=True) if st < 0)
+    return np.lib.stride_tricks.as_strided(
+        buffer[start:], (rows, cols), tuple(4 * st for st in strides)
+    )
+
+
+def test_every_small_layout_bind_gemm_accepts_gives_the_product(library) -> None:
+    """Every ``[M, K] @ [K, N]`` with M, K, N in 1..3 and each operand's element strides in
+    -1..3 (negative, zero, overlapping, gapped), into ``out`` rows of a wider buffer: where
+    ``gemm_arguments`` takes them, the emulated ``sgemm`` of its arguments (which refuses a
+    leading dimension below its minimum) is ``a @ b``, nothing else in ``out``'s buffer changes,
+    and C and F order are always taken."""
+    rng = np.random.default_rng(3)
+    steps = (-1, 0, 1, 2, 3)
+    taken = 0
+    with emulated_context(library) as ctx:
+        for m, k, n in itertools.product((1, 2, 3), repeat=3):
+            wide = np.full((m, n + 2), np.nan, np.float32)
+            out = wide[:, 1 : n + 1]
+            orders = ({(k, 1), (1, m)}, {(n, 1), (1, k)})
+            for a_st, b_st in itertools.product(itertools.product(steps, repeat=2), repeat=2):
+                a = _strided(f32(rng, 40), m, k, a_st)
+                b = _strided(f32(rng, 40), k, n, b_st)
+                call = _kernels.bind_gemm(ctx, a, b, out)
+                if a_st in orders[0] and b_st in orders[1]:
+                    assert call is not None, (m, k, n, a_st, b_st)
+                if call is None:
+                    continue
+                taken += 1
+                wide[...] = np.nan
+                call()
+                want = a.astype(np.float64) @ b
+                np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+                assert np.isnan(wide[:, 0]).all() and np.isnan(wide[:, n + 1]).all()
+    assert taken > 1000
 
 
 def test_bound_gemm_refuses_what_cublas_cannot_read_in_place(ctx: EmulatedContext, rng) -> None:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -54,7 +53,7 @@ from mila_py.ops.cuda import rope as cuda_rope
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_plan import stubbed_cuda
-from rope_cuda import fast_path_with_other_launch
+from rope_cuda import HostTimer, Row, Timing, fast_path_with_other_launch, run_round
 from rope_cuda_variants import capture_launch
 
 TOY_SOURCE = r"""
@@ -88,32 +87,6 @@ SCALARS = [
     ("ko_st", np.int64), ("sign", np.float32), ("copy_rest", np.int32), ("mrope", np.int32),
     ("mrope_a", np.int32), ("mrope_b", np.int32),
 ]  # fmt: skip
-
-
-def timed_rounds(rows: list[tuple[str, Callable[[], Any]]], sync: Callable[[], None], calls: int,
-                 rounds: int) -> list[list[float] | Exception]:  # fmt: skip
-    """Host wall time per call (seconds) of each row, ``calls`` calls then one sync, in
-    ``rounds`` rounds that take every row in turn (interleaved, each row warmed up before its
-    turn), so that a slow stretch of the host shows in every row's spread rather than setting
-    one row. A row that raises keeps its exception (a variant CuPy refuses is a finding)."""
-    times: list[list[float] | Exception] = [[] for _ in rows]
-    for _ in range(rounds):
-        for i, (_, fn) in enumerate(rows):
-            samples = times[i]
-            if isinstance(samples, Exception):
-                continue
-            try:
-                for _ in range(min(200, calls)):
-                    fn()
-                sync()
-                start = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                sync()
-                samples.append((time.perf_counter() - start) / calls)
-            except Exception as exc:
-                times[i] = exc
-    return times
 
 
 def main() -> None:
@@ -350,14 +323,22 @@ def component_rows(rope: Rope, q: Any, k: Any) -> list[tuple[str, Callable[[], A
 
 def report(rows: list[tuple[str, Callable[[], Any]]], sync: Callable[[], None], calls: int,
            rounds: int) -> None:  # fmt: skip
-    """Each row's median over the interleaved rounds, with the rounds' spread (max / min)."""
+    """Host wall time per call of each row (``calls`` calls, then ``sync()``), timed in
+    ``rounds`` rounds that take every row in turn (``rope_cuda.py``'s rounds), so that a slow
+    stretch of the host shows in every row's spread rather than setting one row: the median
+    over the rounds and the spread (slowest / fastest - 1). A row that raises is reported as
+    failed (a variant CuPy refuses is a finding)."""
+    timer = HostTimer(sync)
+    timings = [Timing(Row(label, "-", 0), "", fn, timer, calls) for label, fn in rows]
+    for r in range(rounds):
+        run_round(timings, 1, r * len(timings) // rounds)
     print(f"{'what':56} {'us/call':>8} {'spread':>7}")
-    for (label, _), samples in zip(rows, timed_rounds(rows, sync, calls, rounds), strict=True):
-        if isinstance(samples, Exception):
-            print(f"{label:56}   failed: {type(samples).__name__}: {samples}", flush=True)
+    for t in timings:
+        if t.failed:
+            print(f"{t.row.case:56}   {t.row.note.strip()}", flush=True)
             continue
-        spread = max(samples) / min(samples) - 1
-        print(f"{label:56} {statistics.median(samples) * 1e6:8.2f} {spread:6.1%}", flush=True)
+        spread = max(t.rounds) / min(t.rounds) - 1
+        print(f"{t.row.case:56} {statistics.median(t.rounds) * 1e6:8.2f} {spread:6.1%}", flush=True)
 
 
 if __name__ == "__main__":

@@ -189,7 +189,7 @@ def run_round(timings: list[Timing], repeats: int, first: int) -> None:
                                                               repeats=repeats)))  # fmt: skip
         except Exception as exc:
             t.failed = type(exc).__name__
-            t.row.note += f" {t.what or 'mila_py'} failed: {t.failed};"
+            t.row.note += f" {t.what or 'mila_py'} failed: {t.failed}: {exc};"
 
 
 def settle(timings: list[Timing]) -> None:

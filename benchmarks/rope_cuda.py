@@ -455,7 +455,30 @@ def bench_decode(bench: Bench, cfg: RopeConfig, precision: Precision, n_b: int) 
         rows.append(row)
         if label == "pos int":
             rows.append(other_launch_row(bench, cfg, precision, n_b, q, k))
+        else:
+            rows.append(uploaded_positions_row(bench, rope, q, k, position, row))
     return rows
+
+
+def uploaded_positions_row(
+    bench: Bench, rope: Rope, q: Any, k: Any, position: Any, row: Row
+) -> Row:
+    """The ``pos per seq`` decode row again with its positions uploaded to the GPU per call, as
+    before they went in the launch's parameters (``POSITION_CAPACITIES`` empty during each
+    call): the two ways timed in the same rounds."""
+
+    def call() -> None:
+        saved, cuda_rope.POSITION_CAPACITIES = cuda_rope.POSITION_CAPACITIES, ()
+        try:
+            rope.decode(q, k, position)
+        finally:
+            cuda_rope.POSITION_CAPACITIES = saved
+
+    other = Row(row.case.replace(")", ", uploaded)"), row.dtype, row.nbytes)
+    ctx = rope.execution_context
+    bench.time(other, "", call, CupyTimer(bench.cupy, ctx.stream), bench.decode_calls)
+    bench.time(other, HOST_WALL, call, HostTimer(ctx.synchronize), bench.decode_calls)
+    return other
 
 
 def other_launch_row(

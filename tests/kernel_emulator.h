@@ -128,6 +128,15 @@ To aligned_cast(From&& from) {
     }
 }
 
+// A by-value struct parameter (rope_qk_at's mila_positions<N>) from the bytes Python passes.
+template <typename S>
+S by_value(const void* bytes) {
+    static_assert(std::is_trivially_copyable_v<S>);
+    S value;
+    std::memcpy(&value, bytes, sizeof value);
+    return value;
+}
+
 // PTX cvt.f32.f16: exact.
 inline float ptx_cvt_f32_f16(unsigned short h) {
     const unsigned sign = (h & 0x8000u) << 16;

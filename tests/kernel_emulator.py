@@ -127,19 +127,35 @@ def emulable(source: str) -> str:
     return re.sub(r"\breinterpret_cast\s*<", "mila_emu::aligned_cast<", source)
 
 
+#: a by-value struct parameter: ``mila_positions<N>`` is ``{ int at[N]; }``
+_BY_VALUE_STRUCT = re.compile(r"mila_positions<\s*(\w+)\s*>")
+
+
+def by_value_dtype(n: int) -> np.dtype:
+    """The dtype of the one-element array a ``mila_positions<n>`` parameter takes (as
+    :class:`mila_py.ops.cuda._kernels.ArraySlot` makes it)."""
+    return np.dtype([("at", np.int32, (n,))])
+
+
 class _Param:
-    def __init__(self, text: str, types: dict[str, str]) -> None:
+    def __init__(self, text: str, types: dict[str, str], constants: dict[str, str]) -> None:
+        text = _BY_VALUE_STRUCT.sub(
+            lambda m: f"mila_positions<{constants.get(m[1], m[1])}>", text.replace("\n", " ")
+        )
         words = text.replace("__restrict__", " ").replace("*", " * ").split()
         self.strided = "MILA_STRIDED" in words
         words = [types.get(w, w) for w in words if w != "MILA_STRIDED"]
-        match = re.fullmatch(r"(const )?([A-Za-z_][\w ]*?) ?(\*?) ?(\w+)", " ".join(words))
+        match = re.fullmatch(r"(const )?([A-Za-z_][\w <>]*?) ?(\*?) ?(\w+)", " ".join(words))
         if match is None:
             raise ValueError(f"kernel emulator: cannot parse parameter {text!r}")
         self.const = bool(match.group(1))
         self.base, self.pointer, self.name = match.group(2), bool(match.group(3)), match.group(4)
+        struct = _BY_VALUE_STRUCT.fullmatch(self.base)
+        #: elements of a by-value ``mila_positions<N>`` (0: an array or a scalar)
+        self.by_value = int(struct[1]) if struct is not None and not self.pointer else 0
         if self.pointer and self.base not in _POINTERS:
             raise ValueError(f"kernel emulator: no array dtype for {self.base}* ({text!r})")
-        if not self.pointer and self.base not in _SCALARS:
+        if not self.pointer and not self.by_value and self.base not in _SCALARS:
             raise ValueError(f"kernel emulator: no scalar type for {self.base} ({text!r})")
         if self.strided and not self.pointer:
             raise ValueError(f"kernel emulator: MILA_STRIDED on a scalar ({text!r})")
@@ -156,7 +172,7 @@ class _Kernel:
         function.argtypes = (
             [ctypes.c_uint] * 4
             + [ctypes.c_size_t]
-            + [ctypes.c_void_p if p.pointer else _SCALARS[p.base][1] for p in params]
+            + [ctypes.c_void_p if p.pointer or p.by_value else _SCALARS[p.base][1] for p in params]
         )
 
     def __call__(
@@ -168,7 +184,17 @@ class _Kernel:
         fenced: list[tuple[int, np.ndarray, _Param]] = []
         for param, arg in zip(self.params, args, strict=True):
             where = f"{self.name}({param.name})"
-            if param.pointer:
+            if param.by_value:  # its bytes, copied into the struct when the launch is made
+                expected_dtype = by_value_dtype(param.by_value)
+                if not (isinstance(arg, np.ndarray) and arg.dtype == expected_dtype):
+                    raise TypeError(
+                        f"{where}: {param.base} takes a one-element {expected_dtype} array, got "
+                        f"{getattr(arg, 'dtype', type(arg).__name__)}"
+                    )
+                if arg.size != 1:
+                    raise ValueError(f"{where}: {param.base} given {arg.size} structs")
+                values.append(np.ascontiguousarray(arg).ctypes.data)
+            elif param.pointer:
                 if arg is None:
                     raise TypeError(f"{where}: None is not NULL for CuPy; pass _kernels.NULL")
                 if type(arg) is np.uint64 and arg == _kernels.NULL:
@@ -417,16 +443,26 @@ class KernelLibrary:
             if len(args) != len(names):
                 raise ValueError(f"kernel emulator: {expression!r} for template <{template}>")
             types = {n: a for n, a, k in zip(names, args, kinds, strict=True) if k in typenames}
+            constants = {
+                n: a for n, a, k in zip(names, args, kinds, strict=True) if k not in typenames
+            }
             callee = f"{base}<{', '.join(args)}>"
-            kernels.append((expression, callee, *self._signature(match, types, where)))
+            kernels.append((expression, callee, *self._signature(match, types, where, constants)))
         wrappers = []
         for i, (_, callee, params, _, _) in enumerate(kernels):
             decl = "".join(
-                f", {'const ' if p.pointer else ''}{p.base}{'*' if p.pointer else ''} {p.name}"
+                f", const void* {p.name}"
+                if p.by_value
+                else f", {'const ' if p.pointer else ''}{p.base}{'*' if p.pointer else ''} {p.name}"
                 for p in params
             )
             call = ", ".join(
-                f"const_cast<{p.base}*>({p.name})" if p.pointer else p.name for p in params
+                f"mila_emu::by_value<{p.base}>({p.name})"
+                if p.by_value
+                else f"const_cast<{p.base}*>({p.name})"
+                if p.pointer
+                else p.name
+                for p in params
             )
             wrappers.append(
                 f'extern "C" const char* emu_{i}(unsigned gx, unsigned gy, unsigned gz, '
@@ -445,11 +481,17 @@ class KernelLibrary:
 
     @staticmethod
     def _signature(
-        match: re.Match[str], types: dict[str, str], source: str
+        match: re.Match[str],
+        types: dict[str, str],
+        source: str,
+        constants: dict[str, str] | None = None,
     ) -> tuple[list[_Param], int, int]:
         """Parameters, the most threads a block may have, and the bytes of the kernel's own
-        (static, fixed-size) ``__shared__`` arrays, which count against the 48 KiB too."""
-        params = [_Param(p, types) for p in match["params"].split(",") if p.strip()]
+        (static, fixed-size) ``__shared__`` arrays, which count against the 48 KiB too.
+        ``types`` and ``constants``: the instantiation's type and value template arguments."""
+        params = [
+            _Param(p, types, constants or {}) for p in match["params"].split(",") if p.strip()
+        ]
         bounds = match["bounds"]
         max_threads = MAX_THREADS if bounds is None else int(bounds.split(",")[0])
         return params, max_threads, _static_shared(source, match.end())
@@ -642,7 +684,6 @@ def _ops_sources() -> tuple[list[str], list[str]]:
         swiglu,
         token_embedding,
     )
-    from mila_py.precision import Precision
 
     sources = [
         rms_norm.RMS_NORM_CUDA_SOURCE,
@@ -653,13 +694,23 @@ def _ops_sources() -> tuple[list[str], list[str]]:
         adamw.ADAMW_CUDA_SOURCE,
         rope.ROPE_CUDA_SOURCE,
     ]
-    # the template instantiations the ops launch (RoPE's, for every storage precision)
-    names = [
+    return sources, rope_name_expressions()
+
+
+def rope_name_expressions() -> list[str]:
+    """Every template instantiation the RoPE op launches: for every storage precision, its
+    kernels and its by-value positions kernels for both layouts."""
+    from mila_py.ops.cuda import rope
+    from mila_py.precision import Precision
+
+    precisions = (Precision.FP32, Precision.FP16, Precision.BF16)
+    names = [name for precision in precisions for name in rope.kernel_names(precision)]
+    return names + [
         name
-        for precision in (Precision.FP32, Precision.FP16, Precision.BF16)
-        for name in rope.kernel_names(precision)
+        for precision in precisions
+        for interleaved in (False, True)
+        for name in rope.positions_kernel_names(precision, interleaved)
     ]
-    return sources, names
 
 
 #: every CUDA op's kernel source, and the template instantiations the ops launch

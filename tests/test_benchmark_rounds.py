@@ -148,6 +148,10 @@ def test_the_whole_script_runs_its_rounds_on_the_emulated_gpu(
     monkeypatch.setattr(rope_cuda, "copy_ceiling", copy_ceiling)
     monkeypatch.setattr(rope_cuda, "warm_up", lambda fn, sync, seconds=0.0: fn())
     monkeypatch.setattr(cuda_rope, "PACKED_DECODE", packed)
+    by_value: list[bool] = []  # per call with explicit positions: passed by value?
+    real_by_value = cuda_rope.CudaRopeOp._positions_by_value
+    monkeypatch.setattr(cuda_rope.CudaRopeOp, "_positions_by_value",
+                        lambda *a: by_value.append((r := real_by_value(*a)) is not None) or r)  # fmt: skip
     out = tmp_path / "rope.json"
     argv = ["rope_cuda.py", "--quick", "--no-peers", "--json", str(out)]
     monkeypatch.setattr(sys, "argv", argv)
@@ -160,7 +164,9 @@ def test_the_whole_script_runs_its_rounds_on_the_emulated_gpu(
     assert ("forward B=2 T=128", "bf16") in cases and ("M-RoPE rotate B=1 T=256", "fp32") in cases
     assert all(not math.isnan(r["seconds"]) and r["seconds"] > 0 for r in payload["rows"])
     decode = [r for r in payload["rows"] if r["case"].startswith("decode")]
-    assert len(decode) == 10 and all(r["host_wall"] > 0 for r in decode)
+    assert len(decode) == 12 and all(r["host_wall"] > 0 for r in decode)
+    uploaded = [r for r in decode if r["case"].endswith("(pos per seq, uploaded)")]
+    assert len(uploaded) == 2 and True in by_value and False in by_value  # the A/B of uploads
     other = "CuPy" if cuda_rope.PACKED_DECODE else "packed"  # the A/B rows: the other launch
     ab = [r for r in decode if r["case"].endswith(f"(pos int, {other} launch)")]
     assert len(ab) == 4 and not any("FAST PATH" in r["note"] for r in ab)  # made, that launch

@@ -998,6 +998,37 @@ def test_a_scalar_slot_is_one_argument_object_holding_the_latest_value() -> None
     assert type(emulated) is np.int32 and emulated == 7
 
 
+def test_array_slot_writes_its_values_into_the_struct_it_passes_by_value() -> None:
+    """``ArraySlot``: a call writes the values (any shape, cast to the slot's type) into the
+    first elements of one struct and returns the same argument each time (with NumPy, the
+    emulator's, the one-element structured array); the elements past the values are left as
+    they were."""
+    slot = _kernels.ArraySlot(np, np.int32, 8)
+    assert slot.capacity == 8 and slot.cell.shape == (1,) and slot.cell.dtype.itemsize == 32
+    slot.values[:] = -1
+    arg = slot(np.array([[3], [2**31 - 1], [0]], dtype=np.int64))
+    assert arg is slot.cell and arg is slot(np.array([3, 2**31 - 1, 0]))
+    assert slot.cell["at"][0].tolist() == [3, 2**31 - 1, 0, -1, -1, -1, -1, -1]
+    slot(np.broadcast_to(np.array([[5], [6]]), (2, 2)))  # a broadcast view is written in order
+    assert slot.values[:4].tolist() == [5, 5, 6, 6]
+
+
+def test_array_slot_is_cupys_by_value_object_over_the_struct() -> None:
+    """With CuPy, ``ArraySlot``'s argument is CuPy's by-value object over the struct's bytes,
+    the same object every call (needs CuPy importable, not a GPU)."""
+    import ctypes
+
+    cupy = pytest.importorskip("cupy")
+    slot = _kernels.ArraySlot(cupy, np.int32, 64)
+    first = slot(np.arange(64, dtype=np.int64) * 3)
+    assert first is slot(np.arange(2))
+    assert list((ctypes.c_int32 * 64).from_address(first.ptr)) == [
+        0,
+        1,
+        *(3 * i for i in range(2, 64)),
+    ]
+
+
 def test_direct_gemm_is_what_the_run_asked_for(direct_gemm: bool) -> None:
     """A decode plan's products go through ``cupy.matmul`` unless the run passes
     ``--direct-gemm`` (the GPU check runs the CUDA tests once more with it;

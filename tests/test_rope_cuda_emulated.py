@@ -34,6 +34,7 @@ from kernel_emulator import (
     KernelLibrary,
     emulated_context,
     emulated_cuda_devices,
+    rope_name_expressions,
 )
 from rope_helpers import (
     BF16,
@@ -148,7 +149,10 @@ def rotate_like_the_cpu(
     return q, k
 
 
-def name_of(precision: Precision, vec: int, layout: str) -> str:
+def name_of(precision: Precision, vec: int, layout: str, capacity: int = 0) -> str:
+    """The kernel launched: with explicit positions, the by-value one of ``capacity``."""
+    if capacity:
+        return cuda_rope.positions_kernel_name(precision, vec, layout == "interleaved", capacity)
     return cuda_rope.kernel_name(precision, vec, layout == "interleaved")
 
 
@@ -321,7 +325,8 @@ def test_views_of_a_fused_qkv_buffer(
         }[method]
         getattr(rope, method)(q, k, arg)
         vec = expected_width(precision, layout, d, n_freq, [q_at * item, k_at * item, width * item])
-        assert launches(rope)[-1] == name_of(precision, vec, layout)
+        capacity = 0 if method == "prefill" else 64  # explicit positions: by value
+        assert launches(rope)[-1] == name_of(precision, vec, layout, capacity)
         cpu_q = np.ascontiguousarray(qkv0[..., q_at : q_at + hq * d])
         cpu_k = np.ascontiguousarray(qkv0[..., k_at : k_at + hk * d])
         getattr(cpu, method)(cpu_q, cpu_k, arg)
@@ -506,7 +511,8 @@ def test_backward_is_the_inverse_rotation_into_the_gradient_buffers(
             dq[...], dk[...] = dq0, dk0
         dq_in, dk_in = rope.backward(dq, dk, positions=positions)
         if upstream != "contiguous":
-            assert launches(rope)[-1] == name_of(precision, 1, layout)
+            by_value = 0 if positions is None else 64  # explicit positions: by value
+            assert launches(rope)[-1] == name_of(precision, 1, layout, by_value)
         assert same_bits(dq, dq0) and same_bits(dk, dk0)  # upstream gradients not modified
         assert np.shares_memory(dq_in, rope.input_gradients[0])
         cpu_dq_in, cpu_dk_in = cpu.backward(dq0.copy(), dk0.copy(), positions=positions)
@@ -641,6 +647,103 @@ def test_decode_again_on_the_same_buffers_matches_the_cpu(
         assert_parity(q, cpu_q, precision)
         assert_parity(k, cpu_k, precision)
     assert rope._fast_decode is not None
+
+
+#: (B, T, M-RoPE, the capacity of the by-value kernel launched; 0: positions uploaded)
+BY_VALUE = {
+    "decode-B4": (4, 1, False, 64),
+    "decode-B64": (64, 1, False, 64),
+    "decode-B65": (65, 1, False, 512),
+    "rotate-8x64": (8, 64, False, 512),
+    "decode-B513": (513, 1, False, 0),
+    "rotate-2x300": (2, 300, False, 0),
+    "mrope-decode-B21": (21, 1, True, 64),
+    "mrope-decode-B22": (22, 1, True, 512),
+    "mrope-decode-B171": (171, 1, True, 0),
+}
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("case", list(BY_VALUE))
+def test_explicit_positions_go_in_the_launch_where_they_fit(
+    cuda: None, monkeypatch, case: str, layout: str, rng
+) -> None:
+    """Explicit positions (``B * T`` of them, ``3 * B * T`` with M-RoPE) up to 64 or 512 travel
+    in the launch's parameters (``rope_qk_at`` of that capacity) and nothing is uploaded; more
+    go through device memory (``rope_qk``, one upload). Elements of the by-value struct past
+    the call's positions (left from an earlier, larger call) are never read: they hold -1 here,
+    which would read the table before its start (the emulator's poison, NaN)."""
+    batch, tokens, mrope, capacity = BY_VALUE[case]
+    section = {"mrope_section": (2, 1, 1)} if mrope else {}
+    cfg = rope_config((2, 1), 8, layout=layout, **section)
+    rope = cuda_rope_of(cfg, batch, tokens)
+    cpu = make_rope(cfg, batch, tokens)
+    slots = rope.op._position_slots
+    for cap in cuda_rope.POSITION_CAPACITIES:
+        slots[cap] = _kernels.ArraySlot(np, np.int32, cap)
+        slots[cap].values[:] = -1
+    uploads: list[tuple[int, ...]] = []
+    ctx = rope.execution_context
+    real_to_device = ctx.to_device
+    monkeypatch.setattr(ctx, "to_device",
+                        lambda a: uploads.append(np.shape(a)) or real_to_device(a))  # fmt: skip
+    shape = (3, batch, tokens) if mrope else (batch, tokens)
+    positions = rng.integers(0, cfg.max_seq_len, size=shape)
+    q0, k0 = random_qk(rng, cfg, batch, tokens)
+    q, k, cpu_q, cpu_k = q0.copy(), k0.copy(), q0.copy(), k0.copy()
+    if tokens == 1:
+        rope.decode(q, k, positions[..., 0])
+        cpu.decode(cpu_q, cpu_k, positions[..., 0])
+    else:
+        rope.rotate(q, k, positions)
+        cpu.rotate(cpu_q, cpu_k, positions)
+    assert_parity(q, cpu_q, FP32)
+    assert_parity(k, cpu_k, FP32)
+    ref_q, ref_k = reference(cfg, q0, k0, positions)
+    assert_close(q, ref_q, FP32)
+    assert_close(k, ref_k, FP32)
+    name = launches(rope)[-1]
+    if capacity:
+        assert name.startswith("rope_qk_at<") and name.endswith(f", {capacity}>"), name
+        assert uploads == []
+        written = positions.size
+        assert slots[capacity].values[:written].tolist() == positions.ravel().tolist()
+        assert (slots[capacity].values[written:] == -1).all()
+    else:
+        assert name.startswith("rope_qk<"), name
+        assert uploads == [shape]
+
+
+@pytest.mark.parametrize("batch", [3, 600])
+def test_a_ragged_decode_plan_step_passes_its_positions_by_value(
+    cuda: None, monkeypatch, batch: int, rng
+) -> None:
+    """A decode plan's ragged step (a position per sequence) launches ``rope_qk_at`` with the
+    step's positions in its parameters, read at each call, with no upload; past the largest
+    capacity (600 sequences), the step's device copy of the positions."""
+    from mila_py.ops.operation import DecodePositions
+
+    cfg = rope_config((2, 1), 8)
+    rope = cuda_rope_of(cfg, batch, 1)
+    cpu = make_rope(cfg, batch, 1)
+    uploads: list[int] = []  # the step's device copy (with NumPy, the host array itself)
+    real_on_device = DecodePositions.on_device
+    monkeypatch.setattr(DecodePositions, "on_device",
+                        lambda self, c: uploads.append(1) or real_on_device(self, c))  # fmt: skip
+    q, k = random_qk(rng, cfg, batch, 1)
+    positions = DecodePositions(batch)
+    step = rope.op.bind_decode(q, k, positions)
+    for _ in range(3):
+        each = rng.integers(0, cfg.max_seq_len, size=batch)
+        q0, k0 = random_qk(rng, cfg, batch, 1)
+        q[...], k[...] = q0, k0
+        positions.set(each, int(each.min()), int(each.max()))
+        step()
+        cpu.decode(q0, k0, each)
+        assert_parity(q, q0, FP32)
+        assert_parity(k, k0, FP32)
+        assert launches(rope)[-1].startswith("rope_qk_at<" if batch <= 512 else "rope_qk<")
+    assert len(uploads) == (0 if batch <= 512 else 3)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["cupy-launch", "packed-launch"])
@@ -994,8 +1097,7 @@ def test_every_kernel_tuning_gives_the_same_bits(
     settings_ = TUNINGS[tuning]
     source = cuda_rope.rope_source(settings_)
     assert source != cuda_rope.ROPE_CUDA_SOURCE
-    names = [n for p in PRECISIONS for n in cuda_rope.kernel_names(p)]
-    variant = KernelLibrary([source], names)
+    variant = KernelLibrary([source], rope_name_expressions())
     monkeypatch.setattr(cuda_rope, "ROPE_CUDA_SOURCE", source)
     monkeypatch.setattr(cuda_rope, "_THREADS", settings_.threads)
     launched: list[tuple[str, int]] = []

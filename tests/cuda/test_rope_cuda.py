@@ -175,6 +175,14 @@ def test_every_kernel_instantiation_compiles_and_is_cached(precision: Precision)
         assert _kernels.kernel(source, name, 0, names) is function
     assert len(names) == 2 * len(cuda_rope.vector_widths(precision))
     assert cuda_rope.vector_widths(precision)[0] * precision.itemsize == 16
+    for interleaved in (False, True):  # the by-value positions kernels: a module per layout
+        at_names = tuple(cuda_rope.positions_kernel_names(precision, interleaved))
+        assert len(at_names) == len(cuda_rope.vector_widths(precision)) * len(
+            cuda_rope.POSITION_CAPACITIES
+        )
+        assert _kernels.module(source, 0, at_names) is not module
+        for name in at_names:
+            assert _kernels.kernel(source, name, 0, at_names) is not None
 
 
 # ---------------------------------------------------------------------------------- forward
@@ -509,6 +517,87 @@ def test_decode_per_sequence_positions(precision: Precision, rng) -> None:
         rope.decode(again_q, again_k, given)
         assert bits(again_q) == bits(got_q)
         assert bits(again_k) == bits(got_k)
+
+
+@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize(
+    ("batch", "tokens", "mrope"),
+    [(1, 1, False), (3, 1, False), (64, 1, False), (65, 1, False), (512, 1, False),
+     (513, 1, False), (8, 64, False), (21, 1, True), (22, 1, True), (171, 1, True)],
+    ids=lambda v: str(int(v)),
+)  # fmt: skip
+def test_positions_by_value_give_the_uploaded_paths_bits(
+    monkeypatch, batch: int, tokens: int, mrope: bool, layout: str, precision: Precision, rng
+) -> None:
+    """Explicit positions that fit a by-value capacity (``B * T``, or ``3 * B * T`` with
+    M-RoPE, up to 512) go in the launch's parameters, no upload at all, and give the bits of
+    the same call with its positions uploaded (``POSITION_CAPACITIES`` empty). The struct's
+    elements past the call's positions hold -1 (an earlier, larger call's) and are never read."""
+    section = {"mrope_section": (2, 2, 2)} if mrope else {}
+    cfg = rope_config((4, 2), 16, layout=layout, **section)
+    rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
+    ctx = rope.execution_context
+    shape = (3, batch, tokens) if mrope else (batch, tokens)
+    positions = rng.integers(0, cfg.max_seq_len, size=shape)
+    q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
+
+    def call(q: Any, k: Any) -> None:
+        if tokens == 1:
+            rope.decode(q, k, positions[..., 0])
+        else:
+            rope.rotate(q, k, positions)
+
+    with monkeypatch.context() as m:
+        m.setattr(cuda_rope, "POSITION_CAPACITIES", ())
+        uploaded_q, uploaded_k = up(q0), up(k0)
+        call(uploaded_q, uploaded_k)
+    fits = positions.size <= max(cuda_rope.POSITION_CAPACITIES)
+    for cap in cuda_rope.POSITION_CAPACITIES:
+        slot = rope.op._position_slots.setdefault(cap, _kernels.ArraySlot(cupy, np.int32, cap))
+        slot.values[:] = -1
+    uploads: list[int] = []
+    real_to_device = ctx.to_device
+    monkeypatch.setattr(ctx, "to_device", lambda a: uploads.append(1) or real_to_device(a))
+    q, k = up(q0), up(k0)
+    call(q, k)
+    assert bits(q) == bits(uploaded_q) and bits(k) == bits(uploaded_k)
+    assert len(uploads) == (0 if fits else 1)
+    ref_q, ref_k = reference(cfg, q0, k0, positions)
+    assert_close(down(q), ref_q, precision)
+    assert_close(down(k), ref_k, precision)
+
+
+@pytest.mark.parametrize("batch", [5, 600])
+def test_a_ragged_decode_plan_step_passes_its_positions_by_value(
+    monkeypatch, batch: int, rng
+) -> None:
+    """A decode plan's ragged step rotates at the positions of each step, passed in the
+    launch's parameters (5 sequences: no device copy of them) or, past the largest capacity,
+    through the step's device copy (600), both with the checked path's bits."""
+    from mila_py.ops.operation import DecodePositions
+
+    cfg = rope_config((4, 2), 16)
+    rope = cuda_rope_of(cfg, batch, 1)
+    copies: list[int] = []
+    real_on_device = DecodePositions.on_device
+    monkeypatch.setattr(DecodePositions, "on_device",
+                        lambda self, c: copies.append(1) or real_on_device(self, c))  # fmt: skip
+    q = up(np.zeros((batch, 1, cfg.channels), np.float32))
+    k = up(np.zeros((batch, 1, cfg.kv_channels), np.float32))
+    positions = DecodePositions(batch)
+    step = rope.op.bind_decode(q, k, positions)
+    for _ in range(3):
+        each = rng.integers(0, cfg.max_seq_len, size=batch)
+        q0, k0 = random_qk(rng, cfg, batch, 1)
+        q[...], k[...] = up(q0), up(k0)
+        positions.set(each, int(each.min()), int(each.max()))
+        with rope.execution_context.activate():
+            step()
+        checked_q, checked_k = up(q0), up(k0)
+        rope.decode(checked_q, checked_k, each)
+        assert bits(q) == bits(checked_q) and bits(k) == bits(checked_k)
+    assert len(copies) == (0 if batch <= max(cuda_rope.POSITION_CAPACITIES) else 3)
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,7 @@ __all__ = [
     "NVRTC_OPTIONS",
     "ROW_THREADS",
     "THREADS",
+    "ArraySlot",
     "ScalarSlot",
     "address",
     "bind_launch",
@@ -522,6 +523,38 @@ class ScalarSlot:
         """A ctypes scalar over the slot's cell: ``c.value = v`` writes what ``slot(v)`` does
         at a fraction of its cost (a packed launch's per-call write). Keep the slot alive."""
         return np.ctypeslib.as_ctypes_type(self._cell.dtype).from_address(self._cell.ctypes.data)
+
+
+class ArraySlot:
+    """A by-value array launch argument that changes at every launch (a decode step's position
+    per sequence), passed in the launch's parameters: ``slot(values)`` writes ``values`` into
+    the first ``values.size`` elements of a struct of ``capacity`` elements of ``dtype`` (the
+    kernel's parameter, e.g. ``mila_positions<capacity>``: ``{ int at[capacity]; }``) and
+    returns its launch argument, made once (CuPy's by-value object over the struct, a
+    one-element NumPy array of a structured dtype, as CuPy passes such an array). The driver
+    copies the parameters when a launch is made, so the next write cannot reach a launched
+    kernel and nothing is uploaded. With NumPy (the kernel emulator) the argument is the
+    struct array itself. One slot serves one launch at a time."""
+
+    __slots__ = ("_arg", "cell", "values")
+
+    def __init__(self, xp: Any, dtype: Any, capacity: int) -> None:
+        #: the struct: one element of a structured dtype with the field ``at``
+        self.cell = np.zeros(1, dtype=np.dtype([("at", dtype, (capacity,))]))
+        #: its ``capacity`` elements, a view
+        self.values = self.cell["at"][0]
+        by_value = None if xp is np else _by_value_class()
+        self._arg = self.cell if by_value is None else by_value(self.cell)
+
+    @property
+    def capacity(self) -> int:
+        return int(self.values.shape[0])
+
+    def __call__(self, values: np.ndarray) -> Any:
+        """Write ``values`` (any shape, at most :attr:`capacity` elements, cast as C casts
+        them: the caller knows they fit) and return the launch argument."""
+        np.copyto(self.values[: values.size].reshape(values.shape), values, casting="unsafe")
+        return self._arg
 
 
 _BY_VALUE: list[Any] = []

@@ -46,12 +46,15 @@ from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
 __all__ = [
+    "POSITION_CAPACITIES",
     "ROPE_CUDA_SOURCE",
     "ROPE_TUNING",
     "TUNING_ENV",
     "CudaRopeOp",
     "RopeKernelTuning",
     "kernel_names",
+    "positions_kernel_name",
+    "positions_kernel_names",
     "rope_source",
     "tuning_from_env",
     "vector_widths",
@@ -190,15 +193,28 @@ __device__ __forceinline__ int mrope_axis(int i, int mode, int a, int b) {
     return (r == 1 && i < a) ? 1 : ((r == 2 && i < b) ? 2 : 0);
 }
 
+// Explicit positions passed by value: N int32 in the kernel's parameters, which the driver
+// copies when the launch is made, so a decode step's positions need no upload (rope_qk_at).
+template <int N> struct mila_positions { int at[N]; };
+
+// Position i of the explicit positions: device memory (int64) or the by-value parameter.
+__device__ __forceinline__ long long position_of(const long long* __restrict__ p, long long i) {
+    return p[i];
+}
+template <int N>
+__device__ __forceinline__ long long position_of(const mila_positions<N>& p, long long i) {
+    return p.at[i];
+}
+
 // One block per token (b, t). Strides are in elements; the last axis is contiguous. In place,
-// x_in and x_out are the same array (so neither is __restrict__). With mrope != 0, positions
+// x_in and x_out are the same array (so neither is __restrict__). With use_positions, the
+// token's position is positions[token] ([B * T]), else offset + t; with mrope != 0, positions
 // are [3, B * T] (one row per axis) and each frequency's cos/sin come from its axis' position.
-template <typename T, int VEC, bool INTERLEAVED>
-__global__ void __launch_bounds__(MILA_ROPE_THREADS) rope_qk(
-    MILA_STRIDED const T* q_in, MILA_STRIDED T* q_out,
-    MILA_STRIDED const T* k_in, MILA_STRIDED T* k_out,
+template <typename T, int VEC, bool INTERLEAVED, typename P>
+__device__ __forceinline__ void rope_qk_body(
+    const T* q_in, T* q_out, const T* k_in, T* k_out,
     const float* __restrict__ cos_table, const float* __restrict__ sin_table,
-    const long long* __restrict__ positions, int use_positions, long long offset,
+    const P& positions, int use_positions, long long offset,
     int n_t, int n_heads, int n_kv_heads, int head_dim, int n_freq,
     long long q_sb, long long q_st, long long k_sb, long long k_st,
     long long qo_sb, long long qo_st, long long ko_sb, long long ko_st,
@@ -208,10 +224,11 @@ __global__ void __launch_bounds__(MILA_ROPE_THREADS) rope_qk(
     const long long token = blockIdx.x;
     const long long b = token / n_t;
     const long long t = token - b * n_t;
-    const long long p = use_positions ? positions[token] : offset + t;
+    const long long p = use_positions ? position_of(positions, token) : offset + t;
     for (int i = threadIdx.x; i < n_freq; i += blockDim.x) {
         const long long pi = mrope
-            ? positions[mrope_axis(i, mrope, mrope_a, mrope_b) * (long long)gridDim.x + token]
+            ? position_of(positions,
+                          mrope_axis(i, mrope, mrope_a, mrope_b) * (long long)gridDim.x + token)
             : p;
         row[i] = cos_table[pi * n_freq + i];
         row[n_freq + i] = sin_table[pi * n_freq + i];
@@ -297,6 +314,42 @@ __global__ void __launch_bounds__(MILA_ROPE_THREADS) rope_qk(
             }
         }
     }
+}
+
+// The kernel, explicit positions (if any) in device memory: int64 [B * T], or [3, B * T].
+template <typename T, int VEC, bool INTERLEAVED>
+__global__ void __launch_bounds__(MILA_ROPE_THREADS) rope_qk(
+    MILA_STRIDED const T* q_in, MILA_STRIDED T* q_out,
+    MILA_STRIDED const T* k_in, MILA_STRIDED T* k_out,
+    const float* __restrict__ cos_table, const float* __restrict__ sin_table,
+    const long long* __restrict__ positions, int use_positions, long long offset,
+    int n_t, int n_heads, int n_kv_heads, int head_dim, int n_freq,
+    long long q_sb, long long q_st, long long k_sb, long long k_st,
+    long long qo_sb, long long qo_st, long long ko_sb, long long ko_st,
+    float sign, int copy_rest, int mrope, int mrope_a, int mrope_b)
+{
+    rope_qk_body<T, VEC, INTERLEAVED>(
+        q_in, q_out, k_in, k_out, cos_table, sin_table, positions, use_positions, offset,
+        n_t, n_heads, n_kv_heads, head_dim, n_freq, q_sb, q_st, k_sb, k_st,
+        qo_sb, qo_st, ko_sb, ko_st, sign, copy_rest, mrope, mrope_a, mrope_b);
+}
+
+// The kernel with its explicit positions by value: int32, the first B * T (or 3 * B * T) of N.
+template <typename T, int VEC, bool INTERLEAVED, int N>
+__global__ void __launch_bounds__(MILA_ROPE_THREADS) rope_qk_at(
+    MILA_STRIDED const T* q_in, MILA_STRIDED T* q_out,
+    MILA_STRIDED const T* k_in, MILA_STRIDED T* k_out,
+    const float* __restrict__ cos_table, const float* __restrict__ sin_table,
+    const mila_positions<N> positions, int use_positions, long long offset,
+    int n_t, int n_heads, int n_kv_heads, int head_dim, int n_freq,
+    long long q_sb, long long q_st, long long k_sb, long long k_st,
+    long long qo_sb, long long qo_st, long long ko_sb, long long ko_st,
+    float sign, int copy_rest, int mrope, int mrope_a, int mrope_b)
+{
+    rope_qk_body<T, VEC, INTERLEAVED>(
+        q_in, q_out, k_in, k_out, cos_table, sin_table, positions, use_positions, offset,
+        n_t, n_heads, n_kv_heads, head_dim, n_freq, q_sb, q_st, k_sb, k_st,
+        qo_sb, qo_st, ko_sb, ko_st, sign, copy_rest, mrope, mrope_a, mrope_b);
 }
 """
 
@@ -424,6 +477,11 @@ _ARG_CACHE = 64
 #: (:meth:`CudaRopeOp.launcher`); both give the same bits. Off until a GPU run times the two
 #: (``benchmarks/cuda_launch_cost.py``) with the GPU tests, which check both, passing.
 PACKED_DECODE = False
+#: the capacities (int32 positions) of the by-value positions kernels, ``rope_qk_at``: a call
+#: with explicit positions, ``B * T`` of them (``3 * B * T`` with M-RoPE) up to the largest,
+#: passes them in the launch's parameters (256 B or 2 KiB, beside ~150 B of other arguments,
+#: within the 4 KiB every GPU takes) and uploads nothing; more go through device memory
+POSITION_CAPACITIES = (64, 512)
 
 
 def vector_widths(precision: Precision) -> tuple[int, ...]:
@@ -445,6 +503,22 @@ def kernel_names(precision: Precision) -> list[str]:
     ]
 
 
+def positions_kernel_name(precision: Precision, vec: int, interleaved: bool, capacity: int) -> str:
+    """The by-value positions kernel (``rope_qk_at``) of ``capacity`` int32 positions."""
+    inter = "true" if interleaved else "false"
+    return f"rope_qk_at<{_CTYPES[precision]}, {vec}, {inter}, {capacity}>"
+
+
+def positions_kernel_names(precision: Precision, interleaved: bool) -> list[str]:
+    """Every by-value positions instantiation an op of ``precision`` and layout can request:
+    one module per precision and layout, compiled on the first call with explicit positions."""
+    return [
+        positions_kernel_name(precision, vec, interleaved, capacity)
+        for vec in vector_widths(precision)
+        for capacity in POSITION_CAPACITIES
+    ]
+
+
 @register_op("RopeOp", DeviceType.CUDA, precisions=(Precision.FP32, Precision.FP16, Precision.BF16))
 class CudaRopeOp(Operation):
     """CuPy RoPE: a fused Q+K kernel on the execution context's stream."""
@@ -463,6 +537,15 @@ class CudaRopeOp(Operation):
         self._name_of = {
             vec: kernel_name(precision, vec, self._interleaved) for vec in self._widths
         }
+        # the by-value positions kernels (their own module, compiled on first use), per width
+        # and capacity, and the argument of each capacity (written per call)
+        self._at_names = tuple(positions_kernel_names(precision, self._interleaved))
+        self._at_name_of = {
+            (vec, cap): positions_kernel_name(precision, vec, self._interleaved, cap)
+            for vec in self._widths
+            for cap in POSITION_CAPACITIES
+        }
+        self._position_slots: dict[int, _kernels.ArraySlot] = {}
         self._shape_args: tuple[np.int32, ...] = ()
         self._item = precision.itemsize
         # host work per launch, kept small (a B=1 decode is a few microseconds of it): the width
@@ -520,9 +603,11 @@ class CudaRopeOp(Operation):
         """:meth:`decode` of ``q``, ``k`` ``[B, 1, width]`` at ``positions`` (read at each call),
         as a callable of no arguments (a decode plan run with the context active; the caller
         checked the positions). Where the table covers the positions, one launch with the
-        strides checked here: at the step's position, or (ragged steps) at the positions' device
-        copy of the step (:meth:`DecodePositions.on_device`, shared with the other layers); the
-        rest goes through :meth:`apply`."""
+        strides checked here: at the step's position, or (ragged steps) at the positions passed
+        in the launch's parameters (at most the largest of :data:`POSITION_CAPACITIES`
+        sequences; more: the positions' device copy of the step,
+        :meth:`DecodePositions.on_device`, shared with the other layers); the rest goes through
+        :meth:`apply`."""
         general = bind_rope_decode(self.apply, q, k, positions)
         table = self.table
         assert table is not None, "CudaRopeOp used before build"
@@ -533,6 +618,7 @@ class CudaRopeOp(Operation):
         # the plan keeps q and k (its own buffers) alive, as a packed launch needs
         at = (PACKED_DECODE and self.packed_launcher(q, k)) or self.launcher(q, k)
         limit = table.static_len
+        each = positions.each.reshape(-1, 1)  # a view: the step's positions, [B, 1]
 
         def rotate() -> None:
             top = positions.highest
@@ -544,8 +630,12 @@ class CudaRopeOp(Operation):
                 general()
             elif positions.uniform:
                 self._launch(q, k, q, k, *tables, None, top, False)
-            else:
-                self._launch(q, k, q, k, *tables, positions.on_device(ctx), 0, False)
+            else:  # in the launch's parameters where they fit, else the step's device copy
+                by_value = self._positions_by_value(each, each.shape)
+                if by_value is not None:
+                    self._launch(q, k, q, k, *tables, by_value[1], 0, False, False, by_value[0])
+                else:
+                    self._launch(q, k, q, k, *tables, positions.on_device(ctx), 0, False)
 
         return rotate
 
@@ -636,6 +726,20 @@ class CudaRopeOp(Operation):
             self._launch(q, k, q_out, k_out, *tables, None, offset, inverse)
             return
         per_axis = positions is not None and positions.ndim == 3  # M-RoPE positions [3, B, T]
+        if tables is not None and positions is not None:
+            # explicit positions (a decode step's, one per sequence): in the launch's
+            # parameters where they fit, so nothing is uploaded
+            shape = (3, n_b, n_t) if per_axis else (n_b, n_t)
+            by_value = self._positions_by_value(positions, shape)
+            if by_value is not None:
+                cap, arg = by_value
+                args = (q, k, q_out, k_out, *tables, arg, offset, inverse, per_axis, cap)
+                if _kernels.device_is_current(ctx):
+                    self._launch(*args)
+                else:
+                    with ctx.activate():
+                        self._launch(*args)
+                return
         with ctx.activate():
             if tables is None:  # a length-dependent type past its original context: rows per call
                 cos_rows, sin_rows, offset, positions = table.call_rows(
@@ -651,6 +755,21 @@ class CudaRopeOp(Operation):
                 )
             self._launch(q, k, q_out, k_out, *tables, pos, offset, inverse, per_axis)
 
+    def _positions_by_value(self, positions: np.ndarray, shape: tuple[int, ...]) -> Any:
+        """``(capacity, argument)``: ``positions`` broadcast to ``shape`` in the by-value
+        argument of the smallest capacity of :data:`POSITION_CAPACITIES` that holds them
+        (written now, for the next launch); None where none does. The caller checked that
+        every position is below the table's length (so it fits in an int32)."""
+        n = math.prod(shape)
+        for cap in POSITION_CAPACITIES:
+            if n <= cap:
+                slot = self._position_slots.get(cap)
+                if slot is None:
+                    slot = _kernels.ArraySlot(self.context.xp, np.int32, cap)
+                    self._position_slots[cap] = slot
+                return cap, slot(np.broadcast_to(positions, shape))
+        return None
+
     def _launch(
         self,
         q: Any,
@@ -663,9 +782,11 @@ class CudaRopeOp(Operation):
         offset: int,
         inverse: bool,
         per_axis: bool = False,
+        capacity: int = 0,
     ) -> None:
         """One launch on the context's stream: a block per token (``pos``: int64 ``[B, T]``,
-        ``[3, B, T]`` when ``per_axis`` (M-RoPE), or None)."""
+        ``[3, B, T]`` when ``per_axis`` (M-RoPE), or None; with a ``capacity``, the by-value
+        argument of :meth:`_positions_by_value` holding them, for ``rope_qk_at``)."""
         ctx = self.context
         n_b, n_t = q.shape[0], q.shape[1]
         n_freq = self.table.n_freq  # type: ignore[union-attr]
@@ -681,15 +802,19 @@ class CudaRopeOp(Operation):
             self._signs[inverse], flags[copy_rest],
             *(self._mrope_args if per_axis else self._no_mrope),
         )  # fmt: skip
+        if capacity:
+            name, names = self._at_name_of[vec, capacity], self._at_names
+        else:
+            name, names = self._name_of[vec], self._names
         _kernels.launch(
             ctx,
             ROPE_CUDA_SOURCE,
-            self._name_of[vec],
+            name,
             (n_b * n_t,),
             _THREADS,
             args,
             shared_mem=2 * n_freq * 4,
-            name_expressions=self._names,
+            name_expressions=names,
         )
 
     def _strides_of(self, q: Any, k: Any, q_out: Any, k_out: Any) -> tuple[Any, ...]:

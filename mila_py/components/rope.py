@@ -214,8 +214,8 @@ class Rope(Component):
                 if given[0] is q and given[1] is k:  # this device's own arrays, now checked
                     self._remember_decoded(q, k)
                 return
-            positions = self._check_positions(position, (q.shape[0],), "position")
-            self._apply_positions(q, k, positions[..., None])
+            positions, high = self._check_positions(position, (q.shape[0],), "position")
+            self._op.apply(q, k, positions=positions[..., None], seq_len=high + 1)
         finally:
             self._release_foreign()
 
@@ -255,8 +255,8 @@ class Rope(Component):
         try:
             q, k = self._device_arrays(q, k)
             self._check_qk(q, k)
-            positions = self._check_positions(positions, q.shape[:2], "positions")
-            self._apply_positions(q, k, positions)
+            positions, high = self._check_positions(positions, q.shape[:2], "positions")
+            self._op.apply(q, k, positions=positions, seq_len=high + 1)
         finally:
             self._release_foreign()
 
@@ -299,12 +299,12 @@ class Rope(Component):
                     dq, dk, offset=0, seq_len=n_t, inverse=True, q_out=dq_in, k_out=dk_in
                 )
             else:
-                pos = self._check_positions(positions, (n_b, n_t), "positions")
+                pos, high = self._check_positions(positions, (n_b, n_t), "positions")
                 self._op.apply(
                     dq,
                     dk,
                     positions=pos,
-                    seq_len=_seq_len(pos),
+                    seq_len=high + 1,
                     inverse=True,
                     q_out=dq_in,
                     k_out=dk_in,
@@ -329,9 +329,6 @@ class Rope(Component):
         """Order the producers of adopted arrays (torch's stream) after this call's launches."""
         if self._context is not None:
             self._context.release_foreign()
-
-    def _apply_positions(self, q: Any, k: Any, positions: np.ndarray) -> None:
-        self._op.apply(q, k, positions=positions, seq_len=_seq_len(positions))
 
     def _require_built(self, what: str) -> None:
         if self._build_context is None:
@@ -418,8 +415,11 @@ class Rope(Component):
             raise ValueError(f"{self._describe()}: {name} must be >= 0, got {number}")
         return number
 
-    def _check_positions(self, positions: Any, shape: tuple[int, ...], name: str) -> np.ndarray:
-        """Host int64 positions broadcast-compatible with ``shape``, all in ``[0, max_seq_len)``.
+    def _check_positions(
+        self, positions: Any, shape: tuple[int, ...], name: str
+    ) -> tuple[np.ndarray, int]:
+        """Host int64 positions broadcast-compatible with ``shape``, all in ``[0, max_seq_len)``,
+        and the highest of them (0 when there are none): a call at them spans ``highest + 1``.
 
         With an M-RoPE config, positions with one more leading axis of length 3 (``[3, B, T]``
         for ``shape = (B, T)``) are per-axis positions; they are returned broadcast to
@@ -430,14 +430,16 @@ class Rope(Component):
         ):
             positions = self.execution_context.to_host(positions)
         array = np.asarray(positions)
-        if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
+        if array.dtype.kind not in "iu":  # signed or unsigned integers (not bool: kind "b")
             raise TypeError(f"{self._describe()}: {name} must be integers, got dtype {array.dtype}")
         per_axis = array.ndim == len(shape) + 1 and array.shape[0] == 3
         target = (3, *shape) if per_axis else tuple(shape)
-        try:
-            fits = np.broadcast_shapes(array.shape, target) == target
-        except ValueError:
-            fits = False
+        fits = array.shape == target  # the usual case, without NumPy's broadcast machinery
+        if not fits:
+            try:
+                fits = np.broadcast_shapes(array.shape, target) == target
+            except ValueError:
+                fits = False
         if per_axis and fits and not self.config.is_mrope:
             raise ValueError(
                 f"{self._describe()}: {name} of shape {array.shape} are M-RoPE positions "
@@ -454,7 +456,7 @@ class Rope(Component):
             )
         if array.size == 0:
             if math.prod(target) == 0:  # an empty batch: nothing to rotate
-                return np.zeros(target, dtype=np.int64)
+                return np.zeros(target, dtype=np.int64), 0
             raise ValueError(f"{self._describe()}: {name} is empty")
         low, high = int(array.min()), int(array.max())
         if low < 0:
@@ -465,7 +467,7 @@ class Rope(Component):
                 f"< max_seq_len = {self.config.max_seq_len}"
             )
         array = array.astype(np.int64, copy=False)
-        return np.broadcast_to(array, target) if per_axis else array
+        return (np.broadcast_to(array, target) if per_axis else array), high
 
     def _extra_repr(self) -> str:
         cfg = self.config
@@ -480,8 +482,3 @@ class Rope(Component):
 def _is_writeable(x: Any) -> bool:
     flags = getattr(x, "flags", None)
     return bool(getattr(flags, "writeable", True)) if flags is not None else True
-
-
-def _seq_len(positions: np.ndarray) -> int:
-    """The length a call at ``positions`` spans (1 for an empty batch)."""
-    return int(positions.max()) + 1 if positions.size else 1

@@ -553,7 +553,10 @@ class ArraySlot:
     def __call__(self, values: np.ndarray) -> Any:
         """Write ``values`` (any shape, at most :attr:`capacity` elements, cast as C casts
         them: the caller knows they fit) and return the launch argument."""
-        np.copyto(self.values[: values.size].reshape(values.shape), values, casting="unsafe")
+        if values.ndim == 1:
+            self.values[: values.size] = values  # NumPy casts on assignment
+        else:
+            np.copyto(self.values[: values.size].reshape(values.shape), values, casting="unsafe")
         return self._arg
 
 

@@ -705,7 +705,7 @@ class CudaRopeOp(Operation):
         n_b, n_t = int(q.shape[0]), int(q.shape[1])
         if n_b == 0 or n_t == 0:  # nothing to rotate (empty arrays may carry any strides)
             return
-        item = self.precision.itemsize
+        item = self._item
         for a in (q, k, q_out, k_out):
             if a.strides[2] != item:
                 raise ValueError(
@@ -767,7 +767,9 @@ class CudaRopeOp(Operation):
                 if slot is None:
                     slot = _kernels.ArraySlot(self.context.xp, np.int32, cap)
                     self._position_slots[cap] = slot
-                return cap, slot(np.broadcast_to(positions, shape))
+                if positions.shape != shape:
+                    positions = np.broadcast_to(positions, shape)
+                return cap, slot(positions)
         return None
 
     def _launch(

@@ -16,7 +16,9 @@ header: NVRTC's header discovery differs between CuPy installs, and CuPy's bundl
 
 Positions are validated on the host by the Rope component before launch; the op re-checks
 ``seq_len`` against the table in O(1), so a bad call never reads past the table and Q, K stay
-untouched.
+untouched. Explicit positions (a decode step's, one per sequence) that fit
+:data:`POSITION_CAPACITIES` travel in the launch itself, as a by-value int32 struct parameter of
+``rope_qk_at`` (the same kernel body), so such a call uploads nothing; more go to device memory.
 
 The source (:data:`ROPE_CUDA_SOURCE`: a template rendered by :func:`rope_source` with the
 tuning knobs of :data:`ROPE_TUNING`, which change no result bit) is compiled and launched through

@@ -3,8 +3,11 @@ library and emulated ``CUDA:0`` for the ``*_emulated`` modules."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,6 +38,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run with mila_py.ops.cuda.linear.DIRECT_GEMM on: a decode plan's matrix "
         "products call cuBLAS sgemm with their arguments made once",
     )
+    parser.addoption(
+        "--emulate-gpu",
+        action="store_true",
+        help="on a machine without a GPU, run tests/cuda (only) on the kernel emulator's "
+        "CUDA:0 with a NumPy stand-in for cupy (tests/emulated_cupy.py); tests marked "
+        "real_gpu are skipped",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -46,6 +56,46 @@ def pytest_configure(config: pytest.Config) -> None:
         from mila_py.ops.cuda import linear
 
         linear.DIRECT_GEMM = True
+    if config.getoption("--emulate-gpu"):
+        _start_gpu_emulation(config)
+
+
+def _start_gpu_emulation(config: pytest.Config) -> None:
+    """``--emulate-gpu``: before the GPU test files are imported, ``cupy`` is the stand-in,
+    ``cuda_device_count()`` is 1 and ``CUDA:0`` is the kernel emulator's (until the run ends)."""
+    if HAS_CUDA:
+        raise pytest.UsageError("--emulate-gpu is for machines without a GPU: run tests/cuda as is")
+    cuda_tests = Path(__file__).parent / "cuda"
+    paths = [Path(str(arg).split("::")[0]).resolve() for arg in config.args]
+    if not paths or not all(p == cuda_tests or cuda_tests in p.parents for p in paths):
+        raise pytest.UsageError(
+            f"--emulate-gpu runs {cuda_tests} only (it replaces cupy for the whole process); "
+            f"got {config.args}"
+        )
+    import emulated_cupy
+    from kernel_emulator import emulated_cuda_devices, ops_library
+
+    from mila_py.devices import cuda as cuda_module
+
+    sys.modules["cupy"] = emulated_cupy.standin()
+    cuda_module.cuda_device_count = lambda: 1  # type: ignore[assignment]
+    stack = contextlib.ExitStack()
+    stack.enter_context(emulated_cuda_devices(ops_library()))
+    config.add_cleanup(stack.close)
+    config.stash[_EMULATING] = True
+
+
+_EMULATING = pytest.StashKey[bool]()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.stash.get(_EMULATING, False):
+        return
+    for item in items:
+        marker = item.get_closest_marker("real_gpu")
+        if marker is not None:
+            why = marker.args[0] if marker.args else "CuPy on a GPU"
+            item.add_marker(pytest.mark.skip(reason=f"--emulate-gpu: needs a real GPU ({why})"))
 
 
 @pytest.fixture(scope="session")

@@ -634,6 +634,7 @@ def emulated_cuda_devices(library: KernelLibrary) -> Iterator[None]:
     dropped on exit, as are any made before (which a CUDA Rope must not pick up).
     """
     from mila_py import component as component_module
+    from mila_py import devices as devices_module
     from mila_py.components import clear_rope_cache
     from mila_py.devices import cuda as cuda_module
     from mila_py.ops import registry
@@ -641,6 +642,7 @@ def emulated_cuda_devices(library: KernelLibrary) -> Iterator[None]:
     registry.registered_ops()  # load every op module
     saved = (
         component_module.create_execution_context,
+        devices_module.create_execution_context,
         cuda_module.shared_context,
         _kernels.launch,
         _kernels.sgemm,
@@ -660,6 +662,7 @@ def emulated_cuda_devices(library: KernelLibrary) -> Iterator[None]:
 
     clear_rope_cache()
     component_module.create_execution_context = create  # type: ignore[assignment]
+    devices_module.create_execution_context = create  # type: ignore[assignment]
     cuda_module.shared_context = lambda device: EmulatedContext()  # type: ignore[assignment]
     _kernels.launch, _kernels.sgemm = launch, emulated_sgemm  # type: ignore[assignment]
     try:
@@ -667,6 +670,7 @@ def emulated_cuda_devices(library: KernelLibrary) -> Iterator[None]:
     finally:
         (
             component_module.create_execution_context,
+            devices_module.create_execution_context,
             cuda_module.shared_context,
             _kernels.launch,
             _kernels.sgemm,

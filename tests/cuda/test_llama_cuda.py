@@ -490,6 +490,7 @@ def test_greedy_generate_equals_cpu(weights: str, rng) -> None:
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.real_gpu("device memory statistics (the emulator keeps its arrays on the host)")
 @pytest.mark.parametrize("build", MEMORY_BUILDS)
 @pytest.mark.parametrize("tie", [False, True])
 def test_memory_stats_equal_cpu(build: BuildContext, tie: bool) -> None:
@@ -505,6 +506,7 @@ def test_memory_stats_equal_cpu(build: BuildContext, tie: bool) -> None:
     assert stats[1].host_total_bytes == 0
 
 
+@pytest.mark.real_gpu("streams")
 def test_contexts_of_one_gpu_share_its_stream() -> None:
     """A model and a loss with contexts of their own run in call order (one stream)."""
     a, b = create_execution_context(DEVICE), create_execution_context(DEVICE)

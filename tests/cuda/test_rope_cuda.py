@@ -24,6 +24,7 @@ if cuda_device_count() == 0:
     pytest.skip("no CUDA GPU / CuPy", allow_module_level=True)
 
 import cupy
+from emulated_cupy import is_emulated
 from rope_helpers import (
     BF16,
     FP16,
@@ -63,6 +64,8 @@ def _cupy_has_bfloat16() -> bool:
 
 
 CUPY_BF16 = _cupy_has_bfloat16()
+#: run by ``--emulate-gpu``: ``cupy`` is the NumPy stand-in, CUDA:0 the kernel emulator's
+EMULATED = is_emulated(cupy)
 NO_BF16_REASON = (
     "this CuPy has no bfloat16 dtype (CuPy >= 14 has); BF16 is then checked with torch bf16 "
     "tensors in test_torch_tensors_are_rotated_in_place_through_dlpack"
@@ -123,6 +126,22 @@ def bits(x: Any) -> bytes:
     return np.ascontiguousarray(host).tobytes()
 
 
+def device_index(x: Any) -> int:
+    """The GPU holding device array ``x`` (under ``--emulate-gpu``, CUDA:0's NumPy arrays: 0)."""
+    return 0 if EMULATED else int(x.device.id)
+
+
+def write_bits(buffer: Any, host: np.ndarray) -> None:
+    """``host``'s bytes into device array ``buffer`` in place, as a decode loop writes its new
+    token (a copy from the host, no CuPy kernel: bf16 too)."""
+    host = np.ascontiguousarray(host)
+    assert host.nbytes == buffer.nbytes and buffer.flags.c_contiguous
+    if EMULATED:
+        buffer[...] = host
+    else:
+        buffer.data.copy_from_host(host.ctypes.data, host.nbytes)
+
+
 def raw(x: Any) -> Any:
     """Device array ``x`` seen as unsigned integers of its width: copies of it need no kernel
     of CuPy's for bfloat16."""
@@ -165,6 +184,7 @@ def assert_rest_untouched(x, x0, n_heads: int, head_dim: int, rotary_dim: int) -
 # ---------------------------------------------------------------------------------- kernels
 
 
+@pytest.mark.real_gpu("NVRTC modules and their kernels")
 @pytest.mark.parametrize("precision", PRECISIONS, ids=str)
 def test_every_kernel_instantiation_compiles_and_is_cached(precision: Precision) -> None:
     source, names = cuda_rope.ROPE_CUDA_SOURCE, tuple(cuda_rope.kernel_names(precision))
@@ -180,9 +200,11 @@ def test_every_kernel_instantiation_compiles_and_is_cached(precision: Precision)
         assert len(at_names) == len(cuda_rope.vector_widths(precision)) * len(
             cuda_rope.POSITION_CAPACITIES
         )
-        assert _kernels.module(source, 0, at_names) is not module
+        at_module = _kernels.module(source, 0, at_names)
+        assert at_module is not module and _kernels.module(source, 0, at_names) is at_module
         for name in at_names:
-            assert _kernels.kernel(source, name, 0, at_names) is not None
+            function = _kernels.kernel(source, name, 0, at_names)
+            assert _kernels.kernel(source, name, 0, at_names) is function
 
 
 # ---------------------------------------------------------------------------------- forward
@@ -413,7 +435,7 @@ def test_decode_again_on_the_same_buffers(
     for position in (5, 6, 7, 1023, 1024, 3000, 4095, np.int64(9), 2):
         q0, k0 = random_qk(rng, cfg, batch, 1, precision)
         for buffer, host in ((q, q0), (k, k0)):  # the loop's new token, in place (as bytes)
-            buffer.data.copy_from_host(np.ascontiguousarray(host).ctypes.data, host.nbytes)
+            write_bits(buffer, host)
         rope.decode(q, k, position)
         fresh_q, fresh_k = up(q0), up(k0)
         checked.decode(fresh_q, fresh_k, int(position))
@@ -534,7 +556,7 @@ def test_positions_by_value_give_the_uploaded_paths_bits(
     M-RoPE, up to 512) go in the launch's parameters, no upload at all, and give the bits of
     the same call with its positions uploaded (``POSITION_CAPACITIES`` empty). The struct's
     elements past the call's positions hold -1 (an earlier, larger call's) and are never read."""
-    section = {"mrope_section": (2, 2, 2)} if mrope else {}
+    section = {"mrope_section": (4, 2, 2)} if mrope else {}  # the 8 frequencies of 16
     cfg = rope_config((4, 2), 16, layout=layout, **section)
     rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
     ctx = rope.execution_context
@@ -819,7 +841,7 @@ def test_backward_matches_reference(
     ref_q, ref_k = reference(cfg, dq0[:1, :3], dk0[:1, :3], np.array([1500, 7, 2047]), inverse=True)
     assert_close(down(dq_in), ref_q, precision)
     assert_close(down(dk_in), ref_k, precision)
-    assert isinstance(dq_in, cupy.ndarray) and dq_in.device.id == 0
+    assert isinstance(dq_in, cupy.ndarray) and device_index(dq_in) == 0
 
 
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
@@ -928,6 +950,7 @@ def test_q_and_k_sharing_memory_are_refused_before_launch(precision: Precision, 
     assert_close(down(fused)[:, :, 24:], ref_k, precision)
 
 
+@pytest.mark.real_gpu("host and device arrays are both NumPy under emulation")
 def test_host_arrays_are_refused_with_the_device_in_the_message(rng) -> None:
     cfg = rope_config((3, 1), head_dim=8)
     rope = cuda_rope_of(cfg, 2, 4)
@@ -968,12 +991,13 @@ def test_shared_table_per_configuration_and_device() -> None:
     host = get_rope(cfg, "CPU")
     assert host is not a.table
     for array in a.table.arrays():
-        assert isinstance(array, cupy.ndarray) and array.device.id == 0
+        assert isinstance(array, cupy.ndarray) and device_index(array) == 0
         assert array.dtype == np.float32
     assert bits(a.table.cos) == bits(host.cos)  # formed once on the host, uploaded as fp32
     assert bits(a.table.sin) == bits(host.sin)
 
 
+@pytest.mark.real_gpu("CuPy's memory pool")
 @pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
 def test_memory_stats_equal_the_pool_delta_of_the_build(precision: Precision) -> None:
     """Device bytes counted by get_memory_stats() are exactly what the build took from CuPy's pool.
@@ -1013,6 +1037,7 @@ def test_memory_stats_equal_the_pool_delta_of_the_build(precision: Precision) ->
 # ---------------------------------------------------------------------------------- streams
 
 
+@pytest.mark.real_gpu("streams")
 def test_user_code_on_the_default_stream_needs_no_synchronize(rng) -> None:
     """The context's stream is ordered with the legacy default stream both ways."""
     cfg = rope_config((8, 2), head_dim=128, max_seq_len=8192)
@@ -1055,6 +1080,7 @@ class _DLPackOnly:
         return self._array.__dlpack_device__()
 
 
+@pytest.mark.real_gpu("foreign device arrays")
 @pytest.mark.parametrize("wrap", [_CudaArrayInterfaceOnly, _DLPackOnly], ids=["cai", "dlpack"])
 def test_as_device_array_views_foreign_arrays_without_a_copy(wrap, rng) -> None:
     cfg = rope_config((4, 2), head_dim=64)
@@ -1074,6 +1100,7 @@ def test_as_device_array_views_foreign_arrays_without_a_copy(wrap, rng) -> None:
     assert ctx.as_device_array(q_owner) is q_owner
 
 
+@pytest.mark.real_gpu("foreign device arrays")
 @pytest.mark.skipif(not COMPONENT_ADOPTS, reason=NO_ADOPT_REASON)
 @pytest.mark.parametrize("wrap", [_CudaArrayInterfaceOnly, _DLPackOnly], ids=["cai", "dlpack"])
 def test_rope_component_takes_foreign_arrays_directly(wrap, rng) -> None:

@@ -310,10 +310,14 @@ def component_rows(rope: Rope, q: Any, k: Any) -> list[tuple[str, Callable[[], A
 
     each = np.array([4000])  # a position per sequence (one sequence)
 
-    def uploaded() -> None:  # the same, its positions uploaded (no by-value kernel)
+    def alternating_each() -> None:  # checked calls, the positions in the launch
+        turn[0] ^= 1
+        rope.decode(*((q, k) if turn[0] else other), each)
+
+    def uploaded() -> None:  # checked calls, the positions uploaded (no by-value kernel)
         saved, cuda_rope.POSITION_CAPACITIES = cuda_rope.POSITION_CAPACITIES, ()
         try:
-            rope.decode(q, k, each)
+            alternating_each()
         finally:
             cuda_rope.POSITION_CAPACITIES = saved
 
@@ -324,8 +328,9 @@ def component_rows(rope: Rope, q: Any, k: Any) -> list[tuple[str, Callable[[], A
             lambda: rope.decode(q, k, 4000),
         ),
         ("Rope.decode, alternating buffers (checked)", alternating),
-        ("Rope.decode, positions [B] (by value)", lambda: rope.decode(q, k, each)),
-        ("Rope.decode, positions [B] (uploaded)", uploaded),
+        ("Rope.decode, positions [B], same buffers (fast path)", lambda: rope.decode(q, k, each)),
+        ("Rope.decode, positions [B], alternating (by value)", alternating_each),
+        ("Rope.decode, positions [B], alternating (uploaded)", uploaded),
         ("Rope._decode_at (no checks)", lambda: rope._decode_at(q, k, 4000)),
         ("CudaRopeOp.apply", lambda: op.apply(q, k, offset=4000, seq_len=4001)),
         ("CudaRopeOp._launch", lambda: op._launch(q, k, q, k, *tables, None, 4000, False)),

@@ -127,13 +127,25 @@ _ACTIONS = ["none"] * 4 + [
     "numpy",
     "int64",
 ]
+#: a position per sequence (B = 2): in range (int64 or int32), else out of range, of another
+#: shape or of another type
+_EACH = st.one_of(
+    st.tuples(st.integers(0, 63), st.integers(0, 63)).map(np.array),
+    st.tuples(st.integers(0, 63), st.integers(0, 63)).map(lambda t: np.array(t, np.int32)),
+    st.sampled_from([
+        np.array([3, 64]), np.array([-1, 5]), np.array([1, 2, 3]), np.array([[1], [2]]),
+        np.array([1.0, 2.0]), np.array([True, False]), np.array([5, 63], np.uint8), [4, 9],
+        np.array([3, 5], ">i8"), np.array([2**40, 5], ">i8"), np.array([2**40 + 3, 5]),
+    ]),
+)  # fmt: skip
 #: one step of a decode program: (which buffer pair, what to do to it first, the position)
 _STEPS = st.tuples(
     st.sampled_from([0, 0, 0, 1]),  # mostly the same pair, now and then the other
     st.sampled_from(_ACTIONS),
-    st.one_of(  # mostly in range; else out of range or not an int
+    st.one_of(  # mostly in range; else out of range or not an int; or one per sequence
         *[st.integers(0, 63)] * 4,
         st.sampled_from([-2, -1, 64, 65, 1000, True, False, 1.5, np.int64(-1), np.int64(64)]),
+        *[_EACH] * 2,
     ),
 )
 #: decode programs that start by decoding pair 0 twice (so a fast path exists for what follows)

@@ -871,8 +871,33 @@ def test_decode_again_skips_the_checks_of_its_buffers(cuda: None, monkeypatch, r
     before = len(launches(rope))
     rope.decode(q, k, 5)
     assert len(launches(rope)) == before + 1
+    q0, k0 = q.copy(), k.copy()
+    rope.decode(q, k, np.array([9, 63]))  # a position per sequence: the by-value launch
+    assert launches(rope)[-1].startswith("rope_qk_at<") and len(launches(rope)) == before + 2
+    expected_q, expected_k = reference(cfg, q0, k0, np.array([[9], [63]]))
+    assert_close(q, expected_q, FP32)
+    assert_close(k, expected_k, FP32)
     with pytest.raises(AssertionError, match="checked again"):  # another pair: checked
         rope.decode(q.copy(), k.copy(), 5)
+    for checked in (np.array([9, 64]), np.array([-1, 3]), [9, 10], np.array([1.0, 2.0])):
+        with pytest.raises(AssertionError, match="checked again"):  # out of range, not ints
+            rope.decode(q, k, checked)
+
+
+def test_positions_per_sequence_make_the_fast_path_too(cuda: None, rng) -> None:
+    """Decoding the same buffers twice with a position per sequence (a ragged batch's loop)
+    makes the fast path as int positions do; a plain int then takes it too."""
+    cfg = rope_config((4, 2), 16, max_seq_len=64)
+    rope = cuda_rope_of(cfg, 3, 1)
+    q, k = random_qk(rng, cfg, 3, 1)
+    for step in range(4):
+        positions = np.array([step, 2 * step, 60 - step])
+        q0, k0 = q.copy(), k.copy()
+        rope.decode(q, k, positions)
+        expected_q, expected_k = reference(cfg, q0, k0, positions[:, None])
+        assert_close(q, expected_q, FP32)
+        assert_close(k, expected_k, FP32)
+        assert (rope._fast_decode is not None) == (step >= 1)
 
 
 def test_decode_again_still_refuses_what_can_change(cuda: None, rng) -> None:

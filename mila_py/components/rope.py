@@ -216,6 +216,8 @@ class Rope(Component):
                 return
             positions, high = self._check_positions(position, (q.shape[0],), "position")
             self._op.apply(q, k, positions=positions[..., None], seq_len=high + 1)
+            if positions.ndim == 1 and given[0] is q and given[1] is k:  # not M-RoPE's [3, B]
+                self._remember_decoded(q, k)
         finally:
             self._release_foreign()
 

@@ -253,42 +253,66 @@ class FusedAdamW(Operation):
         raise NotImplementedError
 
 
+#: the unsigned integer type of each width: a signed array seen through it (see decode_again)
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
 def decode_again(
     q: Any,
     k: Any,
     limit: int,
     rotate: Callable[[Any, Any, int], None],
     ready: Callable[[Any, Any], bool],
+    rotate_each: Callable[[Any, Any, np.ndarray], None] | None = None,
 ) -> Callable[[Any, Any, Any], bool]:
     """A RoPE op's fast path for a component's ``decode`` called again on buffers it checked:
     ``again(q2, k2, position)`` calls ``rotate(q2, k2, position)`` and returns True when ``q2``
     and ``k2`` are ``q`` and ``k`` (the same objects, held weakly, with the shape, strides and
     dtype they had here), ``position`` an int in ``[0, limit)`` and ``ready(q2, k2)``; else it
-    does nothing and returns False (the caller takes its checked path)."""
+    does nothing and returns False (the caller takes its checked path).
+
+    With ``rotate_each``, a position per sequence too: ``position`` a NumPy integer array
+    ``[B]`` (B of ``q [B, 1, width]``, at least one), every one in ``[0, limit)``, calls
+    ``rotate_each(q2, k2, position)`` under the same conditions."""
     q_ref: Callable[[], Any] = weakref.ref(q)
     k_ref: Callable[[], Any] = weakref.ref(k)
     q_shape, q_strides, q_dtype = q.shape, q.strides, q.dtype
     k_shape, k_strides, k_dtype = k.shape, k.strides, k.dtype
-    integer = np.integer
+    integer, ndarray = np.integer, np.ndarray
+    each_shape = (q_shape[0],) if q_shape[0] else None  # an empty batch takes the checked path
 
-    def again(q2: Any, k2: Any, position: Any) -> bool:
-        if q2 is not q_ref() or k2 is not k_ref():
-            return False
-        if type(position) is not int:
-            if not isinstance(position, integer):
-                return False
-            position = int(position)
-        if not 0 <= position < limit:
-            return False
+    def same(q2: Any, k2: Any) -> bool:
         # one attribute at a time (a tuple of them costs ~0.4 us an array); a dtype that is not
         # the very object seen here only costs a checked call
         if q2.dtype is not q_dtype or q2.shape != q_shape or q2.strides != q_strides:
             return False
         if k2.dtype is not k_dtype or k2.shape != k_shape or k2.strides != k_strides:
             return False
-        if not ready(q2, k2):
+        return ready(q2, k2)
+
+    def again(q2: Any, k2: Any, position: Any) -> bool:
+        if q2 is not q_ref() or k2 is not k_ref():
+            return False
+        if type(position) is not int:
+            if type(position) is ndarray and rotate_each is not None:
+                return each_again(q2, k2, position)
+            if not isinstance(position, integer):
+                return False
+            position = int(position)
+        if not 0 <= position < limit or not same(q2, k2):
             return False
         rotate(q2, k2, position)
+        return True
+
+    def each_again(q2: Any, k2: Any, positions: np.ndarray) -> bool:
+        kind = positions.dtype.kind
+        if positions.shape != each_shape or kind not in "iu" or not positions.dtype.isnative:
+            return False
+        # one reduction for both bounds: seen as unsigned, a negative position is past any limit
+        unsigned = positions.view(_UNSIGNED[positions.dtype.itemsize]) if kind == "i" else positions
+        if unsigned.max() >= limit or not same(q2, k2):
+            return False
+        rotate_each(q2, k2, positions)  # type: ignore[misc]
         return True
 
     return again

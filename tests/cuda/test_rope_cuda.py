@@ -418,7 +418,8 @@ def test_decode_again_on_the_same_buffers(
     """A decode loop on one Q/K pair: from the second call on, one launch with its arguments
     made once (CuPy's by-value objects for the scalars, or every argument packed once for
     ``cuLaunchKernel`` with ``PACKED_DECODE``) and nothing re-checked; past dynamic NTK's
-    original context (1024) the checked path computes rows per call. Each step equals the
+    original context (1024) the checked path computes rows per call. A position per sequence
+    takes the by-value kernel's fast path while every one is under 1024. Each step equals the
     float64 reference, and decoding a fresh copy (the checked path) gives the same bits."""
     monkeypatch.setattr(cuda_rope, "PACKED_DECODE", packed)
     extra = (
@@ -432,15 +433,18 @@ def test_decode_again_on_the_same_buffers(
     rope = cuda_rope_of(cfg, batch, 1, precision=precision)
     checked = cuda_rope_of(cfg, batch, 1, precision=precision)  # fresh buffers: checked calls
     q, k = (up(x) for x in random_qk(rng, cfg, batch, 1, precision))
-    for position in (5, 6, 7, 1023, 1024, 3000, 4095, np.int64(9), 2):
+    each = (np.array([8, 1000]), np.array([1023, 4]), np.array([3000, 7]), np.array([11, 12]))
+    for position in (5, 6, 7, 1023, 1024, 3000, 4095, np.int64(9), 2, *each):
         q0, k0 = random_qk(rng, cfg, batch, 1, precision)
         for buffer, host in ((q, q0), (k, k0)):  # the loop's new token, in place (as bytes)
             write_bits(buffer, host)
         rope.decode(q, k, position)
         fresh_q, fresh_k = up(q0), up(k0)
-        checked.decode(fresh_q, fresh_k, int(position))
+        checked.decode(fresh_q, fresh_k, position if np.ndim(position) else int(position))
         assert bits(q) == bits(fresh_q) and bits(k) == bits(fresh_k)
-        ref_q, ref_k = reference(cfg, q0, k0, np.full((batch, 1), int(position)))
+        ref_q, ref_k = reference(
+            cfg, q0, k0, np.broadcast_to(np.reshape(position, (-1, 1)), (batch, 1))
+        )
         assert_close(down(q), ref_q, precision)
         assert_close(down(k), ref_k, precision)
     assert rope._fast_decode is not None

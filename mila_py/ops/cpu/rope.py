@@ -165,9 +165,11 @@ class CpuRopeOp(Operation):
     def decode_fast_path(self, q: Any, k: Any) -> Callable[[Any, Any, Any], bool] | None:
         """For a component whose ``decode`` is called again and again on the buffers ``q``,
         ``k`` ``[B, 1, width]`` it has checked: ``again(q2, k2, position)`` rotates them at
-        ``position`` with one call of the fused kernel (its arguments made here) and returns
-        True when they are those arrays (:func:`~mila_py.ops.operation.decode_again`), still
-        writeable, ``position`` under the table's :attr:`~RopeTable.static_len`, and the fused path in use; else False, having done nothing. None where
+        ``position`` (an int, or a NumPy integer array ``[B]``: one per sequence) with one call
+        of the fused kernel (its arguments made here) and returns True when they are those
+        arrays (:func:`~mila_py.ops.operation.decode_again`), still writeable, every position
+        under the table's :attr:`~RopeTable.static_len`, and the fused path in use; else False,
+        having done nothing. None where
         one single-threaded kernel call does not apply (the NumPy path, 16-bit data, a batch
         large enough to split over the cores)."""
         table = self.table
@@ -185,10 +187,14 @@ class CpuRopeOp(Operation):
         def rotate(q: Any, k: Any, position: int) -> None:
             kernel(q, k, cos, sin, position, no_positions, False, 0, n_rows, *args)
 
+        def rotate_each(q: Any, k: Any, positions: np.ndarray) -> None:  # [B]: one per sequence
+            each = np.ascontiguousarray(positions, dtype=np.int64).reshape(n_rows, 1)
+            kernel(q, k, cos, sin, 0, each, True, 0, n_rows, *args)
+
         def ready(q: Any, k: Any) -> bool:  # the backend may be switched between calls
             return bool(self._fused_on and q.flags.writeable and k.flags.writeable)
 
-        return decode_again(q, k, table.static_len, rotate, ready)
+        return decode_again(q, k, table.static_len, rotate, ready, rotate_each)
 
     def apply(
         self,

@@ -486,6 +486,14 @@ PACKED_DECODE = False
 POSITION_CAPACITIES = (64, 512)
 
 
+def _capacity_for(n: int) -> int | None:
+    """The smallest of :data:`POSITION_CAPACITIES` that holds ``n`` positions (None: none)."""
+    for cap in POSITION_CAPACITIES:
+        if n <= cap:
+            return cap
+    return None
+
+
 def vector_widths(precision: Precision) -> tuple[int, ...]:
     """Elements per access the kernels are instantiated for, widest first (16, 8, 4, 2 bytes)."""
     item = precision.itemsize
@@ -619,14 +627,19 @@ class CudaRopeOp(Operation):
         ctx = self.context
         # the plan keeps q and k (its own buffers) alive, as a packed launch needs
         at = (PACKED_DECODE and self.packed_launcher(q, k)) or self.launcher(q, k)
+        at_each = self.launcher_each(q, k)
         limit = table.static_len
         each = positions.each.reshape(-1, 1)  # a view: the step's positions, [B, 1]
 
         def rotate() -> None:
             top = positions.highest
-            if positions.uniform and top < limit and at is not None:
-                at(q, k, top)
-                return
+            if top < limit:
+                if positions.uniform and at is not None:
+                    at(q, k, top)
+                    return
+                if not positions.uniform and at_each is not None:
+                    at_each(q, k, positions.each)
+                    return
             tables = table.tables_for(top + 1)
             if tables is None:
                 general()
@@ -762,17 +775,20 @@ class CudaRopeOp(Operation):
         argument of the smallest capacity of :data:`POSITION_CAPACITIES` that holds them
         (written now, for the next launch); None where none does. The caller checked that
         every position is below the table's length (so it fits in an int32)."""
-        n = math.prod(shape)
-        for cap in POSITION_CAPACITIES:
-            if n <= cap:
-                slot = self._position_slots.get(cap)
-                if slot is None:
-                    slot = _kernels.ArraySlot(self.context.xp, np.int32, cap)
-                    self._position_slots[cap] = slot
-                if positions.shape != shape:
-                    positions = np.broadcast_to(positions, shape)
-                return cap, slot(positions)
-        return None
+        cap = _capacity_for(math.prod(shape))
+        if cap is None:
+            return None
+        if positions.shape != shape:
+            positions = np.broadcast_to(positions, shape)
+        return cap, self._position_slot(cap)(positions)
+
+    def _position_slot(self, capacity: int) -> _kernels.ArraySlot:
+        """The op's by-value positions argument of ``capacity`` (made once, written per call)."""
+        slot = self._position_slots.get(capacity)
+        if slot is None:
+            slot = _kernels.ArraySlot(self.context.xp, np.int32, capacity)
+            self._position_slots[capacity] = slot
+        return slot
 
     def _launch(
         self,
@@ -869,6 +885,40 @@ class CudaRopeOp(Operation):
 
         return rotate_at
 
+    def launcher_each(self, q: Any, k: Any) -> Callable[[Any, Any, np.ndarray], None] | None:
+        """``rotate_each(q, k, positions)``: rotate ``q`` ``[B, 1, n_heads * head_dim]`` and
+        ``k`` in place at ``positions`` (integers ``[B]``, a position per sequence), one launch of
+        the by-value positions kernel whose other arguments are made here (:meth:`launcher`'s,
+        with the positions' struct, written per call, in place of the offset). Same contract as
+        :meth:`launcher`: these very arrays, the device current, every position below
+        :attr:`RopeTable.static_len`. None where :meth:`launcher` does not apply, ``T != 1``,
+        or ``B`` is past the largest of :data:`POSITION_CAPACITIES`."""
+        if q.shape[1] != 1 or not self._one_launch_applies(q, k):
+            return None
+        cap = _capacity_for(int(q.shape[0]))
+        if cap is None:
+            return None
+        assert self.table is not None  # _one_launch_applies checked it
+        call = _kernels.bind_launch(
+            self.context,
+            ROPE_CUDA_SOURCE,
+            self._at_name_of[self.vector_width(q, k), cap],
+            (int(q.shape[0]),),
+            _THREADS,
+            shared_mem=2 * self.table.n_freq * 4,
+            name_expressions=self._at_names,
+        )
+        slot = self._position_slot(cap)
+        bound = [self._bound(v) if isinstance(v, np.generic) else v
+                 for v in self.launch_values(q, k, np.int64(0))]  # fmt: skip
+        # launch_values' layout: the tables, then (positions, use_positions, offset, ...)
+        tables, tail = tuple(bound[4:6]), (self._flags[1], *bound[8:])
+
+        def rotate_each(q: Any, k: Any, positions: np.ndarray) -> None:
+            call((q, q, k, k, *tables, slot(positions), *tail))
+
+        return rotate_each
+
     def _one_launch_applies(self, q: Any, k: Any) -> bool:
         """:meth:`launcher` applies: rows to rotate, and last axes that are contiguous."""
         assert self.table is not None, "CudaRopeOp used before build"
@@ -938,9 +988,10 @@ class CudaRopeOp(Operation):
         ``k`` ``[B, 1, width]`` it has checked: ``again(q2, k2, position)`` rotates them at
         ``position`` with one launch and returns True when ``q2`` and ``k2`` are those arrays
         (the same objects, held weakly, with the same shape, strides and dtype), ``position``
-        an int below :attr:`RopeTable.static_len` and the device current; else it does nothing
-        and returns False (the caller takes its checked path). None where :meth:`launcher`
-        does not apply.
+        an int below :attr:`RopeTable.static_len` (or, where :meth:`launcher_each` applies, a
+        NumPy integer array ``[B]`` of such positions, one per sequence) and the device current;
+        else it does nothing and returns False (the caller takes its checked path). None where
+        :meth:`launcher` does not apply.
 
         The launch is :meth:`packed_launcher`'s where ``packed`` (default
         :data:`PACKED_DECODE`), else :meth:`launcher`'s; the identity check above is what
@@ -955,4 +1006,11 @@ class CudaRopeOp(Operation):
         xp = self.context.xp
         device = self.context.device_id.index
         get_device = (lambda: device) if xp is np else xp.cuda.runtime.getDevice
-        return decode_again(q, k, self.table.static_len, at, lambda q, k: get_device() == device)
+        return decode_again(
+            q,
+            k,
+            self.table.static_len,
+            at,
+            lambda q, k: get_device() == device,
+            self.launcher_each(q, k),
+        )

@@ -10,7 +10,8 @@ Measures, for Q ``[B, T, Hq*d]`` and K ``[B, T, Hk*d]`` in fp32:
 - Hugging Face ``apply_rotary_pos_emb`` in torch eager, when torch and transformers are installed;
 - ``Rope.decode`` for B=1 (whole component calls), in microseconds per call: on the same buffers
   again (the component's fast path: identity, shape and position checks, one kernel call), and
-  alternating between two buffer pairs (every call fully checked).
+  alternating between two buffer pairs (every call fully checked); each at an int position and
+  with a position per sequence (``[B]``).
 
 Run: ``python benchmarks/rope_cpu.py`` (``--help`` for shapes). Prints a table with ratios.
 """
@@ -205,20 +206,24 @@ def main() -> None:
     other = dq.copy(), dk.copy()
     turn = [0]
 
-    def alternating() -> None:  # two buffer pairs taking turns: every call checked
+    each = np.array([1234])  # a position per sequence (B=1)
+
+    def alternating(position: object = 1234) -> None:  # two pairs taking turns: every call checked
         turn[0] ^= 1
         q, k = (dq, dk) if turn[0] else other
-        rope.decode(q, k, 1234)
+        rope.decode(q, k, position)
 
-    print(f"\n{'Rope.decode B=1 (whole call)':<42} {'us/call':>9}")
+    print(f"\n{'Rope.decode B=1 (whole call)':<46} {'us/call':>9}")
     for backend in backends:
         rope.op.backend = backend
         for label, call in (
             ("same buffers again", lambda: rope.decode(dq, dk, 1234)),
             ("alternating buffers (checked)", alternating),
+            ("same buffers again, positions [B]", lambda: rope.decode(dq, dk, each)),
+            ("alternating buffers, positions [B]", lambda: alternating(each)),
         ):
             seconds = _per_call_seconds(call, calls=2000)
-            print(f"{'  ' + backend + ', ' + label:<42} {seconds * 1e6:9.2f}")
+            print(f"{'  ' + backend + ', ' + label:<46} {seconds * 1e6:9.2f}")
     rope.op.backend = "auto"
 
 

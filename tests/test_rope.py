@@ -433,6 +433,27 @@ def test_decode_again_still_checks_what_can_change(rng) -> None:
     assert_close(k, want_k, FP32)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "max_seq_len"), [(np.int8, 200), (np.int16, 40000), (np.int32, 64)]
+)
+def test_negative_positions_per_sequence_are_refused_on_the_fast_path(
+    dtype: Any, max_seq_len: int, rng
+) -> None:
+    """On the CPU fast path too: a negative position of a narrow signed type is refused as on
+    the checked path (seen as unsigned it would pass under a long table), Q and K untouched."""
+    cfg = rope_config((2, 1), 8, max_seq_len=max_seq_len)
+    rope = make_rope(cfg, 2, 1, backend="fused")
+    q, k = random_qk(rng, cfg, 2, 1)
+    rope.decode(q, k, np.array([1, 2]))
+    rope.decode(q, k, np.array([3, 4]))
+    assert rope._fast_decode is not None
+    before_q, before_k = q.copy(), k.copy()
+    for bad in (np.array([-1, 5], dtype), np.array([3, np.iinfo(dtype).min], dtype)):
+        with pytest.raises(ValueError, match=">= 0"):
+            rope.decode(q, k, bad)
+        assert q.tobytes() == before_q.tobytes() and k.tobytes() == before_k.tobytes()
+
+
 @settings(max_examples=60, deadline=None)
 @given(program=DECODE_PROGRAMS, config=DECODE_CONFIGS, seed=st.integers(0, 2**16))
 def test_any_program_of_decodes_matches_a_fresh_checked_component(program, config, seed) -> None:  # type: ignore[no-untyped-def]

@@ -884,6 +884,46 @@ def test_decode_again_skips_the_checks_of_its_buffers(cuda: None, monkeypatch, r
             rope.decode(q, k, checked)
 
 
+def test_the_per_sequence_launch_is_bound_at_the_first_array_of_positions(
+    cuda: None, monkeypatch, rng
+) -> None:
+    """A fast path binds its per-sequence launch (whose module NVRTC compiles) when positions
+    per sequence first come, once: a loop at int positions never binds it."""
+    cfg = rope_config((4, 2), 16, max_seq_len=64)
+    rope = cuda_rope_of(cfg, 2, 1)
+    bound: list[int] = []
+    real_bind = rope.op._bind_each
+    monkeypatch.setattr(rope.op, "_bind_each", lambda *a: bound.append(1) or real_bind(*a))
+    q, k = random_qk(rng, cfg, 2, 1)
+    for position in range(6):
+        rope.decode(q, k, position)
+    assert rope._fast_decode is not None and bound == []
+    for _ in range(3):
+        rope.decode(q, k, np.array([3, 40]))
+    assert bound == [1]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "max_seq_len"), [(np.int8, 200), (np.int16, 40000), (np.int32, 64)]
+)
+def test_negative_positions_per_sequence_are_refused_on_the_fast_path(
+    cuda: None, dtype: Any, max_seq_len: int, rng
+) -> None:
+    """A negative position of a narrow signed type (seen as unsigned, -1 of int8 is 255: under
+    a table of 200) is refused on the fast path as on the checked one, Q and K untouched."""
+    cfg = rope_config((2, 1), 8, max_seq_len=max_seq_len)
+    rope = cuda_rope_of(cfg, 2, 1)
+    q, k = random_qk(rng, cfg, 2, 1)
+    rope.decode(q, k, np.array([1, 2]))
+    rope.decode(q, k, np.array([3, 4]))
+    assert rope._fast_decode is not None
+    before_q, before_k = q.copy(), k.copy()
+    for bad in (np.array([-1, 5], dtype), np.array([3, np.iinfo(dtype).min], dtype)):
+        with pytest.raises(ValueError, match=">= 0"):
+            rope.decode(q, k, bad)
+        assert same_bits(q, before_q) and same_bits(k, before_k)
+
+
 def test_positions_per_sequence_make_the_fast_path_too(cuda: None, rng) -> None:
     """Decoding the same buffers twice with a position per sequence (a ragged batch's loop)
     makes the fast path as int positions do; a plain int then takes it too."""

@@ -305,12 +305,18 @@ def decode_again(
         return True
 
     def each_again(q2: Any, k2: Any, positions: np.ndarray) -> bool:
-        kind = positions.dtype.kind
-        if positions.shape != each_shape or kind not in "iu" or not positions.dtype.isnative:
+        dtype = positions.dtype
+        if positions.shape != each_shape or dtype.kind not in "iu" or not dtype.isnative:
             return False
-        # one reduction for both bounds: seen as unsigned, a negative position is past any limit
-        unsigned = positions.view(_UNSIGNED[positions.dtype.itemsize]) if kind == "i" else positions
-        if unsigned.max() >= limit or not same(q2, k2):
+        if dtype.kind == "i":
+            # one reduction for both bounds: seen as unsigned, a negative position is at least
+            # 2**(bits - 1), past any limit up to that (int32, int64); narrower types need two
+            if limit > 1 << (8 * dtype.itemsize - 1) and positions.min() < 0:
+                return False
+            positions_unsigned = positions.view(_UNSIGNED[dtype.itemsize])
+        else:
+            positions_unsigned = positions
+        if positions_unsigned.max() >= limit or not same(q2, k2):
             return False
         rotate_each(q2, k2, positions)  # type: ignore[misc]
         return True

@@ -433,12 +433,20 @@ def test_decode_again_on_the_same_buffers(
     rope = cuda_rope_of(cfg, batch, 1, precision=precision)
     checked = cuda_rope_of(cfg, batch, 1, precision=precision)  # fresh buffers: checked calls
     q, k = (up(x) for x in random_qk(rng, cfg, batch, 1, precision))
+    checks = [0]  # checked calls on the pair
+    real_check = rope._check_qk
+    monkeypatch.setattr(
+        rope, "_check_qk", lambda *a, **kw: checks.append(1) or real_check(*a, **kw)
+    )
     each = (np.array([8, 1000]), np.array([1023, 4]), np.array([3000, 7]), np.array([11, 12]))
-    for position in (5, 6, 7, 1023, 1024, 3000, 4095, np.int64(9), 2, *each):
+    for step, position in enumerate((5, 6, 7, 1023, 1024, 3000, 4095, np.int64(9), 2, *each)):
         q0, k0 = random_qk(rng, cfg, batch, 1, precision)
         for buffer, host in ((q, q0), (k, k0)):  # the loop's new token, in place (as bytes)
             write_bits(buffer, host)
+        before = len(checks)
         rope.decode(q, k, position)
+        fast = step >= 2 and int(np.max(position)) < rope.op.table.static_len
+        assert len(checks) == before + (not fast)  # the fast path checks no buffer
         fresh_q, fresh_k = up(q0), up(k0)
         checked.decode(fresh_q, fresh_k, position if np.ndim(position) else int(position))
         assert bits(q) == bits(fresh_q) and bits(k) == bits(fresh_k)

@@ -888,17 +888,33 @@ class CudaRopeOp(Operation):
     def launcher_each(self, q: Any, k: Any) -> Callable[[Any, Any, np.ndarray], None] | None:
         """``rotate_each(q, k, positions)``: rotate ``q`` ``[B, 1, n_heads * head_dim]`` and
         ``k`` in place at ``positions`` (integers ``[B]``, a position per sequence), one launch of
-        the by-value positions kernel whose other arguments are made here (:meth:`launcher`'s,
+        the by-value positions kernel whose other arguments are made once (:meth:`launcher`'s,
         with the positions' struct, written per call, in place of the offset). Same contract as
         :meth:`launcher`: these very arrays, the device current, every position below
         :attr:`RopeTable.static_len`. None where :meth:`launcher` does not apply, ``T != 1``,
-        or ``B`` is past the largest of :data:`POSITION_CAPACITIES`."""
+        or ``B`` is past the largest of :data:`POSITION_CAPACITIES`.
+
+        The launch is bound on the first call, so that the by-value kernels' module is compiled
+        only once explicit positions come (a loop at int positions never needs it), and a
+        failure to compile it raises before anything is launched."""
         if q.shape[1] != 1 or not self._one_launch_applies(q, k):
             return None
         cap = _capacity_for(int(q.shape[0]))
         if cap is None:
             return None
-        assert self.table is not None  # _one_launch_applies checked it
+        bound: Callable[[Any, Any, np.ndarray], None] | None = None
+
+        def rotate_each(q: Any, k: Any, positions: np.ndarray) -> None:
+            nonlocal bound
+            if bound is None:
+                bound = self._bind_each(q, k, cap)
+            bound(q, k, positions)
+
+        return rotate_each
+
+    def _bind_each(self, q: Any, k: Any, cap: int) -> Callable[[Any, Any, np.ndarray], None]:
+        """:meth:`launcher_each`'s launch on ``q``, ``k``, the struct of capacity ``cap``."""
+        assert self.table is not None, "CudaRopeOp used before build"
         call = _kernels.bind_launch(
             self.context,
             ROPE_CUDA_SOURCE,

@@ -315,11 +315,11 @@ def component_rows(rope: Rope, q: Any, k: Any) -> list[tuple[str, Callable[[], A
         rope.decode(*((q, k) if turn[0] else other), each)
 
     def uploaded() -> None:  # checked calls, the positions uploaded (no by-value kernel)
-        saved, cuda_rope.POSITION_CAPACITIES = cuda_rope.POSITION_CAPACITIES, ()
+        saved, _kernels.POSITION_CAPACITIES = _kernels.POSITION_CAPACITIES, ()
         try:
             alternating_each()
         finally:
-            cuda_rope.POSITION_CAPACITIES = saved
+            _kernels.POSITION_CAPACITIES = saved
 
     launch = "packed" if cuda_rope.PACKED_DECODE else "CuPy"
     return [

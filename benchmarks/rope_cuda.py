@@ -468,11 +468,11 @@ def uploaded_positions_row(
     call): the two ways timed in the same rounds."""
 
     def call() -> None:
-        saved, cuda_rope.POSITION_CAPACITIES = cuda_rope.POSITION_CAPACITIES, ()
+        saved, _kernels.POSITION_CAPACITIES = _kernels.POSITION_CAPACITIES, ()
         try:
             rope.decode(q, k, position)
         finally:
-            cuda_rope.POSITION_CAPACITIES = saved
+            _kernels.POSITION_CAPACITIES = saved
 
     other = Row(row.case.replace(")", ", uploaded)"), row.dtype, row.nbytes)
     ctx = rope.execution_context

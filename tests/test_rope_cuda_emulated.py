@@ -679,7 +679,7 @@ def test_explicit_positions_go_in_the_launch_where_they_fit(
     rope = cuda_rope_of(cfg, batch, tokens)
     cpu = make_rope(cfg, batch, tokens)
     slots = rope.op._position_slots
-    for cap in cuda_rope.POSITION_CAPACITIES:
+    for cap in _kernels.POSITION_CAPACITIES:
         slots[cap] = _kernels.ArraySlot(np, np.int32, cap)
         slots[cap].values[:] = -1
     uploads: list[tuple[int, ...]] = []

@@ -198,7 +198,7 @@ def test_every_kernel_instantiation_compiles_and_is_cached(precision: Precision)
     for interleaved in (False, True):  # the by-value positions kernels: a module per layout
         at_names = tuple(cuda_rope.positions_kernel_names(precision, interleaved))
         assert len(at_names) == len(cuda_rope.vector_widths(precision)) * len(
-            cuda_rope.POSITION_CAPACITIES
+            _kernels.POSITION_CAPACITIES
         )
         at_module = _kernels.module(source, 0, at_names)
         assert at_module is not module and _kernels.module(source, 0, at_names) is at_module
@@ -583,11 +583,11 @@ def test_positions_by_value_give_the_uploaded_paths_bits(
             rope.rotate(q, k, positions)
 
     with monkeypatch.context() as m:
-        m.setattr(cuda_rope, "POSITION_CAPACITIES", ())
+        m.setattr(_kernels, "POSITION_CAPACITIES", ())
         uploaded_q, uploaded_k = up(q0), up(k0)
         call(uploaded_q, uploaded_k)
-    fits = positions.size <= max(cuda_rope.POSITION_CAPACITIES)
-    for cap in cuda_rope.POSITION_CAPACITIES:
+    fits = positions.size <= max(_kernels.POSITION_CAPACITIES)
+    for cap in _kernels.POSITION_CAPACITIES:
         slot = rope.op._position_slots.setdefault(cap, _kernels.ArraySlot(cupy, np.int32, cap))
         slot.values[:] = -1
     uploads: list[int] = []
@@ -631,7 +631,7 @@ def test_a_ragged_decode_plan_step_passes_its_positions_by_value(
         checked_q, checked_k = up(q0), up(k0)
         rope.decode(checked_q, checked_k, each)
         assert bits(q) == bits(checked_q) and bits(k) == bits(checked_k)
-    assert len(copies) == (0 if batch <= max(cuda_rope.POSITION_CAPACITIES) else 3)
+    assert len(copies) == (0 if batch <= max(_kernels.POSITION_CAPACITIES) else 3)
 
 
 @pytest.mark.parametrize(

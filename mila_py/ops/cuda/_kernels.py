@@ -32,6 +32,7 @@ __all__ = [
     "CUDA_PRELUDE",
     "NULL",
     "NVRTC_OPTIONS",
+    "POSITION_CAPACITIES",
     "ROW_THREADS",
     "THREADS",
     "ArraySlot",
@@ -40,6 +41,7 @@ __all__ = [
     "bind_launch",
     "bind_packed_launch",
     "bound_scalar",
+    "capacity_for",
     "contiguous_rows",
     "device_is_current",
     "gemm_accumulate",
@@ -59,6 +61,11 @@ MAX_BLOCKS = 8192
 #: a null pointer argument: 8 zero bytes. ``None`` is no substitute: CuPy 13.x passes it as an
 #: unspecified value, not as NULL (cupy/cupy#9046).
 NULL = np.uint64(0)
+#: the capacities (int32 positions) of the kernels that take positions by value (a
+#: ``mila_positions<N>`` parameter, written through an :class:`ArraySlot`): a call with that many
+#: positions at most passes them in the launch's parameters (256 B or 2 KiB, within the 4 KiB
+#: every GPU takes beside the other arguments) and uploads nothing; more go through device memory
+POSITION_CAPACITIES = (64, 512)
 #: NVRTC options of every kernel source (CuPy adds the device's ``-arch``)
 NVRTC_OPTIONS = ("--std=c++17",)
 
@@ -69,6 +76,22 @@ CUDA_PRELUDE = r"""
 // that is not C-contiguous (the pointer is its first element). Expands to nothing; the kernel
 // emulator of the tests accepts such views for these parameters only.
 #define MILA_STRIDED
+
+// Positions passed by value: N int32 in a kernel's parameters, which the driver copies when the
+// launch is made, so a decode step's positions need no upload (ArraySlot on the host). A kernel
+// reads its positions, by value or int64 in device memory (null: none), through these.
+template <int N> struct mila_positions { int at[N]; };
+
+__device__ __forceinline__ long long position_of(const long long* __restrict__ p, long long i) {
+    return p[i];
+}
+template <int N>
+__device__ __forceinline__ long long position_of(const mila_positions<N>& p, long long i) {
+    return p.at[i];
+}
+__device__ __forceinline__ bool has_positions(const long long* p) { return p != nullptr; }
+template <int N>
+__device__ __forceinline__ bool has_positions(const mila_positions<N>&) { return true; }
 
 template <typename T>  // float, or double where a sum must not overflow (RMSNorm's squares)
 __device__ __forceinline__ T mila_warp_sum(T v) {
@@ -140,6 +163,14 @@ __device__ __forceinline__ float mila_block_exp_sum(float* s, long long n, float
 
 _MODULES: dict[tuple[str, tuple[str, ...], int], Any] = {}
 _FUNCTIONS: dict[tuple[str, int, str], Any] = {}
+
+
+def capacity_for(n: int) -> int | None:
+    """The smallest of :data:`POSITION_CAPACITIES` that holds ``n`` positions (None: none does)."""
+    for cap in POSITION_CAPACITIES:
+        if n <= cap:
+            return cap
+    return None
 
 
 def module(source: str, device_index: int, name_expressions: tuple[str, ...] = ()) -> Any:

@@ -17,7 +17,7 @@ header: NVRTC's header discovery differs between CuPy installs, and CuPy's bundl
 Positions are validated on the host by the Rope component before launch; the op re-checks
 ``seq_len`` against the table in O(1), so a bad call never reads past the table and Q, K stay
 untouched. Explicit positions (a decode step's, one per sequence) that fit
-:data:`POSITION_CAPACITIES` travel in the launch itself, as a by-value int32 struct parameter of
+:data:`~._kernels.POSITION_CAPACITIES` travel in the launch itself, as a by-value int32 struct parameter of
 ``rope_qk_at`` (the same kernel body), so such a call uploads nothing; more go to device memory.
 
 The source (:data:`ROPE_CUDA_SOURCE`: a template rendered by :func:`rope_source` with the
@@ -48,7 +48,6 @@ from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
 __all__ = [
-    "POSITION_CAPACITIES",
     "ROPE_CUDA_SOURCE",
     "ROPE_TUNING",
     "TUNING_ENV",
@@ -193,19 +192,6 @@ __device__ __forceinline__ int mrope_axis(int i, int mode, int a, int b) {
     if (mode == 1) return i < a ? 0 : (i < b ? 1 : 2);
     const int r = i % 3;
     return (r == 1 && i < a) ? 1 : ((r == 2 && i < b) ? 2 : 0);
-}
-
-// Explicit positions passed by value: N int32 in the kernel's parameters, which the driver
-// copies when the launch is made, so a decode step's positions need no upload (rope_qk_at).
-template <int N> struct mila_positions { int at[N]; };
-
-// Position i of the explicit positions: device memory (int64) or the by-value parameter.
-__device__ __forceinline__ long long position_of(const long long* __restrict__ p, long long i) {
-    return p[i];
-}
-template <int N>
-__device__ __forceinline__ long long position_of(const mila_positions<N>& p, long long i) {
-    return p.at[i];
 }
 
 // One block per token (b, t). Strides are in elements; the last axis is contiguous. In place,
@@ -479,19 +465,6 @@ _ARG_CACHE = 64
 #: (:meth:`CudaRopeOp.launcher`); both give the same bits. Off until a GPU run times the two
 #: (``benchmarks/cuda_launch_cost.py``) with the GPU tests, which check both, passing.
 PACKED_DECODE = False
-#: the capacities (int32 positions) of the by-value positions kernels, ``rope_qk_at``: a call
-#: with explicit positions, ``B * T`` of them (``3 * B * T`` with M-RoPE) up to the largest,
-#: passes them in the launch's parameters (256 B or 2 KiB, beside ~150 B of other arguments,
-#: within the 4 KiB every GPU takes) and uploads nothing; more go through device memory
-POSITION_CAPACITIES = (64, 512)
-
-
-def _capacity_for(n: int) -> int | None:
-    """The smallest of :data:`POSITION_CAPACITIES` that holds ``n`` positions (None: none)."""
-    for cap in POSITION_CAPACITIES:
-        if n <= cap:
-            return cap
-    return None
 
 
 def vector_widths(precision: Precision) -> tuple[int, ...]:
@@ -525,7 +498,7 @@ def positions_kernel_names(precision: Precision, interleaved: bool) -> list[str]
     return [
         positions_kernel_name(precision, vec, interleaved, capacity)
         for vec in vector_widths(precision)
-        for capacity in POSITION_CAPACITIES
+        for capacity in _kernels.POSITION_CAPACITIES
     ]
 
 
@@ -553,7 +526,7 @@ class CudaRopeOp(Operation):
         self._at_name_of = {
             (vec, cap): positions_kernel_name(precision, vec, self._interleaved, cap)
             for vec in self._widths
-            for cap in POSITION_CAPACITIES
+            for cap in _kernels.POSITION_CAPACITIES
         }
         self._position_slots: dict[int, _kernels.ArraySlot] = {}
         self._shape_args: tuple[np.int32, ...] = ()
@@ -614,7 +587,7 @@ class CudaRopeOp(Operation):
         as a callable of no arguments (a decode plan run with the context active; the caller
         checked the positions). Where the table covers the positions, one launch with the
         strides checked here: at the step's position, or (ragged steps) at the positions passed
-        in the launch's parameters (at most the largest of :data:`POSITION_CAPACITIES`
+        in the launch's parameters (at most the largest of :data:`~._kernels.POSITION_CAPACITIES`
         sequences; more: the positions' device copy of the step,
         :meth:`DecodePositions.on_device`, shared with the other layers); the rest goes through
         :meth:`apply`."""
@@ -772,10 +745,10 @@ class CudaRopeOp(Operation):
 
     def _positions_by_value(self, positions: np.ndarray, shape: tuple[int, ...]) -> Any:
         """``(capacity, argument)``: ``positions`` broadcast to ``shape`` in the by-value
-        argument of the smallest capacity of :data:`POSITION_CAPACITIES` that holds them
+        argument of the smallest capacity of :data:`~._kernels.POSITION_CAPACITIES` that holds them
         (written now, for the next launch); None where none does. The caller checked that
         every position is below the table's length (so it fits in an int32)."""
-        cap = _capacity_for(math.prod(shape))
+        cap = _kernels.capacity_for(math.prod(shape))
         if cap is None:
             return None
         if positions.shape != shape:
@@ -892,14 +865,14 @@ class CudaRopeOp(Operation):
         with the positions' struct, written per call, in place of the offset). Same contract as
         :meth:`launcher`: these very arrays, the device current, every position below
         :attr:`RopeTable.static_len`. None where :meth:`launcher` does not apply, ``T != 1``,
-        or ``B`` is past the largest of :data:`POSITION_CAPACITIES`.
+        or ``B`` is past the largest of :data:`~._kernels.POSITION_CAPACITIES`.
 
         The launch is bound on the first call, so that the by-value kernels' module is compiled
         only once explicit positions come (a loop at int positions never needs it), and a
         failure to compile it raises before anything is launched."""
         if q.shape[1] != 1 or not self._one_launch_applies(q, k):
             return None
-        cap = _capacity_for(int(q.shape[0]))
+        cap = _kernels.capacity_for(int(q.shape[0]))
         if cap is None:
             return None
         bound: Callable[[Any, Any, np.ndarray], None] | None = None

@@ -698,7 +698,7 @@ def _ops_sources() -> tuple[list[str], list[str]]:
         adamw.ADAMW_CUDA_SOURCE,
         rope.ROPE_CUDA_SOURCE,
     ]
-    return sources, rope_name_expressions()
+    return sources, rope_name_expressions() + list(attention._by_value_names())
 
 
 def rope_name_expressions() -> list[str]:
@@ -719,6 +719,12 @@ def rope_name_expressions() -> list[str]:
 
 #: every CUDA op's kernel source, and the template instantiations the ops launch
 SOURCES, NAME_EXPRESSIONS = _ops_sources()
+
+
+def names_in(source: str) -> list[str]:
+    """The template instantiations of :data:`NAME_EXPRESSIONS` whose kernel ``source`` defines."""
+    defined = {m["name"] for m in _KERNEL.finditer(source) if m["template"] is not None}
+    return [name for name in NAME_EXPRESSIONS if _template_args(name)[0] in defined]
 
 
 def ops_library() -> KernelLibrary:

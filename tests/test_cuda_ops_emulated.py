@@ -32,6 +32,7 @@ from kernel_emulator import (
     KernelLibrary,
     emulated_context,
     emulated_sgemm,
+    names_in,
 )
 from layer_helpers import assert_same_optimizer_state
 
@@ -551,18 +552,22 @@ def _decode_reference(q, k_cache, v_cache, hq: int, hk: int, scale: float, pos) 
     return out
 
 
-@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("steps", ["uniform", "ragged-by-value", "ragged-uploaded"])
 @pytest.mark.parametrize(
     ("hq", "hk", "d"), [(6, 2, 4), (4, 4, 40), (8, 1, 12), (2, 1, 128), (2, 1, 320)], ids=str
 )
 def test_attention_decode_kernel_matches_a_float64_reference(
-    ctx: EmulatedContext, rng, monkeypatch, ragged: bool, hq: int, hk: int, d: int
+    ctx: EmulatedContext, rng, monkeypatch, steps: str, hq: int, hk: int, d: int
 ) -> None:
     """The decode plan's one-launch kernel (``bind_decode``): Q a view of the QKV buffer, the
     caches ``[B, T_max, Hk*d]``, one length for all or one per sequence (1 key, several warp
     rounds; heads of 4 to 320 channels: 64 key groups of 4 channels, 6 groups of 40 and 16
     idle threads, two passes over 320), against float64; past the keys that fit shared memory,
-    the GEMM path. Positions are read at each call."""
+    the GEMM path. Positions are read at each call; a ragged step's by value
+    (``attention_decode_at``), or uploaded where no capacity holds them."""
+    ragged = steps != "uniform"
+    if steps == "ragged-uploaded":
+        monkeypatch.setattr(_kernels, "POSITION_CAPACITIES", ())
     n_b, t_max, scale = 3, 80, 0.37
     _, q, _, _ = _qkv(rng, n_b, 1, hq, hk, d)
     q_before = q.copy()
@@ -573,12 +578,13 @@ def test_attention_decode_kernel_matches_a_float64_reference(
     attend = CudaAttentionOp(ctx, None, FP32).bind_decode(
         q, k_cache, v_cache, hq, hk, scale, out, positions
     )
-    steps = [[0, 0, 0], [70, 3, 41], [5, 5, 5], [79, 79, 79]] if ragged else [[0] * 3, [66] * 3]
-    for step in steps:
+    program = [[0, 0, 0], [70, 3, 41], [5, 5, 5], [79, 79, 79]] if ragged else [[0] * 3, [66] * 3]
+    for step in program:
         pos = np.array(step)
         positions.set(pos, int(pos.min()), int(pos.max()))
         attend()
-        assert ctx.launches[-1] == "attention_decode"
+        by_value = steps == "ragged-by-value" and not positions.uniform
+        assert ctx.launches[-1] == ("attention_decode_at<64>" if by_value else "attention_decode")
         close(out, _decode_reference(q, k_cache, v_cache, hq, hk, scale, pos), 1e-5, 1e-5)
     np.testing.assert_array_equal(q, q_before)
     assert not out_buf[n_b:].any()
@@ -588,7 +594,7 @@ def test_attention_decode_kernel_matches_a_float64_reference(
     pos = np.array([66, 12, 40]) if ragged else np.array([66] * 3)
     positions.set(pos, int(pos.min()), int(pos.max()))
     attend()
-    assert ctx.launches[-1] != "attention_decode"
+    assert not ctx.launches[-1].startswith("attention_decode")
     close(out, _decode_reference(q, k_cache, v_cache, hq, hk, scale, pos), 1e-5, 1e-5)
 
 
@@ -646,13 +652,17 @@ def test_decode_positions_go_to_the_device_once_per_step() -> None:
     assert on_host.on_device(EmulatedContext()) is on_host.each  # NumPy: no copy
 
 
-@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("steps", ["uniform", "ragged-by-value", "ragged-uploaded"])
 def test_kv_cache_write_matches_the_array_assignments(
-    ctx: EmulatedContext, rng, ragged: bool
+    ctx: EmulatedContext, rng, monkeypatch, steps: str
 ) -> None:
     """The CUDA op's bound cache write (``kv_cache_write``; K a view of the QKV buffer, V of
     another, with other row strides) against the generic array assignments of the CPU op;
-    other rows and sequences untouched."""
+    other rows and sequences untouched. A ragged step's positions go by value
+    (``kv_cache_write_at``), or uploaded where no capacity holds them."""
+    ragged = steps != "uniform"
+    if steps == "ragged-uploaded":
+        monkeypatch.setattr(_kernels, "POSITION_CAPACITIES", ())
     hq, hk, d, n_b, t_max = 4, 2, 6, 3, 10
     _, _, k, _ = _qkv(rng, n_b, 1, hq, hk, d)
     v = f32(rng, n_b, 1, hk * d + 5)[..., 2 : 2 + hk * d]  # rows at another stride than K's
@@ -666,20 +676,21 @@ def test_kv_cache_write_matches_the_array_assignments(
         k[:, 0], v[:, 0], caches[2], caches[3], positions
     )
     before = [c.copy() for c in caches]
-    steps = [[3, 7, 0], [9, 9, 9], [1, 2, 5]] if ragged else [[4, 4, 4], [9, 9, 9]]
-    for step in steps:
+    program = [[3, 7, 0], [9, 9, 9], [1, 2, 5]] if ragged else [[4, 4, 4], [9, 9, 9]]
+    for step in program:
         pos = np.array(step)
         positions.set(pos, int(pos.min()), int(pos.max()))
         cuda_write()
         cpu_write()
-        assert ctx.launches[-1] == "kv_cache_write"
+        by_value = steps == "ragged-by-value" and not positions.uniform
+        assert ctx.launches[-1] == ("kv_cache_write_at<64>" if by_value else "kv_cache_write")
         np.testing.assert_array_equal(caches[0], caches[2])
         np.testing.assert_array_equal(caches[1], caches[3])
         for b, p in enumerate(pos):
             np.testing.assert_array_equal(caches[0][b, p], k[b, 0])
             np.testing.assert_array_equal(caches[1][b, p], v[b, 0])
     written = np.zeros((n_b, t_max), bool)
-    for step in steps:
+    for step in program:
         written[np.arange(n_b), step] = True
     for cache, old in zip(caches, before, strict=True):
         np.testing.assert_array_equal(cache[~written], old[~written])
@@ -854,10 +865,12 @@ def test_cuda_sources_compile_for_sm90(tmp_path) -> None:
     """Every kernel source, with the prelude as NVRTC sees it, compiles for Hopper (one nvcc
     run: each source in a namespace of its own, so none relies on another's helpers), every
     template instantiation the ops launch included, and no kernel spills registers."""
-    rope_ns = f"source{SOURCES.index(rope.ROPE_CUDA_SOURCE)}"
-    qualified = [
-        re.sub(r"\b(mila_half|mila_bf16)\b", rf"{rope_ns}::\1", name) for name in NAME_EXPRESSIONS
+    qualified = [  # each instantiation in its source's namespace, its types too
+        f"source{i}::" + re.sub(r"\b(mila_half|mila_bf16)\b", rf"source{i}::\1", name)
+        for i, source in enumerate(SOURCES)
+        for name in names_in(source)
     ]
+    assert len(qualified) == len(NAME_EXPRESSIONS)
     path = tmp_path / "sources.cu"
     path.write_text(
         "\n".join(
@@ -866,7 +879,7 @@ def test_cuda_sources_compile_for_sm90(tmp_path) -> None:
         )
         # taking a template kernel's address instantiates it
         + "\nvoid* const mila_instances[] = {\n"
-        + ",\n".join(f"    (void*)&{rope_ns}::{name}" for name in qualified)
+        + ",\n".join(f"    (void*)&{name}" for name in qualified)
         + "\n};\n"
     )
     command = [NVCC, "-std=c++17", "-arch=sm_90", "--resource-usage", "-c", str(path)]
@@ -922,7 +935,7 @@ def test_cuda_sources_compile_with_nvrtc(index: int) -> None:
     lowered name. NVRTC has no host headers, unlike nvcc; this needs no GPU, only CuPy and
     NVRTC (``pip install cupy-cuda13x nvidia-cuda-nvrtc``)."""
     source = SOURCES[index]
-    names = list(NAME_EXPRESSIONS) if source is rope.ROPE_CUDA_SOURCE else []
+    names = names_in(source)
     program = _nvrtc_compile(source, names)
     lowered = [NVRTC.getLoweredName(program, name) for name in names]
     assert len(set(lowered)) == len(names)
@@ -948,10 +961,9 @@ def test_cuda_sources_compile_with_nvrtc(index: int) -> None:
 def test_rope_kernel_tunings_compile_with_nvrtc(tuning: rope.RopeKernelTuning) -> None:
     """Every knob of the RoPE kernel (``benchmarks/rope_cuda_variants.py`` times them on a GPU)
     compiles with NVRTC, headers none, for every instantiation, without a warning."""
-    program = _nvrtc_compile(rope.rope_source(tuning), NAME_EXPRESSIONS)
-    assert len({NVRTC.getLoweredName(program, name) for name in NAME_EXPRESSIONS}) == len(
-        NAME_EXPRESSIONS
-    )
+    names = names_in(rope.ROPE_CUDA_SOURCE)
+    program = _nvrtc_compile(rope.rope_source(tuning), names)
+    assert len({NVRTC.getLoweredName(program, name) for name in names}) == len(names)
 
 
 def test_bound_scalars_hold_the_exact_bytes_cupy_passes_by_value() -> None:

@@ -23,6 +23,7 @@ from mila_py.components import Llama, LlamaConfig, SoftmaxCrossEntropy, SoftmaxC
 from mila_py.ops.cuda import _kernels
 from mila_py.ops.cuda import linear as cuda_linear
 from mila_py.ops.cuda.adamw import CudaAdamWOp
+from mila_py.ops.operation import DecodePositions
 from mila_py.optim import AdamW, clip_grad_norm
 
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="the kernel emulator needs g++")
@@ -152,6 +153,10 @@ def test_decode_plan_equals_the_component_path(
     its matrix products through ``cupy.matmul`` or, with ``DIRECT_GEMM``, cuBLAS ``sgemm``
     bound once (every product but those with a bias, which keep the general call)."""
     monkeypatch.setattr(cuda_linear, "DIRECT_GEMM", direct)
+    copies: list[int] = []  # device copies of a step's positions: none (they go by value)
+    real_on_device = DecodePositions.on_device
+    monkeypatch.setattr(DecodePositions, "on_device",
+                        lambda self, c: copies.append(1) or real_on_device(self, c))  # fmt: skip
     gemms: list[int] = []
     emulated = _kernels.sgemm
     monkeypatch.setattr(_kernels, "sgemm", lambda ctx, a: gemms.append(1) or emulated(ctx, a))
@@ -202,7 +207,9 @@ def test_decode_plan_equals_the_component_path(
     assert "decode_scores" not in planned._state  # the CPU attention kernel's scratch only
     launched = set(planned.execution_context.launches)
     assert {"attention_decode", "kv_cache_write"} <= launched
+    assert {"attention_decode_at<64>", "kv_cache_write_at<64>"} <= launched  # ragged steps
     assert not {"attention_decode", "kv_cache_write"} & set(components.execution_context.launches)
+    assert copies == []
 
 
 @pytest.mark.parametrize("build", MEMORY_BUILDS)

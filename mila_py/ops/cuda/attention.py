@@ -73,19 +73,21 @@ extern "C" __global__ void attention_softmax(
 // - the block's softmax over them;
 // - the weighted sum of the values: the threads as groups of `cols` channels, each group
 //   summing p_j v_j over every groups-th key, the groups' sums added through shared memory.
-extern "C" __global__ void __launch_bounds__(256) attention_decode(
-    const float* __restrict__ q MILA_STRIDED, const float* __restrict__ k_cache,
+// positions: int64 in device memory (null: every sequence sees n keys), or by value
+// (mila_positions<N>, attention_decode_at); scratch [32] and partial [blockDim.x] are the
+// kernel's static shared arrays.
+template <typename P>
+__device__ __forceinline__ void attention_decode_body(
+    const float* __restrict__ q, const float* __restrict__ k_cache,
     const float* __restrict__ v_cache, float* __restrict__ out,
-    const long long* __restrict__ positions, int n, long long q_sb, int t_max, int n_heads,
-    int n_kv_heads, int head_dim, float scale)
+    const P& positions, int n, long long q_sb, int t_max, int n_heads,
+    int n_kv_heads, int head_dim, float scale, float* scratch, float* partial)
 {
     extern __shared__ float scores[];
-    __shared__ float scratch[32];
-    __shared__ float partial[256];
     const int h = blockIdx.x;
     const long long b = blockIdx.y;
     const int kv_head = h / (n_heads / n_kv_heads);
-    const int len = positions != nullptr ? (int)positions[b] + 1 : n;
+    const int len = has_positions(positions) ? (int)position_of(positions, b) + 1 : n;
     const long long kv_width = (long long)n_kv_heads * head_dim;
     const float* qh = q + b * q_sb + (long long)h * head_dim;
     const float* kb = k_cache + b * t_max * kv_width + (long long)kv_head * head_dim;
@@ -138,13 +140,40 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
     }
 }
 
+extern "C" __global__ void __launch_bounds__(256) attention_decode(
+    const float* __restrict__ q MILA_STRIDED, const float* __restrict__ k_cache,
+    const float* __restrict__ v_cache, float* __restrict__ out,
+    const long long* __restrict__ positions, int n, long long q_sb, int t_max, int n_heads,
+    int n_kv_heads, int head_dim, float scale)
+{
+    __shared__ float scratch[32];
+    __shared__ float partial[256];
+    attention_decode_body(q, k_cache, v_cache, out, positions, n, q_sb, t_max, n_heads,
+                          n_kv_heads, head_dim, scale, scratch, partial);
+}
+
+// attention_decode with the positions by value: int32, the first B of N.
+template <int N>
+__global__ void __launch_bounds__(256) attention_decode_at(
+    const float* __restrict__ q MILA_STRIDED, const float* __restrict__ k_cache,
+    const float* __restrict__ v_cache, float* __restrict__ out,
+    const mila_positions<N> positions, int n, long long q_sb, int t_max, int n_heads,
+    int n_kv_heads, int head_dim, float scale)
+{
+    __shared__ float scratch[32];
+    __shared__ float partial[256];
+    attention_decode_body(q, k_cache, v_cache, out, positions, n, q_sb, t_max, n_heads,
+                          n_kv_heads, head_dim, scale, scratch, partial);
+}
+
 // The new token's keys and values into the caches: k_new, v_new [B, 1, Hk*d] (rows at strides
 // k_sb, v_sb: views of the QKV buffer) to row positions[b] (or p when positions is NULL) of
 // sequence b of k_cache, v_cache [B, t_max, Hk*d] C-contiguous (grid-stride over B * width).
-extern "C" __global__ void kv_cache_write(
-    const float* __restrict__ k_new MILA_STRIDED, const float* __restrict__ v_new MILA_STRIDED,
+template <typename P>
+__device__ __forceinline__ void kv_cache_write_body(
+    const float* __restrict__ k_new, const float* __restrict__ v_new,
     float* __restrict__ k_cache, float* __restrict__ v_cache,
-    const long long* __restrict__ positions, long long p, long long k_sb, long long v_sb,
+    const P& positions, long long p, long long k_sb, long long v_sb,
     int t_max, int width, int n_b)
 {
     const long long total = (long long)n_b * width;
@@ -152,11 +181,33 @@ extern "C" __global__ void kv_cache_write(
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
         const long long b = i / width;
         const long long c = i - b * width;
-        const long long row = positions != nullptr ? positions[b] : p;
+        const long long row = has_positions(positions) ? position_of(positions, b) : p;
         const long long at = (b * t_max + row) * width + c;
         k_cache[at] = k_new[b * k_sb + c];
         v_cache[at] = v_new[b * v_sb + c];
     }
+}
+
+extern "C" __global__ void kv_cache_write(
+    const float* __restrict__ k_new MILA_STRIDED, const float* __restrict__ v_new MILA_STRIDED,
+    float* __restrict__ k_cache, float* __restrict__ v_cache,
+    const long long* __restrict__ positions, long long p, long long k_sb, long long v_sb,
+    int t_max, int width, int n_b)
+{
+    kv_cache_write_body(k_new, v_new, k_cache, v_cache, positions, p, k_sb, v_sb, t_max, width,
+                        n_b);
+}
+
+// kv_cache_write with the positions by value: int32, the first B of N.
+template <int N>
+__global__ void kv_cache_write_at(
+    const float* __restrict__ k_new MILA_STRIDED, const float* __restrict__ v_new MILA_STRIDED,
+    float* __restrict__ k_cache, float* __restrict__ v_cache,
+    const mila_positions<N> positions, long long p, long long k_sb, long long v_sb,
+    int t_max, int width, int n_b)
+{
+    kv_cache_write_body(k_new, v_new, k_cache, v_cache, positions, p, k_sb, v_sb, t_max, width,
+                        n_b);
 }
 
 // dp = (dp - row[r]) * p for the n elements of [n / n_cols, n_cols] (grid-stride).
@@ -307,6 +358,47 @@ _DECODE_THREADS = 256
 _DECODE_MAX_KEYS = 11_000
 
 
+def _by_value_names() -> tuple[str, ...]:
+    """The template instantiations of the by-value positions kernels (one module, compiled on
+    the first ragged decode step that takes them)."""
+    return tuple(
+        f"{kernel}<{cap}>"
+        for kernel in ("attention_decode_at", "kv_cache_write_at")
+        for cap in _kernels.POSITION_CAPACITIES
+    )
+
+
+class _ByValueLaunch:
+    """``kernel`` (``attention_decode_at`` or ``kv_cache_write_at``) of the capacity that holds
+    ``n_b`` positions: :meth:`positions` writes a step's positions into the by-value struct and
+    returns its argument, :meth:`launch` launches (bound on its first call, which compiles the
+    by-value kernels' module). :meth:`make` gives None where ``n_b`` is past every
+    :data:`~._kernels.POSITION_CAPACITIES`."""
+
+    def __init__(self, ctx: Any, kernel: str, cap: int, grid: tuple[int, ...], block: int) -> None:
+        self._ctx, self._name, self._grid, self._block = ctx, f"{kernel}<{cap}>", grid, block
+        self._slot = _kernels.ArraySlot(ctx.xp, np.int32, cap)
+        self._bound: Callable[..., None] | None = None
+
+    @classmethod
+    def make(
+        cls, ctx: Any, kernel: str, n_b: int, grid: tuple[int, ...], block: int
+    ) -> _ByValueLaunch | None:
+        cap = _kernels.capacity_for(n_b)
+        return None if cap is None else cls(ctx, kernel, cap, grid, block)
+
+    def positions(self, each: np.ndarray) -> Any:
+        return self._slot(each)
+
+    def launch(self, args: tuple[Any, ...], shared: int = 0) -> None:
+        if self._bound is None:
+            self._bound = _kernels.bind_launch(
+                self._ctx, ATTENTION_CUDA_SOURCE, self._name, self._grid, self._block,
+                name_expressions=_by_value_names(),
+            )  # fmt: skip
+        self._bound(args, shared)
+
+
 @register_op("AttentionOp", DeviceType.CUDA, precisions=(Precision.FP32,))
 class CudaAttentionOp(Operation):
     """cuBLAS + fused-softmax causal GQA attention (same contract as the CPU op)."""
@@ -348,7 +440,9 @@ class CudaAttentionOp(Operation):
     ) -> Callable[[], None]:
         """Write the new token's keys and values ``[B, Hk*d]`` (views of the QKV buffer) to row
         ``positions.each[b]`` of sequence ``b`` of the caches ``[B, T_max, Hk*d]``, as a
-        callable of no arguments (a decode plan): one ``kv_cache_write`` launch."""
+        callable of no arguments (a decode plan): one ``kv_cache_write`` launch (a ragged
+        step's positions passed by value, ``kv_cache_write_at``, where they fit one of
+        :data:`~._kernels.POSITION_CAPACITIES`; else the step's device copy of them)."""
         item = k_new.dtype.itemsize
         fits = k_cache.flags.c_contiguous and v_cache.flags.c_contiguous
         if not fits or k_new.strides[1] != item or v_new.strides[1] != item:
@@ -361,14 +455,22 @@ class CudaAttentionOp(Operation):
             b(np.int32(t_max)), b(np.int32(width)), b(np.int32(n_b)),
         )  # fmt: skip
         null, highest = b(_kernels.NULL), _kernels.ScalarSlot(ctx.xp, np.int64)
+        grid = _kernels.grid_1d(n_b * width)
         call = _kernels.bind_launch(
-            ctx, ATTENTION_CUDA_SOURCE, "kv_cache_write", _kernels.grid_1d(n_b * width),
-            _kernels.THREADS,
-        )  # fmt: skip
+            ctx, ATTENTION_CUDA_SOURCE, "kv_cache_write", grid, _kernels.THREADS
+        )
+        each = _ByValueLaunch.make(ctx, "kv_cache_write_at", n_b, grid, _kernels.THREADS)
 
         def write() -> None:
-            pos = null if positions.uniform else positions.on_device(ctx)
-            call((k_new, v_new, k_cache, v_cache, pos, highest(positions.highest), *fixed))
+            p = highest(positions.highest)
+            if positions.uniform:
+                call((k_new, v_new, k_cache, v_cache, null, p, *fixed))
+            elif each is not None:  # the step's positions in the launch's parameters
+                at = each.positions(positions.each)
+                each.launch((k_new, v_new, k_cache, v_cache, at, p, *fixed))
+            else:
+                pos = positions.on_device(ctx)
+                call((k_new, v_new, k_cache, v_cache, pos, p, *fixed))
 
         return write
 
@@ -389,7 +491,8 @@ class CudaAttentionOp(Operation):
         arguments (a decode plan, run with the context active).
 
         One ``attention_decode`` launch per step (a block per query head and sequence, the
-        scores in shared memory) where the caches and ``out`` are C-contiguous and the scores
+        scores in shared memory; a ragged step's positions by value, ``attention_decode_at``,
+        where they fit) where the caches and ``out`` are C-contiguous and the scores
         of the longest sequence fit the default 48 KiB of shared memory (11,000 keys);
         otherwise, and for other layouts, the GEMM path of :meth:`forward`. ``scratch`` is the
         CPU op's; this op takes none.
@@ -411,9 +514,11 @@ class CudaAttentionOp(Operation):
         b = functools.partial(_kernels.bound_scalar, ctx.xp)  # arguments made once
         fixed = tuple(b(np.int32(v)) for v in (t_max, n_heads, n_kv_heads, head_dim))
         stride, s, null = b(np.int64(q.strides[0] // item)), b(np.float32(scale)), b(_kernels.NULL)
+        grid = (n_heads, n_b)
         call = _kernels.bind_launch(
-            ctx, ATTENTION_CUDA_SOURCE, "attention_decode", (n_heads, n_b), _DECODE_THREADS
+            ctx, ATTENTION_CUDA_SOURCE, "attention_decode", grid, _DECODE_THREADS
         )
+        each = _ByValueLaunch.make(ctx, "attention_decode_at", n_b, grid, _DECODE_THREADS)
         keys = _kernels.ScalarSlot(ctx.xp, np.int32)
 
         def attend() -> None:
@@ -421,9 +526,14 @@ class CudaAttentionOp(Operation):
             if n > _DECODE_MAX_KEYS:
                 general()
                 return
-            # per-sequence lengths from the step's positions on the device (one copy per step)
-            pos = null if positions.uniform else positions.on_device(ctx)
-            call((q, k_cache, v_cache, out, pos, keys(n), stride, *fixed, s), n * 4)
+            if positions.uniform:
+                call((q, k_cache, v_cache, out, null, keys(n), stride, *fixed, s), n * 4)
+            elif each is not None:  # per-sequence lengths from the positions, by value
+                at = each.positions(positions.each)
+                each.launch((q, k_cache, v_cache, out, at, keys(n), stride, *fixed, s), n * 4)
+            else:  # from the step's positions on the device (one copy per step)
+                pos = positions.on_device(ctx)
+                call((q, k_cache, v_cache, out, pos, keys(n), stride, *fixed, s), n * 4)
 
         return attend
 

@@ -20,7 +20,9 @@ On CUDA a third row times the plan with the other matrix-product call than the d
 (``DIRECT_GEMM`` in ``mila_py/ops/cuda/linear.py``: cuBLAS ``sgemm`` bound once, or
 ``cupy.matmul`` per call), a second model whose plan is made with the flag flipped: the A/B that
 decides the default. With ``--stub-cuda`` its ``sgemm`` is the test suite's NumPy emulation,
-slower than a matmul: that row means nothing there.
+slower than a matmul: that row means nothing there. With ``--ragged`` a fourth row times a plan
+whose ragged steps upload their positions (``POSITION_CAPACITIES`` empty during each step), as
+before they went in the launches' parameters.
 
 Run: ``python benchmarks/decode_plan.py [--device CPU | --device CUDA:0 | --stub-cuda]
 [--batch B [--ragged]]`` (``--ragged``: every sequence at its own position).
@@ -41,6 +43,7 @@ import numpy as np
 
 from mila_py import BuildContext, RuntimeMode
 from mila_py.components import Llama, LlamaConfig
+from mila_py.ops.cuda import _kernels
 from mila_py.ops.cuda import linear as cuda_linear
 
 CFG = LlamaConfig(
@@ -100,6 +103,17 @@ def main() -> None:
                 raise SystemExit(f"decode_plan: the other plan has {bound} bound sgemm calls")
             name = f"plan, {f'{bound} direct sgemm' if direct else 'cupy.matmul'}"
             cases[name] = lambda: other.decode(token, at)
+            if args.ragged:  # the plan as before positions went by value: uploaded per step
+                uploading = prefilled_model(device, prompt[:, :32])
+
+                def uploaded() -> None:
+                    saved, _kernels.POSITION_CAPACITIES = _kernels.POSITION_CAPACITIES, ()
+                    try:
+                        uploading.decode(token, at)
+                    finally:
+                        _kernels.POSITION_CAPACITIES = saved
+
+                cases["plan, positions uploaded"] = uploaded
         seconds: dict[str, list[float]] = {name: [] for name in cases}
         for fn in cases.values():  # warm: plans, compiled kernels, caches
             fn()
@@ -128,8 +142,8 @@ def main() -> None:
     for name in list(seconds)[2:]:  # the plan with the other product call, against the plan
         pairs = zip(seconds["decode plan"], seconds[name], strict=True)
         ratios = [p / o for p, o in pairs]
-        print(f"{name} over the decode plan (DIRECT_GEMM={cuda_linear.DIRECT_GEMM}) per round: "
-              f"median {statistics.median(ratios):.2f}x (above 1: faster)")  # fmt: skip
+        print(f"{name} over the decode plan (DIRECT_GEMM={cuda_linear.DIRECT_GEMM}, positions "
+              f"by value) per round: median {statistics.median(ratios):.2f}x (above 1: faster)")  # fmt: skip
 
 
 def prefilled_model(device: str, prompt: np.ndarray) -> Llama:

@@ -14,7 +14,8 @@
 # runs what the open CUDA issue still needs first:
 #   the whole suite (in parallel: ~85 s on an H100 machine's 16 cores); the CUDA tests again with
 #   --packed-decode --direct-gemm; RoPE without the torch.compile peer in 5 interleaved rounds
-#   (~60 s); the decode launch-cost breakdown; the decode plan with and without DIRECT_GEMM;
+#   (~60 s); the decode launch-cost breakdown; the decode plan with and without DIRECT_GEMM,
+#   and a ragged one (B=4) with its positions by value and uploaded;
 #   [the RoPE kernel's tuning settings, rope_cuda_variants.py, only with GPU_CHECK_VARIANTS=1;
 #   where its rule picks a setting, the RoPE GPU tests and benchmark again with it]; RoPE against
 #   the torch.compile peer alone; the training and generation benchmarks on the time left.
@@ -86,6 +87,10 @@ if stage rope; then
     mark plan
     timeout -k 10 "$t_plan" python3 benchmarks/decode_plan.py --device CUDA:0 ${plan_args[@]+"${plan_args[@]}"} 2>&1 \
       | tee -a "$out/rope_cuda.log" || status=1
+    # a ragged step (a position per sequence) by value against uploaded (its fourth row)
+    mark "plan ragged"
+    timeout -k 10 "$t_plan" python3 benchmarks/decode_plan.py --device CUDA:0 --batch 4 --ragged \
+      ${plan_args[@]+"${plan_args[@]}"} 2>&1 | tee -a "$out/rope_cuda.log" || status=1
   fi
   if [[ "$what" != once || "${GPU_CHECK_VARIANTS:-0}" == 1 ]]; then
     # the RoPE kernel's tuning settings against each other and Liger, same arguments,

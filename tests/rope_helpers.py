@@ -228,3 +228,27 @@ def run_decode_program(program: list[tuple[int, str, Any]], rng: np.random.Gener
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+
+
+#: narrow signed position types and a table past what their unsigned view covers (int32: one
+#: within it), for :func:`check_negative_positions_refused_on_the_fast_path`
+NARROW_POSITIONS = [(np.int8, 200), (np.int16, 40000), (np.int32, 64)]
+
+
+def check_negative_positions_refused_on_the_fast_path(
+    dtype: Any, max_seq_len: int, rng: np.random.Generator, device: str = "CPU"
+) -> None:
+    """A negative position per sequence of ``dtype`` is refused on a component's decode fast
+    path as on its checked path (ValueError, Q and K untouched): seen as unsigned, -1 of int8 is
+    255, under a table of 200."""
+    cfg = rope_config((2, 1), 8, max_seq_len=max_seq_len)
+    rope = make_rope(cfg, 2, 1, backend="fused" if device == "CPU" else None, device=device)
+    q, k = random_qk(rng, cfg, 2, 1)
+    rope.decode(q, k, np.array([1, 2]))
+    rope.decode(q, k, np.array([3, 4]))
+    assert rope._fast_decode is not None
+    before_q, before_k = q.copy(), k.copy()
+    for bad in (np.array([-1, 5], dtype), np.array([3, np.iinfo(dtype).min], dtype)):
+        with pytest.raises(ValueError, match=">= 0"):
+            rope.decode(q, k, bad)
+        assert _same_bits(q, before_q) and _same_bits(k, before_k)

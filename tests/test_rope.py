@@ -25,10 +25,12 @@ from rope_helpers import (
     FP16,
     FP32,
     INFERENCE,
+    NARROW_POSITIONS,
     PRECISIONS,
     TRAINING,
     arange_positions,
     assert_close,
+    check_negative_positions_refused_on_the_fast_path,
     dtype_of,
     f64,
     make_rope,
@@ -433,25 +435,11 @@ def test_decode_again_still_checks_what_can_change(rng) -> None:
     assert_close(k, want_k, FP32)
 
 
-@pytest.mark.parametrize(
-    ("dtype", "max_seq_len"), [(np.int8, 200), (np.int16, 40000), (np.int32, 64)]
-)
+@pytest.mark.parametrize(("dtype", "max_seq_len"), NARROW_POSITIONS)
 def test_negative_positions_per_sequence_are_refused_on_the_fast_path(
     dtype: Any, max_seq_len: int, rng
 ) -> None:
-    """On the CPU fast path too: a negative position of a narrow signed type is refused as on
-    the checked path (seen as unsigned it would pass under a long table), Q and K untouched."""
-    cfg = rope_config((2, 1), 8, max_seq_len=max_seq_len)
-    rope = make_rope(cfg, 2, 1, backend="fused")
-    q, k = random_qk(rng, cfg, 2, 1)
-    rope.decode(q, k, np.array([1, 2]))
-    rope.decode(q, k, np.array([3, 4]))
-    assert rope._fast_decode is not None
-    before_q, before_k = q.copy(), k.copy()
-    for bad in (np.array([-1, 5], dtype), np.array([3, np.iinfo(dtype).min], dtype)):
-        with pytest.raises(ValueError, match=">= 0"):
-            rope.decode(q, k, bad)
-        assert q.tobytes() == before_q.tobytes() and k.tobytes() == before_k.tobytes()
+    check_negative_positions_refused_on_the_fast_path(dtype, max_seq_len, rng)
 
 
 @settings(max_examples=60, deadline=None)

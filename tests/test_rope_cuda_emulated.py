@@ -43,10 +43,12 @@ from rope_helpers import (
     FP16,
     FP32,
     INFERENCE,
+    NARROW_POSITIONS,
     PRECISIONS,
     TRAINING,
     arange_positions,
     assert_close,
+    check_negative_positions_refused_on_the_fast_path,
     dtype_of,
     make_rope,
     random_qk,
@@ -903,25 +905,11 @@ def test_the_per_sequence_launch_is_bound_at_the_first_array_of_positions(
     assert bound == [1]
 
 
-@pytest.mark.parametrize(
-    ("dtype", "max_seq_len"), [(np.int8, 200), (np.int16, 40000), (np.int32, 64)]
-)
+@pytest.mark.parametrize(("dtype", "max_seq_len"), NARROW_POSITIONS)
 def test_negative_positions_per_sequence_are_refused_on_the_fast_path(
     cuda: None, dtype: Any, max_seq_len: int, rng
 ) -> None:
-    """A negative position of a narrow signed type (seen as unsigned, -1 of int8 is 255: under
-    a table of 200) is refused on the fast path as on the checked one, Q and K untouched."""
-    cfg = rope_config((2, 1), 8, max_seq_len=max_seq_len)
-    rope = cuda_rope_of(cfg, 2, 1)
-    q, k = random_qk(rng, cfg, 2, 1)
-    rope.decode(q, k, np.array([1, 2]))
-    rope.decode(q, k, np.array([3, 4]))
-    assert rope._fast_decode is not None
-    before_q, before_k = q.copy(), k.copy()
-    for bad in (np.array([-1, 5], dtype), np.array([3, np.iinfo(dtype).min], dtype)):
-        with pytest.raises(ValueError, match=">= 0"):
-            rope.decode(q, k, bad)
-        assert same_bits(q, before_q) and same_bits(k, before_k)
+    check_negative_positions_refused_on_the_fast_path(dtype, max_seq_len, rng, device=DEVICE)
 
 
 def test_positions_per_sequence_make_the_fast_path_too(cuda: None, rng) -> None:

@@ -304,42 +304,41 @@ __device__ __forceinline__ void rope_qk_body(
     }
 }
 
-// The kernel, explicit positions (if any) in device memory: int64 [B * T], or [3, B * T].
-template <typename T, int VEC, bool INTERLEAVED>
-__global__ void __launch_bounds__(MILA_ROPE_THREADS) rope_qk(
-    MILA_STRIDED const T* q_in, MILA_STRIDED T* q_out,
-    MILA_STRIDED const T* k_in, MILA_STRIDED T* k_out,
-    const float* __restrict__ cos_table, const float* __restrict__ sin_table,
-    const long long* __restrict__ positions, int use_positions, long long offset,
-    int n_t, int n_heads, int n_kv_heads, int head_dim, int n_freq,
-    long long q_sb, long long q_st, long long k_sb, long long k_st,
-    long long qo_sb, long long qo_st, long long ko_sb, long long ko_st,
-    float sign, int copy_rest, int mrope, int mrope_a, int mrope_b)
-{
-    rope_qk_body<T, VEC, INTERLEAVED>(
-        q_in, q_out, k_in, k_out, cos_table, sin_table, positions, use_positions, offset,
-        n_t, n_heads, n_kv_heads, head_dim, n_freq, q_sb, q_st, k_sb, k_st,
-        qo_sb, qo_st, ko_sb, ko_st, sign, copy_rest, mrope, mrope_a, mrope_b);
-}
-
-// The kernel with its explicit positions by value: int32, the first B * T (or 3 * B * T) of N.
-template <typename T, int VEC, bool INTERLEAVED, int N>
-__global__ void __launch_bounds__(MILA_ROPE_THREADS) rope_qk_at(
-    MILA_STRIDED const T* q_in, MILA_STRIDED T* q_out,
-    MILA_STRIDED const T* k_in, MILA_STRIDED T* k_out,
-    const float* __restrict__ cos_table, const float* __restrict__ sin_table,
-    const mila_positions<N> positions, int use_positions, long long offset,
-    int n_t, int n_heads, int n_kv_heads, int head_dim, int n_freq,
-    long long q_sb, long long q_st, long long k_sb, long long k_st,
-    long long qo_sb, long long qo_st, long long ko_sb, long long ko_st,
-    float sign, int copy_rest, int mrope, int mrope_a, int mrope_b)
-{
-    rope_qk_body<T, VEC, INTERLEAVED>(
-        q_in, q_out, k_in, k_out, cos_table, sin_table, positions, use_positions, offset,
-        n_t, n_heads, n_kv_heads, head_dim, n_freq, q_sb, q_st, k_sb, k_st,
-        qo_sb, qo_st, ko_sb, ko_st, sign, copy_rest, mrope, mrope_a, mrope_b);
-}
 """
+
+
+# The two kernels, which differ in their positions parameter alone (written once here: NVRTC's
+# name expressions and the test emulator need each kernel's signature spelled out in the source).
+_ROPE_KERNEL = r"""
+// {what}
+template <typename T, int VEC, bool INTERLEAVED{template}>
+__global__ void __launch_bounds__(MILA_ROPE_THREADS) {name}(
+    MILA_STRIDED const T* q_in, MILA_STRIDED T* q_out,
+    MILA_STRIDED const T* k_in, MILA_STRIDED T* k_out,
+    const float* __restrict__ cos_table, const float* __restrict__ sin_table,
+    {positions} positions, int use_positions, long long offset,
+    int n_t, int n_heads, int n_kv_heads, int head_dim, int n_freq,
+    long long q_sb, long long q_st, long long k_sb, long long k_st,
+    long long qo_sb, long long qo_st, long long ko_sb, long long ko_st,
+    float sign, int copy_rest, int mrope, int mrope_a, int mrope_b)
+{{
+    rope_qk_body<T, VEC, INTERLEAVED>(
+        q_in, q_out, k_in, k_out, cos_table, sin_table, positions, use_positions, offset,
+        n_t, n_heads, n_kv_heads, head_dim, n_freq, q_sb, q_st, k_sb, k_st,
+        qo_sb, qo_st, ko_sb, ko_st, sign, copy_rest, mrope, mrope_a, mrope_b);
+}}
+"""
+_ROPE_TEMPLATE += _ROPE_KERNEL.format(
+    what="The kernel, explicit positions (if any) in device memory: int64 [B * T], or [3, B * T].",
+    template="",
+    name="rope_qk",
+    positions="const long long* __restrict__",
+) + _ROPE_KERNEL.format(
+    what="The kernel with its explicit positions by value: int32, the first B * T (or 3 * B * T) of N.",
+    template=", int N",
+    name="rope_qk_at",
+    positions="const mila_positions<N>",
+)
 
 
 @dataclass(frozen=True)

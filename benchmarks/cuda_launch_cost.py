@@ -315,11 +315,8 @@ def component_rows(rope: Rope, q: Any, k: Any) -> list[tuple[str, Callable[[], A
         rope.decode(*((q, k) if turn[0] else other), each)
 
     def uploaded() -> None:  # checked calls, the positions uploaded (no by-value kernel)
-        saved, _kernels.POSITION_CAPACITIES = _kernels.POSITION_CAPACITIES, ()
-        try:
+        with _kernels.positions_uploaded():
             alternating_each()
-        finally:
-            _kernels.POSITION_CAPACITIES = saved
 
     launch = "packed" if cuda_rope.PACKED_DECODE else "CuPy"
     return [

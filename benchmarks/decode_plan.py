@@ -106,12 +106,9 @@ def main() -> None:
             if args.ragged:  # the plan as before positions went by value: uploaded per step
                 uploading = prefilled_model(device, prompt[:, :32])
 
-                def uploaded() -> None:
-                    saved, _kernels.POSITION_CAPACITIES = _kernels.POSITION_CAPACITIES, ()
-                    try:
+                def uploaded() -> None:  # its plan is made, and runs, inside
+                    with _kernels.positions_uploaded():
                         uploading.decode(token, at)
-                    finally:
-                        _kernels.POSITION_CAPACITIES = saved
 
                 cases["plan, positions uploaded"] = uploaded
         seconds: dict[str, list[float]] = {name: [] for name in cases}

@@ -456,23 +456,24 @@ def bench_decode(bench: Bench, cfg: RopeConfig, precision: Precision, n_b: int) 
         if label == "pos int":
             rows.append(other_launch_row(bench, cfg, precision, n_b, q, k))
         else:
-            rows.append(uploaded_positions_row(bench, rope, q, k, position, row))
+            rows.append(uploaded_positions_row(bench, cfg, precision, q, k, position, row))
     return rows
 
 
 def uploaded_positions_row(
-    bench: Bench, rope: Rope, q: Any, k: Any, position: Any, row: Row
+    bench: Bench, cfg: RopeConfig, precision: Precision, q: Any, k: Any, position: Any, row: Row
 ) -> Row:
-    """The ``pos per seq`` decode row again with its positions uploaded to the GPU per call, as
-    before they went in the launch's parameters (``POSITION_CAPACITIES`` empty during each
-    call): the two ways timed in the same rounds."""
+    """The ``pos per seq`` decode row again, as before positions went in the launch's
+    parameters: a component and buffers of their own, every call of which runs inside
+    :func:`_kernels.positions_uploaded` (its fast path, made there, has no per-sequence launch),
+    so each call uploads its positions. The two ways timed in the same rounds."""
+    rope = Rope("rope", cfg, device="CUDA:0", precision=precision)
+    rope.build(BuildContext((q.shape[0], 1, cfg.channels), RuntimeMode.INFERENCE))
+    q, k = bit_copy(q), bit_copy(k)
 
     def call() -> None:
-        saved, _kernels.POSITION_CAPACITIES = _kernels.POSITION_CAPACITIES, ()
-        try:
+        with _kernels.positions_uploaded():
             rope.decode(q, k, position)
-        finally:
-            _kernels.POSITION_CAPACITIES = saved
 
     other = Row(row.case.replace(")", ", uploaded)"), row.dtype, row.nbytes)
     ctx = rope.execution_context

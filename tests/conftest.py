@@ -72,14 +72,29 @@ def _start_gpu_emulation(config: pytest.Config) -> None:
             f"--emulate-gpu runs {cuda_tests} only (it replaces cupy for the whole process); "
             f"got {config.args}"
         )
+    here = str(Path(__file__).parent)  # the helpers' folder (--import-mode=importlib omits it)
+    if here not in sys.path:
+        sys.path.insert(0, here)
     import emulated_cupy
-    from kernel_emulator import emulated_cuda_devices, ops_library
+    from kernel_emulator import COMPILER, emulated_cuda_devices, ops_library
 
     from mila_py.devices import cuda as cuda_module
 
+    if COMPILER is None:
+        raise pytest.UsageError("--emulate-gpu needs g++ (the kernel emulator compiles with it)")
+    stack = contextlib.ExitStack()
+    saved_cupy, saved_count = sys.modules.get("cupy"), cuda_module.cuda_device_count
+
+    def restore() -> None:  # the process as it was, once the run ends
+        cuda_module.cuda_device_count = saved_count  # type: ignore[assignment]
+        if saved_cupy is None:
+            sys.modules.pop("cupy", None)
+        else:
+            sys.modules["cupy"] = saved_cupy
+
+    stack.callback(restore)
     sys.modules["cupy"] = emulated_cupy.standin()
     cuda_module.cuda_device_count = lambda: 1  # type: ignore[assignment]
-    stack = contextlib.ExitStack()
     stack.enter_context(emulated_cuda_devices(ops_library()))
     config.add_cleanup(stack.close)
     config.stash[_EMULATING] = True

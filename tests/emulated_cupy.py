@@ -10,7 +10,8 @@ runs it; a wrong test found there costs no GPU time.
 The stand-in is NumPy under CuPy's names, for what the GPU tests use on their own arrays:
 creation (``asarray`` copies, as moving host data to a device does), ``asnumpy``, dtypes,
 ``matmul``, ``isnan``, ``asfortranarray``, ``lib.stride_tricks``, and a ``cuda.runtime`` whose
-``deviceSynchronize`` returns at once (emulated launches finish before they return). What only
+``deviceSynchronize`` returns at once (emulated launches finish before they return) and whose
+``getDevice`` is 0 (the emulated ``CUDA:0``). What only
 CuPy on a GPU has (NVRTC modules, the memory pool, streams, DLPack from torch, foreign device
 arrays) is not there: tests of it carry ``@pytest.mark.real_gpu(reason)`` and are skipped under
 emulation, with the reason. A run under emulation is no GPU run: the GPU check still runs them.

@@ -7,6 +7,7 @@ tests check that machinery without a GPU: the order, the medians, failures, the 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from pathlib import Path
@@ -149,13 +150,38 @@ def test_the_whole_script_runs_its_rounds_on_the_emulated_gpu(
     monkeypatch.setattr(rope_cuda, "copy_ceiling", copy_ceiling)
     monkeypatch.setattr(rope_cuda, "warm_up", lambda fn, sync, seconds=0.0: fn())
     monkeypatch.setattr(cuda_rope, "PACKED_DECODE", packed)
-    by_value: list[bool] = []  # per call with explicit positions: passed by value?
-    real_by_value = cuda_rope.CudaRopeOp._positions_by_value
-    monkeypatch.setattr(cuda_rope.CudaRopeOp, "_positions_by_value",
-                        lambda *a: by_value.append((r := real_by_value(*a)) is not None) or r)  # fmt: skip
+    # explicit positions during the uploaded row's calls (inside positions_uploaded) and out
+    # of them: written into a by-value struct, or uploaded
+    window = [False]
+    written: dict[bool, int] = {False: 0, True: 0}
+    uploads: dict[bool, int] = {False: 0, True: 0}
+    real_window = _kernels.positions_uploaded
+
+    @contextlib.contextmanager
+    def watched_window() -> Any:
+        with real_window():
+            window[0] = True
+            try:
+                yield
+            finally:
+                window[0] = False
+
     real_slot = _kernels.ArraySlot.__call__
-    monkeypatch.setattr(_kernels.ArraySlot, "__call__",
-                        lambda *a: by_value.append(True) or real_slot(*a))  # fmt: skip
+
+    def watched_slot(slot: Any, values: Any) -> Any:
+        written[window[0]] += 1
+        return real_slot(slot, values)
+
+    real_by_value = cuda_rope.CudaRopeOp._positions_by_value
+
+    def watched_by_value(op: Any, positions: Any, shape: Any) -> Any:
+        made = real_by_value(op, positions, shape)
+        uploads[window[0]] += made is None
+        return made
+
+    monkeypatch.setattr(_kernels, "positions_uploaded", watched_window)
+    monkeypatch.setattr(_kernels.ArraySlot, "__call__", watched_slot)
+    monkeypatch.setattr(cuda_rope.CudaRopeOp, "_positions_by_value", watched_by_value)
     out = tmp_path / "rope.json"
     argv = ["rope_cuda.py", "--quick", "--no-peers", "--json", str(out)]
     monkeypatch.setattr(sys, "argv", argv)
@@ -170,7 +196,9 @@ def test_the_whole_script_runs_its_rounds_on_the_emulated_gpu(
     decode = [r for r in payload["rows"] if r["case"].startswith("decode")]
     assert len(decode) == 12 and all(r["host_wall"] > 0 for r in decode)
     uploaded = [r for r in decode if r["case"].endswith("(pos per seq, uploaded)")]
-    assert len(uploaded) == 2 and True in by_value and False in by_value  # the A/B of uploads
+    assert len(uploaded) == 2
+    assert uploads[True] > 0 and written[True] == 0  # the uploaded rows upload every call ...
+    assert written[False] > 0  # ... and the others write the by-value struct
     other = "CuPy" if cuda_rope.PACKED_DECODE else "packed"  # the A/B rows: the other launch
     ab = [r for r in decode if r["case"].endswith(f"(pos int, {other} launch)")]
     assert len(ab) == 4 and not any("FAST PATH" in r["note"] for r in ab)  # made, that launch

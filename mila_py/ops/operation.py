@@ -272,8 +272,9 @@ def decode_again(
     does nothing and returns False (the caller takes its checked path).
 
     With ``rotate_each``, a position per sequence too: ``position`` a NumPy integer array
-    ``[B]`` (B of ``q [B, 1, width]``, at least one), every one in ``[0, limit)``, calls
-    ``rotate_each(q2, k2, position)`` under the same conditions."""
+    ``[B]`` (B of ``q [B, 1, width]``, at least one) of native byte order, every one in
+    ``[0, limit)``, calls ``rotate_each(q2, k2, position)`` under the same conditions (anything
+    else, a list or ``[B, 1]`` included, returns False for the checked path)."""
     q_ref: Callable[[], Any] = weakref.ref(q)
     k_ref: Callable[[], Any] = weakref.ref(k)
     q_shape, q_strides, q_dtype = q.shape, q.strides, q.dtype

@@ -20,10 +20,11 @@ of the CPU test suite swaps :func:`launch`; see ``tests/kernel_emulator.py``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,7 @@ __all__ = [
     "launch",
     "module",
     "pack_params",
+    "positions_uploaded",
 ]
 
 #: threads per block of the elementwise (grid-stride) kernels
@@ -65,7 +67,7 @@ NULL = np.uint64(0)
 #: ``mila_positions<N>`` parameter, written through an :class:`ArraySlot`): a call with that many
 #: positions at most passes them in the launch's parameters (256 B or 2 KiB, within the 4 KiB
 #: every GPU takes beside the other arguments) and uploads nothing; more go through device memory
-POSITION_CAPACITIES = (64, 512)
+POSITION_CAPACITIES: tuple[int, ...] = (64, 512)
 #: NVRTC options of every kernel source (CuPy adds the device's ``-arch``)
 NVRTC_OPTIONS = ("--std=c++17",)
 
@@ -163,6 +165,19 @@ __device__ __forceinline__ float mila_block_exp_sum(float* s, long long n, float
 
 _MODULES: dict[tuple[str, tuple[str, ...], int], Any] = {}
 _FUNCTIONS: dict[tuple[str, int, str], Any] = {}
+
+
+@contextlib.contextmanager
+def positions_uploaded() -> Iterator[None]:
+    """While active, :data:`POSITION_CAPACITIES` is empty: explicit positions go through device
+    memory, as before they went by value (the benchmarks' A/B rows). Ops and fast paths read
+    the capacities when they are made and when they launch, so both must happen inside."""
+    global POSITION_CAPACITIES
+    saved, POSITION_CAPACITIES = POSITION_CAPACITIES, ()
+    try:
+        yield
+    finally:
+        POSITION_CAPACITIES = saved
 
 
 def capacity_for(n: int) -> int | None:

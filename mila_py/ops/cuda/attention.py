@@ -391,6 +391,8 @@ class _ByValueLaunch:
         return self._slot(each)
 
     def launch(self, args: tuple[Any, ...], shared: int = 0) -> None:
+        """Launch with ``args`` (the kernel's, the struct from :meth:`positions` among them) and
+        ``shared`` bytes of dynamic shared memory (``attention_decode_at``'s scores)."""
         if self._bound is None:
             self._bound = _kernels.bind_launch(
                 self._ctx, ATTENTION_CUDA_SOURCE, self._name, self._grid, self._block,

@@ -458,6 +458,9 @@ _CTYPES = {Precision.FP32: "float", Precision.FP16: "mila_half", Precision.BF16:
 _THREADS = ROPE_TUNING.threads
 #: stride patterns (and chunk lengths) whose launch arguments an op keeps made
 _ARG_CACHE = 64
+#: where :meth:`CudaRopeOp.launch_values` puts the cos and sin tables, the positions, the
+#: use_positions flag and the offset (the kernel's parameter order)
+_COS, _SIN, _POSITIONS, _USE_POSITIONS, _OFFSET = 4, 5, 6, 7, 8
 #: decode steps at one position (:meth:`CudaRopeOp.decode_fast_path`, a decode plan's
 #: :meth:`CudaRopeOp.bind_decode`) launch by ``cuLaunchKernel`` with their arguments packed once
 #: (:meth:`CudaRopeOp.packed_launcher`) rather than by CuPy with bound arguments
@@ -850,7 +853,8 @@ class CudaRopeOp(Operation):
         # launch_values' layout, its scalars made into launch arguments once
         bound = [self._bound(v) if isinstance(v, np.generic) else v
                  for v in self.launch_values(q, k, position)]  # fmt: skip
-        tables, tail = tuple(bound[4:8]), tuple(bound[9:])
+        # the tables, positions and use_positions as they are; the offset per call
+        tables, tail = tuple(bound[_COS:_OFFSET]), tuple(bound[_OFFSET + 1 :])
 
         def rotate_at(q: Any, k: Any, offset: int) -> None:
             call((q, q, k, k, *tables, position(offset), *tail))
@@ -899,8 +903,8 @@ class CudaRopeOp(Operation):
         slot = self._position_slot(cap)
         bound = [self._bound(v) if isinstance(v, np.generic) else v
                  for v in self.launch_values(q, k, np.int64(0))]  # fmt: skip
-        # launch_values' layout: the tables, then (positions, use_positions, offset, ...)
-        tables, tail = tuple(bound[4:6]), (self._flags[1], *bound[8:])
+        # the tables as they are; the positions per call, read (use_positions 1) at offset 0
+        tables, tail = tuple(bound[_COS : _SIN + 1]), (self._flags[1], *bound[_OFFSET:])
 
         def rotate_each(q: Any, k: Any, positions: np.ndarray) -> None:
             call((q, q, k, k, *tables, slot(positions), *tail))
@@ -937,12 +941,16 @@ class CudaRopeOp(Operation):
         assert table is not None, "CudaRopeOp used before build"
         cfg, item = self.config, self._item
         strides = (np.int64(st // item) for a in (q, k, q, k) for st in a.strides[:2])
-        return (
+        values = (
             q, q, k, k, table.cos, table.sin, _kernels.NULL, np.int32(0), position,
             np.int32(q.shape[1]), np.int32(cfg.n_heads), np.int32(cfg.n_kv_heads),
             np.int32(cfg.head_dim), np.int32(table.n_freq), *strides,
             np.float32(1.0), np.int32(0), np.int32(0), np.int32(0), np.int32(0),
         )  # fmt: skip
+        assert values[_COS] is table.cos and values[_SIN] is table.sin  # the layout named above
+        assert values[_POSITIONS] is _kernels.NULL and values[_OFFSET] is position
+        assert values[_USE_POSITIONS] == 0
+        return values
 
     def packed_launcher(self, q: Any, k: Any) -> Callable[[Any, Any, int], None] | None:
         """:meth:`launcher`'s launch bound to these very arrays: ``rotate_at(q, k, offset)``
@@ -958,7 +966,7 @@ class CudaRopeOp(Operation):
         position = _kernels.ScalarSlot(self.context.xp, np.int64)
         values = self.launch_values(q, k, position)
         call = self._bind_one_launch(_kernels.bind_packed_launch, q, k, values)
-        tables = values[4:6]  # cos, sin: the op's own, kept alive with their addresses
+        tables = values[_COS : _SIN + 1]  # the op's own, kept alive with their addresses
         cell = position.c_value()  # the position's parameter, written per call
 
         def rotate_at(

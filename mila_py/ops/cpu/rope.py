@@ -169,9 +169,8 @@ class CpuRopeOp(Operation):
         of the fused kernel (its arguments made here) and returns True when they are those
         arrays (:func:`~mila_py.ops.operation.decode_again`), still writeable, every position
         under the table's :attr:`~RopeTable.static_len`, and the fused path in use; else False,
-        having done nothing. None where
-        one single-threaded kernel call does not apply (the NumPy path, 16-bit data, a batch
-        large enough to split over the cores)."""
+        having done nothing. None where one single-threaded kernel call does not apply (the
+        NumPy path, 16-bit data, a batch large enough to split over the cores)."""
         table = self.table
         assert table is not None, "CpuRopeOp used before build"
         if not self.uses_fused or q.shape[1] != 1 or q.dtype not in (np.float32, np.float64):

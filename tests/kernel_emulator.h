@@ -128,6 +128,24 @@ To aligned_cast(From&& from) {
     }
 }
 
+// mila_positions<N>'s array, its reads checked (the emulator rewrites `int at[N];` to this, of
+// the same size): an index outside [0, N) is reported and reads 0, where a GPU would read the
+// neighbouring parameters or beyond, unseen.
+template <typename T, int N>
+struct checked_array {
+    T data[N];
+    const T& operator[](long long i) const {
+        if (i < 0 || i >= N) {
+            char what[96];
+            std::snprintf(what, sizeof what, "by-value array read at %lld, outside [0, %d)", i, N);
+            report(what);
+            static const T zero{};
+            return zero;
+        }
+        return data[i];
+    }
+};
+
 // A by-value struct parameter (rope_qk_at's mila_positions<N>) from the bytes Python passes.
 template <typename S>
 S by_value(const void* bytes) {

@@ -9,10 +9,11 @@ and arithmetic are checked against the CPU ops on a machine without a GPU.
 
 Kernels are ``extern "C"`` functions, or templates whose instantiations are named as NVRTC name
 expressions (``rope_qk<float, 4, false>``), given to :class:`KernelLibrary` as CuPy's RawModule
-takes them. Three mechanical rewrites make a source C++: ``extern __shared__`` arrays become
+takes them. Four mechanical rewrites make a source C++: ``extern __shared__`` arrays become
 the launch's dynamic shared memory, the PTX instructions of :data:`PTX` (inline ``asm``) become
-calls to their bit-exact emulations (any other ``asm`` is refused), and ``reinterpret_cast``
-checks the alignment the GPU requires (a misaligned vector access raises).
+calls to their bit-exact emulations (any other ``asm`` is refused), ``reinterpret_cast``
+checks the alignment the GPU requires (a misaligned vector access raises), and the by-value
+positions struct ``mila_positions<N>`` checks its reads (one outside ``[0, N)`` raises).
 
 Every launch checks what CuPy would not: each array argument has a dtype of its pointer
 parameter (``float*`` float32, ``long long*`` int64, ``mila_bf16*`` bfloat16 or its uint16
@@ -102,6 +103,15 @@ FLAGS = (
 )  # fmt: skip
 
 
+#: the prelude's by-value positions struct, and what the emulator compiles instead
+_POSITIONS_STRUCT = "template <int N> struct mila_positions { int at[N]; };"
+_CHECKED_POSITIONS_STRUCT = (
+    "template <int N> struct mila_positions { mila_emu::checked_array<int, N> at; };"
+)
+if _POSITIONS_STRUCT not in _kernels.CUDA_PRELUDE:
+    raise RuntimeError("kernel emulator: the prelude's mila_positions changed; update its rewrite")
+
+
 def emulable(source: str) -> str:
     """``source`` with the rewrites the module docstring lists (ValueError for unknown asm)."""
 
@@ -124,6 +134,8 @@ def emulable(source: str) -> str:
     source = _EXTERN_SHARED.sub(
         lambda m: f"{m['type']}* {m['name']} = mila_emu::dynamic_shared<{m['type']}>();", source
     )
+    # the by-value positions' reads bounds-checked (same size and layout)
+    source = source.replace(_POSITIONS_STRUCT, _CHECKED_POSITIONS_STRUCT)
     return re.sub(r"\breinterpret_cast\s*<", "mila_emu::aligned_cast<", source)
 
 

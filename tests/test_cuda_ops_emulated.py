@@ -779,12 +779,41 @@ extern "C" __global__ void fence_rows(
     int r = blockIdx.x, c = threadIdx.x;
     if (r < rows && c < width + extra) x[r * stride + c] = x[r * stride + c] + 1.0f;
 }
+template <int N>
+__global__ void positions_read(const mila_positions<N> p, long long* out, int n, int shift) {
+    int i = threadIdx.x;
+    if (i < n) out[i] = position_of(p, i + shift);
+}
 """
 
 
 @pytest.fixture(scope="module")
 def fence_library() -> KernelLibrary:
-    return KernelLibrary([FENCE_SOURCE])
+    return KernelLibrary([FENCE_SOURCE], ["positions_read<4>"])
+
+
+@pytest.mark.parametrize("shift", [-1, 0, 1])
+def test_the_emulator_checks_reads_of_positions_passed_by_value(
+    fence_library: KernelLibrary, shift: int
+) -> None:
+    """A by-value ``mila_positions<4>`` (an ``ArraySlot``'s struct) reaches the kernel as its
+    values; a read before or past its 4 elements raises, where a GPU would read the neighbouring
+    parameters unseen."""
+    ctx = EmulatedContext()
+    slot = _kernels.ArraySlot(np, np.int32, 4)
+    out = np.zeros(4, np.int64)
+    args = (slot(np.array([10, 11, 12, 13])), out, np.int32(4), np.int32(shift))
+    name = "positions_read<4>"
+    if shift == 0:
+        fence_library.launch(ctx, "", name, (1,), 32, args, name_expressions=(name,))
+        assert out.tolist() == [10, 11, 12, 13]
+    else:
+        with pytest.raises(RuntimeError, match=f"by-value array read at {4 if shift > 0 else -1}"):
+            fence_library.launch(ctx, "", name, (1,), 32, args, name_expressions=(name,))
+    with pytest.raises(TypeError, match="one-element"):  # another capacity's struct
+        fence_library.launch(ctx, "", name, (1,), 32,
+                             (_kernels.ArraySlot(np, np.int32, 8).cell, *args[1:]),
+                             name_expressions=(name,))  # fmt: skip
 
 
 @pytest.mark.parametrize("shift", [-1, 1])

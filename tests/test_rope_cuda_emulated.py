@@ -716,14 +716,22 @@ def test_explicit_positions_go_in_the_launch_where_they_fit(
         assert uploads == [shape]
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["cupy-launch", "packed-launch"])
 @pytest.mark.parametrize("batch", [3, 600])
 def test_a_ragged_decode_plan_step_passes_its_positions_by_value(
-    cuda: None, monkeypatch, batch: int, rng
+    cuda: None, monkeypatch, batch: int, packed: bool, rng
 ) -> None:
     """A decode plan's ragged step (a position per sequence) launches ``rope_qk_at`` with the
-    step's positions in its parameters, read at each call, with no upload; past the largest
-    capacity (600 sequences), the step's device copy of the positions."""
+    step's positions in its parameters, read at each call, with no upload (by CuPy's launch or,
+    with ``PACKED_DECODE``, the packed one); past the largest capacity (600 sequences), the
+    step's device copy of the positions."""
     from mila_py.ops.operation import DecodePositions
+
+    monkeypatch.setattr(cuda_rope, "PACKED_DECODE", packed)
+    bound: list[int] = []
+    real_bind = _kernels.bind_packed_launch
+    monkeypatch.setattr(_kernels, "bind_packed_launch",
+                        lambda *a, **kw: bound.append(1) or real_bind(*a, **kw))  # fmt: skip
 
     cfg = rope_config((2, 1), 8)
     rope = cuda_rope_of(cfg, batch, 1)
@@ -746,6 +754,8 @@ def test_a_ragged_decode_plan_step_passes_its_positions_by_value(
         assert_parity(k, k0, FP32)
         assert launches(rope)[-1].startswith("rope_qk_at<" if batch <= 512 else "rope_qk<")
     assert len(uploads) == (0 if batch <= 512 else 3)
+    # packed: the step's int launch, bound with the plan, and its per-sequence one, once
+    assert len(bound) == ((1 + (batch <= 512)) if packed else 0)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["cupy-launch", "packed-launch"])

@@ -294,8 +294,9 @@ def pack_params(args: Sequence[Any]) -> tuple[np.ndarray, list[np.ndarray]]:
     """``cuLaunchKernel``'s ``kernelParams`` for ``args``, packed once: ``(params, cells)``,
     where ``cells[i]`` holds argument ``i`` as its C value and ``params`` (``uint64``) their
     addresses. Device arrays (anything with ``.data.ptr``) become their address; NumPy scalars
-    keep their exact type; a :class:`ScalarSlot` is its own cell, so ``slot(value)`` changes the
-    next launch's argument. Keep both alive while a launch may use them.
+    keep their exact type; a :class:`ScalarSlot` is its own cell, and an :class:`ArraySlot` its
+    struct, so ``slot(value)`` changes the next launch's argument. Keep both alive while a
+    launch may use them.
 
     Raises:
         TypeError: an argument of another kind (a host array, a Python number).
@@ -304,6 +305,8 @@ def pack_params(args: Sequence[Any]) -> tuple[np.ndarray, list[np.ndarray]]:
     for i, arg in enumerate(args):
         if isinstance(arg, ScalarSlot):
             cells.append(arg._cell)
+        elif isinstance(arg, ArraySlot):
+            cells.append(arg.cell)
         elif isinstance(arg, np.generic):
             cells.append(np.full(1, arg, dtype=arg.dtype))
         elif not isinstance(arg, np.ndarray) and hasattr(getattr(arg, "data", None), "ptr"):
@@ -385,6 +388,8 @@ def _emulated_packed_launch(
     for i, arg in enumerate(args):
         if isinstance(arg, ScalarSlot):
             getters.append(arg.value)
+        elif isinstance(arg, ArraySlot):
+            getters.append(functools.partial(_same, arg.cell))  # its values at each launch
         elif isinstance(arg, np.generic):
             getters.append(functools.partial(_same, arg))
         elif isinstance(arg, np.ndarray):

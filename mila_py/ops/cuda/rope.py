@@ -461,11 +461,12 @@ _ARG_CACHE = 64
 #: where :meth:`CudaRopeOp.launch_values` puts the cos and sin tables, the positions, the
 #: use_positions flag and the offset (the kernel's parameter order)
 _COS, _SIN, _POSITIONS, _USE_POSITIONS, _OFFSET = 4, 5, 6, 7, 8
-#: decode steps at one position (:meth:`CudaRopeOp.decode_fast_path`, a decode plan's
-#: :meth:`CudaRopeOp.bind_decode`) launch by ``cuLaunchKernel`` with their arguments packed once
-#: (:meth:`CudaRopeOp.packed_launcher`) rather than by CuPy with bound arguments
-#: (:meth:`CudaRopeOp.launcher`); both give the same bits. Off until a GPU run times the two
-#: (``benchmarks/cuda_launch_cost.py``) with the GPU tests, which check both, passing.
+#: decode steps at one position, or at one per sequence (:meth:`CudaRopeOp.decode_fast_path`,
+#: a decode plan's :meth:`CudaRopeOp.bind_decode`) launch by ``cuLaunchKernel`` with their
+#: arguments packed once (:meth:`CudaRopeOp.packed_launcher`, :meth:`CudaRopeOp.launcher_each`
+#: with ``packed``) rather than by CuPy with bound arguments (:meth:`CudaRopeOp.launcher`); both
+#: give the same bits. Off until a GPU run times the two (``benchmarks/cuda_launch_cost.py``)
+#: with the GPU tests, which check both, passing.
 PACKED_DECODE = False
 
 
@@ -602,7 +603,7 @@ class CudaRopeOp(Operation):
         ctx = self.context
         # the plan keeps q and k (its own buffers) alive, as a packed launch needs
         at = (PACKED_DECODE and self.packed_launcher(q, k)) or self.launcher(q, k)
-        at_each = self.launcher_each(q, k)
+        at_each = self.launcher_each(q, k, packed=PACKED_DECODE)
         limit = table.static_len
         each = positions.each.reshape(-1, 1)  # a view: the step's positions, [B, 1]
 
@@ -861,14 +862,18 @@ class CudaRopeOp(Operation):
 
         return rotate_at
 
-    def launcher_each(self, q: Any, k: Any) -> Callable[[Any, Any, np.ndarray], None] | None:
+    def launcher_each(
+        self, q: Any, k: Any, *, packed: bool = False
+    ) -> Callable[[Any, Any, np.ndarray], None] | None:
         """``rotate_each(q, k, positions)``: rotate ``q`` ``[B, 1, n_heads * head_dim]`` and
         ``k`` in place at ``positions`` (integers ``[B]``, a position per sequence), one launch of
         the by-value positions kernel whose other arguments are made once (:meth:`launcher`'s,
         with the positions' struct, written per call, in place of the offset). Same contract as
         :meth:`launcher`: these very arrays, the device current, every position below
-        :attr:`RopeTable.static_len`. None where :meth:`launcher` does not apply, ``T != 1``,
-        or ``B`` is past the largest of :data:`~._kernels.POSITION_CAPACITIES`.
+        :attr:`RopeTable.static_len`; with ``packed``, by ``cuLaunchKernel`` with every argument
+        packed once, as :meth:`packed_launcher` (these arrays kept alive, in place). None where
+        :meth:`launcher` does not apply, ``T != 1``, or ``B`` is past the largest of
+        :data:`~._kernels.POSITION_CAPACITIES`.
 
         The launch is bound on the first call, so that the by-value kernels' module is compiled
         only once explicit positions come (a loop at int positions never needs it), and a
@@ -883,31 +888,36 @@ class CudaRopeOp(Operation):
         def rotate_each(q: Any, k: Any, positions: np.ndarray) -> None:
             nonlocal bound
             if bound is None:
-                bound = self._bind_each(q, k, cap)
+                bound = self._bind_each(q, k, cap, packed)
             bound(q, k, positions)
 
         return rotate_each
 
-    def _bind_each(self, q: Any, k: Any, cap: int) -> Callable[[Any, Any, np.ndarray], None]:
+    def _bind_each(
+        self, q: Any, k: Any, cap: int, packed: bool
+    ) -> Callable[[Any, Any, np.ndarray], None]:
         """:meth:`launcher_each`'s launch on ``q``, ``k``, the struct of capacity ``cap``."""
-        assert self.table is not None, "CudaRopeOp used before build"
-        call = _kernels.bind_launch(
-            self.context,
-            ROPE_CUDA_SOURCE,
-            self._at_name_of[self.vector_width(q, k), cap],
-            (int(q.shape[0]),),
-            _THREADS,
-            shared_mem=2 * self.table.n_freq * 4,
-            name_expressions=self._at_names,
-        )
         slot = self._position_slot(cap)
-        bound = [self._bound(v) if isinstance(v, np.generic) else v
-                 for v in self.launch_values(q, k, np.int64(0))]  # fmt: skip
-        # the tables as they are; the positions per call, read (use_positions 1) at offset 0
-        tables, tail = tuple(bound[_COS : _SIN + 1]), (self._flags[1], *bound[_OFFSET:])
+        values = list(self.launch_values(q, k, np.int64(0)))
+        # the positions per call, read (use_positions 1) at offset 0
+        values[_POSITIONS], values[_USE_POSITIONS] = slot, np.int32(1)
+        if packed:
+            call = self._bind_one_launch(_kernels.bind_packed_launch, q, k, values, capacity=cap)
+            tables = values[_COS : _SIN + 1]  # the op's own, kept alive with their addresses
+
+            def rotate_packed(
+                q: Any, k: Any, positions: np.ndarray, keep: Any = (tables, slot)
+            ) -> None:
+                slot(positions)  # the struct's cell, which the packed parameters point to
+                call()
+
+            return rotate_packed
+        call = self._bind_one_launch(_kernels.bind_launch, q, k, capacity=cap)
+        bound = [self._bound(v) if isinstance(v, np.generic) else v for v in values]
+        head, tail = tuple(bound[:_POSITIONS]), tuple(bound[_POSITIONS + 1 :])
 
         def rotate_each(q: Any, k: Any, positions: np.ndarray) -> None:
-            call((q, q, k, k, *tables, slot(positions), *tail))
+            call((q, q, k, k, *head[_COS:], slot(positions), *tail))
 
         return rotate_each
 
@@ -917,20 +927,28 @@ class CudaRopeOp(Operation):
         item = self._item
         return bool(q.shape[0] and q.shape[1]) and q.strides[2] == item and k.strides[2] == item
 
-    def _bind_one_launch(self, bind: Callable[..., Any], q: Any, k: Any, *args: Any) -> Any:
+    def _bind_one_launch(
+        self, bind: Callable[..., Any], q: Any, k: Any, *args: Any, capacity: int = 0
+    ) -> Any:
         """``bind`` (:func:`_kernels.bind_launch` or :func:`_kernels.bind_packed_launch`, with
         its ``args``) for the one launch that rotates ``q``, ``k`` in place: a block per token,
-        the access width their addresses allow, the cos/sin row in shared memory."""
+        the access width their addresses allow, the cos/sin row in shared memory; with a
+        ``capacity``, of the by-value positions kernel of that capacity."""
         assert self.table is not None, "CudaRopeOp used before build"
+        vec = self.vector_width(q, k)
+        if capacity:
+            name, names = self._at_name_of[vec, capacity], self._at_names
+        else:
+            name, names = self._name_of[vec], self._names
         return bind(
             self.context,
             ROPE_CUDA_SOURCE,
-            self._name_of[self.vector_width(q, k)],
+            name,
             (int(q.shape[0]) * int(q.shape[1]),),
             _THREADS,
             *args,
             shared_mem=2 * self.table.n_freq * 4,
-            name_expressions=self._names,
+            name_expressions=names,
         )
 
     def launch_values(self, q: Any, k: Any, position: Any) -> tuple[Any, ...]:
@@ -1008,5 +1026,5 @@ class CudaRopeOp(Operation):
             self.table.static_len,
             at,
             lambda q, k: get_device() == device,
-            self.launcher_each(q, k),
+            self.launcher_each(q, k, packed=use_packed),
         )

@@ -301,21 +301,7 @@ def pack_params(args: Sequence[Any]) -> tuple[np.ndarray, list[np.ndarray]]:
     Raises:
         TypeError: an argument of another kind (a host array, a Python number).
     """
-    cells = []
-    for i, arg in enumerate(args):
-        if isinstance(arg, ScalarSlot):
-            cells.append(arg._cell)
-        elif isinstance(arg, ArraySlot):
-            cells.append(arg.cell)
-        elif isinstance(arg, np.generic):
-            cells.append(np.full(1, arg, dtype=arg.dtype))
-        elif not isinstance(arg, np.ndarray) and hasattr(getattr(arg, "data", None), "ptr"):
-            cells.append(np.full(1, arg.data.ptr, dtype=np.uint64))
-        else:
-            raise TypeError(
-                f"argument {i} ({type(arg).__name__}) is not a device array, a NumPy scalar or "
-                "a ScalarSlot"
-            )
+    cells = [_packed_argument(i, arg, emulated=False) for i, arg in enumerate(args)]
     return np.array([c.ctypes.data for c in cells], dtype=np.uint64), cells
 
 
@@ -342,9 +328,17 @@ def bind_packed_launch(
     values ``args`` hold then (a :class:`ScalarSlot` its last write). The emulated launch holds
     its arrays weakly, as the packed one holds their addresses alone, and raises where one is
     gone (where a real launch would write freed memory)."""
-    if ctx.xp is np:
-        return _emulated_packed_launch(ctx, source, name, grid, block, args, shared_mem,
-                                       name_expressions)  # fmt: skip
+    if ctx.xp is np:  # each call: launch() with the values the arguments hold then
+        getters = [_packed_argument(i, arg, emulated=True) for i, arg in enumerate(args)]
+
+        def emulated() -> None:
+            values = tuple(get() for get in getters)
+            if any(v is None for v in values):
+                raise RuntimeError(f"packed launch of {name}: an array it was bound to is gone")
+            launch(ctx, source, name, grid, block, values, shared_mem=shared_mem,
+                   name_expressions=name_expressions)  # fmt: skip
+
+        return emulated
     from cupy_backends.cuda.api import driver, runtime
 
     device = ctx.device_id.index
@@ -373,41 +367,25 @@ def _same(value: Any) -> Any:
     return value
 
 
-def _emulated_packed_launch(
-    ctx: Any,
-    source: str,
-    name: str,
-    grid: tuple[int, ...],
-    block: int,
-    args: Sequence[Any],
-    shared_mem: int,
-    name_expressions: tuple[str, ...],
-) -> Callable[[], None]:
-    """:func:`bind_packed_launch` for NumPy arrays: :func:`launch` with the current values."""
-    getters: list[Callable[[], Any]] = []
-    for i, arg in enumerate(args):
-        if isinstance(arg, ScalarSlot):
-            getters.append(arg.value)
-        elif isinstance(arg, ArraySlot):
-            getters.append(functools.partial(_same, arg.cell))  # its values at each launch
-        elif isinstance(arg, np.generic):
-            getters.append(functools.partial(_same, arg))
-        elif isinstance(arg, np.ndarray):
-            getters.append(weakref.ref(arg))
-        else:
-            raise TypeError(
-                f"argument {i} ({type(arg).__name__}) is not a device array, a NumPy scalar or "
-                "a ScalarSlot"
-            )
-
-    def emulated() -> None:
-        values = tuple(get() for get in getters)
-        if any(v is None for v in values):
-            raise RuntimeError(f"packed launch of {name}: an array it was bound to is gone")
-        launch(ctx, source, name, grid, block, values, shared_mem=shared_mem,
-               name_expressions=name_expressions)  # fmt: skip
-
-    return emulated
+def _packed_argument(i: int, arg: Any, *, emulated: bool) -> Any:
+    """Argument ``i`` of a packed launch (:func:`pack_params`): its cell, the C value the
+    parameters point to; ``emulated`` (NumPy arrays, the kernel emulator), a callable giving
+    the value to launch with at each call (an array held weakly: None once it is gone)."""
+    if isinstance(arg, ScalarSlot):
+        return arg.value if emulated else arg._cell
+    if isinstance(arg, ArraySlot):
+        return functools.partial(_same, arg.cell) if emulated else arg.cell
+    if isinstance(arg, np.generic):
+        return functools.partial(_same, arg) if emulated else np.full(1, arg, dtype=arg.dtype)
+    if isinstance(arg, np.ndarray):
+        if emulated:
+            return weakref.ref(arg)
+    elif not emulated and hasattr(getattr(arg, "data", None), "ptr"):
+        return np.full(1, arg.data.ptr, dtype=np.uint64)
+    raise TypeError(
+        f"argument {i} ({type(arg).__name__}) is not a device array, a NumPy scalar, a "
+        "ScalarSlot or an ArraySlot"
+    )
 
 
 #: cuBLAS ``cublasOperation_t``: the matrix as stored (N), or transposed (T)

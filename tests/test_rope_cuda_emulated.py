@@ -1547,6 +1547,11 @@ def test_pack_params_packs_c_values_at_stable_addresses() -> None:
     assert read(5, np.int64) == 1 << 40
     slot(4001)  # the slot's cell is the parameter: the next launch sees the new value
     assert read(2, np.int64) == 4001
+    positions = _kernels.ArraySlot(np, np.int32, 4)  # a by-value struct: its whole bytes
+    struct_params, _ = _kernels.pack_params((positions,))
+    positions(np.array([7, 8, 9]))
+    struct = ctypes.string_at(int(struct_params[0]), 16)
+    assert np.frombuffer(struct, np.int32)[:3].tolist() == [7, 8, 9]
     for bad in (np.zeros(2, np.float32), 3, 2.5):
         with pytest.raises(TypeError, match="argument 0"):
             _kernels.pack_params((bad,))

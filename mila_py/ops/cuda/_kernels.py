@@ -40,6 +40,7 @@ __all__ = [
     "ScalarSlot",
     "address",
     "bind_launch",
+    "bind_on_first_call",
     "bind_packed_launch",
     "bound_scalar",
     "capacity_for",
@@ -286,6 +287,21 @@ def bind_launch(
 
     def call(args: tuple[Any, ...], shared: int = shared_mem) -> None:
         function(grid, threads, args, shared_mem=shared, stream=stream)
+
+    return call
+
+
+def bind_on_first_call(make: Callable[..., Callable[..., None]]) -> Callable[..., None]:
+    """A call that makes its launch with ``make(*args)`` at its first call (a bound launch, whose
+    module NVRTC compiles then) and calls that with its ``args`` then and after: a module is
+    compiled only once it is needed, and a failure to compile raises before any launch."""
+    bound: Callable[..., None] | None = None
+
+    def call(*args: Any) -> None:
+        nonlocal bound
+        if bound is None:
+            bound = make(*args)
+        bound(*args)
 
     return call
 

@@ -368,37 +368,24 @@ def _by_value_names() -> tuple[str, ...]:
     )
 
 
-class _ByValueLaunch:
-    """``kernel`` (``attention_decode_at`` or ``kv_cache_write_at``) of the capacity that holds
-    ``n_b`` positions: :meth:`positions` writes a step's positions into the by-value struct and
-    returns its argument, :meth:`launch` launches (bound on its first call, which compiles the
-    by-value kernels' module). :meth:`make` gives None where ``n_b`` is past every
+def _by_value_launch(
+    ctx: Any, kernel: str, n_b: int, grid: tuple[int, ...], block: int
+) -> tuple[_kernels.ArraySlot, Callable[..., None]] | None:
+    """``(slot, launch)`` for ``kernel`` (``attention_decode_at`` or ``kv_cache_write_at``) of the
+    capacity that holds ``n_b`` positions: ``slot(each)`` writes a step's positions into the
+    by-value struct and returns its argument; ``launch(args, shared=0)`` launches, bound at its
+    first call (when the by-value kernels' module is compiled). None where ``n_b`` is past every
     :data:`~._kernels.POSITION_CAPACITIES`."""
-
-    def __init__(self, ctx: Any, kernel: str, cap: int, grid: tuple[int, ...], block: int) -> None:
-        self._ctx, self._name, self._grid, self._block = ctx, f"{kernel}<{cap}>", grid, block
-        self._slot = _kernels.ArraySlot(ctx.xp, np.int32, cap)
-        self._bound: Callable[..., None] | None = None
-
-    @classmethod
-    def make(
-        cls, ctx: Any, kernel: str, n_b: int, grid: tuple[int, ...], block: int
-    ) -> _ByValueLaunch | None:
-        cap = _kernels.capacity_for(n_b)
-        return None if cap is None else cls(ctx, kernel, cap, grid, block)
-
-    def positions(self, each: np.ndarray) -> Any:
-        return self._slot(each)
-
-    def launch(self, args: tuple[Any, ...], shared: int = 0) -> None:
-        """Launch with ``args`` (the kernel's, the struct from :meth:`positions` among them) and
-        ``shared`` bytes of dynamic shared memory (``attention_decode_at``'s scores)."""
-        if self._bound is None:
-            self._bound = _kernels.bind_launch(
-                self._ctx, ATTENTION_CUDA_SOURCE, self._name, self._grid, self._block,
-                name_expressions=_by_value_names(),
-            )  # fmt: skip
-        self._bound(args, shared)
+    cap = _kernels.capacity_for(n_b)
+    if cap is None:
+        return None
+    name = f"{kernel}<{cap}>"
+    launch = _kernels.bind_on_first_call(
+        lambda *_: _kernels.bind_launch(
+            ctx, ATTENTION_CUDA_SOURCE, name, grid, block, name_expressions=_by_value_names()
+        )
+    )
+    return _kernels.ArraySlot(ctx.xp, np.int32, cap), launch
 
 
 @register_op("AttentionOp", DeviceType.CUDA, precisions=(Precision.FP32,))
@@ -461,15 +448,15 @@ class CudaAttentionOp(Operation):
         call = _kernels.bind_launch(
             ctx, ATTENTION_CUDA_SOURCE, "kv_cache_write", grid, _kernels.THREADS
         )
-        each = _ByValueLaunch.make(ctx, "kv_cache_write_at", n_b, grid, _kernels.THREADS)
+        by_value = _by_value_launch(ctx, "kv_cache_write_at", n_b, grid, _kernels.THREADS)
 
         def write() -> None:
             p = highest(positions.highest)
             if positions.uniform:
                 call((k_new, v_new, k_cache, v_cache, null, p, *fixed))
-            elif each is not None:  # the step's positions in the launch's parameters
-                at = each.positions(positions.each)
-                each.launch((k_new, v_new, k_cache, v_cache, at, p, *fixed))
+            elif by_value is not None:  # the step's positions in the launch's parameters
+                slot, launch = by_value
+                launch((k_new, v_new, k_cache, v_cache, slot(positions.each), p, *fixed))
             else:
                 pos = positions.on_device(ctx)
                 call((k_new, v_new, k_cache, v_cache, pos, p, *fixed))
@@ -520,7 +507,7 @@ class CudaAttentionOp(Operation):
         call = _kernels.bind_launch(
             ctx, ATTENTION_CUDA_SOURCE, "attention_decode", grid, _DECODE_THREADS
         )
-        each = _ByValueLaunch.make(ctx, "attention_decode_at", n_b, grid, _DECODE_THREADS)
+        by_value = _by_value_launch(ctx, "attention_decode_at", n_b, grid, _DECODE_THREADS)
         keys = _kernels.ScalarSlot(ctx.xp, np.int32)
 
         def attend() -> None:
@@ -530,9 +517,10 @@ class CudaAttentionOp(Operation):
                 return
             if positions.uniform:
                 call((q, k_cache, v_cache, out, null, keys(n), stride, *fixed, s), n * 4)
-            elif each is not None:  # per-sequence lengths from the positions, by value
-                at = each.positions(positions.each)
-                each.launch((q, k_cache, v_cache, out, at, keys(n), stride, *fixed, s), n * 4)
+            elif by_value is not None:  # per-sequence lengths from the positions, by value
+                slot, launch = by_value
+                at = slot(positions.each)
+                launch((q, k_cache, v_cache, out, at, keys(n), stride, *fixed, s), n * 4)
             else:  # from the step's positions on the device (one copy per step)
                 pos = positions.on_device(ctx)
                 call((q, k_cache, v_cache, out, pos, keys(n), stride, *fixed, s), n * 4)

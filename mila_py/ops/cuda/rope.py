@@ -883,15 +883,8 @@ class CudaRopeOp(Operation):
         cap = _kernels.capacity_for(int(q.shape[0]))
         if cap is None:
             return None
-        bound: Callable[[Any, Any, np.ndarray], None] | None = None
-
-        def rotate_each(q: Any, k: Any, positions: np.ndarray) -> None:
-            nonlocal bound
-            if bound is None:
-                bound = self._bind_each(q, k, cap, packed)
-            bound(q, k, positions)
-
-        return rotate_each
+        # bound with the arrays of the first call (these very ones), none kept by this closure
+        return _kernels.bind_on_first_call(lambda q, k, _: self._bind_each(q, k, cap, packed))
 
     def _bind_each(
         self, q: Any, k: Any, cap: int, packed: bool

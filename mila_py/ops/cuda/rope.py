@@ -907,10 +907,10 @@ class CudaRopeOp(Operation):
             return rotate_packed
         call = self._bind_one_launch(_kernels.bind_launch, q, k, capacity=cap)
         bound = [self._bound(v) if isinstance(v, np.generic) else v for v in values]
-        head, tail = tuple(bound[:_POSITIONS]), tuple(bound[_POSITIONS + 1 :])
+        tables, tail = tuple(bound[_COS:_POSITIONS]), tuple(bound[_POSITIONS + 1 :])
 
         def rotate_each(q: Any, k: Any, positions: np.ndarray) -> None:
-            call((q, q, k, k, *head[_COS:], slot(positions), *tail))
+            call((q, q, k, k, *tables, slot(positions), *tail))
 
         return rotate_each
 

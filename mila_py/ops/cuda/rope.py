@@ -896,10 +896,10 @@ class CudaRopeOp(Operation):
         values[_POSITIONS], values[_USE_POSITIONS] = slot, np.int32(1)
         if packed:
             call = self._bind_one_launch(_kernels.bind_packed_launch, q, k, values, capacity=cap)
-            tables = values[_COS : _SIN + 1]  # the op's own, kept alive with their addresses
+            kept = values[_COS : _SIN + 1]  # the op's tables, kept alive with their addresses
 
             def rotate_packed(
-                q: Any, k: Any, positions: np.ndarray, keep: Any = (tables, slot)
+                q: Any, k: Any, positions: np.ndarray, keep: Any = (kept, slot)
             ) -> None:
                 slot(positions)  # the struct's cell, which the packed parameters point to
                 call()

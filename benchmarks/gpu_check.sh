@@ -69,9 +69,9 @@ if stage tests; then
   # the CUDA tests again with the launches that are off by default until this and the
   # benchmarks' A/B rows say otherwise: RoPE decode steps by packed cuLaunchKernel
   # (PACKED_DECODE) and a decode plan's products by bound cuBLAS sgemm (DIRECT_GEMM)
-  mark "tests --packed-decode --direct-gemm"
+  mark "tests --no-packed-decode --no-direct-gemm"
   timeout -k 10 "$t_packed" python3 -m pytest tests/cuda -q -rs --tb=short -p no:cacheprovider \
-    --packed-decode --direct-gemm ${workers[@]+"${workers[@]}"} 2>&1 | tee -a "$out/tests.log" || status=1
+    --no-packed-decode --no-direct-gemm ${workers[@]+"${workers[@]}"} 2>&1 | tee -a "$out/tests.log" || status=1
 fi
 if stage rope; then
   mark rope

@@ -27,16 +27,17 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA_REASON)
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
-        "--packed-decode",
+        "--no-packed-decode",
         action="store_true",
-        help="run with mila_py.ops.cuda.rope.PACKED_DECODE on: RoPE decode steps launch by "
-        "cuLaunchKernel with packed arguments (tests that set it themselves still do)",
+        help="run with mila_py.ops.cuda.rope.PACKED_DECODE off: RoPE decode steps launch by "
+        "CuPy's kernel call, not cuLaunchKernel with packed arguments (tests that set it "
+        "themselves still do)",
     )
     parser.addoption(
-        "--direct-gemm",
+        "--no-direct-gemm",
         action="store_true",
-        help="run with mila_py.ops.cuda.linear.DIRECT_GEMM on: a decode plan's matrix "
-        "products call cuBLAS sgemm with their arguments made once",
+        help="run with mila_py.ops.cuda.linear.DIRECT_GEMM off: a decode plan's matrix "
+        "products call cupy.matmul, not cuBLAS sgemm with its arguments made once",
     )
     parser.addoption(
         "--emulate-gpu",
@@ -48,14 +49,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if config.getoption("--packed-decode"):
+    if config.getoption("--no-packed-decode"):
         from mila_py.ops.cuda import rope
 
-        rope.PACKED_DECODE = True
-    if config.getoption("--direct-gemm"):
+        rope.PACKED_DECODE = False
+    if config.getoption("--no-direct-gemm"):
         from mila_py.ops.cuda import linear
 
-        linear.DIRECT_GEMM = True
+        linear.DIRECT_GEMM = False
     if config.getoption("--emulate-gpu"):
         _start_gpu_emulation(config)
 
@@ -115,14 +116,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def packed_decode(pytestconfig: pytest.Config) -> bool:
-    """Whether this run asked for ``--packed-decode``."""
-    return bool(pytestconfig.getoption("--packed-decode"))
+    """Whether RoPE decode steps launch packed in this run: on, unless ``--no-packed-decode``."""
+    return not pytestconfig.getoption("--no-packed-decode")
 
 
 @pytest.fixture(scope="session")
 def direct_gemm(pytestconfig: pytest.Config) -> bool:
-    """Whether this run asked for ``--direct-gemm``."""
-    return bool(pytestconfig.getoption("--direct-gemm"))
+    """Whether decode plans bind cuBLAS sgemm in this run: on, unless ``--no-direct-gemm``."""
+    return not pytestconfig.getoption("--no-direct-gemm")
 
 
 @pytest.fixture(

@@ -465,9 +465,10 @@ _COS, _SIN, _POSITIONS, _USE_POSITIONS, _OFFSET = 4, 5, 6, 7, 8
 #: a decode plan's :meth:`CudaRopeOp.bind_decode`) launch by ``cuLaunchKernel`` with their
 #: arguments packed once (:meth:`CudaRopeOp.packed_launcher`, :meth:`CudaRopeOp.launcher_each`
 #: with ``packed``) rather than by CuPy with bound arguments (:meth:`CudaRopeOp.launcher`); both
-#: give the same bits. Off until a GPU run times the two (``benchmarks/cuda_launch_cost.py``)
-#: with the GPU tests, which check both, passing.
-PACKED_DECODE = False
+#: give the same bits. On since an H100 run (2026-11-26): the GPU tests pass with each, and the
+#: packed launch took a B=1 decode call from 6.7-6.9 to 4.5-4.7 us (``benchmarks/rope_cuda.py``,
+#: ``benchmarks/cuda_launch_cost.py``); ``pytest --no-packed-decode`` runs the tests with CuPy's.
+PACKED_DECODE = True
 
 
 def vector_widths(precision: Precision) -> tuple[int, ...]:

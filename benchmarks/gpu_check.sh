@@ -11,9 +11,9 @@
 # Each of tests, rope and llama fits one 10-minute call of the device tool; bench and all may not.
 # A lent GPU session has ~15 minutes of device time in all, start-up included, and the machine is
 # given back after ~30 s idle (each new call starts it again): use `once` with timeout_s 590. It
-# runs what the open CUDA issue still needs first:
-#   the whole suite (in parallel: ~85 s on an H100 machine's 16 cores); the CUDA tests again with
-#   --packed-decode --direct-gemm; RoPE without the torch.compile peer in 5 interleaved rounds
+# runs, in this order:
+#   the whole suite (in parallel: ~40-85 s on an H100 machine's 16 cores); the CUDA tests again with
+#   --no-packed-decode --no-direct-gemm; RoPE without the torch.compile peer in 5 interleaved rounds
 #   (~60 s); the decode launch-cost breakdown; the decode plan with and without DIRECT_GEMM,
 #   and a ragged one (B=4) with its positions by value and uploaded;
 #   [the RoPE kernel's tuning settings, rope_cuda_variants.py, only with GPU_CHECK_VARIANTS=1;
@@ -66,9 +66,9 @@ if stage tests; then
   timeout -k 10 "$t_tests" python3 -m pytest tests -q -rs --tb=short --durations=10 -p no:cacheprovider \
     ${workers[@]+"${workers[@]}"} 2>&1 \
     | tee "$out/tests.log" || status=1
-  # the CUDA tests again with the launches that are off by default until this and the
-  # benchmarks' A/B rows say otherwise: RoPE decode steps by packed cuLaunchKernel
-  # (PACKED_DECODE) and a decode plan's products by bound cuBLAS sgemm (DIRECT_GEMM)
+  # the CUDA tests again with the launches that are not the default (an H100 run's tests and
+  # A/B rows made the packed cuLaunchKernel one, PACKED_DECODE, and bound cuBLAS sgemm,
+  # DIRECT_GEMM, the default): RoPE decode steps by CuPy's launch, plan products by cupy.matmul
   mark "tests --no-packed-decode --no-direct-gemm"
   timeout -k 10 "$t_packed" python3 -m pytest tests/cuda -q -rs --tb=short -p no:cacheprovider \
     --no-packed-decode --no-direct-gemm ${workers[@]+"${workers[@]}"} 2>&1 | tee -a "$out/tests.log" || status=1

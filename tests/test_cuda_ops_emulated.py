@@ -1071,9 +1071,9 @@ def test_array_slot_is_cupys_by_value_object_over_the_struct() -> None:
 
 
 def test_direct_gemm_is_what_the_run_asked_for(direct_gemm: bool) -> None:
-    """A decode plan's products go through ``cupy.matmul`` unless the run passes
-    ``--direct-gemm`` (the GPU check runs the CUDA tests once more with it;
-    ``benchmarks/GPU_NOTES.md`` says when it becomes the default)."""
+    """A decode plan's products are bound cuBLAS ``sgemm`` calls (the default since an H100
+    run) unless the run passes ``--no-direct-gemm`` (CI and the GPU check run the CUDA tests
+    once more with it: ``cupy.matmul``)."""
     from mila_py.ops.cuda import linear as cuda_linear
 
     assert cuda_linear.DIRECT_GEMM is direct_gemm

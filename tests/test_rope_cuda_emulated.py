@@ -1558,7 +1558,6 @@ def test_pack_params_packs_c_values_at_stable_addresses() -> None:
 
 
 def test_packed_decode_is_what_the_run_asked_for(packed_decode: bool) -> None:
-    """Decode steps launch by CuPy unless the run passes ``--packed-decode`` (the GPU check runs
-    the CUDA tests once more with it; ``benchmarks/GPU_NOTES.md`` says when it becomes the
-    default)."""
+    """Decode steps launch packed (the default since an H100 run) unless the run passes
+    ``--no-packed-decode`` (CI and the GPU check run the CUDA tests once more with it)."""
     assert cuda_rope.PACKED_DECODE is packed_decode

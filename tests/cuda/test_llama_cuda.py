@@ -435,10 +435,10 @@ def test_decode_plan_equals_the_component_path(
     tmp_path, rng, tie: bool, extras: bool, direct_gemm: bool
 ) -> None:
     """The GPU decode plan (bound cuBLAS calls and launches, ``attention_decode``,
-    ``kv_cache_write``, one device copy of ragged positions per step) against the components'
+    ``kv_cache_write``, ragged positions passed by value) against the components'
     own calls on the GPU: one position for all, ragged positions (also given as a CuPy array),
-    B=1 in a B=2 build; logits and KV caches. Under ``--direct-gemm`` the plan's products are
-    bound ``sgemm`` calls (checked: none fell back to ``cupy.matmul`` unseen)."""
+    B=1 in a B=2 build; logits and KV caches. Unless ``--no-direct-gemm``, the plan's products
+    are bound ``sgemm`` calls (checked: none fell back to ``cupy.matmul`` unseen)."""
     cfg = dataclasses.replace(CFG, tie_embeddings=tie, **(EXTRAS if extras else {}))
     trained = Llama("llama", cfg, device="CPU")
     trained.build(BuildContext((1, 8), TRAINING))

@@ -5,7 +5,10 @@ in rounds (``--rounds``): each round times every figure of the table in turn (mi
 peer's, the decode rows' host wall time), starting at a different figure each round, and a
 figure is the median over its rounds, so one slow stretch of the GPU or the host cannot set a
 row. The ``spread`` column is mila_py's slowest round over its fastest. The table is printed
-after every round. Measured:
+after every round. Each run of back-to-back calls is timed after an untimed lead call, so the
+GPU is busy while the first timed call does its host work: a GPU-bound row is its steady-state
+time per call, a host-bound one (decode) the host's pace (runs before 2026-11-26's eighteenth
+session timed the first call's host work as GPU idle time). Measured:
 
 - the ceiling: a large device-to-device copy (``cudaMemcpyAsync``), counting bytes read + written;
 - mila_py ``Rope.forward`` and ``Rope.backward`` (whole component calls), fp32 and bf16, for
@@ -75,7 +78,14 @@ class Row:
 
 
 class CupyTimer:
-    """Per-call seconds from CUDA events recorded on one CuPy stream."""
+    """Per-call seconds from CUDA events recorded on one CuPy stream.
+
+    Each run is one untimed lead call, then ``start``, ``calls`` timed calls and ``end``. The
+    lead call keeps the GPU busy while the first timed call does its host work (checks,
+    arguments), so that work is not timed as GPU idle time: without it, a run timed the first
+    call's host time too (a Rope backward's ~45 us over 10 calls: ~4.5 us a call, 62.0 us of
+    kernel measured as 66.1). A host-bound call (decode) is timed as before: its run is the
+    host's pace either way. :class:`TorchTimer` does the same for the peers."""
 
     def __init__(self, cupy: Any, stream: Any) -> None:
         self.cupy, self.stream = cupy, stream
@@ -87,6 +97,7 @@ class CupyTimer:
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         times = []
         for _ in range(repeats):
+            fn()  # the lead call (see the class's docstring)
             start.record(self.stream)
             for _ in range(calls):
                 fn()
@@ -100,7 +111,8 @@ class CupyTimer:
 
 
 class TorchTimer:
-    """Per-call seconds from CUDA events on torch's current stream."""
+    """Per-call seconds from CUDA events on torch's current stream, each run after an untimed
+    lead call as :class:`CupyTimer`'s."""
 
     def __init__(self, torch: Any) -> None:
         self.torch = torch
@@ -112,6 +124,7 @@ class TorchTimer:
         end = torch.cuda.Event(enable_timing=True)
         times = []
         for _ in range(repeats):
+            fn()  # the lead call (see CupyTimer)
             start.record()
             for _ in range(calls):
                 fn()

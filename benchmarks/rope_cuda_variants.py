@@ -11,6 +11,7 @@ in turn (``--calls`` launches), the median of ``--repeats`` rounds is kept. In t
 copy ceiling and, when importable, Liger-Kernel's forward on the same shape (the peer of the tie).
 
     python benchmarks/rope_cuda_variants.py [--calls 20] [--repeats 15]
+    python benchmarks/rope_cuda_variants.py --backward    # the out-of-place backward launch
     python benchmarks/rope_cuda_variants.py --registers   # no GPU: nvcc's register counts
 
 Per case it prints each variant's time, its % of the copy, ``in use / variant`` (> 1: the
@@ -18,6 +19,10 @@ variant is faster), the spread of the kernel in use's rounds, and ``x Liger`` (L
 the variant's); at the end, each variant's worst and geometric-mean ratio over the cases. A
 setting is a candidate for :data:`mila_py.ops.cuda.rope.ROPE_TUNING` only where it wins on every
 case by more than the spread. The library itself is unchanged by this script.
+
+``--backward`` times the launch ``Rope.backward`` makes instead: out of place, ``R^T`` of dQ
+and dK into the component's gradient buffers (the bits compared are those buffers'). It reads
+and writes different memory, as the copy ceiling does; Liger is not timed there.
 """
 
 from __future__ import annotations
@@ -73,6 +78,11 @@ def main() -> None:
         help="write the setting the rule picks (its MILA_ROPE_TUNING value) to PATH; empty: none",
     )  # fmt: skip
     parser.add_argument(
+        "--backward", action="store_true",
+        help="time Rope.backward's launch (out of place, into the gradient buffers), not the "
+        "in-place forward's; Liger is not timed",
+    )  # fmt: skip
+    parser.add_argument(
         "--registers", action="store_true",
         help="no GPU: registers per thread of each variant's prefill kernels (nvcc, sm_90)",
     )  # fmt: skip
@@ -84,7 +94,7 @@ def main() -> None:
         raise SystemExit("rope_cuda_variants.py needs an NVIDIA GPU and CuPy (none seen)")
     import cupy
 
-    liger = load_liger()
+    liger = None if args.backward else load_liger()
     cfg = RopeConfig(channels=HEADS * HEAD_DIM, n_heads=HEADS, n_kv_heads=KV_HEADS,
                      max_seq_len=8192)  # fmt: skip
     rng = np.random.default_rng(0)
@@ -149,15 +159,22 @@ def measure_case(cupy: Any, cfg: RopeConfig, precision: Precision, n_b: int, n_t
                  rng: np.random.Generator, copy_bw: float, liger: Any,
                  args: argparse.Namespace) -> Case:  # fmt: skip
     """Print one case's table and return its figures."""
+    direction = "backward" if args.backward else "forward"
+    mode = RuntimeMode.TRAINING if args.backward else RuntimeMode.INFERENCE
     rope = Rope("rope", cfg, device="CUDA:0", precision=precision)
-    rope.build(BuildContext((n_b, n_t, cfg.channels), RuntimeMode.INFERENCE))
+    rope.build(BuildContext((n_b, n_t, cfg.channels), mode))
     ctx = rope.execution_context
     shape_q, shape_k = (n_b, n_t, cfg.channels), (n_b, n_t, cfg.kv_channels)
     q_host = rng.standard_normal(shape_q, dtype=np.float32)
     k_host = rng.standard_normal(shape_k, dtype=np.float32)
     q = ctx.to_device(q_host.astype(precision.numpy_dtype))
     k = ctx.to_device(k_host.astype(precision.numpy_dtype))
-    launch = capture_launch(lambda: rope.forward(q, k))
+    # the arrays the launch writes: Q and K in place, or the gradient buffers backward returns
+    written: list[Any] = [q, k]
+    if args.backward:
+        launch = capture_launch(lambda: written.__setitem__(slice(None), rope.backward(q, k)))
+    else:
+        launch = capture_launch(lambda: rope.forward(q, k))
     names = launch["kw"].get("name_expressions", ())
     device = ctx.device_id.index
     grid, shared = launch["grid"], launch["kw"]["shared_mem"]
@@ -173,10 +190,13 @@ def measure_case(cupy: Any, cfg: RopeConfig, precision: Precision, n_b: int, n_t
     for name, tuning in VARIANTS.items():  # the same function of the same input, bit for bit
         q.view(cupy.uint8)[...] = q0.view(cupy.uint8)
         k.view(cupy.uint8)[...] = k0.view(cupy.uint8)
+        if args.backward:  # so a variant that writes nothing cannot pass for the one in use
+            for out in written:
+                out.view(cupy.uint8)[...] = 0
         runners[name] = runner(tuning)
         runners[name]()
         ctx.synchronize()
-        outputs[name] = (cupy.asnumpy(q.view(cupy.uint8)), cupy.asnumpy(k.view(cupy.uint8)))
+        outputs[name] = tuple(cupy.asnumpy(out.view(cupy.uint8)) for out in written)
     base = outputs["in use"]
     differ = [n for n, out in outputs.items() if not all(map(np.array_equal, out, base))]
     timed = {n: fn for n, fn in runners.items() if n not in differ}
@@ -186,7 +206,7 @@ def measure_case(cupy: Any, cfg: RopeConfig, precision: Precision, n_b: int, n_t
     mine = statistics.median(times["in use"])
     q1, q3 = np.percentile(times["in use"], [25, 75])
     spread = (q3 - q1) / mine
-    print(f"\nforward B={n_b} T={n_t} {dtype} (kernel {launch['name']}, in-use rounds' "
+    print(f"\n{direction} B={n_b} T={n_t} {dtype} (kernel {launch['name']}, in-use rounds' "
           f"IQR {100 * spread:.1f}%"
           + (f"; Liger {liger_us:.1f} us" if liger_us else "") + ")")  # fmt: skip
     print(f"  {'variant':24} {'us':>8} {'% copy':>7} {'in use/variant':>15} {'x Liger':>8}")
@@ -213,6 +233,7 @@ def interleaved_us(cupy: Any, stream: Any, runners: dict[str, Any],
     times: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(args.repeats):
         for name, fn in runners.items():
+            fn()  # an untimed lead call, as rope_cuda.py's timers make (see its CupyTimer)
             start.record(stream)
             for _ in range(args.calls):
                 fn()

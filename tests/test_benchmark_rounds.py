@@ -203,3 +203,43 @@ def test_the_whole_script_runs_its_rounds_on_the_emulated_gpu(
     ab = [r for r in decode if r["case"].endswith(f"(pos int, {other} launch)")]
     assert len(ab) == 4 and not any("FAST PATH" in r["note"] for r in ab)  # made, that launch
     assert all(len(f["seconds_per_round"]) == 2 and not f["failed"] for f in payload["figures"])
+
+
+def test_each_timed_run_starts_after_an_untimed_lead_call() -> None:
+    """CupyTimer and TorchTimer record ``start`` only once a lead call has queued its work, so
+    the first timed call's host work is not timed as GPU idle time; the run's per-call figure
+    divides by the timed calls only."""
+    import types
+
+    log: list[str] = []
+
+    class Event:
+        def __init__(self, enable_timing: bool = True) -> None:
+            self.at = 0.0
+
+        def record(self, stream: Any = None) -> None:
+            self.at = float(log.count("call"))  # "milliseconds": the calls queued so far
+            log.append("record")
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end: Event) -> float:
+            return end.at - self.at
+
+    stream = types.SimpleNamespace(synchronize=lambda: None)
+    fake_cupy = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(
+            Event=Event, get_elapsed_time=lambda start, end: end.at - start.at
+        )
+    )
+    fake_torch = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(Event=Event, synchronize=lambda: None)
+    )
+    timers = [rope_cuda.CupyTimer(fake_cupy, stream), rope_cuda.TorchTimer(fake_torch)]
+    for timer in timers:
+        log.clear()
+        got = timer.samples(lambda: log.append("call"), calls=4, repeats=2)
+        timed = log[log.index("record") - 1 :]  # the warm-up's calls come first
+        assert timed == ["call", "record", *["call"] * 4, "record"] * 2
+        assert got == [pytest.approx(4 / 1e3 / 4)] * 2  # 4 "ms" over the 4 timed calls

@@ -13,14 +13,17 @@ microseconds there) and matters for small models on the CPU:
 - ``--device CUDA:0``: a GPU, with a stream synchronization after each step.
 - ``--stub-cuda``: the CUDA ops' host side on a machine without a GPU: a ``CUDA:0`` whose
   arrays are NumPy arrays and whose kernel launches do nothing (the test suite's kernel
-  emulator, ``tests/kernel_emulator.py``, with its launches stubbed). The matrix products still
-  run (in NumPy), so this overstates the host work of the component path and the plan alike.
+  emulator, ``tests/kernel_emulator.py``, with its launches stubbed). Bound ``sgemm`` calls do
+  nothing either; ``cupy.matmul`` products still run (in NumPy, at dim 64), so this overstates
+  the host work of the component path. RoPE decode steps launch by CuPy's path there
+  (``PACKED_DECODE`` off): the emulator's packed launch re-reads every argument at each call,
+  which a GPU's ``cuLaunchKernel`` does not, so its host time means nothing there.
 
 On CUDA a third row times the plan with the other matrix-product call than the default
 (``DIRECT_GEMM`` in ``mila_py/ops/cuda/linear.py``: cuBLAS ``sgemm`` bound once, or
 ``cupy.matmul`` per call), a second model whose plan is made with the flag flipped: the A/B that
-decides the default. With ``--stub-cuda`` its ``sgemm`` is the test suite's NumPy emulation,
-slower than a matmul: that row means nothing there. With ``--ragged`` a fourth row times a plan
+decides the default. With ``--stub-cuda`` the bound ``sgemm`` does nothing and ``cupy.matmul``
+multiplies in NumPy: that row's gap is not the GPU's. With ``--ragged`` a fourth row times a plan
 whose ragged steps upload their positions (``POSITION_CAPACITIES`` empty during each step), as
 before they went in the launches' parameters.
 
@@ -45,6 +48,7 @@ from mila_py import BuildContext, RuntimeMode
 from mila_py.components import Llama, LlamaConfig
 from mila_py.ops.cuda import _kernels
 from mila_py.ops.cuda import linear as cuda_linear
+from mila_py.ops.cuda import rope as cuda_rope
 
 CFG = LlamaConfig(
     vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=192, max_seq_len=512
@@ -53,7 +57,9 @@ CFG = LlamaConfig(
 
 @contextlib.contextmanager
 def stubbed_cuda() -> Iterator[None]:
-    """``CUDA:0`` as the kernel emulator's NumPy context, every kernel launch a no-op."""
+    """``CUDA:0`` as the kernel emulator's NumPy context, every kernel launch and bound
+    ``sgemm`` a no-op, RoPE decode steps launched by CuPy's path (the emulator's packed launch
+    re-reads its arguments at each call, which costs what a GPU's does not)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from kernel_emulator import emulated_cuda_devices
 
@@ -61,9 +67,15 @@ def stubbed_cuda() -> Iterator[None]:
         def launch(self, *args: Any, **kwargs: Any) -> None:
             pass
 
+    packed = cuda_rope.PACKED_DECODE
     # no kernel runs, so the arrays hold garbage (NaN from unnormalized -inf scores): no warnings
     with emulated_cuda_devices(NoLaunches()), np.errstate(all="ignore"):  # type: ignore[arg-type]
-        yield
+        _kernels.sgemm = lambda *args, **kwargs: None  # type: ignore[assignment]  # restored on exit
+        cuda_rope.PACKED_DECODE = False
+        try:
+            yield
+        finally:
+            cuda_rope.PACKED_DECODE = packed
 
 
 def main() -> None:

@@ -83,8 +83,8 @@ class CupyTimer:
     Each run is one untimed lead call, then ``start``, ``calls`` timed calls and ``end``. The
     lead call keeps the GPU busy while the first timed call does its host work (checks,
     arguments), so that work is not timed as GPU idle time: without it, a run timed the first
-    call's host time too (a Rope backward's ~45 us over 10 calls: ~4.5 us a call, 62.0 us of
-    kernel measured as 66.1). A host-bound call (decode) is timed as before: its run is the
+    call's host time too (inferred from an H100 run: the backward kernel alone took 62.0 us a
+    call, the component's run 66.1, as ~45 us of host work over 10 calls would give). A host-bound call (decode) is timed as before: its run is the
     host's pace either way. :class:`TorchTimer` does the same for the peers."""
 
     def __init__(self, cupy: Any, stream: Any) -> None:

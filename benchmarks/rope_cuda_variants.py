@@ -87,6 +87,8 @@ def main() -> None:
         help="no GPU: registers per thread of each variant's prefill kernels (nvcc, sm_90)",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.backward and args.adopt:  # ROPE_TUNING drives the forward kernel too
+        parser.error("--adopt picks a setting from the forward cases: not with --backward")
     if args.registers:
         print_registers()
         return

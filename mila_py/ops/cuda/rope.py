@@ -573,6 +573,17 @@ class CudaRopeOp(Operation):
     def _bound(self, value: np.generic) -> Any:
         return _kernels.bound_scalar(self.context.xp, value)
 
+    def _bound_values(self, values: Any) -> list[Any]:
+        """:meth:`launch_values`' layout with its NumPy scalars made launch arguments once."""
+        return [self._bound(v) if isinstance(v, np.generic) else v for v in values]
+
+    def _kernel_of(self, vec: int, capacity: int) -> tuple[str, tuple[str, ...]]:
+        """The kernel of access width ``vec`` and its module's name expressions: with a
+        ``capacity``, the by-value positions kernel of that capacity (``rope_qk_at``)."""
+        if capacity:
+            return self._at_name_of[vec, capacity], self._at_names
+        return self._name_of[vec], self._names
+
     def state_arrays(self) -> list[Any]:
         return self.table.arrays() if self.table is not None else []
 
@@ -712,20 +723,20 @@ class CudaRopeOp(Operation):
         ctx = self.context
         table = self.table
         tables = table.tables_for(seq_len)
-        # the common case (forward, prefill, decode at one position) uploads nothing, so it
-        # needs only the right current device, not the stream context
-        if tables is not None and positions is None and _kernels.device_is_current(ctx):
-            self._launch(q, k, q_out, k_out, *tables, None, offset, inverse)
-            return
         per_axis = positions is not None and positions.ndim == 3  # M-RoPE positions [3, B, T]
-        if tables is not None and positions is not None:
-            # explicit positions (a decode step's, one per sequence): in the launch's
-            # parameters where they fit, so nothing is uploaded
-            shape = (3, n_b, n_t) if per_axis else (n_b, n_t)
-            by_value = self._positions_by_value(positions, shape)
-            if by_value is not None:
-                cap, arg = by_value
-                args = (q, k, q_out, k_out, *tables, arg, offset, inverse, per_axis, cap)
+        if tables is not None:
+            # a launch that uploads nothing (no explicit positions: forward, prefill, decode at
+            # one position; or positions that fit in the launch's parameters) needs only the
+            # right current device, not the stream context
+            pos, cap = None, 0
+            if positions is not None:
+                by_value = self._positions_by_value(
+                    positions, (3, n_b, n_t) if per_axis else (n_b, n_t)
+                )
+                if by_value is not None:
+                    cap, pos = by_value
+            if positions is None or cap:
+                args = (q, k, q_out, k_out, *tables, pos, offset, inverse, per_axis, cap)
                 if _kernels.device_is_current(ctx):
                     self._launch(*args)
                 else:
@@ -799,10 +810,7 @@ class CudaRopeOp(Operation):
             self._signs[inverse], flags[copy_rest],
             *(self._mrope_args if per_axis else self._no_mrope),
         )  # fmt: skip
-        if capacity:
-            name, names = self._at_name_of[vec, capacity], self._at_names
-        else:
-            name, names = self._name_of[vec], self._names
+        name, names = self._kernel_of(vec, capacity)
         _kernels.launch(
             ctx,
             ROPE_CUDA_SOURCE,
@@ -853,8 +861,7 @@ class CudaRopeOp(Operation):
         call = self._bind_one_launch(_kernels.bind_launch, q, k)
         position = _kernels.ScalarSlot(self.context.xp, np.int64)
         # launch_values' layout, its scalars made into launch arguments once
-        bound = [self._bound(v) if isinstance(v, np.generic) else v
-                 for v in self.launch_values(q, k, position)]  # fmt: skip
+        bound = self._bound_values(self.launch_values(q, k, position))
         # the tables, positions and use_positions as they are; the offset per call
         tables, tail = tuple(bound[_COS:_OFFSET]), tuple(bound[_OFFSET + 1 :])
 
@@ -907,7 +914,7 @@ class CudaRopeOp(Operation):
 
             return rotate_packed
         call = self._bind_one_launch(_kernels.bind_launch, q, k, capacity=cap)
-        bound = [self._bound(v) if isinstance(v, np.generic) else v for v in values]
+        bound = self._bound_values(values)
         tables, tail = tuple(bound[_COS:_POSITIONS]), tuple(bound[_POSITIONS + 1 :])
 
         def rotate_each(q: Any, k: Any, positions: np.ndarray) -> None:
@@ -930,10 +937,7 @@ class CudaRopeOp(Operation):
         ``capacity``, of the by-value positions kernel of that capacity."""
         assert self.table is not None, "CudaRopeOp used before build"
         vec = self.vector_width(q, k)
-        if capacity:
-            name, names = self._at_name_of[vec, capacity], self._at_names
-        else:
-            name, names = self._name_of[vec], self._names
+        name, names = self._kernel_of(vec, capacity)
         return bind(
             self.context,
             ROPE_CUDA_SOURCE,

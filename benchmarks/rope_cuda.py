@@ -433,8 +433,7 @@ def bench_decode(bench: Bench, cfg: RopeConfig, precision: Precision, n_b: int) 
     each peer on the same shape: their rows, timed in the rounds."""
     torch = bench.torch
     dtype_name = row_dtype(precision)
-    rope = Rope("rope", cfg, device="CUDA:0", precision=precision)
-    rope.build(BuildContext((n_b, 1, cfg.channels), RuntimeMode.INFERENCE))
+    rope = decode_component(cfg, precision, n_b)
     ctx = rope.execution_context
     q = ctx.to_device(
         bench.rng.standard_normal((n_b, 1, cfg.channels)).astype(precision.numpy_dtype)
@@ -442,7 +441,6 @@ def bench_decode(bench: Bench, cfg: RopeConfig, precision: Precision, n_b: int) 
     k = ctx.to_device(
         bench.rng.standard_normal((n_b, 1, cfg.kv_channels)).astype(precision.numpy_dtype)
     )
-    timer, host = CupyTimer(bench.cupy, ctx.stream), HostTimer(ctx.synchronize)
     variants: list[tuple[str, Any, int]] = [("pos int", 4000, 1)]
     if n_b > 1:
         variants.append(("pos per seq", bench.rng.integers(0, MAX_SEQ, size=n_b), n_b))
@@ -454,8 +452,7 @@ def bench_decode(bench: Bench, cfg: RopeConfig, precision: Precision, n_b: int) 
 
         nbytes = 2 * (q.nbytes + k.nbytes) + distinct * (cfg.head_dim // 2) * 8
         row = Row(f"decode B={n_b} ({label})", dtype_name, nbytes)
-        bench.time(row, "", call, timer, bench.decode_calls)
-        bench.time(row, HOST_WALL, call, host, bench.decode_calls)
+        time_decode(bench, row, call, ctx)
         if bench.peers and label == "pos int":
             tdtype = torch_dtype(torch, precision)
             tq = torch.randn(n_b, 1, HEADS, HEAD_DIM, device="cuda", dtype=tdtype)
@@ -480,8 +477,7 @@ def uploaded_positions_row(
     parameters: a component and buffers of their own, every call of which runs inside
     :func:`_kernels.positions_uploaded` (its fast path, made there, has no per-sequence launch),
     so each call uploads its positions. The two ways timed in the same rounds."""
-    rope = Rope("rope", cfg, device="CUDA:0", precision=precision)
-    rope.build(BuildContext((q.shape[0], 1, cfg.channels), RuntimeMode.INFERENCE))
+    rope = decode_component(cfg, precision, q.shape[0])
     q, k = bit_copy(q), bit_copy(k)
 
     def call() -> None:
@@ -489,9 +485,7 @@ def uploaded_positions_row(
             rope.decode(q, k, position)
 
     other = Row(row.case.replace(")", ", uploaded)"), row.dtype, row.nbytes)
-    ctx = rope.execution_context
-    bench.time(other, "", call, CupyTimer(bench.cupy, ctx.stream), bench.decode_calls)
-    bench.time(other, HOST_WALL, call, HostTimer(ctx.synchronize), bench.decode_calls)
+    time_decode(bench, other, call, rope.execution_context)
     return other
 
 
@@ -501,9 +495,7 @@ def other_launch_row(
     """The ``pos int`` decode row again, its fast path made with the other launch than the
     default (``PACKED_DECODE`` flipped while this component's fast path is made): the two
     launches timed in the same rounds, the A/B that decides the default."""
-    rope = Rope("rope", cfg, device="CUDA:0", precision=precision)
-    rope.build(BuildContext((n_b, 1, cfg.channels), RuntimeMode.INFERENCE))
-    ctx = rope.execution_context
+    rope = decode_component(cfg, precision, n_b)
     q, k = bit_copy(q), bit_copy(k)
     launch, made = fast_path_with_other_launch(rope, q, k, 4000)
 
@@ -513,9 +505,22 @@ def other_launch_row(
     nbytes = 2 * (q.nbytes + k.nbytes) + (cfg.head_dim // 2) * 8
     row = Row(f"decode B={n_b} (pos int, {launch} launch)", row_dtype(precision), nbytes,
               note="" if made else f" NO {launch.upper()} FAST PATH;")  # fmt: skip
+    time_decode(bench, row, call, rope.execution_context)
+    return row
+
+
+def decode_component(cfg: RopeConfig, precision: Precision, n_b: int) -> Rope:
+    """A CUDA Rope built for decode steps of ``n_b`` sequences (INFERENCE)."""
+    rope = Rope("rope", cfg, device="CUDA:0", precision=precision)
+    rope.build(BuildContext((n_b, 1, cfg.channels), RuntimeMode.INFERENCE))
+    return rope
+
+
+def time_decode(bench: Bench, row: Row, call: Callable[[], object], ctx: Any) -> None:
+    """``row``'s decode ``call`` timed in the rounds: by CUDA events on ``ctx``'s stream, and
+    as host wall time (the row's note)."""
     bench.time(row, "", call, CupyTimer(bench.cupy, ctx.stream), bench.decode_calls)
     bench.time(row, HOST_WALL, call, HostTimer(ctx.synchronize), bench.decode_calls)
-    return row
 
 
 def bit_copy(x: Any) -> Any:

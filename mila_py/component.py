@@ -492,16 +492,18 @@ class Component(metaclass=_ComponentMeta):
 
     # ------------------------------------------------------------------ weights
     def save(self, path: Any) -> None:
-        """Save every parameter to a safetensors file, named by dotted tree path."""
+        """Save every parameter to a safetensors file, named by dotted tree path, atomically,
+        with this component's class and config in its metadata."""
         from mila_py.serialization import save
 
         save(self, path)
 
-    def load(self, path: Any) -> None:
-        """Load parameters from a safetensors file; every mismatch is reported, nothing loaded."""
+    def load(self, path: Any, *, check_config: bool = True) -> None:
+        """Load parameters from a safetensors file; every mismatch (the config it was saved
+        from included, unless ``check_config=False``) is reported, nothing loaded."""
         from mila_py.serialization import load
 
-        load(self, path)
+        load(self, path, check_config=check_config)
 
     # ------------------------------------------------------------------ text
     def _describe(self) -> str:

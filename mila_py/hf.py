@@ -45,6 +45,7 @@ from mila_py.components._layer import is_int
 from mila_py.components.llama import Llama, LlamaConfig
 from mila_py.components.rope_config import RopeConfig
 from mila_py.components.rope_scaling import rope_type_name
+from mila_py.files import atomic_write_all
 from mila_py.serialization import (
     assign_parameters,
     open_safetensors,
@@ -597,10 +598,17 @@ def hf_weight_files(path: str | os.PathLike[str]) -> list[tuple[Path, list[str] 
     ``model.safetensors.index.json`` (a stale ``model.safetensors`` beside an index wins, as in
     transformers).
 
+    Every weight file must lie inside the folder: an index entry naming an absolute path or
+    a path with a ``..`` part, or a file that is a link resolving outside the folder, is
+    refused before any file is opened. (One exception: a snapshot folder of the Hugging Face
+    hub cache, ``<repo>/snapshots/<revision>/``, holds links into ``<repo>/blobs/``, which
+    are followed.)
+
     Raises:
         FileNotFoundError: no weights, or shards the index names that are not there.
-        ValueError: an index that is not ``{"weight_map": {name: shard}}``, shards that are not
-            safetensors or lack tensors the index maps to them (every one listed at once).
+        ValueError: an index that is not ``{"weight_map": {name: shard}}``, weight files
+            outside the folder (each index entry named: tensor and shard), shards that are
+            not safetensors or lack tensors the index maps to them (every one listed at once).
     """
     who = "read_hf_checkpoint"
     root = _checkpoint_root(path, who)
@@ -621,6 +629,7 @@ def hf_weight_files(path: str | os.PathLike[str]) -> list[tuple[Path, list[str] 
             raise ValueError(f"{who}: {index} has no weight_map of tensor names to shard files")
         for name, shard in weight_map.items():
             by_shard.setdefault(shard, []).append(name)  # type: ignore[union-attr]
+    _check_contained(root, by_shard, who)
     missing = [s for s in by_shard if not (root / s).is_file()]
     if missing:
         raise FileNotFoundError(
@@ -643,6 +652,40 @@ def hf_weight_files(path: str | os.PathLike[str]) -> list[tuple[Path, list[str] 
     if problems:
         raise ValueError("; ".join(problems))
     return [(root / shard, names) for shard, names in by_shard.items()]
+
+
+def _check_contained(root: Path, by_shard: Mapping[str, list[str] | None], who: str) -> None:
+    """Refuse weight files that are not inside ``root`` (an index from elsewhere must not make
+    a load read ``/proc/self/environ`` or another folder's files).
+
+    Raises:
+        ValueError: naming every such file, with the tensors the index maps to it.
+    """
+    real_root = root.resolve()
+    # the hub cache keeps a snapshot's files as links to ../../blobs/<hash>
+    blobs = real_root.parent.parent / "blobs" if real_root.parent.name == "snapshots" else None
+    problems = []
+    for shard, names in by_shard.items():
+        if os.path.isabs(shard) or shard.startswith(("/", "\\")):
+            why = "an absolute path"
+        elif ".." in Path(shard).parts or ".." in shard.split("\\"):
+            why = "a path with '..' in it"
+        else:
+            real = (root / shard).resolve()
+            if real.is_relative_to(real_root) or (blobs is not None and real.parent == blobs):
+                continue
+            why = f"a link to {real}, outside the folder"
+        if names is None:
+            problems.append(f"{shard!r} is {why}")
+        else:
+            shown = ", ".join(repr(n) for n in names[:3])
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            problems.append(f"tensor {shown}{more} -> shard {shard!r}: {why}")
+    if problems:
+        raise ValueError(
+            f"{who}: {root} names weight files outside the checkpoint folder (refused before "
+            "opening anything):\n  " + "\n  ".join(problems)
+        )
 
 
 def read_hf_tensors(
@@ -681,27 +724,47 @@ def save_hf_checkpoint(model: Llama, path: str | os.PathLike[str]) -> None:
     """Write a built :class:`Llama` as a Hugging Face checkpoint directory (float32 weights).
 
     ``path`` gets ``config.json`` (see :func:`llama_config_to_hf`) and ``model.safetensors``
-    that ``AutoModelForCausalLM.from_pretrained`` loads (see :func:`llama_config_to_hf`).
+    that ``AutoModelForCausalLM.from_pretrained`` loads. All or nothing: both files are
+    written to temporary files first and renamed into place only when both are whole, the
+    weights first and ``config.json`` last, so a failed save leaves a checkpoint already in
+    ``path`` as it was (other files in the folder are left alone).
+
+    Raises:
+        TypeError: ``model`` is not a Llama.
+        RuntimeError: ``model`` is not built.
+        ValueError: a config no Hugging Face model has (nothing is written).
+        OSError: ``"save_hf_checkpoint: cannot write <file> (...)"``: the folder or a file
+            cannot be written; the folder's files are then as they were.
     """
     from safetensors.numpy import save_file
 
+    who = "save_hf_checkpoint"
     if not isinstance(model, Llama):
-        raise TypeError(
-            f"save_hf_checkpoint(model, path): model must be a Llama, got {type(model).__name__}"
-        )
+        raise TypeError(f"{who}(model, path): model must be a Llama, got {type(model).__name__}")
     if not model.is_built:
         raise RuntimeError(f"{model._describe()}: build it before save_hf_checkpoint()")
+    config = llama_config_to_hf(model.config)  # refused before anything is written
+    config_text = json.dumps(config, indent=2, sort_keys=True) + "\n"
     ctx = model.execution_context
     params = {name: readable_on_host(ctx, p) for name, p in model.named_parameters()}
-    tensors = mila_to_hf(params, model.config)
-    config = llama_config_to_hf(model.config)  # refused before anything is written
+    tensors = {
+        k: np.ascontiguousarray(v, dtype=np.float32)
+        for k, v in mila_to_hf(params, model.config).items()
+    }
     root = Path(path)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file(
-        {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()},
-        os.fspath(root / WEIGHTS_NAME),
-        metadata={"format": "pt"},
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(f"{who}: cannot write {root} ({type(exc).__name__}: {exc})") from exc
+    atomic_write_all(
+        [
+            (
+                root / WEIGHTS_NAME,
+                lambda tmp: save_file(tensors, os.fspath(tmp), metadata={"format": "pt"}),
+            ),
+            (root / CONFIG_NAME, lambda tmp: tmp.write_text(config_text, encoding="utf-8")),
+        ],
+        who=who,
     )
 
 

@@ -568,7 +568,7 @@ def test_decode_plan_equals_the_component_path(
     for _ in range(2):
         model = Llama("llama", cfg, device="CPU", precision=precision)
         model.build(BuildContext((2, 32), RuntimeMode.INFERENCE, prefill_size=4))
-        model.load(weights)
+        model.load(weights, check_config=False)  # the weights were saved with llama3 scaling
         models.append(model)
     planned, components = models
     x = tokens(2, 24, seed=7)

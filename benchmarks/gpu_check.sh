@@ -1,18 +1,17 @@
 #!/usr/bin/env bash
 # Everything that needs an NVIDIA GPU, in one go: the CUDA tests, then the GPU benchmarks.
-# What earlier runs measured and predicted: benchmarks/GPU_NOTES.md.
+# The figures these print, with hardware and date: docs/performance.md.
 # Logs go to $OUT (or ./gpu_check_out). Run from the repository root:
 #   bash benchmarks/gpu_check.sh tests   # the test suite, CUDA cases included
 #   bash benchmarks/gpu_check.sh rope    # RoPE benchmark (copy ceiling, peers)
 #   bash benchmarks/gpu_check.sh llama   # training step, generation, decode plan
 #   bash benchmarks/gpu_check.sh bench   # rope + llama
 #   bash benchmarks/gpu_check.sh         # everything
-#   bash benchmarks/gpu_check.sh once    # everything, cut to fit ONE call of the device tool
-# Each of tests, rope and llama fits one 10-minute call of the device tool; bench and all may not.
-# A lent GPU session has ~15 minutes of device time in all, start-up included, and the machine is
-# given back after ~30 s idle (each new call starts it again): use `once` with timeout_s 590. It
-# runs, in this order:
-#   the whole suite (in parallel: ~40-85 s on an H100 machine's 16 cores); the CUDA tests again with
+#   bash benchmarks/gpu_check.sh once    # everything, cut to end within ~560 s
+# Each of tests, rope and llama fits in 10 minutes; bench and all may not.
+# `once` is for a GPU machine held for a short time: one command, each stage under its own
+# timeout, the most important first. It runs, in this order:
+#   the whole suite (in parallel over the machine's cores: ~40-85 s on 16); the CUDA tests again with
 #   --no-packed-decode --no-direct-gemm; RoPE without the torch.compile peer in 5 interleaved rounds
 #   (~60 s); the decode launch-cost breakdown; the decode plan with and without DIRECT_GEMM,
 #   and a ragged one (B=4) with its positions by value and uploaded;
@@ -23,8 +22,9 @@
 # ends it sooner: the later stages get what is left); logs stream to $OUT as they go, so a stage
 # that runs out still leaves what it printed. At most 8 files come back: keep it to 8.
 # Without `pip install -e`, the checkout is put on PYTHONPATH. The RoPE peers Liger-Kernel and
-# flash-attention (Triton code) are not on the lent GPU machines: `python benchmarks/gpu_peers.py`
-# fetches them into .gpu_peers/ beforehand; carry that folder and they are put on PYTHONPATH.
+# flash-attention (Triton code) may be missing on a GPU machine that reaches no registry:
+# `python benchmarks/gpu_peers.py` fetches them into .gpu_peers/ beforehand; copy that folder
+# along and they are put on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_check_out}"
@@ -59,8 +59,8 @@ stage() { [[ "$what" == all || "$what" == once || "$what" == "$1" || ( "$what" =
 if stage tests; then
   mark tests
   # the whole suite: with a GPU the CUDA cases run instead of skipping (-rs lists any skip)
-  # in parallel where pytest-xdist is installed (the GPU image has it): serially the suite ran
-  # past 270 s on an H100 machine, in ~85 s on 14 workers
+  # in parallel where pytest-xdist is installed: serially the suite takes over 270 s with its
+  # CUDA cases, ~85 s on 14 workers
   workers=()
   if python3 -c "import xdist" 2>/dev/null; then workers=(-n "$(( $(nproc) > 4 ? $(nproc) - 2 : 2 ))"); fi
   timeout -k 10 "$t_tests" python3 -m pytest tests -q -rs --tb=short --durations=10 -p no:cacheprovider \

@@ -1,7 +1,7 @@
 """Fetch the pure-Python RoPE peers of ``rope_cuda.py`` for a GPU machine that cannot download.
 
-The lent GPU machines have PyTorch, Triton and einops but neither Liger-Kernel nor
-flash-attention, and reach no registry. Both peers' RoPE kernels are Triton code:
+For a GPU machine that has PyTorch, Triton and einops but neither Liger-Kernel nor
+flash-attention, and reaches no registry. Both peers' RoPE kernels are Triton code:
 
 - Liger-Kernel: its wheel is pure Python; unpacked whole.
 - flash-attention: the wheel needs its compiled CUDA extension, which the rotary kernel does not

@@ -7,8 +7,8 @@ figure is the median over its rounds, so one slow stretch of the GPU or the host
 row. The ``spread`` column is mila_py's slowest round over its fastest. The table is printed
 after every round. Each run of back-to-back calls is timed after an untimed lead call, so the
 GPU is busy while the first timed call does its host work: a GPU-bound row is its steady-state
-time per call, a host-bound one (decode) the host's pace (runs before 2026-11-26's eighteenth
-session timed the first call's host work as GPU idle time). Measured:
+time per call, a host-bound one (decode) the host's pace (without the lead call, a run would
+time the first call's host work as GPU idle time). Measured:
 
 - the ceiling: a large device-to-device copy (``cudaMemcpyAsync``), counting bytes read + written;
 - mila_py ``Rope.forward`` and ``Rope.backward`` (whole component calls), fp32 and bf16, for
@@ -82,10 +82,9 @@ class CupyTimer:
 
     Each run is one untimed lead call, then ``start``, ``calls`` timed calls and ``end``. The
     lead call keeps the GPU busy while the first timed call does its host work (checks,
-    arguments), so that work is not timed as GPU idle time: without it, a run timed the first
-    call's host time too (inferred from an H100 run: the backward kernel alone took 62.0 us a
-    call, the component's run 66.1, as ~45 us of host work over 10 calls would give). A host-bound call (decode) is timed as before: its run is the
-    host's pace either way. :class:`TorchTimer` does the same for the peers."""
+    arguments), so that work is not timed as GPU idle time: without it, ~45 us of host work
+    before the first of 10 calls would add ~4.5 us to each. A host-bound call (decode) runs at
+    the host's pace either way. :class:`TorchTimer` does the same for the peers."""
 
     def __init__(self, cupy: Any, stream: Any) -> None:
         self.cupy, self.stream = cupy, stream
@@ -158,7 +157,7 @@ class HostTimer:
 def warm_up(fn: Callable[[], object], sync: Callable[[], None], seconds: float = 0.05) -> None:
     """Call ``fn`` back to back for ``seconds`` of wall time (3 calls at least) before it is
     timed: a few calls reach the GPU's steady state, but a host-bound call (decode) measured
-    right after the GPU-bound prefill cases ran up to 1.7x slower on an H100 machine until the
+    right after the GPU-bound prefill cases ran up to 1.7x slower until the
     host had been busy for a while (a B=1 decode slower than the B=64 one timed next)."""
     begin, n = time.perf_counter(), 0
     while n < 3 or time.perf_counter() - begin < seconds:

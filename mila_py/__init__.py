@@ -1,6 +1,17 @@
-"""mila_py: Mila's component lifecycle for NumPy (CPU) and CuPy (NVIDIA GPUs)."""
+"""mila_py: Mila's component lifecycle for NumPy (CPU) and CuPy (NVIDIA GPUs).
+
+The core names are imported here. The subpackages and modules above the core
+(``mila_py.components``, ``mila_py.ops``, ``mila_py.devices``, ``mila_py.optim``,
+``mila_py.hf``, ...) are attributes too, imported on first access: ``import mila_py`` then
+``mila_py.components.Rope`` works, while ``import mila_py`` stays light and the package's own
+modules (which import the core, never this file's names) cannot form an import cycle through it.
+"""
 
 from __future__ import annotations
+
+import importlib
+import pkgutil
+from types import ModuleType
 
 from mila_py.build_context import BuildContext, RuntimeMode, TrainingMode
 from mila_py.component import Component
@@ -9,6 +20,9 @@ from mila_py.devices import DeviceId, DeviceType, available_devices
 from mila_py.memory import MemoryStats
 from mila_py.ops.registry import OpNotFoundError
 from mila_py.precision import Precision
+
+# read by setuptools as the distribution's version ([tool.setuptools.dynamic] in pyproject.toml)
+__version__ = "0.1.0"
 
 __all__ = [
     "BuildContext",
@@ -25,4 +39,23 @@ __all__ = [
     "available_devices",
 ]
 
-__version__ = "0.1.0"
+
+def __getattr__(name: str) -> ModuleType:
+    """``mila_py.<name>`` for a submodule not imported yet (PEP 562): imports and returns it.
+
+    Raises:
+        AttributeError: ``name`` is private or names no submodule of ``mila_py``.
+    """
+    if not name.startswith("_"):
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"{__name__}.{name}":
+                raise  # the submodule exists but one of its own imports is missing
+    raise AttributeError(f"module 'mila_py' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """This module's names and its public submodules, imported or not (for completion)."""
+    submodules = (m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+    return sorted({*globals(), *submodules})

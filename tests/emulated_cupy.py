@@ -4,8 +4,8 @@
 :func:`standin` in ``sys.modules["cupy"]`` and runs the GPU test files against an emulated
 ``CUDA:0`` (``tests/kernel_emulator.py``: the CUDA ops' own kernels compiled for the CPU, their
 device arrays NumPy arrays). So a GPU test is checked for what it can be without a GPU (its
-shapes, configs, helpers and assertions, the ops' host logic and kernels) before a lent GPU
-runs it; a wrong test found there costs no GPU time.
+shapes, configs, helpers and assertions, the ops' host logic and kernels) before a GPU runs
+it, so a wrong test shows up on any machine.
 
 The stand-in is NumPy under CuPy's names, for what the GPU tests use on their own arrays:
 creation (``asarray`` copies, as moving host data to a device does), ``asnumpy``, dtypes,

@@ -152,7 +152,7 @@ def test_eval_mode_forward_leaves_gradients_alone() -> None:
     assert model.get_component("layer0").training_mode is TrainingMode.EVAL
     model.forward(tokens())
     assert all(not g.any() for g in model.get_gradients())
-    # a backward differentiates the last forward, whichever mode ran it (README)
+    # a backward differentiates the last forward, whichever mode ran it (docs/llama.md)
     dlogits = np.random.default_rng(5).standard_normal((B, T, 32)).astype(np.float32)
     model.backward(dlogits)
     reference = built()

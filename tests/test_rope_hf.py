@@ -137,7 +137,7 @@ def test_rotation_matches_llama_rotary_embedding(name: str, where: str) -> None:
 
 def test_dynamic_matches_one_hf_module_through_a_growing_generation() -> None:
     """One HF rotary module across the calls of a generation (prefill past the original length,
-    then decode steps), as the README says: mila_py's per-call frequencies agree at each call.
+    then decode steps), as docs/rope.md says: mila_py's per-call frequencies agree at each call.
     A shorter call past the original length after a longer one is where they part: HF keeps the
     longest length it saw, mila_py computes the call's own (documented, no history)."""
     config_json = _config_json(ROPE_PARAMETERS["dynamic"])

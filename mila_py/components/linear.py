@@ -83,9 +83,9 @@ class Linear(Layer):
             weight = self._add_parameter("weight", packed)
         elif build_context.is_inference and cfg.in_features <= cfg.out_features:
             # Decode multiplies one row by W^T. CPU BLAS streams a wide W^T faster from [in, out]
-            # rows (up to 15% on the 2-core EPYC VM, the output head most), a tall one from
-            # [out, in] rows (down_proj: 15%); CUDA builds share the rule (cuBLAS takes either
-            # through the same matmul; not timed on a GPU). ``weight`` stays [out, in].
+            # rows (the output head gains most), a tall one from [out, in] rows (down_proj; see
+            # docs/performance.md); CUDA builds share the rule (cuBLAS takes either through the
+            # same matmul). ``weight`` stays [out, in].
             storage = self._allocate((cfg.in_features, cfg.out_features))
             weight = self._add_parameter("weight", storage.T)
         else:

@@ -49,7 +49,7 @@ BACKENDS = ("auto", "numpy", "fused")
 _BLOCK_BYTES = 256 * 1024
 #: bytes of one tensor a NumPy block covers: big enough that the Python work per block is
 #: small, small enough that the block and its scratch stay in L2/L3 across NumPy's passes
-#: (1-2 MiB measured best on a 2-core EPYC with 1 MiB L2 per core; 32 MiB blocks are 2x slower)
+#: (1-2 MiB is best where L2 holds 1 MiB per core; far larger blocks spill and run 2x slower)
 _NUMPY_BLOCK_BYTES = 1024 * 1024
 #: elements (Q + K) above which the fused kernel and the NumPy path use every core. High on
 #: purpose: RoPE is memory-bound, and handing mid-sized calls to a thread pool that BLAS

@@ -44,6 +44,7 @@ import numpy as np
 from mila_py.components._layer import is_int
 from mila_py.components.llama import Llama, LlamaConfig
 from mila_py.components.rope_config import RopeConfig
+from mila_py.components.rope_hf import hf_int_problem, hf_layer_types_problem, hf_real_problem
 from mila_py.components.rope_scaling import rope_type_name
 from mila_py.files import atomic_write_all
 from mila_py.serialization import (
@@ -89,6 +90,12 @@ _REQUIRED_KEYS = {
     "max_position_embeddings": "max_seq_len",
 }
 
+# Keys read as ints, as real numbers and as bools, beside _REQUIRED_KEYS (ints); a null is
+# the key's default where transformers gives one (num_key_value_heads: num_attention_heads)
+_OPTIONAL_INT_KEYS = ("num_key_value_heads", "head_dim")
+_REAL_KEYS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor")
+_BOOL_KEYS = ("tie_word_embeddings", "mlp_bias", "attention_bias")
+
 # Buffers some older transformers versions saved; they are recomputed from the config.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -128,7 +135,13 @@ def llama_config_from_hf(config: Mapping[str, Any], *, context: int | None = Non
             configs, ``attention_bias`` outside llama and qwen3 configs,
             ``hidden_act`` other than silu, ``partial_rotary_factor`` < 1, an effective
             ``sliding_window``, ``layer_types`` other than full attention,
-            ``quantization_config``. YaRN's ``mscale``/``mscale_all_dim`` are accepted: their
+            ``quantization_config``; and every key of the wrong type: an int key (sizes,
+            ``sliding_window``, ``max_window_layers``) that is a float (a whole one too), a str
+            or a bool; a real one (``rms_norm_eps``, ``rope_theta``, ``partial_rotary_factor``)
+            that is a str, a bool, NaN or infinite; a bool one (``tie_word_embeddings``,
+            ``attention_bias``, ``mlp_bias``, ``use_sliding_window``) that is not a bool;
+            ``layer_types`` that is not a list of transformers' layer types or (where read)
+            has not one entry per layer; a ``text_config`` that is not a dict. YaRN's ``mscale``/``mscale_all_dim`` are accepted: their
             attention factor is folded into cos/sin and, as in HF Llama, the softmax scale stays
             ``1/sqrt(head_dim)``.
 
@@ -150,6 +163,8 @@ def llama_config_from_hf(config: Mapping[str, Any], *, context: int | None = Non
     problems += [
         f"{key}: missing (needed for LlamaConfig.{_REQUIRED_KEYS[key]})" for key in missing
     ]
+    mistyped = _type_problems(config)
+    problems += mistyped
     mlp_bias = bool(config.get("mlp_bias", False))
     if mlp_bias and model_type != "llama":
         problems.append(
@@ -167,15 +182,25 @@ def llama_config_from_hf(config: Mapping[str, Any], *, context: int | None = Non
     if config.get("quantization_config") is not None:
         problems.append("quantization_config: quantized checkpoints are not supported")
     # Qwen2/Qwen3 take their layers' attention from layer_types when it is there; Mistral
-    # ignores it and slides on every layer
-    layer_types = config.get("layer_types") if model_type != "mistral" else None
-    if layer_types and any(t != "full_attention" for t in layer_types):
-        problems.append(f"layer_types={sorted(set(layer_types))}: only full_attention is supported")
-    elif not layer_types:
+    # ignores it and slides on every layer (a malformed list is refused all the same)
+    layer_types = config.get("layer_types")
+    n_layers = config.get("num_hidden_layers")
+    layer_problem = hf_layer_types_problem(layer_types)
+    if layer_problem is not None:
+        mistyped.append(layer_problem)
+        problems.append(layer_problem)
+    elif model_type == "mistral" or not layer_types:
         problems += _sliding_window_problems(config, model_type, context)
+    elif any(t != "full_attention" for t in layer_types):
+        problems.append(f"layer_types={sorted(set(layer_types))}: only full_attention is supported")
+    elif is_int(n_layers) and len(layer_types) != n_layers:
+        problems.append(
+            f"layer_types: {len(layer_types)} entries for num_hidden_layers={n_layers} "
+            "(one per layer)"
+        )
 
     rope: RopeConfig | None = None
-    if not missing:
+    if not missing and not mistyped:  # RopeConfig.from_hf reads the same keys
         try:
             rope = RopeConfig.from_hf(config)
         except (ValueError, TypeError) as exc:
@@ -221,23 +246,64 @@ def llama_config_from_hf(config: Mapping[str, Any], *, context: int | None = Non
     )
 
 
+def _type_problems(config: Mapping[str, Any]) -> list[str]:
+    """The keys ``llama_config_from_hf`` reads whose values have the wrong type: ints that are
+    not ints (``int()`` would truncate ``2.7`` or read ``"32"``; a whole float is refused too),
+    real numbers that are bools, strings, NaN or infinite, bools that are not bools (``"false"``
+    would read as true), a ``text_config`` that is not a dict. A null is the key's default,
+    except ``rms_norm_eps``'s."""
+    problems: list[str] = []
+    for key in (*_REQUIRED_KEYS, *_OPTIONAL_INT_KEYS):
+        value = config.get(key)
+        problem = None if value is None else hf_int_problem(key, value)
+        if problem is not None:
+            problems.append(problem)
+    for key in _REAL_KEYS:
+        if key not in config or (config[key] is None and key != "rms_norm_eps"):
+            continue
+        problem = hf_real_problem(key, config[key])
+        if problem is not None:
+            problems.append(problem)
+    for key in _BOOL_KEYS:
+        value = config.get(key)
+        if value is not None and not isinstance(value, bool | np.bool_):
+            problems.append(
+                f"{key} must be a bool (true or false), got {value!r} ({type(value).__name__})"
+            )
+    text = config.get("text_config")
+    if text is not None and not isinstance(text, Mapping):
+        problems.append(f"text_config must be a dict (the text model's config), got {text!r}")
+    return problems
+
+
 def _sliding_window_problems(
     config: Mapping[str, Any], model_type: Any, context: int | None = None
 ) -> list[str]:
     """The sliding window a config without ``layer_types`` gets in transformers, if it is
     shorter than the context (``context``, else ``max_position_embeddings``): Mistral slides
     on every layer (window 4096 when the key is absent); Qwen2/Qwen3 only with
-    ``use_sliding_window``, on the layers from ``max_window_layers`` (28) on."""
+    ``use_sliding_window``, on the layers from ``max_window_layers`` (28) on. The keys it reads
+    of the wrong type are problems too (then no window is worked out)."""
     if model_type not in ("mistral", *_WINDOW_OFF_TYPES):
         return []  # Llama reads no sliding_window key
     window = config.get("sliding_window", 4096)
     n_layers, max_pos = config.get("num_hidden_layers"), config.get("max_position_embeddings")
+    typed = [] if window is None else [hf_int_problem("sliding_window", window)]
+    if model_type in _WINDOW_OFF_TYPES:
+        first, use = config.get("max_window_layers", 28), config.get("use_sliding_window", False)
+        if first is not None or use:  # read only when the layers may slide
+            typed.append(hf_int_problem("max_window_layers", first))
+        if use is not None and not isinstance(use, bool | np.bool_):
+            typed.append(
+                f"use_sliding_window must be a bool (true or false), got {use!r} "
+                f"({type(use).__name__})"
+            )
+    problems = [p for p in typed if p is not None]
+    if problems or not all(is_int(v) for v in (n_layers, max_pos) if v is not None):
+        return problems  # the mistyped sizes are problems of their own
     sliding = True
     if model_type in _WINDOW_OFF_TYPES:
-        first = config.get("max_window_layers", 28)
-        sliding = bool(config.get("use_sliding_window", False)) and (
-            n_layers is None or int(first) < int(n_layers)
-        )
+        sliding = bool(use) and (n_layers is None or int(first) < int(n_layers))
     limit = max_pos if context is None else context
     if window is None or not sliding or (limit is not None and int(window) >= int(limit)):
         return []

@@ -14,6 +14,7 @@ from mila_py.components.rope_scaling import (
     BOOKKEEPING_KEYS,
     RopeType,
     check_scaling,
+    check_scaling_values,
     get_rope_type,
     rope_type_name,
 )
@@ -106,7 +107,9 @@ class RopeConfig:
             instead of Qwen2-VL's contiguous sections.
 
     Raises:
-        ValueError: on any invalid value, saying what to fix.
+        ValueError: on any invalid value, saying what to fix; in the scaling dict, a NaN or
+            infinite number anywhere, or a bool or str where a number goes (see
+            :func:`~mila_py.components.rope_scaling.check_scaling_values`).
         TypeError: a non-int size or a non-dict scaling.
     """
 
@@ -201,6 +204,7 @@ class RopeConfig:
                 f"RopeConfig: rotary_dim must be even and in [0, head_dim={self.head_dim}] "
                 f"(0 = whole head), got {self.rotary_dim}"
             )
+        check_scaling_values(self.scaling)  # before rope_theta and partial_rotary_factor are read
         scaling = self.scaling or {}
         theta = scaling.get("rope_theta")
         if theta is not None and float(theta) != float(self.base):
@@ -388,7 +392,13 @@ class RopeConfig:
                 (see Families above; ``"half"`` for Llama-family checkpoints).
 
         Raises:
-            ValueError: a missing key or a config RopeConfig cannot express.
+            ValueError: a missing key, a config RopeConfig cannot express, a NaN or infinite
+                number (``rope_theta``, a scaling value, ...) or an unknown name in
+                ``layer_types``.
+            TypeError: a key of the wrong type: a size that is not an int (a float, even a
+                whole one, a str, a bool), a ``rope_theta`` or ``partial_rotary_factor`` that
+                is not a real number, a ``layer_types`` that is not a list, a ``text_config``
+                that is not a dict.
         """
         from mila_py.components.rope_hf import rope_config_from_hf
 

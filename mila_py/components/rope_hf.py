@@ -18,17 +18,29 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from mila_py.components._layer import is_int
 from mila_py.components.rope_hf_defaults import CLASS_DEFAULTS, TEXT_MODEL_TYPES
 from mila_py.components.rope_scaling import rope_type_name
 
 if TYPE_CHECKING:
     from mila_py.components.rope_config import RopeConfig, RopeLayout
 
-__all__ = ["rope_config_from_hf", "rope_configs_from_hf_layers"]
+__all__ = [
+    "HF_LAYER_TYPES",
+    "hf_int_problem",
+    "hf_layer_types_problem",
+    "hf_real_problem",
+    "rope_config_from_hf",
+    "rope_configs_from_hf_layers",
+]
 
 #: vision-language model families whose text RoPE is M-RoPE, by how their code assigns axes
 _INTERLEAVED_AXES = frozenset(
@@ -279,6 +291,74 @@ _ROTATE_WITH_WINDOW = frozenset({"cohere2", "cohere2_moe", "flint"})
 #: layer types without an attention that rotates (recurrent, convolution and MLP-only layers;
 #: HF's ``linear_attention`` covers Mamba, Gated DeltaNet and lightning attention)
 _UNROTATED_TYPES = frozenset({"linear_attention", "mamba", "conv", "moe", "mlp", "recurrent"})
+#: the ``layer_types`` entries a config may carry: transformers' ``ALLOWED_LAYER_TYPES``, the
+#: legacy names it remaps (``_LEGACY_LAYER_TYPE_REMAP``) and the unrotated types above
+#: (Nemotron-H's ``mlp``); anything else is a typo or a type this module cannot know
+HF_LAYER_TYPES = frozenset(
+    {"full_attention", "sliding_attention", "chunked_attention", "window_attention",
+     "indexed_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+     "minimax_m3_sparse", "conv", "moe", "hybrid", "hybrid_sliding",
+     "reference_sliding_attention", "linear_attention", "sparse", "dense",
+     "mamba", "attention", "deepseek_sparse_attention", "qwen_sparse_attention"}
+) | _UNROTATED_TYPES  # fmt: skip
+
+
+def hf_int_problem(key: str, value: Any) -> str | None:
+    """What is wrong with ``value`` as the int ``config.json`` key ``key`` holds, or None.
+
+    An int (NumPy's too), not a bool, a str or a float: ``int()`` would truncate ``2.7`` in
+    silence, and a whole float such as ``32.0`` is refused as well (transformers keeps it a
+    float, which its own code may not expect either)."""
+    if is_int(value):
+        return None
+    whole = isinstance(value, float) and math.isfinite(value) and value.is_integer()
+    hint = " (refused even when whole: write it as an int)" if whole else ""
+    return f"{key} must be an int, got {value!r} ({type(value).__name__}){hint}"
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
+
+
+def hf_real_problem(key: str, value: Any) -> str | None:
+    """What is wrong with ``value`` as the real number ``config.json`` key ``key`` holds, or
+    None: an int or a float (NumPy's too), finite; not a bool, not a str."""
+    if not _is_real(value):
+        return f"{key} must be a real number (int or float), got {value!r} ({type(value).__name__})"
+    if not math.isfinite(value):
+        return f"{key} must be finite, got {value!r}"
+    return None
+
+
+def hf_layer_types_problem(value: Any) -> str | None:
+    """What is wrong with a ``layer_types`` value, or None: a list of the names in
+    :data:`HF_LAYER_TYPES` (null: absent)."""
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple):
+        return f"layer_types must be a list of layer type names, got {value!r}"
+    unknown = sorted({repr(t) for t in value if not isinstance(t, str) or t not in HF_LAYER_TYPES})
+    if unknown:
+        return (
+            f"layer_types holds unknown layer type(s) {', '.join(unknown)}; known: "
+            f"{', '.join(sorted(HF_LAYER_TYPES))}"
+        )
+    return None
+
+
+def _as_int(key: str, value: Any) -> int:
+    problem = hf_int_problem(key, value)
+    if problem is not None:
+        raise TypeError(f"RopeConfig.from_hf: {problem}")
+    return int(value)
+
+
+def _as_real(key: str, value: Any) -> float:
+    problem = hf_real_problem(key, value)
+    if problem is not None:
+        error = ValueError if _is_real(value) else TypeError  # a real number: not finite
+        raise error(f"RopeConfig.from_hf: {problem}")
+    return float(value)
 
 
 def _exaone_full(i: int, config: Mapping[str, Any]) -> bool:
@@ -391,6 +471,11 @@ class _HfRope:
                 f"RopeConfig.from_hf: config must be a dict, got {type(config).__name__}"
             )
         text = config.get("text_config")
+        if text is not None and not isinstance(text, Mapping):
+            raise TypeError(
+                f"RopeConfig.from_hf: text_config must be a dict (the text model's config), got "
+                f"{text!r}"
+            )
         if isinstance(text, Mapping) and "num_attention_heads" not in config:
             outer = config.get("model_type")
             config = {"model_type": TEXT_MODEL_TYPES.get(str(outer), outer), **text}
@@ -411,6 +496,11 @@ class _HfRope:
                 aliases["head_dim"] = 2 * int(hidden) // int(heads)
         self.config: Mapping[str, Any] = {**merged, **aliases}
         config = self.config
+        given = config.get("layer_types")
+        problem = hf_layer_types_problem(given)
+        if problem is not None:
+            error = ValueError if isinstance(given, list | tuple) else TypeError
+            raise error(f"RopeConfig.from_hf: {problem}")
         self.model_type = config.get("model_type")
         self.vlm = _vlm_family(self.model_type)
         if self.vlm in _NOT_EXPRESSIBLE:
@@ -489,8 +579,8 @@ class _HfRope:
         """The type of each layer: ``layer_types``, else the family's pattern; None when the
         model has one RoPE for all its layers and no list."""
         given = self.config.get("layer_types")
-        if given:
-            kinds = [str(t) for t in given]
+        if given:  # checked in __init__: names from HF_LAYER_TYPES
+            kinds = list(given)
         elif self.text_type in _NO_ROPE_FAMILIES:
             return self._no_rope_layer_types()
         else:
@@ -519,7 +609,7 @@ class _HfRope:
     def _n_layers(self) -> int:
         if self.config.get("num_hidden_layers") is None:
             raise ValueError("RopeConfig.from_hf: config.json has no 'num_hidden_layers'")
-        return int(self.config["num_hidden_layers"])
+        return _as_int("num_hidden_layers", self.config["num_hidden_layers"])
 
     def uses_rope(self, index: int, layer_type: str | None) -> bool:
         """False for the layers a model leaves unrotated: layers of a type without attention
@@ -579,7 +669,9 @@ class _HfRope:
         if thetas is None and self.text_type in _LAYER_THETA_SWITCH:
             n = self._n_layers()
             return [0.0 if (n - 1 - i) % 4 == 0 else 1.0 for i in range(n)]
-        return None if thetas is None else [float(t) for t in thetas]
+        if thetas is None:
+            return None
+        return [_as_real(f"layer_rope_theta[{i}]", t) for i, t in enumerate(thetas)]
 
     @functools.cached_property
     def _per_layer(self) -> dict[int, Any] | None:
@@ -599,21 +691,27 @@ class _HfRope:
             found["rope_theta"] = thetas[index]
         heads_per_layer = self.config.get("num_attention_heads_per_layer")
         if heads_per_layer:
-            found["num_attention_heads"] = int(heads_per_layer[index])
+            found["num_attention_heads"] = _as_int(
+                f"num_attention_heads_per_layer[{index}]", heads_per_layer[index]
+            )
         family = self.family
         if family is not None and layer_type is not None and layer_type in family.kv_factor:
             n_kv = self.config.get("num_key_value_heads") or self.config["num_attention_heads"]
-            found["num_key_value_heads"] = int(n_kv) * family.kv_factor[layer_type]
+            found["num_key_value_heads"] = (
+                _as_int("num_key_value_heads", n_kv) * family.kv_factor[layer_type]
+            )
         per_layer = self._per_layer
         if per_layer is not None:
             entry = per_layer.get(index) or {}
             keys = ("head_dim", "num_key_value_heads", "num_attention_heads")
             return found | {k: entry[k] for k in keys if k in entry}
         if family is not None and family.global_head and layer_type == FULL:
-            found["head_dim"] = int(self.config.get("global_head_dim") or 512)
+            found["head_dim"] = _as_int(
+                "global_head_dim", self.config.get("global_head_dim") or 512
+            )
             kv = self.config.get("num_global_key_value_heads")
             if kv is not None and self.config.get("attention_k_eq_v", False):
-                found["num_key_value_heads"] = int(kv)
+                found["num_key_value_heads"] = _as_int("num_global_key_value_heads", kv)
         return found
 
     # ------------------------------------------------------------------------------ one config
@@ -646,13 +744,15 @@ class _HfRope:
         ``partial_rotary_factor`` (GPT-NeoX: ``rotary_pct``), else a ``rotary_dim`` (GPT-J,
         CodeGen, MiniMax-M2; null: the whole head); class defaults are in the config already."""
         config = self.config
-        prf = params.get("partial_rotary_factor")
+        key = "partial_rotary_factor"
+        prf = params.get(key)
         if prf is None:
-            prf = config.get("rotary_pct" if self.text_type in _NEOX else "partial_rotary_factor")
+            key = "rotary_pct" if self.text_type in _NEOX else "partial_rotary_factor"
+            prf = config.get(key)
         if prf is None and "rotary_dim" in config:
             given = config["rotary_dim"]
-            return head_dim if given is None else int(given)
-        prf = 1.0 if prf is None else float(prf)
+            return head_dim if given is None else _as_int("rotary_dim", given)
+        prf = 1.0 if prf is None else _as_real(key, prf)
         rotary = 2 * int(prf * head_dim // 2) if name == "proportional" else int(head_dim * prf)
         if rotary <= 0:  # RopeConfig reads rotary_dim 0 as the whole head
             raise ValueError(
@@ -691,26 +791,27 @@ class _HfRope:
         if missing:
             hint = " (or pass max_seq_len=...)" if missing == ["max_position_embeddings"] else ""
             raise ValueError(f"RopeConfig.from_hf: config.json has no {missing[0]!r}{hint}")
-        n_heads, hidden, max_pos = (int(config[key]) for key in needed)
+        n_heads, hidden, max_pos = (_as_int(key, config[key]) for key in needed)
         for key, value in zip(needed, (n_heads, hidden, max_pos), strict=True):
             if value <= 0:
                 raise ValueError(f"RopeConfig.from_hf: {key} must be > 0, got {value}")
-        n_kv = int(config.get("num_key_value_heads") or n_heads)
-        head_dim = int(config.get("head_dim") or hidden // n_heads)
+        n_kv = _as_int("num_key_value_heads", config.get("num_key_value_heads") or n_heads)
+        head_dim = _as_int("head_dim", config.get("head_dim") or hidden // n_heads)
         mla = config.get("qk_rope_head_dim") is not None
         if mla:  # latent attention: a RoPE head per query head and one key head shared by all
-            head_dim, n_kv = int(config["qk_rope_head_dim"]), 1
+            head_dim, n_kv = _as_int("qk_rope_head_dim", config["qk_rope_head_dim"]), 1
             if head_dim <= 0:
                 raise ValueError(
                     f"RopeConfig.from_hf: qk_rope_head_dim is {head_dim}: this model's latent "
                     "attention rotates nothing"
                 )
         base = heads.get("rope_theta", params.get("rope_theta"))  # a layer's own theta first
+        base_key = "rope_theta"
         neox = self.text_type in _NEOX  # reads rotary_emb_base, not a top-level rope_theta
         for key in ("rotary_emb_base",) if neox else ("rope_theta", "rotary_emb_base"):
-            base = config.get(key) if base is None else base
-        if base is None:
-            base = 10000.0
+            if base is None:
+                base_key, base = key, config.get(key)
+        base = 10000.0 if base is None else _as_real(base_key, base)
         name = rope_type_name(params)
         rotary_dim = head_dim if mla else self._rotated(params, name, head_dim)
         if params.get("llama_4_scaling_beta") is not None:
@@ -741,9 +842,11 @@ class _HfRope:
             params[original] = max_pos  # HF 5.x: dynamic always scales from max_position_embeddings
         elif name in ("llama3", "yarn", "longrope"):
             if config.get(original) is not None:
-                params[original] = int(config[original])
+                params[original] = _as_int(original, config[original])
             elif params.get(original) is None:
                 params[original] = max_pos
+            else:
+                params[original] = _as_int(original, params[original])
             if params[original] <= 0:
                 raise ValueError(
                     f"RopeConfig.from_hf: {original} must be > 0, got {params[original]}"
@@ -758,7 +861,7 @@ class _HfRope:
             n_heads=n_heads,
             n_kv_heads=n_kv,
             max_seq_len=int(max_seq_len or max_pos),
-            base=float(base),
+            base=base,
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
             layout=layout,
             scaling=scaling,

@@ -24,6 +24,7 @@ longer one. mila_py keeps no such history.
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ import numpy as np
 
 __all__ = [
     "RopeType",
+    "check_scaling_values",
     "default_inv_freq",
     "get_rope_type",
     "register_rope_type",
@@ -44,6 +46,15 @@ RopeTypeFn = Callable[[int, int, float, int, Mapping[str, Any]], tuple[np.ndarra
 
 #: keys any scaling dict may carry (HF bookkeeping that has no effect on the tables)
 BOOKKEEPING_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+#: keys that hold a real number in every type that reads them (HF's names), whatever the type
+NUMBER_KEYS = frozenset(
+    {"factor", "alpha", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+     "low_freq_factor", "high_freq_factor", "rope_theta", "partial_rotary_factor"}
+)  # fmt: skip
+#: keys that hold an int (a position count: a float would be truncated)
+INT_KEYS = frozenset({"original_max_position_embeddings"})
+#: keys that hold a list of real numbers
+NUMBER_LIST_KEYS = frozenset({"short_factor", "long_factor"})
 
 
 @dataclass(frozen=True)
@@ -173,6 +184,7 @@ def check_scaling(
     """
     name = rope_type_name(scaling)
     entry = get_rope_type(name)
+    check_scaling_values(scaling)
     params = dict(scaling or {})
     # a required key given as null is missing too (it failed deep in the type's function),
     # except YaRN's factor: null means max_seq_len / original_max_position_embeddings
@@ -193,6 +205,71 @@ def check_scaling(
     if entry.validate is not None:
         entry.validate(head_dim, rotary_dim, max_seq_len, params)
     return entry
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
+
+
+def _non_finite(value: Any, where: str) -> tuple[str, Any] | None:
+    """The first NaN or infinite number in ``value`` (nested lists and dicts too), with where
+    it sits, or None."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            found = _non_finite(item, f"{where}[{key!r}]")
+            if found is not None:
+                return found
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            found = _non_finite(item, f"{where}[{i}]")
+            if found is not None:
+                return found
+    elif _is_real(value) and not math.isfinite(value):
+        return where, value
+    return None
+
+
+def check_scaling_values(scaling: Mapping[str, Any] | None) -> None:
+    """Refuse values no type can mean, whatever the type: a NaN or infinite number anywhere
+    (a NaN factor or ``mscale_all_dim`` would give NaN tables or attention, a NaN ``beta_fast``
+    would fail only when the table is made), a non-number (a bool, a str) in a key that holds
+    a real number (:data:`NUMBER_KEYS`), a non-int in an ``original_max_position_embeddings``,
+    and a list that is not all real numbers in ``short_factor`` / ``long_factor``. A null value
+    is left to the type (some read it as absent).
+
+    Raises:
+        ValueError: naming the type, the key and the value.
+    """
+    if not scaling:
+        return
+    name = rope_type_name(scaling)
+    for key, value in scaling.items():
+        found = _non_finite(value, str(key))
+        if found is not None:
+            raise ValueError(
+                f"rope_type {name!r}: {found[0]} must be a finite number, got {found[1]!r}"
+            )
+        if value is None:
+            continue
+        if key in NUMBER_KEYS and not _is_real(value):
+            raise ValueError(
+                f"rope_type {name!r}: {key} must be a real number, got {value!r} "
+                f"({type(value).__name__})"
+            )
+        if key in INT_KEYS and not (isinstance(value, numbers.Integral) and _is_real(value)):
+            raise ValueError(
+                f"rope_type {name!r}: {key} must be an int, got {value!r} "
+                f"({type(value).__name__}; a float is refused even when whole, so that none is "
+                "truncated)"
+            )
+        if key in NUMBER_LIST_KEYS:
+            items = value if isinstance(value, list | tuple) else None
+            bad = [value] if items is None else [v for v in items if not _is_real(v)]
+            if bad:
+                raise ValueError(
+                    f"rope_type {name!r}: {key} must be a list of real numbers, got {value!r} "
+                    f"(not a number: {bad[0]!r})"
+                )
 
 
 #: required keys a type's function reads as null on purpose

@@ -15,8 +15,9 @@ Numba's on-disk cache of a kernel is keyed on its own source file, not on the fi
 inlines: after editing this module, delete the ``*.nbi`` / ``*.nbc`` files in
 ``mila_py/ops/cpu/__pycache__`` (installed copies are rewritten whole, so they are not affected).
 
-Also: :func:`backend_allows` / :func:`enabled`, the switch of the fused ops (see
-:class:`mila_py.ops.cpu._fused_op.FusedCpuOp`). Importing this module never fails:
+Also: :func:`cpu_backend`, the one reader of ``MILA_PY_CPU_BACKEND``, and :func:`backend_allows` /
+:func:`enabled`, the switch of the fused ops (see :class:`mila_py.ops.cpu._fused_op.FusedCpuOp`).
+Importing this module never fails:
 ``AVAILABLE`` says whether Numba is installed.
 """
 
@@ -27,7 +28,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["AVAILABLE", "FUSED_DTYPES", "backend_allows", "enabled", "exp_rows", "kernel_exp"]
+__all__ = [
+    "AVAILABLE",
+    "BACKENDS",
+    "FUSED_DTYPES",
+    "backend_allows",
+    "cpu_backend",
+    "enabled",
+    "exp_rows",
+    "kernel_exp",
+]
 
 numba: Any
 types: Any
@@ -56,9 +66,37 @@ AVAILABLE = numba is not None
 FUSED_DTYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
 
 
+#: the values of ``MILA_PY_CPU_BACKEND``: ``auto`` (the fused kernels when Numba is installed),
+#: ``numpy`` (the NumPy reference paths) or ``fused``
+BACKENDS = ("auto", "numpy", "fused")
+_BACKEND_VARIABLE = "MILA_PY_CPU_BACKEND"
+
+
+def cpu_backend() -> str:
+    """The CPU backend ``MILA_PY_CPU_BACKEND`` names, read now (``auto`` when unset or empty).
+
+    Case and surrounding spaces are ignored.
+
+    Raises:
+        ValueError: a value outside :data:`BACKENDS`, naming the variable and the value.
+    """
+    raw = os.environ.get(_BACKEND_VARIABLE, "")
+    value = raw.strip().lower() or "auto"
+    if value not in BACKENDS:
+        raise ValueError(
+            f"{_BACKEND_VARIABLE}={raw!r} is not a CPU backend; expected one of "
+            f"{', '.join(BACKENDS)} (or unset for auto)"
+        )
+    return value
+
+
 def backend_allows() -> bool:
-    """Numba is installed and ``MILA_PY_CPU_BACKEND`` (read now) is not ``numpy``."""
-    return AVAILABLE and os.environ.get("MILA_PY_CPU_BACKEND", "auto").lower() != "numpy"
+    """Numba is installed and ``MILA_PY_CPU_BACKEND`` (read now) is not ``numpy``.
+
+    Raises:
+        ValueError: ``MILA_PY_CPU_BACKEND`` is set to an unknown value (see :func:`cpu_backend`).
+    """
+    return cpu_backend() != "numpy" and AVAILABLE
 
 
 def enabled(dtype: Any) -> bool:

@@ -35,6 +35,7 @@ from mila_py.components.rope_config import RopeConfig, RopeLayout
 from mila_py.components.rope_table import RopeTable, get_rope, mrope_axes
 from mila_py.devices import DeviceType
 from mila_py.ops.cpu import _rope_fused
+from mila_py.ops.cpu._fused_math import BACKENDS, cpu_backend
 from mila_py.ops.operation import DecodePositions, Operation, bind_rope_decode, decode_again
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
@@ -42,8 +43,6 @@ from mila_py.precision import Precision
 __all__ = ["BACKENDS", "CpuRopeOp"]
 
 _Array = np.ndarray
-
-BACKENDS = ("auto", "numpy", "fused")
 
 #: bytes of one tensor the fused path widens at a time (16-bit storage)
 _BLOCK_BYTES = 256 * 1024
@@ -58,11 +57,6 @@ _NUMPY_BLOCK_BYTES = 1024 * 1024
 _PARALLEL_ELEMENTS = 1 << 22
 
 
-def _default_backend() -> str:
-    value = os.environ.get("MILA_PY_CPU_BACKEND", "auto").lower()
-    return value if value in BACKENDS else "auto"
-
-
 @register_op(
     "RopeOp",
     DeviceType.CPU,
@@ -73,7 +67,9 @@ class CpuRopeOp(Operation):
 
     Attributes:
         backend: ``"auto"`` (fused when Numba is installed), ``"numpy"`` or ``"fused"``;
-            the environment variable ``MILA_PY_CPU_BACKEND`` sets the default.
+            the environment variable ``MILA_PY_CPU_BACKEND`` sets the default (an unknown
+            value there is a ValueError when the op is made; see
+            :func:`mila_py.ops.cpu._fused_math.cpu_backend`).
         table: the shared :class:`RopeTable` (after build).
     """
 
@@ -81,7 +77,7 @@ class CpuRopeOp(Operation):
 
     def __init__(self, context: Any, config: RopeConfig, precision: Precision) -> None:
         super().__init__(context, config, precision)
-        self._backend = _default_backend()
+        self._backend = cpu_backend()
         self._fused_on = self._backend == "fused" or (
             self._backend == "auto" and _rope_fused.AVAILABLE
         )

@@ -9,8 +9,10 @@ The lifecycle (mirroring Mila's ``Component``):
 2. **Execution context set**, once only. The hook ``_on_execution_context_set`` runs; leaves create
    their op there. If the hook raises, no context is set and the component can be given another.
 3. **build(BuildContext)**, once only (``build`` is final: subclasses implement ``_on_building``).
-   Allocates parameters, gradients (TRAINING only) and state. If the hook raises, the component
-   and its whole subtree are restored to exactly what they were before, so ``build`` can be retried.
+   Allocates parameters, gradients (TRAINING only) and state. A build the device cannot hold
+   (:meth:`Component.required_memory` against the device's available memory) is refused with a
+   ``MemoryError`` before anything is allocated. If the hook raises, the component and its whole
+   subtree are restored to exactly what they were before, so ``build`` can be retried.
 4. **Run**: ``forward``/``backward`` and friends, defined by each subclass. ``set_training_mode``
    switches TRAINING builds between NORMAL and EVAL (hook ``_on_training_mode_changing``).
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -31,7 +34,9 @@ import numpy as np
 from mila_py.build_context import BuildContext, RuntimeMode, TrainingMode
 from mila_py.devices import DeviceId, DeviceLike, DeviceType, create_execution_context
 from mila_py.devices.execution_context import ExecutionContext
-from mila_py.memory import MemoryCategory, MemoryLocation, MemoryStats
+from mila_py.devices.host_memory import host_available_memory
+from mila_py.devices.sizing import SizingContext
+from mila_py.memory import MemoryCategory, MemoryLocation, MemoryStats, format_bytes
 from mila_py.ops.operation import Operation
 from mila_py.ops.registry import OpNotFoundError
 from mila_py.precision import Precision
@@ -224,8 +229,17 @@ class Component(metaclass=_ComponentMeta):
     def runtime_mode(self) -> RuntimeMode:
         return self.build_context.runtime_mode
 
-    def build(self, build_context: BuildContext) -> None:
+    def build(self, build_context: BuildContext, *, check_memory: bool = True) -> None:
         """Allocate everything the component needs for ``build_context`` (final; once only).
+
+        Args:
+            build_context: what to build for.
+            check_memory: first compare :meth:`required_memory` with the memory the device
+                has available (:meth:`ExecutionContext.available_memory`; on a GPU, the host
+                buffers with the system's too) and refuse a build that cannot fit before
+                anything is allocated. ``False`` builds without asking (a device whose free
+                memory is misreported, or memory that will be freed meanwhile). The root of a
+                tree checks the whole build once; the parts it builds are not checked again.
 
         Raises:
             TypeError: if ``build_context`` is not a BuildContext.
@@ -233,6 +247,8 @@ class Component(metaclass=_ComponentMeta):
                 part of a tree (the root builds every part, with the context each needs).
             ValueError: if the subclass rejects the context (e.g. a shape that fits no config),
                 or two components of the tree have one dotted path.
+            MemoryError: the build needs more memory than the device has available (the
+                message gives both); nothing was allocated and the component is unbuilt.
         """
         if not isinstance(build_context, BuildContext):
             raise TypeError(
@@ -254,6 +270,8 @@ class Component(metaclass=_ComponentMeta):
                 f"{self._describe()} belongs to {self._parent._describe()}: a tree is built from "
                 f"its root ({root._describe()}), which builds each part with the context it needs"
             )
+        if depth == 0 and check_memory:
+            self._check_memory(build_context)
         snapshot = self._snapshot()
         if depth == 0:  # the root of this build: seed every descendant by its dotted path
             from mila_py.init import assign_init_names
@@ -275,6 +293,81 @@ class Component(metaclass=_ComponentMeta):
             raise
         finally:
             _BUILDING.depth = depth
+
+    def required_memory(self, build_context: BuildContext) -> MemoryStats:
+        """The :class:`MemoryStats` a build with ``build_context`` will have, without
+        allocating it: the subtree is built through a
+        :class:`~mila_py.devices.sizing.SizingContext` (buffers of the build's shapes that
+        hold one element each), measured, and put back exactly as it was, unbuilt.
+
+        Raises:
+            TypeError: ``build_context`` is not a BuildContext.
+            RuntimeError: no execution context, or already built (its
+                :meth:`get_memory_stats` is what it holds).
+            ValueError: what :meth:`build` would raise for ``build_context``.
+        """
+        if not isinstance(build_context, BuildContext):
+            raise TypeError(
+                f"{self._describe()}: required_memory needs a BuildContext, got {build_context!r}"
+            )
+        context = self.execution_context
+        if self.is_built:
+            raise RuntimeError(
+                f"{self._describe()} is built: get_memory_stats() gives the memory it holds"
+            )
+        snapshot = self._snapshot()
+        depth = getattr(_BUILDING, "depth", 0)
+        try:
+            for component in self._walk():  # the subtree takes the sizing context instead
+                component._context = None
+            self.set_execution_context(SizingContext(context))
+            # built as a part is: no memory check, no initialization (nothing is drawn)
+            _BUILDING.depth = depth + 1
+            self.build(replace(build_context, initialize_parameters=False))
+            return self.get_memory_stats()
+        finally:
+            _BUILDING.depth = depth
+            _restore(snapshot)
+
+    def _check_memory(self, build_context: BuildContext) -> None:
+        """Raise MemoryError if :meth:`required_memory` exceeds what the device (and, for a
+        GPU, the host) has available; nothing to check where neither is known."""
+        context = self._context
+        if context is None or isinstance(context, SizingContext):  # a sizing build: no memory
+            return
+        on_cpu = context.device_type is DeviceType.CPU
+        device_free = context.available_memory()
+        host_free = None if on_cpu else host_available_memory()
+        if device_free is None and host_free is None:
+            return
+        try:
+            needed = self.required_memory(build_context)
+        except Exception:
+            # a build that cannot be sized fails the same way for real (a shape it refuses),
+            # or needs buffers it can fill: the build itself reports it, and rolls back
+            return
+        # on the CPU the device's memory and the host's are the same system memory
+        device_needed = needed.total_bytes if on_cpu else needed.device_total_bytes
+        short = [
+            (what, need, free)
+            for what, need, free in (
+                (f"{context.device_id} memory", device_needed, device_free),
+                ("host memory", needed.host_total_bytes, host_free),
+            )
+            if free is not None and need > free
+        ]
+        if short:
+            lacks = "; ".join(
+                f"it needs {format_bytes(need)} ({need:,} bytes) of {what}, "
+                f"{format_bytes(free)} ({free:,} bytes) is available"
+                for what, need, free in short
+            )
+            raise MemoryError(
+                f"{self._describe()}: cannot build for {build_context.input_shape} "
+                f"({build_context.runtime_mode.value}): {lacks}. Nothing was allocated: build "
+                "for a smaller batch or context, free memory, or pass check_memory=False to "
+                "build anyway"
+            )
 
     def _snapshot(self) -> list[tuple[Any, dict[str, Any]]]:
         """Shallow copies of the ``__dict__`` of this component, its ops and its subtree."""

@@ -32,9 +32,11 @@ Neither transformers nor torch is needed: the files are read with ``safetensors.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +50,6 @@ from mila_py.components.rope_hf import hf_int_problem, hf_layer_types_problem, h
 from mila_py.components.rope_scaling import rope_type_name
 from mila_py.files import atomic_write_all
 from mila_py.serialization import (
-    assign_parameters,
     open_safetensors,
     read_safetensors,
     readable_on_host,
@@ -61,6 +62,7 @@ __all__ = [
     "hf_weight_files",
     "llama_config_from_hf",
     "llama_config_to_hf",
+    "load_hf_files",
     "load_hf_weights",
     "mila_to_hf",
     "read_hf_checkpoint",
@@ -509,6 +511,35 @@ def _check(
     ]
 
 
+def _match(
+    tensors: Mapping[str, Any], cfg: LlamaConfig, same: Callable[[Any, Any], bool]
+) -> tuple[dict[str, Any], list[str]]:
+    """``tensors`` (anything with a ``shape``) by full HF name, and every problem of names and
+    shapes: the ``model.`` prefix added, ignored buffers dropped, a tied ``lm_head.weight``
+    dropped when ``same`` finds it equal to the embedding (or taken as the embedding, when
+    stored alone)."""
+    problems: list[str] = []
+    named: dict[str, Any] = {}
+    for name, array in tensors.items():
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        full = name if name.startswith("model.") or name == "lm_head.weight" else "model." + name
+        if full in named:
+            problems.append(f"duplicate: {name} (given with and without the 'model.' prefix)")
+            continue
+        named[full] = array
+    if cfg.tie_embeddings and "lm_head.weight" in named:
+        head = named.pop("lm_head.weight")
+        embed = named.setdefault("model.embed_tokens.weight", head)  # tied: either names both
+        if head is not embed and (np.shape(head) != np.shape(embed) or not same(head, embed)):
+            problems.append(
+                "unexpected: lm_head.weight differs from model.embed_tokens.weight but the "
+                "config ties them (tie_word_embeddings=true)"
+            )
+    _check(named, _hf_shapes(cfg), problems)
+    return named, problems
+
+
 def hf_to_mila(tensors: Mapping[str, Any], cfg: LlamaConfig) -> dict[str, np.ndarray]:
     """Rename (and fuse Q/K/V of) Hugging Face Llama tensors into mila_py parameter names.
 
@@ -523,25 +554,7 @@ def hf_to_mila(tensors: Mapping[str, Any], cfg: LlamaConfig) -> dict[str, np.nda
     Raises:
         ValueError: listing every missing, unexpected or mis-shaped tensor (nothing is returned).
     """
-    problems: list[str] = []
-    named: dict[str, Any] = {}
-    for name, array in tensors.items():
-        if name.endswith(_IGNORED_SUFFIXES):
-            continue
-        full = name if name.startswith("model.") or name == "lm_head.weight" else "model." + name
-        if full in named:
-            problems.append(f"duplicate: {name} (given with and without the 'model.' prefix)")
-            continue
-        named[full] = array
-    if cfg.tie_embeddings and "lm_head.weight" in named:
-        head = named.pop("lm_head.weight")
-        embed = named.setdefault("model.embed_tokens.weight", head)  # tied: either names both
-        if np.shape(head) != np.shape(embed) or not np.array_equal(head, embed):
-            problems.append(
-                "unexpected: lm_head.weight differs from model.embed_tokens.weight but the "
-                "config ties them (tie_word_embeddings=true)"
-            )
-    _check(named, _hf_shapes(cfg), problems)
+    named, problems = _match(tensors, cfg, np.array_equal)
     if problems:
         raise ValueError(
             "hf_to_mila: the tensors do not match the Llama config:\n  " + "\n  ".join(problems)
@@ -855,6 +868,131 @@ def load_hf_weights(model: Llama, tensors: Mapping[str, Any]) -> None:
         )
     if not model.is_built:
         raise RuntimeError(f"{model._describe()}: build it before load_hf_weights()")
-    assign_parameters(
-        model, hf_to_mila(tensors, model.config), "cannot load the Hugging Face weights"
+    ctx = model.execution_context
+    entries = {name: _array_entry(ctx, value) for name, value in tensors.items()}
+    _load_entries(model, entries, "cannot load the Hugging Face weights")
+
+
+def load_hf_files(model: Llama, files: list[tuple[Path, list[str] | None]]) -> None:
+    """Load the safetensors files of :func:`hf_weight_files` into a built :class:`Llama`, one
+    tensor at a time: what a load holds beyond the model's parameters is about one tensor
+    (Q, K and V are copied into their rows of the fused QKV parameter, never concatenated).
+
+    All or nothing: the files' headers are checked first, and every missing, unexpected,
+    mis-shaped or non-float tensor is reported in one error before any tensor is read. Values
+    are cast to the model's precision.
+
+    Raises:
+        RuntimeError: the model is not built.
+        ValueError: listing every problem; files that are not safetensors.
+    """
+    if not isinstance(model, Llama):
+        raise TypeError(f"load_hf_files: model must be a Llama, got {type(model).__name__}")
+    if not model.is_built:
+        raise RuntimeError(f"{model._describe()}: build it before load_hf_files()")
+    with contextlib.ExitStack() as stack:
+        entries: dict[str, _Entry] = {}
+        for file, names in files:
+            f = stack.enter_context(open_safetensors(file, "read_hf_checkpoint"))
+            for name in f.keys() if names is None else names:
+                entries[name] = _file_entry(f, name)
+        folder = files[0][0].parent if files else "the checkpoint"
+        _load_entries(model, entries, f"cannot load the Hugging Face weights of {folder}")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """A checkpoint tensor before it is read: its shape and dtype (a safetensors or NumPy
+    name), whether NumPy reads it as floats, and how to read it whole or by leading rows."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    floating: bool
+    read: Callable[[], Any]
+    rows: Callable[[int, int], Any]
+
+
+#: safetensors float types NumPy reads (with ml_dtypes' bfloat16)
+_FLOAT_TYPES = frozenset({"F64", "F32", "F16", "BF16"})
+
+
+def _file_entry(f: Any, name: str) -> _Entry:
+    header = f.get_slice(name)  # the header's record only: nothing is read yet
+    dtype = header.get_dtype()
+    return _Entry(
+        tuple(header.get_shape()),
+        dtype,
+        dtype in _FLOAT_TYPES,
+        lambda: f.get_tensor(name),
+        lambda start, stop: f.get_slice(name)[start:stop],
     )
+
+
+def _array_entry(ctx: Any, value: Any) -> _Entry:
+    array = value if ctx.is_device_array(value) else np.asarray(value)
+    dtype = np.dtype(array.dtype)
+    floating = bool(np.issubdtype(dtype, np.floating)) or dtype == ml_dtypes.bfloat16
+    return _Entry(
+        tuple(array.shape),
+        str(dtype),
+        floating,
+        lambda: array,
+        lambda start, stop: array[start:stop],
+    )
+
+
+#: bytes of each of two tensors compared at a time (a tied head stored beside its embedding)
+_COMPARE_BYTES = 1 << 24
+
+
+def _same_entries(a: _Entry, b: _Entry) -> bool:
+    """Equal values, compared a block of rows at a time (never two whole tensors at once)."""
+    if not a.shape:
+        return bool(np.array_equal(_host(a.read()), _host(b.read())))
+    n = a.shape[0]
+    row = max(1, int(np.prod(a.shape[1:])) * 8)  # bytes of a row, at most
+    step = max(1, _COMPARE_BYTES // row)
+    return all(  # (a file's slices do not stop at the end as NumPy's do)
+        np.array_equal(_host(a.rows(i, min(i + step, n))), _host(b.rows(i, min(i + step, n))))
+        for i in range(0, n, step)
+    )
+
+
+def _load_entries(model: Llama, entries: Mapping[str, _Entry], what: str) -> None:
+    """Check ``entries`` against the model (every problem at once, nothing loaded), then read
+    each and copy it into its parameter (or its rows of the fused QKV parameter)."""
+    cfg = model.config
+    named, problems = _match(entries, cfg, _same_entries)
+    expected = _hf_shapes(cfg)
+    for name, entry in named.items():
+        if name not in expected or entry.floating:
+            continue
+        if entry.dtype.startswith("F"):  # float8 and the like: floats NumPy has no type for
+            problems.append(f"dtype of {name}: {entry.dtype} is a float type NumPy cannot read")
+        else:
+            problems.append(f"dtype of {name}: {entry.dtype} is not a float type")
+    if problems:
+        raise ValueError(
+            f"{model._describe()}: {what}; nothing was loaded:\n  " + "\n  ".join(problems)
+        )
+    ctx = model.execution_context
+    params = dict(model.named_parameters())
+    for hf_name, mila_name in _name_pairs(cfg):
+        param = params[mila_name]
+        if isinstance(hf_name, tuple):  # Q, K and V: consecutive rows of the fused parameter
+            start = 0
+            for name in hf_name:
+                stop = start + named[name].shape[0]
+                _copy_into(ctx, param[start:stop], named[name].read())
+                start = stop
+        else:
+            _copy_into(ctx, param, named[hf_name].read())
+
+
+def _copy_into(ctx: Any, dst: Any, value: Any) -> None:
+    """``dst[...] = value`` cast to ``dst``'s dtype; a host value reaches a GPU's ``dst``
+    through one upload of its own size."""
+    if ctx.is_device_array(value):  # NumPy on the CPU: cast as it is copied, no temporary
+        dst[...] = value
+    else:
+        dst[...] = ctx.to_device(np.asarray(value).astype(dst.dtype, copy=False))

@@ -119,8 +119,10 @@ def test_from_pretrained_checks_config_and_arguments_before_reading_weights(
     checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     read: list[object] = []
-    real = hf_module.read_hf_tensors
-    monkeypatch.setattr(hf_module, "read_hf_tensors", lambda files: read.append(1) or real(files))
+    real = hf_module.load_hf_files
+    monkeypatch.setattr(
+        hf_module, "load_hf_files", lambda model, files: read.append(1) or real(model, files)
+    )
     config = json.loads((checkpoint / "config.json").read_text())
     bad_args = [
         {"batch_size": 0},

@@ -223,8 +223,10 @@ def test_standalone_construction_allocates_nothing(monkeypatch: pytest.MonkeyPat
     assert allocations == []
     assert lin.get_memory_stats().total_bytes == 0
     lin.build(train_ctx(2, 4))
-    # weight, its gradient, bias, its gradient
-    assert sorted(allocations) == sorted([(3, 4), (3, 4), (3,), (3,)])
+    # weight, its gradient, bias, its gradient (the memory check before them sized the build
+    # through buffers of one element)
+    real = [shape for shape in allocations if shape != (1,)]
+    assert sorted(real) == sorted([(3, 4), (3, 4), (3,), (3,)])
 
 
 def test_standalone_leaf_owns_its_context(device: str) -> None:
@@ -367,7 +369,7 @@ def test_failed_build_rolls_back_everything_and_can_be_retried(device: str) -> N
     leaf = FailingLeaf("leaf", device=device)
     before = dict(leaf.__dict__)
     with pytest.raises(RuntimeError, match="simulated failure"):
-        leaf.build(train_ctx())
+        leaf.build(train_ctx(), check_memory=False)  # the hook runs once: no sizing pass
     assert len(leaf.attempts) == 1
     assert not leaf.is_built
     assert leaf.training_mode is None
@@ -380,7 +382,7 @@ def test_failed_build_rolls_back_everything_and_can_be_retried(device: str) -> N
     assert leaf.__dict__ == before
 
     leaf.fail = False
-    leaf.build(train_ctx())
+    leaf.build(train_ctx(), check_memory=False)
     assert len(leaf.attempts) == 2
     assert leaf.is_built
     assert leaf.training_mode is TrainingMode.NORMAL

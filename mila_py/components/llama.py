@@ -877,6 +877,7 @@ class Llama(Network):
         prefill_size: int | None = None,
         seq_len: int | None = None,
         precision: Precision = Precision.FP32,
+        check_memory: bool = True,
     ) -> Llama:
         """Build a Llama from a Hugging Face checkpoint directory and load its weights.
 
@@ -892,14 +893,19 @@ class Llama(Network):
                 ``max_position_embeddings``.
             precision: parameter and activation precision, FP32 (FP64 on the CPU); weights
                 are cast to it.
+            check_memory: refuse a build the device cannot hold (see :meth:`build`);
+                ``False`` builds without checking.
 
         The config, the arguments and the weight files' headers are checked, and the model
-        built, before any tensor is read.
+        built, before any tensor is read; the tensors are then read one at a time, each
+        copied into its parameter (:func:`mila_py.hf.load_hf_files`), so the load needs
+        about one tensor's memory beyond the model's.
 
         Raises:
             FileNotFoundError: no checkpoint at ``path``.
             ValueError: a config mila_py cannot express, bad arguments, files that do not
                 parse, or tensors that do not match the config (every problem listed at once).
+            MemoryError: the build does not fit the device's available memory.
         """
         from mila_py import hf
         from mila_py.build_context import RuntimeMode
@@ -924,9 +930,10 @@ class Llama(Network):
         model.build(
             BuildContext(
                 (batch_size, n_t), mode, initialize_parameters=False, prefill_size=prefill_size
-            )
+            ),
+            check_memory=check_memory,
         )
-        hf.load_hf_weights(model, hf.read_hf_tensors(files))
+        hf.load_hf_files(model, files)
         return model
 
 

@@ -14,6 +14,7 @@ from mila_py.devices.execution_context import (
     torch_bits_view,
     torch_of,
 )
+from mila_py.devices.host_memory import host_available_memory
 
 __all__ = ["CpuExecutionContext"]
 
@@ -36,6 +37,11 @@ class CpuExecutionContext(ExecutionContext):
 
     def is_device_array(self, array: Any) -> bool:
         return isinstance(array, np.ndarray)
+
+    def available_memory(self) -> int | None:
+        """System memory this process can still take (``MemAvailable``, within its cgroup's
+        limit; see :func:`~mila_py.devices.host_memory.host_available_memory`)."""
+        return host_available_memory()
 
     def to_device(self, array: Any) -> np.ndarray:
         return np.array(array, copy=True)

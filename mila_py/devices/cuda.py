@@ -132,6 +132,19 @@ class CudaExecutionContext(ExecutionContext):
     def is_device_array(self, array: Any) -> bool:
         return isinstance(array, self._cupy.ndarray) and array.device.id == self.device_id.index
 
+    def available_memory(self) -> int | None:
+        """Bytes a build on this GPU can allocate now: what the driver reports free plus what
+        CuPy's default memory pool holds unused (the pool hands those to new arrays before it
+        asks the driver for more). None with a CuPy that cannot tell."""
+        cupy = self._cupy
+        try:
+            with self.device:
+                free, _total = cupy.cuda.runtime.memGetInfo()
+                pooled = cupy.get_default_memory_pool().free_bytes()
+        except AttributeError:
+            return None
+        return int(free) + int(pooled)
+
     def to_device(self, array: Any) -> Any:
         """Copy host data to this device, on this context's stream (asynchronous w.r.t. the host).
 

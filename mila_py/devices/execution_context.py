@@ -49,6 +49,11 @@ class ExecutionContext(abc.ABC):
     def to_device(self, array: Any) -> Any:
         """Copy host data (anything ``numpy.asarray`` accepts) to this device."""
 
+    def available_memory(self) -> int | None:
+        """Bytes a build on this device can still allocate now; None where the device cannot
+        tell (``Component.build`` then checks nothing). Overridden per device."""
+        return None
+
     def activate(self) -> Any:
         """Context manager making this context's device (and stream) current for array work
         that names no device: ``with ctx.activate(): ...``. Nothing to do on the CPU."""

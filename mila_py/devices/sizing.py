@@ -47,6 +47,9 @@ class SizingContext(ExecutionContext):
     def activate(self) -> Any:
         return self._inner.activate()
 
+    def available_memory(self) -> int | None:
+        return self._inner.available_memory()
+
     def is_device_array(self, array: Any) -> bool:
         return self._inner.is_device_array(array)
 

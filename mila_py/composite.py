@@ -8,6 +8,7 @@ from mila_py.build_context import BuildContext, TrainingMode
 from mila_py.component import Component, _restore
 from mila_py.devices import DeviceLike
 from mila_py.precision import Precision
+from mila_py.run_lock import RunLock
 
 __all__ = ["CompositeComponent", "Network"]
 
@@ -195,6 +196,9 @@ class Network(CompositeComponent):
     """The root of a component tree; it creates and owns the execution context for ``device``.
 
     Parameter names are relative to the network (``"block.linear.weight"``), like PyTorch.
+
+    The network owns the :class:`~mila_py.run_lock.RunLock` that its stateful calls hold
+    (:attr:`run_lock`): calls on one network from several threads run one at a time.
     """
 
     def __init__(
@@ -207,6 +211,13 @@ class Network(CompositeComponent):
         if device is None:
             raise ValueError(f"Network '{name}' needs a device, e.g. device='CPU' or 'CUDA:0'")
         super().__init__(name, device=device, precision=precision)
+        self._run_lock = RunLock(self._describe())
+
+    @property
+    def run_lock(self) -> RunLock:
+        """The lock the network's stateful calls hold; ``with network.run_lock:`` makes a
+        sequence of calls (a forward and its backward) run with no other thread's in between."""
+        return self._run_lock
 
 
 def _has_own_mode_hook(node: Component) -> bool:

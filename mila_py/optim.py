@@ -82,6 +82,15 @@ class AdamW:
         betas: moment decay rates; eps: denominator guard.
         weight_decay: decoupled decay factor.
         decay: ``(name, param) -> bool`` choosing which parameters decay (default: ndim >= 2).
+        skip_nonfinite: check the gradients before each step and skip a step whose gradients
+            hold NaN or inf (the overflow steps of FP16 loss scaling): it leaves the parameters,
+            the moments and ``step_count`` exactly as they were, returns False from
+            :meth:`step` and counts in ``skipped_steps``. Costs one pass over the gradients
+            and one device-to-host readback per step. Off by default: such a step then writes
+            NaN into the parameters and moments for good.
+
+    Attributes:
+        step_count: the steps applied. skipped_steps: the steps skipped (``skip_nonfinite``).
     """
 
     def __init__(
@@ -92,8 +101,11 @@ class AdamW:
         eps: float = 1e-8,
         weight_decay: float = 0.01,
         decay: Callable[[str, Any], bool] = _default_decay,
+        skip_nonfinite: bool = False,
     ) -> None:
         _hyperparameters(lr, betas, eps, weight_decay)
+        if not isinstance(skip_nonfinite, bool):
+            raise TypeError(f"AdamW: skip_nonfinite must be a bool, got {skip_nonfinite!r}")
         self.model = model
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self._pairs = _pairs(model)
@@ -103,6 +115,8 @@ class AdamW:
             self._v = [xp.zeros_like(p) for _, p, _ in self._pairs]
         self._decays = [decay(name, p) for name, p, _ in self._pairs]
         self.step_count = 0
+        self.skip_nonfinite = skip_nonfinite
+        self.skipped_steps = 0
         # A device with a fused update kernel (CUDA) runs it per parameter; the array code
         # below is the reference and the CPU path.
         ctx = model.execution_context
@@ -110,8 +124,12 @@ class AdamW:
         if is_supported("AdamWOp", ctx.device_type, model.precision):
             self._fused = create_op("AdamWOp", ctx, None, model.precision)
 
-    def step(self) -> None:
+    def step(self) -> bool:
         """One update from the current gradients (they are left as they are).
+
+        Returns:
+            True when the update was applied; False when ``skip_nonfinite`` found a NaN or inf
+            gradient and skipped it (nothing changed but ``skipped_steps``).
 
         Raises:
             ValueError: a hyper-parameter (``lr``, ``betas``, ``eps``, ``weight_decay``, which
@@ -125,12 +143,21 @@ class AdamW:
         lr, beta1, beta2, eps, weight_decay = _hyperparameters(
             self.lr, self.betas, self.eps, self.weight_decay
         )
-        self.step_count += 1
-        correction1 = 1.0 - beta1**self.step_count
-        correction2 = 1.0 - beta2**self.step_count
         ctx = self.model.execution_context
         with ctx.activate():  # the model's device and stream, for the array code too
+            if self.skip_nonfinite and not self._gradients_finite(ctx.xp):
+                self.skipped_steps += 1
+                return False
+            self.step_count += 1
+            correction1 = 1.0 - beta1**self.step_count
+            correction2 = 1.0 - beta2**self.step_count
             self._update(ctx.xp, lr, beta1, beta2, eps, weight_decay, correction1, correction2)
+        return True
+
+    def _gradients_finite(self, xp: Any) -> bool:
+        """Whether every gradient is finite: one flag per gradient on the device, one readback."""
+        flags = [_finite(xp, g) for _, _, g in self._pairs]
+        return bool(xp.stack(flags).all())
 
     def _update(
         self,
@@ -175,6 +202,15 @@ class AdamW:
         return MemoryStats.from_arrays(
             (MemoryCategory.STATE, loc(a), a) for a in (*self._m, *self._v)
         )
+
+
+def _finite(xp: Any, array: Any) -> Any:
+    """Whether every element of ``array`` is finite, as a device scalar. A ``uint16`` array
+    holds bfloat16 bits (a CuPy without bfloat16): finite unless its exponent bits are all
+    ones."""
+    if array.dtype == "uint16":
+        return ((array & 0x7F80) != 0x7F80).all()
+    return xp.isfinite(array).all()
 
 
 def clip_grad_norm(model: Component, max_norm: float, *, error_if_nonfinite: bool = False) -> float:

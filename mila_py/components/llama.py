@@ -51,6 +51,7 @@ from mila_py.devices.sizing import SizingContext
 from mila_py.ops.operation import DecodePositions
 from mila_py.ops.registry import create_op
 from mila_py.precision import Precision
+from mila_py.run_lock import serialized
 
 __all__ = ["Llama", "LlamaBlock", "LlamaConfig"]
 
@@ -263,6 +264,17 @@ class Llama(Network):
     ``build(BuildContext((B, T), mode))`` takes the token shape. ``forward(tokens [B, T] int)``
     returns logits ``[B, T, vocab]``; ``backward(dlogits)`` fills every parameter gradient
     (aligned with ``get_parameters()``).
+
+    Calls on one model from several threads run one at a time: ``forward``, ``backward``,
+    ``prefill``, ``decode``, ``reset`` and ``generate`` each hold the model's
+    :attr:`run_lock` for their duration (re-entrant: one thread may interleave its own calls).
+    A :meth:`stream` holds it from its first token until it ends, is closed or is
+    garbage-collected, so a stream that is started and not consumed blocks the calls of other
+    threads on this model until it is closed (``stream.close()``, or ``contextlib.closing``).
+    ``forward`` returns a view of the model's own buffer, which the next call overwrites: a
+    thread that shares the model reads (or copies) it, and runs any sequence of calls that must
+    not be interleaved with another thread's (a training forward and its backward), inside
+    ``with model.run_lock:``.
     """
 
     def __init__(
@@ -379,6 +391,7 @@ class Llama(Network):
         return twin.get_memory_stats()
 
     # ------------------------------------------------------------------ run
+    @serialized
     def forward(self, tokens: Any, position_offset: int = 0, *, seq_len: int | None = None) -> Any:
         """``tokens [B, T] -> logits [B, T, vocab]`` (a view of an owned buffer).
 
@@ -446,6 +459,7 @@ class Llama(Network):
         self._cached.check(first, n_b, self._describe())  # type: ignore[union-attr]
         self._cache_writes += 1
 
+    @serialized
     def prefill(self, tokens: Any, position_offset: int = 0) -> Any:
         """Run tokens through the model in chunks of ``chunk_size``, filling the KV cache.
 
@@ -487,6 +501,7 @@ class Llama(Network):
             last = self.execution_context.xp.ascontiguousarray(h[:, -1:])  # type: ignore[index]
             return self._head(last)[:, 0].copy()
 
+    @serialized
     def reset(self) -> None:
         """Forget every cached key and value (zero the KV caches of all layers).
 
@@ -506,6 +521,7 @@ class Llama(Network):
         self._require_inference("cached_lengths")
         return tuple(self._cached.lengths)  # type: ignore[union-attr]
 
+    @serialized
     def decode(self, token: Any, position: Any) -> Any:
         """One token per sequence through the cached context.
 
@@ -625,6 +641,13 @@ class Llama(Network):
         Raises (at a later step):
             RuntimeError: another call wrote the KV cache since the previous step (a prefill,
                 decode, reset or other stream on this model): the stream cannot go on.
+            FloatingPointError: the model's logits for a new token hold NaN or inf (in a row
+                still generating); the message names the step (the index of the new token)
+                and the sequences. Nothing is sampled from them, and the stream ends.
+
+        The stream holds the model (see the class docstring) from its first token until it ends,
+        is closed or is garbage-collected: meanwhile the calls of other threads on this model
+        wait, so close a stream you stop reading early. It may be advanced from any thread.
         """
         args = (max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, pad_token_id)
         return self._start(prompt, *args)[2]
@@ -662,36 +685,71 @@ class Llama(Network):
         stop: np.ndarray | None,
         pad: int,
     ) -> Iterator[np.ndarray]:
-        """The generator behind :meth:`stream`, of checked arguments."""
-        ctx = self.execution_context
-        n_b, n_t = rows.shape  # steps: cut to the context by _start
-        finished = np.zeros(n_b, dtype=bool)
-        logits = self.prefill(rows)
-        position: Any = n_t
-        if lengths.min() < n_t:  # each row's last prompt token again, at its own position
-            last = lengths - 1
-            logits = self.decode(rows[np.arange(n_b), last], last)
-            position = lengths
-        for step in range(steps):
-            mine = self._cache_writes  # the cache as this stream left it
-            if temperature == 0:  # greedy: the argmax on the device, [B] ids to the host
-                with ctx.activate():
-                    token = ctx.to_host(logits.argmax(axis=-1))
-            else:
-                token = _sample(ctx.to_host(logits), temperature, top_k, top_p, rng)
-            if stop is not None:
-                token = np.where(finished, pad, token)
-                finished |= np.isin(token, stop)
-            yield token
-            if step + 1 == steps or finished.all():
-                return
-            if self._cache_writes != mine:
-                raise RuntimeError(
-                    f"{self._describe()}: another call wrote the KV cache while this stream "
-                    "was paused (a prefill, decode, reset or another stream); its context is "
-                    "gone: start a new stream"
-                )
-            logits = self.decode(token, position + step)
+        """The generator behind :meth:`stream`, of checked arguments. It holds the model's
+        run lock from its first step to its end (a hold that a paused stream keeps, and that
+        its ``finally`` gives back when it is closed or collected)."""
+        hold = self._run_lock.hold()
+        try:
+            ctx = self.execution_context
+            xp = ctx.xp
+            n_b, n_t = rows.shape  # steps: cut to the context by _start
+            finished = np.zeros(n_b, dtype=bool)
+            logits = self.prefill(rows)
+            position: Any = n_t
+            if lengths.min() < n_t:  # each row's last prompt token again, at its own position
+                last = lengths - 1
+                logits = self.decode(rows[np.arange(n_b), last], last)
+                position = lengths
+            for step in range(steps):
+                mine = self._cache_writes  # the cache as this stream left it
+                if temperature == 0:
+                    # greedy: the argmax on the device, or -1 for a row with a NaN or inf
+                    # logit, so that one [B] readback brings the ids and the check
+                    with ctx.activate():
+                        finite = xp.isfinite(logits).all(axis=-1)
+                        token = ctx.to_host(xp.where(finite, logits.argmax(axis=-1), -1))
+                    self._check_finite_logits(token >= 0, finished, step)
+                else:
+                    host = ctx.to_host(logits)
+                    self._check_finite_logits(np.isfinite(host).all(axis=-1), finished, step)
+                    token = _sample(host, temperature, top_k, top_p, rng)
+                if stop is not None:
+                    token = np.where(finished, pad, token)
+                    finished |= np.isin(token, stop)
+                if step + 1 == steps or finished.all():
+                    hold.release()  # a stream that gave its last token holds nothing
+                    yield token
+                    return
+                hold.pause()
+                yield token
+                hold.resume()
+                if self._cache_writes != mine:
+                    raise RuntimeError(
+                        f"{self._describe()}: another call wrote the KV cache while this stream "
+                        "was paused (a prefill, decode, reset or another stream); its context is "
+                        "gone: start a new stream"
+                    )
+                logits = self.decode(token, position + step)
+        finally:
+            hold.release()
+
+    def _check_finite_logits(self, finite: np.ndarray, finished: np.ndarray, step: int) -> None:
+        """Refuse to sample new token ``step`` from logits that hold NaN or inf: ``finite``
+        ``[B]`` says which rows are finite; rows already ``finished`` (padded) do not count.
+
+        Raises:
+            FloatingPointError: naming the step and every sequence whose logits are not finite.
+        """
+        bad = np.flatnonzero(~finite & ~finished)
+        if bad.size:
+            which = "sequences" if bad.size > 1 else "sequence"
+            rows = ", ".join(str(int(r)) for r in bad)
+            raise FloatingPointError(
+                f"{self._describe()}: NaN or inf in the logits of new token {step} (0-based) "
+                f"for {which} {rows} (batch row); no token was sampled from them. The weights "
+                "or the activations hold NaN or overflowed: check the checkpoint, or run in a "
+                "wider precision"
+            )
 
     def _prompt_rows(self, prompt: Any) -> tuple[np.ndarray, np.ndarray, str]:
         """``prompt`` as host rows ``[B, T]`` (a list's prompts right-padded with token 0), the
@@ -814,6 +872,7 @@ class Llama(Network):
         stop = np.array([token_id(i, "eos_token_id") for i in ids])
         return stop, int(stop[0]) if pad is None else pad
 
+    @serialized
     def generate(
         self,
         prompt: Any,
@@ -829,7 +888,13 @@ class Llama(Network):
         """The prompt followed by up to ``max_new_tokens`` generated tokens, on the host:
         ``[B, T + n]`` for a ``[B, T]`` prompt, ``[T + n]`` for a ``[T]`` one, and for a list of
         prompts a list of 1-D arrays, each its prompt and the same number ``n`` of new tokens.
-        See :meth:`stream` for the sampling and stopping rules."""
+        See :meth:`stream` for the sampling and stopping rules and the errors.
+
+        Raises:
+            FloatingPointError: the model's logits for a new token hold NaN or inf; the message
+                names the step (the index of the new token) and the sequences. The KV cache
+                holds what the generation wrote up to then.
+        """
         args = (max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, pad_token_id)
         rows, lengths, steps, kind = self._start(prompt, *args)
         new = list(steps)
@@ -839,6 +904,7 @@ class Llama(Network):
         out = np.concatenate([rows, tail], axis=1)
         return out if kind == "2d" else out[0]
 
+    @serialized
     def backward(self, dlogits: Any) -> None:
         """Backpropagate ``dlogits [B, T, vocab]``; accumulates every parameter gradient."""
         if not self.is_built or not self.build_context.is_training:

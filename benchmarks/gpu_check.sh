@@ -8,19 +8,14 @@
 #   bash benchmarks/gpu_check.sh bench   # rope + llama
 #   bash benchmarks/gpu_check.sh         # everything
 #   bash benchmarks/gpu_check.sh once    # everything, cut to end within ~560 s
-# Each of tests, rope and llama fits in 10 minutes; bench and all may not.
-# `once` is for a GPU machine held for a short time: one command, each stage under its own
-# timeout, the most important first. It runs, in this order:
-#   the whole suite (in parallel over the machine's cores: ~40-85 s on 16); the CUDA tests again with
-#   --no-packed-decode --no-direct-gemm; RoPE without the torch.compile peer in 5 interleaved rounds
-#   (~60 s); the decode launch-cost breakdown; the decode plan with and without DIRECT_GEMM,
-#   and a ragged one (B=4) with its positions by value and uploaded;
-#   [the RoPE kernel's tuning settings, rope_cuda_variants.py, only with GPU_CHECK_VARIANTS=1;
-#   where its rule picks a setting, the RoPE GPU tests and benchmark again with it]; RoPE against
-#   the torch.compile peer alone; the training and generation benchmarks on the time left.
-# Each stage runs under its own timeout, the whole call ending by ~560 s (GPU_CHECK_END=SECONDS
-# ends it sooner: the later stages get what is left); logs stream to $OUT as they go, so a stage
-# that runs out still leaves what it printed. At most 8 files come back: keep it to 8.
+# Each of tests, rope and llama fits in 10 minutes; bench and all may not. `once` runs, in this
+# order, each stage under its own timeout, the most important first:
+#   the whole suite (in parallel over the machine's cores); RoPE without the torch.compile peer
+#   in 5 interleaved rounds; the decode plan against the components' calls, at one position and
+#   ragged (B=4); RoPE against the torch.compile peer alone; the training and generation
+#   benchmarks on the time left.
+# The whole call ends by ~560 s (GPU_CHECK_END=SECONDS ends it sooner: the later stages get what
+# is left); logs stream to $OUT as they go, so a stage that runs out still leaves what it printed.
 # Without `pip install -e`, the checkout is put on PYTHONPATH. The RoPE peers Liger-Kernel and
 # flash-attention (Triton code) may be missing on a GPU machine that reaches no registry:
 # `python benchmarks/gpu_peers.py` fetches them into .gpu_peers/ beforehand; copy that folder
@@ -37,16 +32,15 @@ what="${1:-all}"
 status=0
 if [[ "$what" == once ]]; then
   end="${GPU_CHECK_END:-560}"  # seconds: where the call must end (the variable shortens it)
-  t_tests=170 t_packed=90 t_rope=100 t_launch=40 t_variants=120 t_compile=150 t_train=50 t_gen=140 t_plan=30
+  t_tests=170 t_rope=100 t_compile=150 t_train=50 t_gen=140 t_plan=30
   rope_args=(--no-compile --rounds 5 --repeats 3)  # ~60 s: 69 figures a round (3 peers)
   gen_args=(--repeat 1)
   plan_args=(--steps 100 --rounds 3)
 else
   end=560
-  t_tests=480 t_packed=200 t_rope=300 t_launch=60 t_variants=200 t_compile=0 t_train=200 t_gen=200 t_plan=120
+  t_tests=480 t_rope=300 t_compile=0 t_train=200 t_gen=200 t_plan=120
   rope_args=() gen_args=() plan_args=()
 fi
-adopt="$(mktemp)"  # the variants' pick (not in $out: at most 8 files come back)
 mark() { echo "== $1 at ${SECONDS}s"; }
 stage() { [[ "$what" == all || "$what" == once || "$what" == "$1" || ( "$what" == bench && "$1" != tests ) ]]; }
 
@@ -66,52 +60,23 @@ if stage tests; then
   timeout -k 10 "$t_tests" python3 -m pytest tests -q -rs --tb=short --durations=10 -p no:cacheprovider \
     ${workers[@]+"${workers[@]}"} 2>&1 \
     | tee "$out/tests.log" || status=1
-  # the CUDA tests again with the launches that are not the default (an H100 run's tests and
-  # A/B rows made the packed cuLaunchKernel one, PACKED_DECODE, and bound cuBLAS sgemm,
-  # DIRECT_GEMM, the default): RoPE decode steps by CuPy's launch, plan products by cupy.matmul
-  mark "tests --no-packed-decode --no-direct-gemm"
-  timeout -k 10 "$t_packed" python3 -m pytest tests/cuda -q -rs --tb=short -p no:cacheprovider \
-    --no-packed-decode --no-direct-gemm ${workers[@]+"${workers[@]}"} 2>&1 | tee -a "$out/tests.log" || status=1
 fi
 if stage rope; then
   mark rope
   timeout -k 10 "$t_rope" python3 benchmarks/rope_cuda.py ${rope_args[@]+"${rope_args[@]}"} --json "$out/rope_cuda.json" 2>&1 \
     | tee "$out/rope_cuda.log" || status=1
 fi
-if stage rope; then
-  mark launch
-  # where the host time of one decode call goes (component, op, raw launch, toy kernels)
-  timeout -k 10 "$t_launch" python3 benchmarks/cuda_launch_cost.py 2>&1 | tee -a "$out/rope_cuda.log" || status=1
-  if [[ "$what" == once ]]; then
-    # the decode plan with and without DIRECT_GEMM (its third row), before the optional stages
-    mark plan
-    timeout -k 10 "$t_plan" python3 benchmarks/decode_plan.py --device CUDA:0 ${plan_args[@]+"${plan_args[@]}"} 2>&1 \
-      | tee -a "$out/rope_cuda.log" || status=1
-    # a ragged step (a position per sequence) by value against uploaded (its fourth row)
-    mark "plan ragged"
-    timeout -k 10 "$t_plan" python3 benchmarks/decode_plan.py --device CUDA:0 --batch 4 --ragged \
-      ${plan_args[@]+"${plan_args[@]}"} 2>&1 | tee -a "$out/rope_cuda.log" || status=1
-  fi
-  if [[ "$what" != once || "${GPU_CHECK_VARIANTS:-0}" == 1 ]]; then
-    # the RoPE kernel's tuning settings against each other and Liger, same arguments,
-    # bit-checked (in `once` only with GPU_CHECK_VARIANTS=1: the tuning in use was picked and
-    # confirmed on an H100 on 2026-11-26)
-    mark variants
-    timeout -k 10 "$t_variants" python3 benchmarks/rope_cuda_variants.py --adopt "$adopt" 2>&1 \
-      | tee -a "$out/rope_cuda.log" || status=1
-  fi
+if [[ "$what" == once ]]; then
+  # the decode plan against the components' calls, at one position and ragged (B=4), before
+  # the optional stages
+  mark plan
+  timeout -k 10 "$t_plan" python3 benchmarks/decode_plan.py --device CUDA:0 ${plan_args[@]+"${plan_args[@]}"} 2>&1 \
+    | tee -a "$out/rope_cuda.log" || status=1
+  mark "plan ragged"
+  timeout -k 10 "$t_plan" python3 benchmarks/decode_plan.py --device CUDA:0 --batch 4 --ragged \
+    ${plan_args[@]+"${plan_args[@]}"} 2>&1 | tee -a "$out/rope_cuda.log" || status=1
 fi
 left() { echo $(( end - SECONDS )); }
-if [[ "$what" == once && -s "$adopt" ]] && (( $(left) > 180 )); then  # its two timeouts, kills included
-  # the variants' rule picked a setting: the RoPE GPU tests and the RoPE benchmark again with it
-  # (MILA_ROPE_TUNING is read when mila_py imports the kernel); the compile peer below uses it too
-  export MILA_ROPE_TUNING="$(cat "$adopt")"
-  mark "adopted MILA_ROPE_TUNING=$MILA_ROPE_TUNING"
-  timeout -k 10 60 python3 -m pytest tests/cuda/test_rope_cuda.py -q -p no:cacheprovider \
-    -rs --tb=short ${workers[@]+"${workers[@]}"} 2>&1 | tee "$out/rope_adopted.log" || status=1
-  timeout -k 10 90 python3 benchmarks/rope_cuda.py ${rope_args[@]+"${rope_args[@]}"} 2>&1 \
-    | tee -a "$out/rope_adopted.log" || status=1
-fi
 if [[ "$what" == once ]] && (( $(left) > 40 )); then
   # RoPE against the torch.compile peer alone (it compiles a graph per shape and dtype while
   # the cases are set up, a line each; the table prints after every round); `all` and `rope`
@@ -131,7 +96,7 @@ if stage llama && { [[ "$what" != once ]] || (( $(left) > 120 )); }; then
     | tee "$out/llama.log" || status=1
   timeout -k 10 "$t_gen" python3 benchmarks/generate.py --device CUDA:0 ${gen_args[@]+"${gen_args[@]}"} 2>&1 \
     | grep -v Writing | tee -a "$out/llama.log" || status=1
-  if [[ "$what" != once ]]; then  # `once` ran it after the launch costs
+  if [[ "$what" != once ]]; then  # `once` ran it after the RoPE benchmark
     timeout -k 10 "$t_plan" python3 benchmarks/decode_plan.py --device CUDA:0 ${plan_args[@]+"${plan_args[@]}"} 2>&1 \
       | tee -a "$out/llama.log" || status=1
   fi

@@ -8,10 +8,8 @@ Measures, for Q ``[B, T, Hq*d]`` and K ``[B, T, Hk*d]`` in fp32:
 - mila_py ``Rope.rotate`` at explicit positions ``[B, T]`` and, with a Qwen2-VL M-RoPE config
   (``mrope_section`` 16/24/24 for head_dim 128, else a third each), at positions ``[3, B, T]``;
 - Hugging Face ``apply_rotary_pos_emb`` in torch eager, when torch and transformers are installed;
-- ``Rope.decode`` for B=1 (whole component calls), in microseconds per call: on the same buffers
-  again (the component's fast path: identity, shape and position checks, one kernel call), and
-  alternating between two buffer pairs (every call fully checked); each at an int position and
-  with a position per sequence (``[B]``).
+- ``Rope.decode`` for B=1 (whole component calls, every call checked), in microseconds per call:
+  at an int position and with a position per sequence (``[B]``).
 
 Run: ``python benchmarks/rope_cpu.py`` (``--help`` for shapes). Prints a table with ratios.
 """
@@ -203,24 +201,14 @@ def main() -> None:
     # decode: the whole component call for B=1, T=1
     dq = rng.standard_normal((1, 1, hq * d), dtype=np.float32)
     dk = rng.standard_normal((1, 1, hk * d), dtype=np.float32)
-    other = dq.copy(), dk.copy()
-    turn = [0]
-
     each = np.array([1234])  # a position per sequence (B=1)
-
-    def alternating(position: object = 1234) -> None:  # two pairs taking turns: every call checked
-        turn[0] ^= 1
-        q, k = (dq, dk) if turn[0] else other
-        rope.decode(q, k, position)
 
     print(f"\n{'Rope.decode B=1 (whole call)':<46} {'us/call':>9}")
     for backend in backends:
         rope.op.backend = backend
         for label, call in (
-            ("same buffers again", lambda: rope.decode(dq, dk, 1234)),
-            ("alternating buffers (checked)", alternating),
-            ("same buffers again, positions [B]", lambda: rope.decode(dq, dk, each)),
-            ("alternating buffers, positions [B]", lambda: alternating(each)),
+            ("position int", lambda: rope.decode(dq, dk, 1234)),
+            ("positions [B]", lambda: rope.decode(dq, dk, each)),
         ):
             seconds = _per_call_seconds(call, calls=2000)
             print(f"{'  ' + backend + ', ' + label:<46} {seconds * 1e6:9.2f}")

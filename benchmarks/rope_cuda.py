@@ -7,8 +7,7 @@ figure is the median over its rounds, so one slow stretch of the GPU or the host
 row. The ``spread`` column is mila_py's slowest round over its fastest. The table is printed
 after every round. Each run of back-to-back calls is timed after an untimed lead call, so the
 GPU is busy while the first timed call does its host work: a GPU-bound row is its steady-state
-time per call, a host-bound one (decode) the host's pace (without the lead call, a run would
-time the first call's host work as GPU idle time). Measured:
+time per call, a host-bound one (decode) the host's pace. Measured:
 
 - the ceiling: a large device-to-device copy (``cudaMemcpyAsync``), counting bytes read + written;
 - mila_py ``Rope.forward`` and ``Rope.backward`` (whole component calls), fp32 and bf16, for
@@ -18,8 +17,7 @@ time the first call's host work as GPU idle time). Measured:
   ``[3, B, T]`` of a 64-wide image grid (the whole call: host checks and the positions' upload);
 - ``Rope.decode`` for ``B=1`` and ``B=64`` (whole component calls, validation included), in
   microseconds per call, timed over many back-to-back calls so host work is included; at one
-  position for all, with its fast path launching as by default and, in a row of its own, the
-  other way (CuPy's launch or the packed ``cuLaunchKernel`` one, ``PACKED_DECODE``);
+  position for all, and (``B=64``) at a position per sequence (uploaded with each call);
 - peers, each only when importable: Hugging Face ``apply_rotary_pos_emb`` in torch eager and
   under ``torch.compile``, Liger-Kernel's rope, flash-attention's Triton rotary. Peers get their
   own layouts (HF and Liger ``[B, H, T, D]`` views of ``[B, T, H*D]``; flash-attention
@@ -52,8 +50,6 @@ import numpy as np
 from mila_py import BuildContext, Precision, RuntimeMode
 from mila_py.components import Rope, RopeConfig
 from mila_py.devices.cuda import cuda_device_count
-from mila_py.ops.cuda import _kernels
-from mila_py.ops.cuda import rope as cuda_rope
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 PREFILL_SHAPES = ((1, 8192), (4, 4096))
@@ -462,50 +458,7 @@ def bench_decode(bench: Bench, cfg: RopeConfig, precision: Precision, n_b: int) 
                 bench.time(row, name, lambda fn=fn, tq=tq, tk=tk, cos=cos, sin=sin:
                            fn(tq, tk, cos, sin), ttimer, bench.decode_calls)  # fmt: skip
         rows.append(row)
-        if label == "pos int":
-            rows.append(other_launch_row(bench, cfg, precision, n_b, q, k))
-        else:
-            rows.append(uploaded_positions_row(bench, cfg, precision, q, k, position, row))
     return rows
-
-
-def uploaded_positions_row(
-    bench: Bench, cfg: RopeConfig, precision: Precision, q: Any, k: Any, position: Any, row: Row
-) -> Row:
-    """The ``pos per seq`` decode row again, as before positions went in the launch's
-    parameters: a component and buffers of their own, every call of which runs inside
-    :func:`_kernels.positions_uploaded` (its fast path, made there, has no per-sequence launch),
-    so each call uploads its positions. The two ways timed in the same rounds."""
-    rope = decode_component(cfg, precision, q.shape[0])
-    q, k = bit_copy(q), bit_copy(k)
-
-    def call() -> None:
-        with _kernels.positions_uploaded():
-            rope.decode(q, k, position)
-
-    other = Row(row.case.replace(")", ", uploaded)"), row.dtype, row.nbytes)
-    time_decode(bench, other, call, rope.execution_context)
-    return other
-
-
-def other_launch_row(
-    bench: Bench, cfg: RopeConfig, precision: Precision, n_b: int, q: Any, k: Any
-) -> Row:
-    """The ``pos int`` decode row again, its fast path made with the other launch than the
-    default (``PACKED_DECODE`` flipped while this component's fast path is made): the two
-    launches timed in the same rounds, the A/B that decides the default."""
-    rope = decode_component(cfg, precision, n_b)
-    q, k = bit_copy(q), bit_copy(k)
-    launch, made = fast_path_with_other_launch(rope, q, k, 4000)
-
-    def call() -> None:
-        rope.decode(q, k, 4000)
-
-    nbytes = 2 * (q.nbytes + k.nbytes) + (cfg.head_dim // 2) * 8
-    row = Row(f"decode B={n_b} (pos int, {launch} launch)", row_dtype(precision), nbytes,
-              note="" if made else f" NO {launch.upper()} FAST PATH;")  # fmt: skip
-    time_decode(bench, row, call, rope.execution_context)
-    return row
 
 
 def decode_component(cfg: RopeConfig, precision: Precision, n_b: int) -> Rope:
@@ -520,35 +473,6 @@ def time_decode(bench: Bench, row: Row, call: Callable[[], object], ctx: Any) ->
     as host wall time (the row's note)."""
     bench.time(row, "", call, CupyTimer(bench.cupy, ctx.stream), bench.decode_calls)
     bench.time(row, HOST_WALL, call, HostTimer(ctx.synchronize), bench.decode_calls)
-
-
-def bit_copy(x: Any) -> Any:
-    """A copy of device array ``x`` made through its bits (bf16 needs no CuPy kernel of its own)."""
-    return x.view(f"u{x.dtype.itemsize}").copy().view(x.dtype)
-
-
-def fast_path_with_other_launch(rope: Rope, q: Any, k: Any, position: int) -> tuple[str, bool]:
-    """Make ``rope``'s decode fast path on ``q``, ``k`` with the other launch than the default
-    (``PACKED_DECODE`` flipped while two checked calls at ``position`` make it; Q and K are
-    rotated by them): that launch's name, "packed" or "CuPy", and whether a fast path was made
-    with it (a packed one binds a packed launch: it does not fall back to CuPy's unseen)."""
-    packed = not cuda_rope.PACKED_DECODE
-    previous, cuda_rope.PACKED_DECODE = cuda_rope.PACKED_DECODE, packed
-    real_bind, bound = _kernels.bind_packed_launch, []
-
-    def counting_bind(*args: Any, **kwargs: Any) -> Any:
-        bound.append(1)
-        return real_bind(*args, **kwargs)
-
-    _kernels.bind_packed_launch = counting_bind  # type: ignore[assignment]
-    try:
-        for _ in range(2):  # the second checked call on the pair makes its fast path
-            rope.decode(q, k, position)
-    finally:
-        cuda_rope.PACKED_DECODE = previous
-        _kernels.bind_packed_launch = real_bind  # type: ignore[assignment]
-    made = rope._fast_decode is not None and bool(bound) == packed  # type: ignore[attr-defined]
-    return ("packed" if packed else "CuPy"), made
 
 
 # ---------------------------------------------------------------------------------- main

@@ -27,19 +27,6 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA_REASON)
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
-        "--no-packed-decode",
-        action="store_true",
-        help="run with mila_py.ops.cuda.rope.PACKED_DECODE off: RoPE decode steps launch by "
-        "CuPy's kernel call, not cuLaunchKernel with packed arguments (tests that set it "
-        "themselves still do)",
-    )
-    parser.addoption(
-        "--no-direct-gemm",
-        action="store_true",
-        help="run with mila_py.ops.cuda.linear.DIRECT_GEMM off: a decode plan's matrix "
-        "products call cupy.matmul, not cuBLAS sgemm with its arguments made once",
-    )
-    parser.addoption(
         "--emulate-gpu",
         action="store_true",
         help="on a machine without a GPU, run tests/cuda (only) on the kernel emulator's "
@@ -49,14 +36,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if config.getoption("--no-packed-decode"):
-        from mila_py.ops.cuda import rope
-
-        rope.PACKED_DECODE = False
-    if config.getoption("--no-direct-gemm"):
-        from mila_py.ops.cuda import linear
-
-        linear.DIRECT_GEMM = False
     if config.getoption("--emulate-gpu"):
         _start_gpu_emulation(config)
 
@@ -112,18 +91,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if marker is not None:
             why = marker.args[0] if marker.args else "CuPy on a GPU"
             item.add_marker(pytest.mark.skip(reason=f"--emulate-gpu: needs a real GPU ({why})"))
-
-
-@pytest.fixture(scope="session")
-def packed_decode(pytestconfig: pytest.Config) -> bool:
-    """Whether RoPE decode steps launch packed in this run: on, unless ``--no-packed-decode``."""
-    return not pytestconfig.getoption("--no-packed-decode")
-
-
-@pytest.fixture(scope="session")
-def direct_gemm(pytestconfig: pytest.Config) -> bool:
-    """Whether decode plans bind cuBLAS sgemm in this run: on, unless ``--no-direct-gemm``."""
-    return not pytestconfig.getoption("--no-direct-gemm")
 
 
 @pytest.fixture(

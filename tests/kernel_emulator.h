@@ -4,7 +4,7 @@
 // (ucontext stacks, switched with _setjmp/_longjmp) on one OS thread, round-robin; __syncthreads() switches to the next fiber, so all
 // threads of a block reach a barrier before any passes it. Warp shuffles exchange values
 // through a block-wide buffer between two barriers, which is exact when every thread of the
-// block calls the shuffle (as the block reductions of CUDA_PRELUDE do). Shared memory is a
+// block calls the shuffle (as the block reductions of common.cuh do). Shared memory is a
 // function-static array (blocks run one after another); dynamic shared memory (extern
 // __shared__, rewritten by kernel_emulator.py) is one buffer of the launch's size, filled with
 // 0xff bytes (float NaNs) before every block and followed by a guard checked after it. Float
@@ -126,33 +126,6 @@ To aligned_cast(From&& from) {
     } else {
         return reinterpret_cast<To>(from);
     }
-}
-
-// mila_positions<N>'s array, its reads checked (the emulator rewrites `int at[N];` to this, of
-// the same size): an index outside [0, N) is reported and reads 0, where a GPU would read the
-// neighbouring parameters or beyond, unseen.
-template <typename T, int N>
-struct checked_array {
-    T data[N];
-    const T& operator[](long long i) const {
-        if (i < 0 || i >= N) {
-            char what[96];
-            std::snprintf(what, sizeof what, "by-value array read at %lld, outside [0, %d)", i, N);
-            report(what);
-            static const T zero{};
-            return zero;
-        }
-        return data[i];
-    }
-};
-
-// A by-value struct parameter (rope_qk_at's mila_positions<N>) from the bytes Python passes.
-template <typename S>
-S by_value(const void* bytes) {
-    static_assert(std::is_trivially_copyable_v<S>);
-    S value;
-    std::memcpy(&value, bytes, sizeof value);
-    return value;
 }
 
 // PTX cvt.f32.f16: exact.

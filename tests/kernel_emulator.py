@@ -7,21 +7,23 @@ every block's threads run as fibers with real barriers and warp-shuffle exchange
 op's host logic (shapes, strides, launch geometry, argument types) and its kernels' indexing
 and arithmetic are checked against the CPU ops on a machine without a GPU.
 
-Kernels are ``extern "C"`` functions, or templates whose instantiations are named as NVRTC name
-expressions (``rope_qk<float, 4, false>``), given to :class:`KernelLibrary` as CuPy's RawModule
-takes them. Four mechanical rewrites make a source C++: ``extern __shared__`` arrays become
-the launch's dynamic shared memory, the PTX instructions of :data:`PTX` (inline ``asm``) become
-calls to their bit-exact emulations (any other ``asm`` is refused), ``reinterpret_cast``
-checks the alignment the GPU requires (a misaligned vector access raises), and the by-value
-positions struct ``mila_positions<N>`` checks its reads (one outside ``[0, N)`` raises).
+The sources are the ops' own kernel files, read through :func:`mila_py.ops.cuda._kernels.source`
+(each compiled after the shared header ``common.cuh``, as the ops compile them). Kernels are
+``extern "C"`` functions, or templates whose instantiations are named as NVRTC name expressions
+(``rope_qk<float, 4, false>``), given to :class:`KernelLibrary` as CuPy's RawModule takes them.
+Three mechanical rewrites make a source C++: ``extern __shared__`` arrays become the launch's
+dynamic shared memory, the PTX instructions of :data:`PTX` (inline ``asm``) become calls to
+their bit-exact emulations (any other ``asm`` is refused), and ``reinterpret_cast`` checks the
+alignment the GPU requires (a misaligned vector access raises).
 
-Every launch checks what CuPy would not: each array argument has a dtype of its pointer
-parameter (``float*`` float32, ``long long*`` int64, ``mila_bf16*`` bfloat16 or its uint16
-bits, ...), is C-contiguous unless the parameter is marked ``MILA_STRIDED`` (the kernel takes
-its strides), and is writeable unless the parameter is ``const``; a null pointer is
-``_kernels.NULL`` (CuPy does not pass ``None`` as NULL everywhere); each scalar has the exact
-NumPy type of its parameter (``int`` int32, ``long long`` int64, ``float`` float32), as a raw
-kernel reads its arguments by position and width. The block size must respect
+Every launch checks what CuPy would not: the kernel file it names defines the kernel; each
+array argument has a dtype of its pointer parameter (``float*`` float32, ``int*`` int32,
+``long long*`` int64, ``mila_bf16*`` bfloat16 or its uint16 bits, ...), is C-contiguous unless
+the parameter is marked ``MILA_STRIDED`` (the kernel takes its strides), and is writeable
+unless the parameter is ``const``; a null pointer is ``_kernels.NULL`` (CuPy does not pass
+``None`` as NULL everywhere); each scalar has the exact NumPy type of its parameter (``int``
+int32, ``long long`` int64, ``float`` float32), as a raw kernel reads its arguments by position
+and width. The block size must respect
 ``__launch_bounds__`` and the dynamic shared memory the default 48 KiB limit. And each launch
 runs on fenced copies of its arrays (:class:`_Fences`): poison (signaling NaNs of the arrays'
 type) before and after every array and in the gaps of strided views, so an out-of-bounds read
@@ -103,15 +105,6 @@ FLAGS = (
 )  # fmt: skip
 
 
-#: the prelude's by-value positions struct, and what the emulator compiles instead
-_POSITIONS_STRUCT = "template <int N> struct mila_positions { int at[N]; };"
-_CHECKED_POSITIONS_STRUCT = (
-    "template <int N> struct mila_positions { mila_emu::checked_array<int, N> at; };"
-)
-if _POSITIONS_STRUCT not in _kernels.CUDA_PRELUDE:
-    raise RuntimeError("kernel emulator: the prelude's mila_positions changed; update its rewrite")
-
-
 def emulable(source: str) -> str:
     """``source`` with the rewrites the module docstring lists (ValueError for unknown asm)."""
 
@@ -134,26 +127,12 @@ def emulable(source: str) -> str:
     source = _EXTERN_SHARED.sub(
         lambda m: f"{m['type']}* {m['name']} = mila_emu::dynamic_shared<{m['type']}>();", source
     )
-    # the by-value positions' reads bounds-checked (same size and layout)
-    source = source.replace(_POSITIONS_STRUCT, _CHECKED_POSITIONS_STRUCT)
     return re.sub(r"\breinterpret_cast\s*<", "mila_emu::aligned_cast<", source)
 
 
-#: a by-value struct parameter: ``mila_positions<N>`` is ``{ int at[N]; }``
-_BY_VALUE_STRUCT = re.compile(r"mila_positions<\s*(\w+)\s*>")
-
-
-def by_value_dtype(n: int) -> np.dtype:
-    """The dtype of the one-element array a ``mila_positions<n>`` parameter takes (as
-    :class:`mila_py.ops.cuda._kernels.ArraySlot` makes it)."""
-    return np.dtype([("at", np.int32, (n,))])
-
-
 class _Param:
-    def __init__(self, text: str, types: dict[str, str], constants: dict[str, str]) -> None:
-        text = _BY_VALUE_STRUCT.sub(
-            lambda m: f"mila_positions<{constants.get(m[1], m[1])}>", text.replace("\n", " ")
-        )
+    def __init__(self, text: str, types: dict[str, str]) -> None:
+        text = text.replace("\n", " ")
         words = text.replace("__restrict__", " ").replace("*", " * ").split()
         self.strided = "MILA_STRIDED" in words
         words = [types.get(w, w) for w in words if w != "MILA_STRIDED"]
@@ -162,12 +141,9 @@ class _Param:
             raise ValueError(f"kernel emulator: cannot parse parameter {text!r}")
         self.const = bool(match.group(1))
         self.base, self.pointer, self.name = match.group(2), bool(match.group(3)), match.group(4)
-        struct = _BY_VALUE_STRUCT.fullmatch(self.base)
-        #: elements of a by-value ``mila_positions<N>`` (0: an array or a scalar)
-        self.by_value = int(struct[1]) if struct is not None and not self.pointer else 0
         if self.pointer and self.base not in _POINTERS:
             raise ValueError(f"kernel emulator: no array dtype for {self.base}* ({text!r})")
-        if not self.pointer and not self.by_value and self.base not in _SCALARS:
+        if not self.pointer and self.base not in _SCALARS:
             raise ValueError(f"kernel emulator: no scalar type for {self.base} ({text!r})")
         if self.strided and not self.pointer:
             raise ValueError(f"kernel emulator: MILA_STRIDED on a scalar ({text!r})")
@@ -184,7 +160,7 @@ class _Kernel:
         function.argtypes = (
             [ctypes.c_uint] * 4
             + [ctypes.c_size_t]
-            + [ctypes.c_void_p if p.pointer or p.by_value else _SCALARS[p.base][1] for p in params]
+            + [ctypes.c_void_p if p.pointer else _SCALARS[p.base][1] for p in params]
         )
 
     def __call__(
@@ -196,17 +172,7 @@ class _Kernel:
         fenced: list[tuple[int, np.ndarray, _Param]] = []
         for param, arg in zip(self.params, args, strict=True):
             where = f"{self.name}({param.name})"
-            if param.by_value:  # its bytes, copied into the struct when the launch is made
-                expected_dtype = by_value_dtype(param.by_value)
-                if not (isinstance(arg, np.ndarray) and arg.dtype == expected_dtype):
-                    raise TypeError(
-                        f"{where}: {param.base} takes a one-element {expected_dtype} array, got "
-                        f"{getattr(arg, 'dtype', type(arg).__name__)}"
-                    )
-                if arg.size != 1:
-                    raise ValueError(f"{where}: {param.base} given {arg.size} structs")
-                values.append(np.ascontiguousarray(arg).ctypes.data)
-            elif param.pointer:
+            if param.pointer:
                 if arg is None:
                     raise TypeError(f"{where}: None is not NULL for CuPy; pass _kernels.NULL")
                 if type(arg) is np.uint64 and arg == _kernels.NULL:
@@ -423,7 +389,8 @@ class KernelLibrary:
     """The given CUDA sources' kernels, compiled for the CPU (one shared library, cached on disk).
 
     Args:
-        sources: kernel sources (each is compiled after ``CUDA_PRELUDE``, as ``_kernels`` does).
+        sources: kernel sources (each is compiled after the ops' header ``common.cuh``, as
+            ``_kernels`` compiles them).
         name_expressions: the template instantiations to compile, as the ops name them at launch.
     """
 
@@ -455,26 +422,16 @@ class KernelLibrary:
             if len(args) != len(names):
                 raise ValueError(f"kernel emulator: {expression!r} for template <{template}>")
             types = {n: a for n, a, k in zip(names, args, kinds, strict=True) if k in typenames}
-            constants = {
-                n: a for n, a, k in zip(names, args, kinds, strict=True) if k not in typenames
-            }
             callee = f"{base}<{', '.join(args)}>"
-            kernels.append((expression, callee, *self._signature(match, types, where, constants)))
+            kernels.append((expression, callee, *self._signature(match, types, where)))
         wrappers = []
         for i, (_, callee, params, _, _) in enumerate(kernels):
             decl = "".join(
-                f", const void* {p.name}"
-                if p.by_value
-                else f", {'const ' if p.pointer else ''}{p.base}{'*' if p.pointer else ''} {p.name}"
+                f", {'const ' if p.pointer else ''}{p.base}{'*' if p.pointer else ''} {p.name}"
                 for p in params
             )
             call = ", ".join(
-                f"mila_emu::by_value<{p.base}>({p.name})"
-                if p.by_value
-                else f"const_cast<{p.base}*>({p.name})"
-                if p.pointer
-                else p.name
-                for p in params
+                f"const_cast<{p.base}*>({p.name})" if p.pointer else p.name for p in params
             )
             wrappers.append(
                 f'extern "C" const char* emu_{i}(unsigned gx, unsigned gy, unsigned gz, '
@@ -482,7 +439,7 @@ class KernelLibrary:
                 f"    return mila_emu::launch(dim3{{gx, gy, gz}}, dim3{{bx, 1, 1}}, shared, "
                 f"[&] {{ {callee}({call}); }});\n}}\n"
             )
-        body = [emulable(_kernels.CUDA_PRELUDE), *(emulable(s) for s in sources)]
+        body = [emulable(_kernels.source(_kernels.HEADER)), *(emulable(s) for s in sources)]
         code = "\n".join([f'#include "{HEADER}"', *body, *wrappers])
         library = self._compile(code)
         handle = ctypes.CDLL(str(library))
@@ -493,17 +450,12 @@ class KernelLibrary:
 
     @staticmethod
     def _signature(
-        match: re.Match[str],
-        types: dict[str, str],
-        source: str,
-        constants: dict[str, str] | None = None,
+        match: re.Match[str], types: dict[str, str], source: str
     ) -> tuple[list[_Param], int, int]:
         """Parameters, the most threads a block may have, and the bytes of the kernel's own
         (static, fixed-size) ``__shared__`` arrays, which count against the 48 KiB too.
-        ``types`` and ``constants``: the instantiation's type and value template arguments."""
-        params = [
-            _Param(p, types, constants or {}) for p in match["params"].split(",") if p.strip()
-        ]
+        ``types``: the instantiation's type template arguments."""
+        params = [_Param(p, types) for p in match["params"].split(",") if p.strip()]
         bounds = match["bounds"]
         max_threads = MAX_THREADS if bounds is None else int(bounds.split(",")[0])
         return params, max_threads, _static_shared(source, match.end())
@@ -534,7 +486,7 @@ class KernelLibrary:
     def launch(
         self,
         ctx: Any,
-        source: str,
+        file: str,
         name: str,
         grid: tuple[int, ...],
         block: int,
@@ -598,43 +550,19 @@ class EmulatedContext(ExecutionContext):
 def emulated_context(library: KernelLibrary) -> Iterator[EmulatedContext]:
     """An :class:`EmulatedContext`, with every kernel launch of the CUDA ops emulated meanwhile."""
     ctx = EmulatedContext()
-    original = _kernels.launch, _kernels.sgemm
+    original = _kernels.launch
 
-    def launch(c: Any, source: str, name: str, grid: tuple, block: int, args: tuple, **kw: Any):
+    def launch(c: Any, file: str, name: str, grid: tuple, block: int, args: tuple, **kw: Any):
         assert c is ctx, "a CUDA op launched on another context"
+        check_file(file, name)
         ctx.launches.append(name)
-        library.launch(c, source, name, grid, block, args, **kw)
+        library.launch(c, file, name, grid, block, args, **kw)
 
-    _kernels.launch, _kernels.sgemm = launch, emulated_sgemm  # type: ignore[assignment]
+    _kernels.launch = launch  # type: ignore[assignment]
     try:
         yield ctx
     finally:
-        _kernels.launch, _kernels.sgemm = original  # type: ignore[assignment]
-
-
-def emulated_sgemm(ctx: Any, arguments: tuple[int, ...]) -> None:
-    """cuBLAS ``sgemm`` with ``alpha`` 1 and ``beta`` 0 on host memory, as cuBLAS defines it
-    (column-major): ``C = op(A) op(B)``, ``C`` m x n at ``c`` with leading dimension ``ldc``,
-    ``op(A)`` m x k (``A`` itself, stored m x k with ``lda >= m``, for op N; ``A^T`` of ``A``
-    stored k x m with ``lda >= k`` for op T), ``op(B)`` k x n likewise; products summed in
-    float64, stored float32. A leading dimension below its minimum raises ``ValueError``, as
-    cuBLAS returns CUBLAS_STATUS_INVALID_VALUE. Stands in for :func:`_kernels.sgemm`."""
-    assert isinstance(ctx, EmulatedContext), "a cuBLAS call on a real CUDA context"
-    op_a, op_b, m, n, k, a, lda, b, ldb, c, ldc = arguments
-
-    def matrix(address: int, rows: int, cols: int, ld: int) -> np.ndarray:
-        if ld < max(1, rows):
-            raise ValueError(f"sgemm: leading dimension {ld} below {rows} rows (INVALID_VALUE)")
-        count = ld * (cols - 1) + rows
-        flat = np.ctypeslib.as_array((ctypes.c_float * count).from_address(address))
-        return np.lib.stride_tricks.as_strided(flat, (rows, cols), (4, 4 * ld))
-
-    if min(m, n, k) < 1 or op_a not in (0, 1) or op_b not in (0, 1):
-        raise ValueError(f"sgemm: sizes {(m, n, k)} or operations {(op_a, op_b)} (INVALID_VALUE)")
-    left = matrix(a, m, k, lda) if op_a == 0 else matrix(a, k, m, lda).T
-    right = matrix(b, k, n, ldb) if op_b == 0 else matrix(b, n, k, ldb).T
-    product = left.astype(np.float64) @ right.astype(np.float64)
-    matrix(c, m, n, ldc)[...] = product.astype(np.float32)
+        _kernels.launch = original  # type: ignore[assignment]
 
 
 @contextlib.contextmanager
@@ -657,7 +585,6 @@ def emulated_cuda_devices(library: KernelLibrary) -> Iterator[None]:
         devices_module.create_execution_context,
         cuda_module.shared_context,
         _kernels.launch,
-        _kernels.sgemm,
     )
     real_factory = saved[0]
 
@@ -667,16 +594,17 @@ def emulated_cuda_devices(library: KernelLibrary) -> Iterator[None]:
             EmulatedContext() if device_id.device_type is DeviceType.CUDA else real_factory(device)
         )
 
-    def launch(c: Any, source: str, name: str, grid: tuple, block: int, args: tuple, **kw: Any):
+    def launch(c: Any, file: str, name: str, grid: tuple, block: int, args: tuple, **kw: Any):
         assert isinstance(c, EmulatedContext), "a CUDA op launched on a real CUDA context"
+        check_file(file, name)
         c.launches.append(name)
-        library.launch(c, source, name, grid, block, args, **kw)
+        library.launch(c, file, name, grid, block, args, **kw)
 
     clear_rope_cache()
     component_module.create_execution_context = create  # type: ignore[assignment]
     devices_module.create_execution_context = create  # type: ignore[assignment]
     cuda_module.shared_context = lambda device: EmulatedContext()  # type: ignore[assignment]
-    _kernels.launch, _kernels.sgemm = launch, emulated_sgemm  # type: ignore[assignment]
+    _kernels.launch = launch  # type: ignore[assignment]
     try:
         yield
     finally:
@@ -685,52 +613,42 @@ def emulated_cuda_devices(library: KernelLibrary) -> Iterator[None]:
             devices_module.create_execution_context,
             cuda_module.shared_context,
             _kernels.launch,
-            _kernels.sgemm,
         ) = saved  # type: ignore[assignment]
         clear_rope_cache()
 
 
-def _ops_sources() -> tuple[list[str], list[str]]:
-    from mila_py.ops.cuda import (
-        adamw,
-        attention,
-        rms_norm,
-        rope,
-        softmax_cross_entropy,
-        swiglu,
-        token_embedding,
-    )
+#: every CUDA op's kernel file, in ``mila_py/ops/cuda``
+FILES = (
+    "rms_norm.cu",
+    "swiglu.cu",
+    "token_embedding.cu",
+    "softmax_cross_entropy.cu",
+    "attention.cu",
+    "adamw.cu",
+    "rope.cu",
+)
 
-    sources = [
-        rms_norm.RMS_NORM_CUDA_SOURCE,
-        swiglu.SWIGLU_CUDA_SOURCE,
-        token_embedding.TOKEN_EMBEDDING_CUDA_SOURCE,
-        softmax_cross_entropy.SOFTMAX_CROSS_ENTROPY_CUDA_SOURCE,
-        attention.ATTENTION_CUDA_SOURCE,
-        adamw.ADAMW_CUDA_SOURCE,
-        rope.ROPE_CUDA_SOURCE,
-    ]
-    return sources, rope_name_expressions() + list(attention._by_value_names())
+
+def check_file(file: str, name: str) -> None:
+    """Raise ``ValueError`` unless the kernel file ``file`` defines kernel ``name`` (an
+    instantiation's template), as the module NVRTC compiles from it must."""
+    base = _template_args(name)[0] if "<" in name else name
+    if base not in {m["name"] for m in _KERNEL.finditer(_kernels.source(file))}:
+        raise ValueError(f"{name}: no kernel {base!r} in the kernel file {file!r}")
 
 
 def rope_name_expressions() -> list[str]:
-    """Every template instantiation the RoPE op launches: for every storage precision, its
-    kernels and its by-value positions kernels for both layouts."""
+    """Every template instantiation the RoPE op launches: its kernels for every storage
+    precision."""
     from mila_py.ops.cuda import rope
     from mila_py.precision import Precision
 
     precisions = (Precision.FP32, Precision.FP16, Precision.BF16)
-    names = [name for precision in precisions for name in rope.kernel_names(precision)]
-    return names + [
-        name
-        for precision in precisions
-        for interleaved in (False, True)
-        for name in rope.positions_kernel_names(precision, interleaved)
-    ]
+    return [name for precision in precisions for name in rope.kernel_names(precision)]
 
 
-#: every CUDA op's kernel source, and the template instantiations the ops launch
-SOURCES, NAME_EXPRESSIONS = _ops_sources()
+#: every CUDA op's kernel source (the files' text), and the template instantiations the ops launch
+SOURCES, NAME_EXPRESSIONS = [_kernels.source(f) for f in FILES], rope_name_expressions()
 
 
 def names_in(source: str) -> list[str]:

@@ -148,7 +148,7 @@ _STEPS = st.tuples(
         *[_EACH] * 2,
     ),
 )
-#: decode programs that start by decoding pair 0 twice (so a fast path exists for what follows)
+#: decode programs that start by decoding pair 0 twice (a loop on the same buffers)
 DECODE_PROGRAMS = st.lists(_STEPS, min_size=1, max_size=12).map(
     lambda steps: [(0, "none", 1), (0, "none", 2), *steps]
 )
@@ -231,22 +231,21 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 #: narrow signed position types and a table past what their unsigned view covers (int32: one
-#: within it), for :func:`check_negative_positions_refused_on_the_fast_path`
+#: within it), for :func:`check_negative_positions_refused`
 NARROW_POSITIONS = [(np.int8, 200), (np.int16, 40000), (np.int32, 64)]
 
 
-def check_negative_positions_refused_on_the_fast_path(
+def check_negative_positions_refused(
     dtype: Any, max_seq_len: int, rng: np.random.Generator, device: str = "CPU"
 ) -> None:
-    """A negative position per sequence of ``dtype`` is refused on a component's decode fast
-    path as on its checked path (ValueError, Q and K untouched): seen as unsigned, -1 of int8 is
-    255, under a table of 200."""
+    """A negative position per sequence of ``dtype`` is refused by a decode loop on the same
+    buffers (ValueError, Q and K untouched): seen as unsigned, -1 of int8 is 255, under a table
+    of 200."""
     cfg = rope_config((2, 1), 8, max_seq_len=max_seq_len)
     rope = make_rope(cfg, 2, 1, backend="fused" if device == "CPU" else None, device=device)
     q, k = random_qk(rng, cfg, 2, 1)
     rope.decode(q, k, np.array([1, 2]))
     rope.decode(q, k, np.array([3, 4]))
-    assert rope._fast_decode is not None
     before_q, before_k = q.copy(), k.copy()
     for bad in (np.array([-1, 5], dtype), np.array([3, np.iinfo(dtype).min], dtype)):
         with pytest.raises(ValueError, match=">= 0"):

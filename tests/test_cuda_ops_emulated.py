@@ -14,11 +14,9 @@ is in :data:`SOURCES` too, is checked in ``test_rope_cuda_emulated.py``.
 
 from __future__ import annotations
 
-import itertools
 import re
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -26,12 +24,12 @@ import numpy as np
 import pytest
 from kernel_emulator import (
     COMPILER,
+    FILES,
     NAME_EXPRESSIONS,
     SOURCES,
     EmulatedContext,
     KernelLibrary,
     emulated_context,
-    emulated_sgemm,
     names_in,
 )
 from layer_helpers import assert_same_optimizer_state
@@ -58,7 +56,6 @@ from mila_py.ops.cuda import (
     _kernels,
     attention,
     rms_norm,
-    rope,
 )
 from mila_py.ops.cuda.adamw import CudaAdamWOp
 from mila_py.ops.cuda.attention import CudaAttentionOp
@@ -123,176 +120,22 @@ def test_linear_matches_cpu(ctx: EmulatedContext, rng, bias: bool, transposed: b
         close(db, db_ref)
 
 
-def _operand(rng: np.random.Generator, rows: int, cols: int, layout: str) -> np.ndarray:
-    """A float32 ``[rows, cols]`` in ``layout``: C order, F order, rows of a wider buffer."""
-    if layout == "rows":
-        return f32(rng, rows, cols)
-    if layout == "columns":
-        return np.asfortranarray(f32(rng, rows, cols))
-    return f32(rng, rows, cols + 5)[:, 2 : cols + 2]  # strided rows, an odd offset
-
-
-@pytest.mark.parametrize("out_layout", ["rows", "strided"])
-@pytest.mark.parametrize("b_layout", ["rows", "columns", "strided"])
-@pytest.mark.parametrize("a_layout", ["rows", "columns", "strided"])
-@pytest.mark.parametrize("m", [1, 5])
-def test_bound_gemm_is_the_matrix_product(
-    ctx: EmulatedContext, rng, m: int, a_layout: str, b_layout: str, out_layout: str
-) -> None:
-    """``bind_gemm``'s cuBLAS arguments (``out^T = b^T a^T`` in column-major terms) give
-    ``a @ b`` for every layout cuBLAS can read in place, one row included (a decode step), run
-    through a cuBLAS ``sgemm`` emulated from its definition; nothing outside ``out`` changes."""
-    k, n = 7, 6
-    a, b = _operand(rng, m, k, a_layout), _operand(rng, k, n, b_layout)
-    wide = np.full((m, n + 4), np.nan, np.float32)
-    out = wide[:, 1 : n + 1] if out_layout == "strided" else np.empty((m, n), np.float32)
-    call = _kernels.bind_gemm(ctx, a, b, out)
-    assert call is not None
-    call()
-    np.testing.assert_allclose(out, a.astype(np.float64) @ b, rtol=1e-6, atol=1e-6)
-    if out_layout == "strided":
-        assert np.isnan(wide[:, 0]).all() and np.isnan(wide[:, n + 1 :]).all()
-
-
-def _strided(buffer: np.ndarray, rows: int, cols: int, strides: tuple[int, int]) -> np.ndarray:
-    """A ``[rows, cols]`` float32 view of ``buffer`` with element ``strides`` (any signs),
-    starting where every element stays inside the buffer."""
-    start = sum(-(n - 1) * st for n, st in zip((rows, cols), strides, strict=True) if st < 0)
-    return np.lib.stride_tricks.as_strided(
-        buffer[start:], (rows, cols), tuple(4 * st for st in strides)
-    )
-
-
-def test_every_small_layout_bind_gemm_accepts_gives_the_product(library) -> None:
-    """Every ``[M, K] @ [K, N]`` with M, K, N in 1..3 and each operand's element strides in
-    -1..3 (negative, zero, overlapping, gapped), into ``out`` rows of a wider buffer: where
-    ``gemm_arguments`` takes them, the emulated ``sgemm`` of its arguments (which refuses a
-    leading dimension below its minimum) is ``a @ b``, nothing else in ``out``'s buffer changes,
-    and C and F order are always taken."""
-    rng = np.random.default_rng(3)
-    steps = (-1, 0, 1, 2, 3)
-    taken = 0
-    with emulated_context(library) as ctx:
-        for m, k, n in itertools.product((1, 2, 3), repeat=3):
-            wide = np.full((m, n + 2), np.nan, np.float32)
-            out = wide[:, 1 : n + 1]
-            orders = ({(k, 1), (1, m)}, {(n, 1), (1, k)})
-            for a_st, b_st in itertools.product(itertools.product(steps, repeat=2), repeat=2):
-                a = _strided(f32(rng, 40), m, k, a_st)
-                b = _strided(f32(rng, 40), k, n, b_st)
-                call = _kernels.bind_gemm(ctx, a, b, out)
-                if a_st in orders[0] and b_st in orders[1]:
-                    assert call is not None, (m, k, n, a_st, b_st)
-                if call is None:
-                    continue
-                taken += 1
-                wide[...] = np.nan
-                call()
-                want = a.astype(np.float64) @ b
-                np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
-                assert np.isnan(wide[:, 0]).all() and np.isnan(wide[:, n + 1]).all()
-    assert taken > 1000
-
-
-def test_bound_gemm_refuses_what_cublas_cannot_read_in_place(ctx: EmulatedContext, rng) -> None:
-    a, b, out = f32(rng, 4, 6), f32(rng, 6, 3), np.empty((4, 3), np.float32)
-    assert _kernels.gemm_arguments(a, b, out) is not None
-    assert _kernels.gemm_arguments(a.astype(np.float64), b, out) is None
-    assert _kernels.gemm_arguments(f32(rng, 8, 12)[::2, ::2], b, out) is None  # both strided
-    assert _kernels.gemm_arguments(a, b, np.asfortranarray(out)) is None  # out's columns
-    assert _kernels.gemm_arguments(a[:0], b, out[:0]) is None  # nothing to multiply
-    assert _kernels.gemm_arguments(a, b[:5], out) is None  # K does not match
-    assert _kernels.gemm_arguments(a, b, a[:, :3]) is None  # out aliases a: undefined
-    assert _kernels.gemm_arguments(a, b, b[:4]) is None  # out aliases b (K=6 rows, 4 used)
-    raw = np.zeros(4 * 24 + 1, np.uint8)[1:].view(np.float32).reshape(4, 6)  # odd address
-    assert _kernels.gemm_arguments(raw, b, out) is None
-    with pytest.raises(ValueError, match="leading dimension"):  # the emulation checks them too
-        emulated_sgemm(ctx, (0, 0, 3, 4, 6, 0, 2, 0, 6, 0, 3))
-    row = np.broadcast_to(f32(rng, 6), (1, 6))  # one row whose row stride is 0: never stepped
-    one = np.empty((1, 3), np.float32)
-    call = _kernels.bind_gemm(ctx, row, b, one)
-    assert call is not None
-    call()
-    np.testing.assert_allclose(one, row.astype(np.float64) @ b, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("by_pointer", [True, False], ids=["CuPy 14 pointers", "values"])
-def test_bound_gemm_calls_cupys_cublas_binding_as_declared(rng, monkeypatch, by_pointer: bool):
-    """The CuPy side of ``bind_gemm`` against stand-ins of the two CuPy modules it uses,
-    declared as CuPy 14.2 declares them (``alpha`` and ``beta`` as host addresses; older CuPy:
-    as values): each call takes the current handle, sets host pointer mode and passes
-    ``gemm_arguments`` in cuBLAS's order, ``alpha`` 1 and ``beta`` 0."""
-    import ctypes
-    import types
-
-    calls: list[tuple[Any, ...]] = []
-    scalar = "size_t" if by_pointer else "float"
-
-    def sgemm(*args: Any) -> None:
-        calls.append(("sgemm", *args))
-
-    sgemm.__doc__ = (
-        "sgemm(intptr_t handle, int transa, int transb, int m, int n, int k, "
-        f"{scalar} alpha, size_t A, int lda, size_t B, int ldb, {scalar} beta, size_t C, int ldc)"
-    )
-    cublas = types.SimpleNamespace(
-        sgemm=sgemm, setPointerMode=lambda handle, mode: calls.append(("mode", handle, mode))
-    )
-    device = types.SimpleNamespace(get_cublas_handle=lambda: 77)
-    modules = {
-        "cupy": types.SimpleNamespace(cuda=types.SimpleNamespace(device=device)),
-        "cupy.cuda": types.SimpleNamespace(device=device),
-        "cupy.cuda.device": device,
-        "cupy_backends": types.SimpleNamespace(),
-        "cupy_backends.cuda": types.SimpleNamespace(),
-        "cupy_backends.cuda.libs": types.SimpleNamespace(cublas=cublas),
-        "cupy_backends.cuda.libs.cublas": cublas,
-    }
-    for name, module in modules.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    a, b, out = f32(rng, 3, 5), np.asfortranarray(f32(rng, 5, 4)), np.empty((3, 4), np.float32)
-    arguments = _kernels.gemm_arguments(a, b, out)
-    assert arguments is not None
-    call = _kernels.bind_gemm_arguments(None, arguments)
-    for _ in range(2):
-        call()
-    assert [c[:3] for c in calls[::2]] == [("mode", 77, 0)] * 2  # CUBLAS_POINTER_MODE_HOST
-    gemms = calls[1::2]
-    assert len(gemms) == 2 and gemms[0] == gemms[1]
-    _, handle, op_a, op_b, m, n, k, alpha, a_ptr, lda, b_ptr, ldb, beta, c_ptr, ldc = gemms[0]
-    assert handle == 77
-    assert (op_a, op_b, m, n, k, a_ptr, lda, b_ptr, ldb, c_ptr, ldc) == arguments
-    if by_pointer:
-        alpha = ctypes.c_float.from_address(alpha).value
-        beta = ctypes.c_float.from_address(beta).value
-    assert (alpha, beta) == (1.0, 0.0)
-
-
 @pytest.mark.parametrize("transposed", [False, True], ids=["out-in", "in-out storage"])
-def test_linear_bind_forward_calls_cublas_directly_where_asked(
-    ctx: EmulatedContext, rng, monkeypatch, transposed: bool
+def test_linear_bind_forward_equals_the_forward(
+    ctx: EmulatedContext, rng, transposed: bool
 ) -> None:
-    """With ``DIRECT_GEMM`` the bound forward (a decode plan's product) is one bound ``sgemm``
-    for either weight layout, equal to the op's forward; with a bias it keeps the general
-    call; without the flag, ``matmul``."""
-    from mila_py.ops.cuda import linear as cuda_linear
-
+    """The bound forward (a decode plan's product, one ``matmul`` into the output) equals the
+    op's forward for either weight layout; with a bias (the general call) too."""
     n_in, n_out = 12, 7
     x = f32(rng, 2, 1, n_in)
     w = f32(rng, n_in, n_out).T if transposed else f32(rng, n_out, n_in)  # [out, in]
     b = f32(rng, n_out)
     op = CudaLinearOp(ctx, LinearConfig(n_in, n_out, bias=False), FP32)
-    gemms: list[int] = []
-    emulated = _kernels.sgemm
-    monkeypatch.setattr(_kernels, "sgemm", lambda c, args: gemms.append(1) or emulated(c, args))
     want = np.empty((2, 1, n_out), np.float32)
     op.forward(x, w, None, want)
-    for direct, bias, calls in ((True, None, 1), (True, b, 0), (False, None, 0)):
-        monkeypatch.setattr(cuda_linear, "DIRECT_GEMM", direct)
-        gemms.clear()
-        out = np.empty((2, 1, n_out), np.float32)
+    for bias in (None, b):
+        out = np.full((2, 1, n_out), np.nan, np.float32)
         op.bind_forward(x, w, bias, out)()
-        assert len(gemms) == calls
         np.testing.assert_allclose(out, want + (0 if bias is None else bias), rtol=1e-6, atol=1e-6)
 
 
@@ -552,29 +395,25 @@ def _decode_reference(q, k_cache, v_cache, hq: int, hk: int, scale: float, pos) 
     return out
 
 
-@pytest.mark.parametrize("steps", ["uniform", "ragged-by-value", "ragged-uploaded"])
+@pytest.mark.parametrize("ragged", [False, True], ids=["uniform", "ragged"])
 @pytest.mark.parametrize(
     ("hq", "hk", "d"), [(6, 2, 4), (4, 4, 40), (8, 1, 12), (2, 1, 128), (2, 1, 320)], ids=str
 )
 def test_attention_decode_kernel_matches_a_float64_reference(
-    ctx: EmulatedContext, rng, monkeypatch, steps: str, hq: int, hk: int, d: int
+    ctx: EmulatedContext, rng, monkeypatch, ragged: bool, hq: int, hk: int, d: int
 ) -> None:
     """The decode plan's one-launch kernel (``bind_decode``): Q a view of the QKV buffer, the
     caches ``[B, T_max, Hk*d]``, one length for all or one per sequence (1 key, several warp
     rounds; heads of 4 to 320 channels: 64 key groups of 4 channels, 6 groups of 40 and 16
     idle threads, two passes over 320), against float64; past the keys that fit shared memory,
-    the GEMM path. Positions are read at each call; a ragged step's by value
-    (``attention_decode_at``), or uploaded where no capacity holds them."""
-    ragged = steps != "uniform"
-    if steps == "ragged-uploaded":
-        monkeypatch.setattr(_kernels, "POSITION_CAPACITIES", ())
+    the GEMM path. The kernel reads each step's positions from the step's device buffer."""
     n_b, t_max, scale = 3, 80, 0.37
     _, q, _, _ = _qkv(rng, n_b, 1, hq, hk, d)
     q_before = q.copy()
     k_cache, v_cache = f32(rng, n_b, t_max, hk * d), f32(rng, n_b, t_max, hk * d)
     out_buf = np.zeros((n_b + 1, 1, hq * d), np.float32)
     out = out_buf[:n_b]
-    positions = DecodePositions(n_b)
+    positions = DecodePositions(n_b, ctx)
     attend = CudaAttentionOp(ctx, None, FP32).bind_decode(
         q, k_cache, v_cache, hq, hk, scale, out, positions
     )
@@ -583,8 +422,7 @@ def test_attention_decode_kernel_matches_a_float64_reference(
         pos = np.array(step)
         positions.set(pos, int(pos.min()), int(pos.max()))
         attend()
-        by_value = steps == "ragged-by-value" and not positions.uniform
-        assert ctx.launches[-1] == ("attention_decode_at<64>" if by_value else "attention_decode")
+        assert ctx.launches[-1] == "attention_decode"
         close(out, _decode_reference(q, k_cache, v_cache, hq, hk, scale, pos), 1e-5, 1e-5)
     np.testing.assert_array_equal(q, q_before)
     assert not out_buf[n_b:].any()
@@ -611,7 +449,7 @@ def test_attention_decode_at_its_key_limit_fits_shared_memory(
     _, q, _, _ = _qkv(rng, 1, 1, hq, hk, d)
     k_cache, v_cache = f32(rng, 1, n + 1100, hk * d), f32(rng, 1, n + 1100, hk * d)
     out = np.zeros((1, 1, hq * d), np.float32)
-    positions = DecodePositions(1)
+    positions = DecodePositions(1, ctx)
     attend = CudaAttentionOp(ctx, None, FP32).bind_decode(
         q, k_cache, v_cache, hq, hk, 0.5, out, positions
     )
@@ -625,50 +463,62 @@ def test_attention_decode_at_its_key_limit_fits_shared_memory(
         attend()
 
 
-def test_decode_positions_go_to_the_device_once_per_step() -> None:
-    """Every layer's bound calls of a ragged step read one device copy of the positions: made
-    on first use, a copy (the host array is rewritten next step), dropped by the next set."""
+def test_decode_positions_live_in_a_device_buffer_on_a_gpu() -> None:
+    """A step's positions: on the CPU the host array alone; on a device also an int32 ``[B]``
+    buffer of the context, allocated once and written by every ``set`` (CuPy: ``ndarray.set``
+    on the context's stream, so the copy is ordered after the previous step's kernels)."""
+    on_cpu = DecodePositions(3)
+    on_cpu.set(np.array([4, 9, 2]), 2, 9)
+    assert on_cpu.device is None
+    np.testing.assert_array_equal(on_cpu.each, [4, 9, 2])
+    assert (on_cpu.highest, on_cpu.uniform) == (9, False)
 
-    class Device:
-        xp = object()  # not NumPy: a device context
-
-        def __init__(self) -> None:
-            self.copies: list[np.ndarray] = []
-
-        def to_device(self, array: Any) -> Any:
-            self.copies.append(np.array(array))
-            return self.copies[-1]
-
-    ctx = Device()
-    positions = DecodePositions(3)
+    emulated = EmulatedContext()
+    positions = DecodePositions(3, emulated)
+    buffer = positions.device
+    assert buffer.dtype == np.int32 and buffer.shape == (3,)
     positions.set(np.array([4, 9, 2]), 2, 9)
-    first = positions.on_device(ctx)  # type: ignore[arg-type]
-    assert positions.on_device(ctx) is first and len(ctx.copies) == 1  # type: ignore[arg-type]
-    positions.set(np.array([5, 10, 3]), 3, 10)
-    np.testing.assert_array_equal(first, [4, 9, 2])  # not the host array itself
-    np.testing.assert_array_equal(positions.on_device(ctx), [5, 10, 3])  # type: ignore[arg-type]
-    assert len(ctx.copies) == 2
-    on_host = DecodePositions(2)
-    assert on_host.on_device(EmulatedContext()) is on_host.each  # NumPy: no copy
+    positions.set(7, 7, 7)
+    assert positions.device is buffer and positions.uniform
+    np.testing.assert_array_equal(buffer, [7, 7, 7])
+
+    class DeviceArray:
+        def __init__(self, shape: tuple[int, ...], dtype: Any) -> None:
+            self.shape, self.dtype = shape, np.dtype(dtype)
+            self.writes: list[tuple[np.ndarray, Any]] = []
+
+        def set(self, values: np.ndarray, stream: Any = None) -> None:
+            assert values.shape == self.shape and values.dtype == self.dtype
+            self.writes.append((values.copy(), stream))
+
+    class Gpu(EmulatedContext):
+        def allocate(self, shape: tuple[int, ...], dtype: Any, *, zero: bool = True) -> Any:
+            return DeviceArray(shape, dtype)
+
+    gpu = Gpu()
+    gpu.xp, gpu.stream = object(), "the context's stream"  # CuPy's place: not NumPy
+    on_gpu = DecodePositions(2, gpu)
+    on_gpu.set(np.array([5, 3]), 3, 5)
+    on_gpu.set(np.array([6, 4]), 4, 6)
+    writes = on_gpu.device.writes
+    assert [w[1] for w in writes] == [gpu.stream] * 2
+    np.testing.assert_array_equal(writes[0][0], [5, 3])
+    np.testing.assert_array_equal(writes[1][0], [6, 4])
 
 
-@pytest.mark.parametrize("steps", ["uniform", "ragged-by-value", "ragged-uploaded"])
+@pytest.mark.parametrize("ragged", [False, True], ids=["uniform", "ragged"])
 def test_kv_cache_write_matches_the_array_assignments(
-    ctx: EmulatedContext, rng, monkeypatch, steps: str
+    ctx: EmulatedContext, rng, ragged: bool
 ) -> None:
     """The CUDA op's bound cache write (``kv_cache_write``; K a view of the QKV buffer, V of
-    another, with other row strides) against the generic array assignments of the CPU op;
-    other rows and sequences untouched. A ragged step's positions go by value
-    (``kv_cache_write_at``), or uploaded where no capacity holds them."""
-    ragged = steps != "uniform"
-    if steps == "ragged-uploaded":
-        monkeypatch.setattr(_kernels, "POSITION_CAPACITIES", ())
+    another, with other row strides; the rows from the step's device buffer of positions)
+    against the generic array assignments of the CPU op; other rows and sequences untouched."""
     hq, hk, d, n_b, t_max = 4, 2, 6, 3, 10
     _, _, k, _ = _qkv(rng, n_b, 1, hq, hk, d)
     v = f32(rng, n_b, 1, hk * d + 5)[..., 2 : 2 + hk * d]  # rows at another stride than K's
     k_cache, v_cache = f32(rng, n_b, t_max, hk * d), f32(rng, n_b, t_max, hk * d)
     caches = [k_cache, v_cache, k_cache.copy(), v_cache.copy()]
-    positions = DecodePositions(n_b)
+    positions = DecodePositions(n_b, ctx)
     cuda_write = CudaAttentionOp(ctx, None, FP32).bind_cache_write(
         k[:, 0], v[:, 0], caches[0], caches[1], positions
     )
@@ -682,8 +532,7 @@ def test_kv_cache_write_matches_the_array_assignments(
         positions.set(pos, int(pos.min()), int(pos.max()))
         cuda_write()
         cpu_write()
-        by_value = steps == "ragged-by-value" and not positions.uniform
-        assert ctx.launches[-1] == ("kv_cache_write_at<64>" if by_value else "kv_cache_write")
+        assert ctx.launches[-1] == "kv_cache_write"
         np.testing.assert_array_equal(caches[0], caches[2])
         np.testing.assert_array_equal(caches[1], caches[3])
         for b, p in enumerate(pos):
@@ -755,13 +604,16 @@ def test_launches_check_argument_types(ctx: EmulatedContext, rng) -> None:
     """The emulator rejects what a raw kernel would misread (and so guards the ops' calls)."""
     x = f32(rng, 2, 8)
     good = (x, x.copy(), x.copy(), np.empty(2, np.float32), np.int32(8), np.float32(1e-5))
-    _kernels.launch(ctx, "", "rms_norm_forward", (2,), 32, good)
+    file = "rms_norm.cu"
+    _kernels.launch(ctx, file, "rms_norm_forward", (2,), 32, good)
     with pytest.raises(TypeError, match="int given int"):
-        _kernels.launch(ctx, "", "rms_norm_forward", (2,), 32, (*good[:4], 8, good[5]))
+        _kernels.launch(ctx, file, "rms_norm_forward", (2,), 32, (*good[:4], 8, good[5]))
     with pytest.raises(TypeError, match="float64 array"):
-        _kernels.launch(ctx, "", "rms_norm_forward", (2,), 32, (x.astype(np.float64), *good[1:]))
+        _kernels.launch(ctx, file, "rms_norm_forward", (2,), 32, (x.astype(np.float64), *good[1:]))
     with pytest.raises(ValueError, match="not C-contiguous"):
-        _kernels.launch(ctx, "", "rms_norm_forward", (2,), 32, (x.T.copy().T, *good[1:]))
+        _kernels.launch(ctx, file, "rms_norm_forward", (2,), 32, (x.T.copy().T, *good[1:]))
+    with pytest.raises(ValueError, match="no kernel 'rms_norm_forward' in the kernel file"):
+        _kernels.launch(ctx, "swiglu.cu", "rms_norm_forward", (2,), 32, good)
 
 
 FENCE_SOURCE = r"""
@@ -779,41 +631,12 @@ extern "C" __global__ void fence_rows(
     int r = blockIdx.x, c = threadIdx.x;
     if (r < rows && c < width + extra) x[r * stride + c] = x[r * stride + c] + 1.0f;
 }
-template <int N>
-__global__ void positions_read(const mila_positions<N> p, long long* out, int n, int shift) {
-    int i = threadIdx.x;
-    if (i < n) out[i] = position_of(p, i + shift);
-}
 """
 
 
 @pytest.fixture(scope="module")
 def fence_library() -> KernelLibrary:
-    return KernelLibrary([FENCE_SOURCE], ["positions_read<4>"])
-
-
-@pytest.mark.parametrize("shift", [-1, 0, 1])
-def test_the_emulator_checks_reads_of_positions_passed_by_value(
-    fence_library: KernelLibrary, shift: int
-) -> None:
-    """A by-value ``mila_positions<4>`` (an ``ArraySlot``'s struct) reaches the kernel as its
-    values; a read before or past its 4 elements raises, where a GPU would read the neighbouring
-    parameters unseen."""
-    ctx = EmulatedContext()
-    slot = _kernels.ArraySlot(np, np.int32, 4)
-    out = np.zeros(4, np.int64)
-    args = (slot(np.array([10, 11, 12, 13])), out, np.int32(4), np.int32(shift))
-    name = "positions_read<4>"
-    if shift == 0:
-        fence_library.launch(ctx, "", name, (1,), 32, args, name_expressions=(name,))
-        assert out.tolist() == [10, 11, 12, 13]
-    else:
-        with pytest.raises(RuntimeError, match=f"by-value array read at {4 if shift > 0 else -1}"):
-            fence_library.launch(ctx, "", name, (1,), 32, args, name_expressions=(name,))
-    with pytest.raises(TypeError, match="one-element"):  # another capacity's struct
-        fence_library.launch(ctx, "", name, (1,), 32,
-                             (_kernels.ArraySlot(np, np.int32, 8).cell, *args[1:]),
-                             name_expressions=(name,))  # fmt: skip
+    return KernelLibrary([FENCE_SOURCE])
 
 
 @pytest.mark.parametrize("shift", [-1, 1])
@@ -889,9 +712,28 @@ def test_the_emulator_guards_the_gaps_of_a_strided_view(fence_library: KernelLib
 NVCC = shutil.which("nvcc")
 
 
+def test_every_kernel_file_is_emulated_and_packaged() -> None:
+    """Every ``.cu`` file beside the CUDA ops is in the emulator's library, and the package data
+    of ``pyproject.toml`` takes it and the header, so an installed package has what
+    ``_kernels.source`` reads."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    here = Path(_kernels.__file__).parent
+    assert sorted(FILES) == sorted(path.name for path in here.glob("*.cu"))
+    root = Path(__file__).resolve().parents[1]
+    config = tomllib.loads((root / "pyproject.toml").read_text())
+    patterns = config["tool"]["setuptools"]["package-data"]["mila_py"]
+    for path in [*here.glob("*.cu"), here / _kernels.HEADER]:
+        name = path.relative_to(root / "mila_py").as_posix()
+        assert any(fnmatch.fnmatch(name, pattern) for pattern in patterns), name
+        assert _kernels.source(path.name) == path.read_text()
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
 def test_cuda_sources_compile_for_sm90(tmp_path) -> None:
-    """Every kernel source, with the prelude as NVRTC sees it, compiles for Hopper (one nvcc
+    """Every kernel file, after the header as NVRTC sees it, compiles for Hopper (one nvcc
     run: each source in a namespace of its own, so none relies on another's helpers), every
     template instantiation the ops launch included, and no kernel spills registers."""
     qualified = [  # each instantiation in its source's namespace, its types too
@@ -903,7 +745,7 @@ def test_cuda_sources_compile_for_sm90(tmp_path) -> None:
     path = tmp_path / "sources.cu"
     path.write_text(
         "\n".join(
-            f"namespace source{i} {{\n{_kernels.CUDA_PRELUDE}{source}\n}}"
+            f"namespace source{i} {{\n{_kernels.source(_kernels.HEADER)}{source}\n}}"
             for i, source in enumerate(SOURCES)
         )
         # taking a template kernel's address instantiates it
@@ -943,9 +785,10 @@ NVRTC = _nvrtc()
 
 
 def _nvrtc_compile(source: str, names: Sequence[str]) -> Any:
-    """The NVRTC program of ``source`` as :func:`_kernels.module` hands it to CuPy (prelude,
+    """The NVRTC program of ``source`` as :func:`_kernels.module` hands it to CuPy (header,
     options, name expressions), compiled for sm_90; the test fails on an error or a warning."""
-    program = NVRTC.createProgram(_kernels.CUDA_PRELUDE + source, "kernels.cu", [], [])
+    header = _kernels.source(_kernels.HEADER)
+    program = NVRTC.createProgram(header + source, "kernels.cu", [], [])
     for name in names:
         NVRTC.addNameExpression(program, name)
     try:
@@ -959,7 +802,7 @@ def _nvrtc_compile(source: str, names: Sequence[str]) -> Any:
 @pytest.mark.skipif(NVRTC is None, reason="CuPy's NVRTC is not loadable")
 @pytest.mark.parametrize("index", range(len(SOURCES)))
 def test_cuda_sources_compile_with_nvrtc(index: int) -> None:
-    """Each source compiles as :func:`_kernels.module` hands it to CuPy (prelude, options, the
+    """Each source compiles as :func:`_kernels.module` hands it to CuPy (header, options, the
     name expressions), with NVRTC and no warning, and every instantiation the ops launch gets a
     lowered name. NVRTC has no host headers, unlike nvcc; this needs no GPU, only CuPy and
     NVRTC (``pip install cupy-cuda13x nvidia-cuda-nvrtc``)."""
@@ -975,105 +818,3 @@ def test_cuda_sources_compile_with_nvrtc(index: int) -> None:
     assert names or kernels
     for symbol in [*kernels, *lowered]:
         assert symbol.encode() in cubin, symbol
-
-
-@pytest.mark.skipif(NVRTC is None, reason="CuPy's NVRTC is not loadable")
-@pytest.mark.parametrize(
-    "tuning",
-    [
-        rope.RopeKernelTuning(batch=4, streaming=True),
-        rope.RopeKernelTuning(early=True, min_blocks=16, streaming=True),
-        rope.RopeKernelTuning(threads=256, early=True, batch=2),
-    ],
-    ids=str,
-)
-def test_rope_kernel_tunings_compile_with_nvrtc(tuning: rope.RopeKernelTuning) -> None:
-    """Every knob of the RoPE kernel (``benchmarks/rope_cuda_variants.py`` times them on a GPU)
-    compiles with NVRTC, headers none, for every instantiation, without a warning."""
-    names = names_in(rope.ROPE_CUDA_SOURCE)
-    program = _nvrtc_compile(rope.rope_source(tuning), names)
-    assert len({NVRTC.getLoweredName(program, name) for name in names}) == len(names)
-
-
-def test_bound_scalars_hold_the_exact_bytes_cupy_passes_by_value() -> None:
-    """A launch argument made once (``bound_scalar``) is CuPy's own by-value object, which its
-    launcher passes through without converting, holding the value at the scalar's own width;
-    with NumPy (the emulator) it is the scalar itself. Needs CuPy importable, not a GPU."""
-    import ctypes
-
-    cupy = pytest.importorskip("cupy")
-    from cupy.cuda.function import CPointer
-
-    cases = [
-        (np.int32(-7), ctypes.c_int32),
-        (np.int64(2**40 + 3), ctypes.c_int64),
-        (np.float32(-1.5), ctypes.c_float),
-        (_kernels.NULL, ctypes.c_uint64),
-    ]
-    made = [_kernels.bound_scalar(cupy, value) for value, _ in cases]
-    import gc
-
-    gc.collect()
-    churn = [np.full(1, -1.0) for _ in range(1000)]  # reuse of freed memory would show
-    for (value, c_type), arg in zip(cases, made, strict=True):
-        assert isinstance(arg, CPointer)
-        assert c_type.from_address(arg.ptr).value == value
-        assert _kernels.bound_scalar(np, value) is value
-    del churn
-
-
-def test_a_scalar_slot_is_one_argument_object_holding_the_latest_value() -> None:
-    """``ScalarSlot``: each call writes the value into the same by-value object (what a launch
-    passes); with NumPy it is a NumPy scalar of the slot's exact type."""
-    import ctypes
-
-    cupy = pytest.importorskip("cupy")
-    slot = _kernels.ScalarSlot(cupy, np.int64)
-    first = slot(1234)
-    assert ctypes.c_int64.from_address(first.ptr).value == 1234
-    again = slot(-(2**40))
-    assert again is first and ctypes.c_int64.from_address(again.ptr).value == -(2**40)
-    small = _kernels.ScalarSlot(cupy, np.int32)(7)
-    assert ctypes.c_int32.from_address(small.ptr).value == 7
-    emulated = _kernels.ScalarSlot(np, np.int32)(7)
-    assert type(emulated) is np.int32 and emulated == 7
-
-
-def test_array_slot_writes_its_values_into_the_struct_it_passes_by_value() -> None:
-    """``ArraySlot``: a call writes the values (any shape, cast to the slot's type) into the
-    first elements of one struct and returns the same argument each time (with NumPy, the
-    emulator's, the one-element structured array); the elements past the values are left as
-    they were."""
-    slot = _kernels.ArraySlot(np, np.int32, 8)
-    assert slot.capacity == 8 and slot.cell.shape == (1,) and slot.cell.dtype.itemsize == 32
-    slot.values[:] = -1
-    arg = slot(np.array([[3], [2**31 - 1], [0]], dtype=np.int64))
-    assert arg is slot.cell and arg is slot(np.array([3, 2**31 - 1, 0]))
-    assert slot.cell["at"][0].tolist() == [3, 2**31 - 1, 0, -1, -1, -1, -1, -1]
-    slot(np.broadcast_to(np.array([[5], [6]]), (2, 2)))  # a broadcast view is written in order
-    assert slot.values[:4].tolist() == [5, 5, 6, 6]
-
-
-def test_array_slot_is_cupys_by_value_object_over_the_struct() -> None:
-    """With CuPy, ``ArraySlot``'s argument is CuPy's by-value object over the struct's bytes,
-    the same object every call (needs CuPy importable, not a GPU)."""
-    import ctypes
-
-    cupy = pytest.importorskip("cupy")
-    slot = _kernels.ArraySlot(cupy, np.int32, 64)
-    first = slot(np.arange(64, dtype=np.int64) * 3)
-    assert first is slot(np.arange(2))
-    assert list((ctypes.c_int32 * 64).from_address(first.ptr)) == [
-        0,
-        1,
-        *(3 * i for i in range(2, 64)),
-    ]
-
-
-def test_direct_gemm_is_what_the_run_asked_for(direct_gemm: bool) -> None:
-    """A decode plan's products are bound cuBLAS ``sgemm`` calls (the default since an H100
-    run) unless the run passes ``--no-direct-gemm`` (CI and the GPU check run the CUDA tests
-    once more with it: ``cupy.matmul``)."""
-    from mila_py.ops.cuda import linear as cuda_linear
-
-    assert cuda_linear.DIRECT_GEMM is direct_gemm

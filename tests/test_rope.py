@@ -30,7 +30,7 @@ from rope_helpers import (
     TRAINING,
     arange_positions,
     assert_close,
-    check_negative_positions_refused_on_the_fast_path,
+    check_negative_positions_refused,
     dtype_of,
     f64,
     make_rope,
@@ -383,14 +383,12 @@ SCALINGS_ACROSS_1024: dict[str, Any] = {
 
 @pytest.mark.parametrize("precision", [FP32, BF16], ids=str)
 @pytest.mark.parametrize("scaling", list(SCALINGS_ACROSS_1024))
-def test_decode_again_on_the_same_buffers(
+def test_a_decode_loop_on_the_same_buffers(
     backend: str, scaling: str, precision: Precision, rng
 ) -> None:
-    """A decode loop writes each token into the same Q/K buffers. From the second call on the
-    fused fp32 path launches its kernel with nothing re-checked but the position and the
-    arrays' identity, shape, strides and dtype; positions past the original context (dynamic
-    NTK's rows, LongRoPE's long table), other backends and 16-bit data take the checked path.
-    Each step gives the bits of a fresh component's checked call and the float64 reference."""
+    """A decode loop writes each token into the same Q/K buffers, at positions across the
+    original context (dynamic NTK's rows, LongRoPE's long table): each step gives the bits of a
+    fresh component's call and the float64 reference."""
     cfg = rope_config((3, 1), 16, max_seq_len=4096, scaling=SCALINGS_ACROSS_1024[scaling])
     batch = 2
     rope = make_rope(cfg, batch, 1, precision=precision, backend=backend)
@@ -406,40 +404,11 @@ def test_decode_again_on_the_same_buffers(
         ref_q, ref_k = reference(cfg, q0, k0, np.full((batch, 1), int(position)))
         assert_close(q, ref_q, precision)
         assert_close(k, ref_k, precision)
-    engaged = backend == "fused" and precision is FP32
-    assert (rope._fast_decode is not None) == engaged
-
-
-def test_decode_again_still_checks_what_can_change(rng) -> None:
-    """A buffer made read-only, a position past the table, a backend switched to NumPy: the
-    fast path hands each to the checked path, which refuses or runs it as before."""
-    pytest.importorskip("numba")
-    cfg = rope_config((4, 2), 16, max_seq_len=64)
-    rope = make_rope(cfg, 1, 1, backend="fused")
-    q, k = random_qk(rng, cfg, 1, 1)
-    rope.decode(q, k, 1)
-    rope.decode(q, k, 2)
-    assert rope._fast_decode is not None
-    q0, k0 = q.copy(), k.copy()
-    q.flags.writeable = False
-    with pytest.raises(ValueError, match="read-only"):
-        rope.decode(q, k, 3)
-    q.flags.writeable = True
-    with pytest.raises(ValueError, match="position 64"):
-        rope.decode(q, k, 64)
-    assert _bits(q) == _bits(q0) and _bits(k) == _bits(k0)
-    rope.op.backend = "numpy"
-    rope.decode(q, k, 7)
-    want_q, want_k = reference(cfg, q0, k0, np.full((1, 1), 7))
-    assert_close(q, want_q, FP32)
-    assert_close(k, want_k, FP32)
 
 
 @pytest.mark.parametrize(("dtype", "max_seq_len"), NARROW_POSITIONS)
-def test_negative_positions_per_sequence_are_refused_on_the_fast_path(
-    dtype: Any, max_seq_len: int, rng
-) -> None:
-    check_negative_positions_refused_on_the_fast_path(dtype, max_seq_len, rng)
+def test_negative_positions_per_sequence_are_refused(dtype: Any, max_seq_len: int, rng) -> None:
+    check_negative_positions_refused(dtype, max_seq_len, rng)
 
 
 @settings(max_examples=60, deadline=None)
@@ -449,7 +418,7 @@ def test_any_program_of_decodes_matches_a_fresh_checked_component(program, confi
     not ints), a pair made read-only or reshaped in place before a call, the backend switched,
     a position given as np.int64: each call does what the same call on fresh copies through a
     new component does, the same values or the same error (and then leaves Q and K as they
-    were), whatever fast path the component kept from the calls before."""
+    were)."""
     pytest.importorskip("numba")
     run_decode_program(program, np.random.default_rng(seed), device="CPU", config=config)
 

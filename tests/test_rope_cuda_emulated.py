@@ -16,12 +16,7 @@ K (V, padding) is checked untouched. What this cannot check (NVRTC, CuPy, stream
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from dataclasses import replace
 from typing import Any
-from unittest import mock
 
 import ml_dtypes
 import numpy as np
@@ -34,7 +29,6 @@ from kernel_emulator import (
     KernelLibrary,
     emulated_context,
     emulated_cuda_devices,
-    rope_name_expressions,
 )
 from rope_helpers import (
     BF16,
@@ -48,7 +42,7 @@ from rope_helpers import (
     TRAINING,
     arange_positions,
     assert_close,
-    check_negative_positions_refused_on_the_fast_path,
+    check_negative_positions_refused,
     dtype_of,
     make_rope,
     random_qk,
@@ -58,7 +52,7 @@ from rope_helpers import (
 )
 
 from mila_py import Precision, RuntimeMode
-from mila_py.components import Rope, RopeConfig, RopeLayout
+from mila_py.components import Rope, RopeConfig
 from mila_py.ops.cuda import _kernels
 from mila_py.ops.cuda import rope as cuda_rope
 from mila_py.ops.cuda.rope import CudaRopeOp
@@ -151,10 +145,8 @@ def rotate_like_the_cpu(
     return q, k
 
 
-def name_of(precision: Precision, vec: int, layout: str, capacity: int = 0) -> str:
-    """The kernel launched: with explicit positions, the by-value one of ``capacity``."""
-    if capacity:
-        return cuda_rope.positions_kernel_name(precision, vec, layout == "interleaved", capacity)
+def name_of(precision: Precision, vec: int, layout: str) -> str:
+    """The kernel instantiation launched."""
     return cuda_rope.kernel_name(precision, vec, layout == "interleaved")
 
 
@@ -327,8 +319,7 @@ def test_views_of_a_fused_qkv_buffer(
         }[method]
         getattr(rope, method)(q, k, arg)
         vec = expected_width(precision, layout, d, n_freq, [q_at * item, k_at * item, width * item])
-        capacity = 0 if method == "prefill" else 64  # explicit positions: by value
-        assert launches(rope)[-1] == name_of(precision, vec, layout, capacity)
+        assert launches(rope)[-1] == name_of(precision, vec, layout)
         cpu_q = np.ascontiguousarray(qkv0[..., q_at : q_at + hq * d])
         cpu_k = np.ascontiguousarray(qkv0[..., k_at : k_at + hk * d])
         getattr(cpu, method)(cpu_q, cpu_k, arg)
@@ -513,8 +504,7 @@ def test_backward_is_the_inverse_rotation_into_the_gradient_buffers(
             dq[...], dk[...] = dq0, dk0
         dq_in, dk_in = rope.backward(dq, dk, positions=positions)
         if upstream != "contiguous":
-            by_value = 0 if positions is None else 64  # explicit positions: by value
-            assert launches(rope)[-1] == name_of(precision, 1, layout, by_value)
+            assert launches(rope)[-1] == name_of(precision, 1, layout)
         assert same_bits(dq, dq0) and same_bits(dk, dk0)  # upstream gradients not modified
         assert np.shares_memory(dq_in, rope.input_gradients[0])
         cpu_dq_in, cpu_dk_in = cpu.backward(dq0.copy(), dk0.copy(), positions=positions)
@@ -618,7 +608,7 @@ def test_scaling_types(
         assert rope.attention_scaling > 1.0
 
 
-# ---------------------------------------------------------------------------------- decode again
+# ---------------------------------------------------------------------------------- decode loops
 
 
 def _decode_loop_cases(n: int) -> dict[str, Any]:
@@ -628,13 +618,12 @@ def _decode_loop_cases(n: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize("precision", [FP32, BF16], ids=str)
 @pytest.mark.parametrize("scaling", ["none", "dynamic", "longrope"])
-def test_decode_again_on_the_same_buffers_matches_the_cpu(
+def test_a_decode_loop_on_the_same_buffers_matches_the_cpu(
     cuda: None, scaling: str, precision: Precision, rng
 ) -> None:
-    """A decode loop writes each new token into the same Q/K buffers: from the second call on
-    the same pair, decode launches with nothing re-checked (the op's fast path), at positions
-    across the original context (1024) where dynamic NTK computes rows per call and LongRoPE
-    switches tables, which the fast path leaves to the checked path."""
+    """A decode loop writes each new token into the same Q/K buffers, at positions across the
+    original context (1024) where dynamic NTK computes rows per call and LongRoPE switches
+    tables: every step as the CPU's."""
     cfg = rope_config((3, 1), 16, max_seq_len=4096, scaling=_decode_loop_cases(8)[scaling])
     batch = 2
     rope = cuda_rope_of(cfg, batch, 1, precision)
@@ -648,47 +637,35 @@ def test_decode_again_on_the_same_buffers_matches_the_cpu(
         cpu.decode(cpu_q, cpu_k, position)
         assert_parity(q, cpu_q, precision)
         assert_parity(k, cpu_k, precision)
-    assert rope._fast_decode is not None
 
 
-#: (B, T, M-RoPE, the capacity of the by-value kernel launched; 0: positions uploaded)
-BY_VALUE = {
-    "decode-B4": (4, 1, False, 64),
-    "decode-B64": (64, 1, False, 64),
-    "decode-B65": (65, 1, False, 512),
-    "rotate-8x64": (8, 64, False, 512),
-    "decode-B513": (513, 1, False, 0),
-    "rotate-2x300": (2, 300, False, 0),
-    "mrope-decode-B21": (21, 1, True, 64),
-    "mrope-decode-B22": (22, 1, True, 512),
-    "mrope-decode-B171": (171, 1, True, 0),
+#: (B, T, M-RoPE)
+EXPLICIT = {
+    "decode-B4": (4, 1, False),
+    "decode-B600": (600, 1, False),
+    "rotate-8x64": (8, 64, False),
+    "mrope-decode-B21": (21, 1, True),
+    "mrope-rotate-2x30": (2, 30, True),
 }
 
 
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
-@pytest.mark.parametrize("case", list(BY_VALUE))
-def test_explicit_positions_go_in_the_launch_where_they_fit(
+@pytest.mark.parametrize("case", list(EXPLICIT))
+def test_explicit_positions_go_to_the_kernel_as_int32_device_memory(
     cuda: None, monkeypatch, case: str, layout: str, rng
 ) -> None:
-    """Explicit positions (``B * T`` of them, ``3 * B * T`` with M-RoPE) up to 64 or 512 travel
-    in the launch's parameters (``rope_qk_at`` of that capacity) and nothing is uploaded; more
-    go through device memory (``rope_qk``, one upload). Elements of the by-value struct past
-    the call's positions (left from an earlier, larger call) are never read: they hold -1 here,
-    which would read the table before its start (the emulator's poison, NaN)."""
-    batch, tokens, mrope, capacity = BY_VALUE[case]
+    """Explicit positions (``[B, T]``, ``[3, B, T]`` with M-RoPE) are uploaded once per call as
+    int32, in the shape the kernel indexes, and rotate as the CPU does."""
+    batch, tokens, mrope = EXPLICIT[case]
     section = {"mrope_section": (2, 1, 1)} if mrope else {}
     cfg = rope_config((2, 1), 8, layout=layout, **section)
     rope = cuda_rope_of(cfg, batch, tokens)
     cpu = make_rope(cfg, batch, tokens)
-    slots = rope.op._position_slots
-    for cap in _kernels.POSITION_CAPACITIES:
-        slots[cap] = _kernels.ArraySlot(np, np.int32, cap)
-        slots[cap].values[:] = -1
-    uploads: list[tuple[int, ...]] = []
+    uploads: list[np.ndarray] = []
     ctx = rope.execution_context
     real_to_device = ctx.to_device
     monkeypatch.setattr(ctx, "to_device",
-                        lambda a: uploads.append(np.shape(a)) or real_to_device(a))  # fmt: skip
+                        lambda a: uploads.append(np.array(a)) or real_to_device(a))  # fmt: skip
     shape = (3, batch, tokens) if mrope else (batch, tokens)
     positions = rng.integers(0, cfg.max_seq_len, size=shape)
     q0, k0 = random_qk(rng, cfg, batch, tokens)
@@ -704,47 +681,33 @@ def test_explicit_positions_go_in_the_launch_where_they_fit(
     ref_q, ref_k = reference(cfg, q0, k0, positions)
     assert_close(q, ref_q, FP32)
     assert_close(k, ref_k, FP32)
-    name = launches(rope)[-1]
-    if capacity:
-        assert name.startswith("rope_qk_at<") and name.endswith(f", {capacity}>"), name
-        assert uploads == []
-        written = positions.size
-        assert slots[capacity].values[:written].tolist() == positions.ravel().tolist()
-        assert (slots[capacity].values[written:] == -1).all()
-    else:
-        assert name.startswith("rope_qk<"), name
-        assert uploads == [shape]
+    assert launches(rope)[-1] == name_of(FP32, rope.op.vector_width(q, k), layout)
+    (upload,) = uploads
+    assert upload.dtype == np.int32 and upload.shape == shape
+    np.testing.assert_array_equal(upload, positions)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["cupy-launch", "packed-launch"])
 @pytest.mark.parametrize("batch", [3, 600])
-def test_a_ragged_decode_plan_step_passes_its_positions_by_value(
-    cuda: None, monkeypatch, batch: int, packed: bool, rng
+def test_a_decode_plan_step_reads_its_positions_from_the_device_buffer(
+    cuda: None, monkeypatch, batch: int, rng
 ) -> None:
-    """A decode plan's ragged step (a position per sequence) launches ``rope_qk_at`` with the
-    step's positions in its parameters, read at each call, with no upload (by CuPy's launch or,
-    with ``PACKED_DECODE``, the packed one); past the largest capacity (600 sequences), the
-    step's device copy of the positions."""
+    """A decode plan's step (one position for all, or one per sequence) is one ``rope_qk``
+    launch that reads the step's positions from their device buffer (int32 ``[B]``, written by
+    ``DecodePositions.set``): nothing is uploaded per step, and each step rotates as the CPU."""
     from mila_py.ops.operation import DecodePositions
-
-    monkeypatch.setattr(cuda_rope, "PACKED_DECODE", packed)
-    bound: list[int] = []
-    real_bind = _kernels.bind_packed_launch
-    monkeypatch.setattr(_kernels, "bind_packed_launch",
-                        lambda *a, **kw: bound.append(1) or real_bind(*a, **kw))  # fmt: skip
 
     cfg = rope_config((2, 1), 8)
     rope = cuda_rope_of(cfg, batch, 1)
     cpu = make_rope(cfg, batch, 1)
-    uploads: list[int] = []  # the step's device copy (with NumPy, the host array itself)
-    real_on_device = DecodePositions.on_device
-    monkeypatch.setattr(DecodePositions, "on_device",
-                        lambda self, c: uploads.append(1) or real_on_device(self, c))  # fmt: skip
+    ctx = rope.execution_context
+    uploads: list[int] = []
+    real_to_device = ctx.to_device
+    monkeypatch.setattr(ctx, "to_device", lambda a: uploads.append(1) or real_to_device(a))
     q, k = random_qk(rng, cfg, batch, 1)
-    positions = DecodePositions(batch)
+    positions = DecodePositions(batch, ctx)
     step = rope.op.bind_decode(q, k, positions)
-    for _ in range(3):
-        each = rng.integers(0, cfg.max_seq_len, size=batch)
+    for ragged in (True, False, True):
+        each = rng.integers(0, cfg.max_seq_len, size=batch) if ragged else np.full(batch, 77)
         q0, k0 = random_qk(rng, cfg, batch, 1)
         q[...], k[...] = q0, k0
         positions.set(each, int(each.min()), int(each.max()))
@@ -752,35 +715,23 @@ def test_a_ragged_decode_plan_step_passes_its_positions_by_value(
         cpu.decode(q0, k0, each)
         assert_parity(q, q0, FP32)
         assert_parity(k, k0, FP32)
-        assert launches(rope)[-1].startswith("rope_qk_at<" if batch <= 512 else "rope_qk<")
-    assert len(uploads) == (0 if batch <= 512 else 3)
-    # packed: the step's int launch, bound with the plan, and its per-sequence one, once
-    assert len(bound) == ((1 + (batch <= 512)) if packed else 0)
+        assert launches(rope)[-1].startswith("rope_qk<")
+    assert uploads == []
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["cupy-launch", "packed-launch"])
 @pytest.mark.parametrize("scaling", ["none", "dynamic", "longrope"])
-def test_a_decode_plan_step_across_the_original_context(
-    cuda: None, monkeypatch, scaling: str, packed: bool, rng
-) -> None:
-    """The op's bound decode (a decode plan's call) launches with its arguments made once (by
-    CuPy or packed, ``PACKED_DECODE``) while the step's positions stay under the original
-    context (1024); past it, dynamic NTK's rows are computed per call and LongRoPE switches
-    tables, through the general path."""
+def test_a_decode_plan_step_across_the_original_context(cuda: None, scaling: str, rng) -> None:
+    """The op's bound decode (a decode plan's call) reads the step's device positions while the
+    step stays under the original context (1024); past it, dynamic NTK's rows are computed per
+    call and LongRoPE switches tables, through the general path."""
     from mila_py.ops.operation import DecodePositions
-
-    monkeypatch.setattr(cuda_rope, "PACKED_DECODE", packed)
-    bound: list[int] = []
-    real_bind = _kernels.bind_packed_launch
-    monkeypatch.setattr(_kernels, "bind_packed_launch",
-                        lambda *a, **kw: bound.append(1) or real_bind(*a, **kw))  # fmt: skip
 
     cfg = rope_config((3, 1), 16, max_seq_len=4096, scaling=_decode_loop_cases(8)[scaling])
     batch = 2
     rope = cuda_rope_of(cfg, batch, 1)
     cpu = make_rope(cfg, batch, 1)
     q, k = random_qk(rng, cfg, batch, 1)
-    positions = DecodePositions(batch)
+    positions = DecodePositions(batch, rope.execution_context)
     step = rope.op.bind_decode(q, k, positions)
     for position in (1022, 1023, 1024, 1025, 3000, 7):
         q0, k0 = random_qk(rng, cfg, batch, 1)
@@ -790,226 +741,26 @@ def test_a_decode_plan_step_across_the_original_context(
         cpu.decode(q0, k0, position)
         assert_parity(q, q0, FP32)
         assert_parity(k, k0, FP32)
-    assert len(bound) == packed
 
 
-def test_decode_again_past_the_original_context_makes_its_fast_path_once(
-    cuda: None, monkeypatch, rng
-) -> None:
-    """Positions the fast path leaves to the checked path (LongRoPE past 1024) do not make it
-    anew at each step: it is made once per pair of buffers."""
-    cfg = rope_config((3, 1), 16, max_seq_len=4096, scaling=_decode_loop_cases(8)["longrope"])
-    rope = cuda_rope_of(cfg, 1, 1)
-    made: list[int] = []
-    make = rope.op.decode_fast_path
-    monkeypatch.setattr(rope.op, "decode_fast_path", lambda q, k: made.append(1) or make(q, k))
-    q, k = random_qk(rng, cfg, 1, 1)
-    for position in range(1020, 1040):
-        rope.decode(q, k, position)
-    assert len(made) == 1
-
-
-@pytest.mark.parametrize("default", [False, True], ids=["cupy-default", "packed-default"])
-def test_decode_fast_path_takes_the_packed_launcher_where_asked(
-    cuda: None, monkeypatch, rng, default: bool
-) -> None:
-    """``decode_fast_path`` launches through ``packed_launcher`` where ``packed`` (by default
-    ``PACKED_DECODE``) asks for it and one applies, else through ``launcher``; the component's
-    fast path follows the default. Every choice rotates as the checked path does (the emulator
-    launches the packed launcher's values through ``launch``)."""
-    monkeypatch.setattr(cuda_rope, "PACKED_DECODE", default)
-    cfg = rope_config((4, 2), 16, max_seq_len=64)
-    rope = cuda_rope_of(cfg, 2, 1)
-    q, k = random_qk(rng, cfg, 2, 1)
-    for packed in (None, True, False):
-        again = rope.op.decode_fast_path(q, k, packed=packed)
-        assert again is not None
-        q0, k0 = q.copy(), k.copy()
-        expected_q, expected_k = q.copy(), k.copy()
-        rope.op.apply(expected_q, expected_k, offset=9, seq_len=10)
-        assert again(q, k, 9)
-        assert q.tobytes() == expected_q.tobytes() and k.tobytes() == expected_k.tobytes()
-        q[...], k[...] = q0, k0
-    launched: list[tuple[str, int]] = []
-
-    def recorder(name: str) -> Any:
-        return lambda q, k: lambda q2, k2, offset: launched.append((name, offset))
-
-    monkeypatch.setattr(rope.op, "packed_launcher", recorder("packed"))
-    monkeypatch.setattr(rope.op, "launcher", recorder("cupy"))
-    chosen = "packed" if default else "cupy"
-    for packed, name in ((None, chosen), (True, "packed"), (False, "cupy")):
-        launched.clear()
-        again = rope.op.decode_fast_path(q, k, packed=packed)
-        assert again is not None and again(q, k, 3)
-        assert launched == [(name, 3)]
-    monkeypatch.setattr(rope.op, "packed_launcher", lambda q, k: None)  # none applies
-    launched.clear()
-    assert rope.op.decode_fast_path(q, k, packed=True)(q, k, 4)  # type: ignore[misc]
-    assert launched == [("cupy", 4)]
-    monkeypatch.setattr(rope.op, "packed_launcher", recorder("packed"))
-    launched.clear()
-    for position in (5, 5, 6):  # two checked calls on the pair, then its fast path
-        rope.decode(q, k, position)
-    assert launched == [(chosen, 6)]
-
-
-@pytest.mark.parametrize("packed", [False, True], ids=["cupy-launch", "packed-launch"])
 @settings(max_examples=40, deadline=None)
 @given(program=DECODE_PROGRAMS, config=DECODE_CONFIGS, seed=st.integers(0, 2**16))
 def test_any_program_of_decodes_matches_a_fresh_checked_component(  # type: ignore[no-untyped-def]
-    library, packed, program, config, seed
+    library, program, config, seed
 ) -> None:
     """As on the CPU (``tests/test_rope.py``): decode calls in any order on two buffer pairs,
     with bad positions, read-only, reshaped or retyped buffers, each equal to a fresh
-    component's checked call on copies, whatever fast path the component kept, with CuPy's
-    launch or the packed one. (A read-only NumPy buffer exists only in emulation, where the
+    component's call on copies. (A read-only NumPy buffer exists only in emulation, where the
     emulator refuses it at launch; CuPy arrays have no writeable flag.)"""
-    with emulated_cuda_devices(library), mock.patch.object(cuda_rope, "PACKED_DECODE", packed):
+    with emulated_cuda_devices(library):
         run_decode_program(program, np.random.default_rng(seed), device=DEVICE, config=config)
 
 
-def test_decode_again_skips_the_checks_of_its_buffers(cuda: None, monkeypatch, rng) -> None:
-    cfg = rope_config((4, 2), 16, max_seq_len=64)
-    rope = cuda_rope_of(cfg, 2, 1)
-    q, k = random_qk(rng, cfg, 2, 1)
-    rope.decode(q, k, 3)
-    rope.decode(q, k, 4)
-
-    def no_checks(*args: Any, **kwargs: Any) -> int:
-        raise AssertionError("checked again")
-
-    monkeypatch.setattr(rope, "_check_qk", no_checks)
-    before = len(launches(rope))
-    rope.decode(q, k, 5)
-    assert len(launches(rope)) == before + 1
-    q0, k0 = q.copy(), k.copy()
-    rope.decode(q, k, np.array([9, 63]))  # a position per sequence: the by-value launch
-    assert launches(rope)[-1].startswith("rope_qk_at<") and len(launches(rope)) == before + 2
-    expected_q, expected_k = reference(cfg, q0, k0, np.array([[9], [63]]))
-    assert_close(q, expected_q, FP32)
-    assert_close(k, expected_k, FP32)
-    with pytest.raises(AssertionError, match="checked again"):  # another pair: checked
-        rope.decode(q.copy(), k.copy(), 5)
-    for checked in (np.array([9, 64]), np.array([-1, 3]), [9, 10], np.array([1.0, 2.0])):
-        with pytest.raises(AssertionError, match="checked again"):  # out of range, not ints
-            rope.decode(q, k, checked)
-
-
-def test_the_per_sequence_launch_is_bound_at_the_first_array_of_positions(
-    cuda: None, monkeypatch, rng
-) -> None:
-    """A fast path binds its per-sequence launch (whose module NVRTC compiles) when positions
-    per sequence first come, once: a loop at int positions never binds it."""
-    cfg = rope_config((4, 2), 16, max_seq_len=64)
-    rope = cuda_rope_of(cfg, 2, 1)
-    bound: list[int] = []
-    real_bind = rope.op._bind_each
-    monkeypatch.setattr(rope.op, "_bind_each", lambda *a: bound.append(1) or real_bind(*a))
-    q, k = random_qk(rng, cfg, 2, 1)
-    for position in range(6):
-        rope.decode(q, k, position)
-    assert rope._fast_decode is not None and bound == []
-    for _ in range(3):
-        rope.decode(q, k, np.array([3, 40]))
-    assert bound == [1]
-
-
 @pytest.mark.parametrize(("dtype", "max_seq_len"), NARROW_POSITIONS)
-def test_negative_positions_per_sequence_are_refused_on_the_fast_path(
+def test_negative_positions_per_sequence_are_refused(
     cuda: None, dtype: Any, max_seq_len: int, rng
 ) -> None:
-    check_negative_positions_refused_on_the_fast_path(dtype, max_seq_len, rng, device=DEVICE)
-
-
-def test_positions_per_sequence_make_the_fast_path_too(cuda: None, rng) -> None:
-    """Decoding the same buffers twice with a position per sequence (a ragged batch's loop)
-    makes the fast path as int positions do; a plain int then takes it too."""
-    cfg = rope_config((4, 2), 16, max_seq_len=64)
-    rope = cuda_rope_of(cfg, 3, 1)
-    q, k = random_qk(rng, cfg, 3, 1)
-    for step in range(4):
-        positions = np.array([step, 2 * step, 60 - step])
-        q0, k0 = q.copy(), k.copy()
-        rope.decode(q, k, positions)
-        expected_q, expected_k = reference(cfg, q0, k0, positions[:, None])
-        assert_close(q, expected_q, FP32)
-        assert_close(k, expected_k, FP32)
-        assert (rope._fast_decode is not None) == (step >= 1)
-
-
-def test_decode_again_still_refuses_what_can_change(cuda: None, rng) -> None:
-    """What the fast path does not pin (the position, the arrays' shape) is still checked, and
-    a refused call leaves Q and K untouched, launches nothing and keeps the fast path for the
-    next good call."""
-    cfg = rope_config((4, 2), 16, max_seq_len=64)
-    batch = 3
-    rope = cuda_rope_of(cfg, batch, 1)
-    cpu = make_rope(cfg, batch, 1)
-    q, k = random_qk(rng, cfg, batch, 1)
-    rope.decode(q, k, 1)
-    rope.decode(q, k, 2)
-    fast = rope._fast_decode
-    assert fast is not None
-    q0, k0 = q.copy(), k.copy()
-    done = len(launches(rope))
-    bad: list[tuple[Any, type[Exception], str]] = [
-        (64, ValueError, "position 64"),
-        (-1, ValueError, ">= 0"),
-        (True, TypeError, "integers"),
-        (2.0, TypeError, "integers"),
-        (np.array([3, 64, 0]), ValueError, "position 64"),
-    ]
-    for position, error, match in bad:
-        with pytest.raises(error, match=match):
-            rope.decode(q, k, position)
-        assert same_bits(q, q0) and same_bits(k, k0)
-    q.shape = (1, batch, q.shape[2])  # the same object, reshaped in place: T = 3
-    with pytest.raises(ValueError, match=r"share B and T|T == 1"):
-        rope.decode(q, k, 5)
-    q.shape = (batch, 1, q.shape[2])
-    k.shape = (1, batch, k.shape[2])  # K reshaped in place instead
-    with pytest.raises(ValueError, match=r"share B and T|T == 1"):
-        rope.decode(q, k, 5)
-    k.shape = (batch, 1, k.shape[2])
-    assert same_bits(q, q0) and same_bits(k, k0)
-    assert len(launches(rope)) == done
-    assert rope._fast_decode is fast  # refusals keep it for the next good call
-    rope.decode(q, k, np.int32(7))
-    assert len(launches(rope)) == done + 1 and rope._fast_decode is fast
-    cpu.decode(q0, k0, 7)
-    assert_parity(q, q0, FP32)
-    assert_parity(k, k0, FP32)
-
-
-@pytest.mark.parametrize("packed", [False, True], ids=["cupy-launch", "packed-launch"])
-def test_decode_again_keeps_no_buffer_alive_and_alternating_pairs_get_none(
-    cuda: None, monkeypatch, rng, packed: bool
-) -> None:
-    import gc
-    import weakref
-
-    monkeypatch.setattr(cuda_rope, "PACKED_DECODE", packed)
-    cfg = rope_config((2, 1), 8, max_seq_len=32)
-    rope = cuda_rope_of(cfg, 1, 1)
-    cpu = make_rope(cfg, 1, 1)
-    pairs = [random_qk(rng, cfg, 1, 1) for _ in range(2)]
-    for step in range(6):  # two callers taking turns: each call checked, none remembered
-        q, k = pairs[step % 2]
-        q0, k0 = random_qk(rng, cfg, 1, 1)
-        q[...], k[...] = q0, k0
-        rope.decode(q, k, step)
-        cpu.decode(q0, k0, step)
-        assert_parity(q, q0, FP32)
-        assert rope._fast_decode is None
-    q, k = random_qk(rng, cfg, 1, 1)
-    rope.decode(q, k, 0)
-    rope.decode(q, k, 1)
-    assert rope._fast_decode is not None
-    refs = weakref.ref(q), weakref.ref(k)
-    del q, k
-    gc.collect()
-    assert refs[0]() is None and refs[1]() is None
+    check_negative_positions_refused(dtype, max_seq_len, rng, device=DEVICE)
 
 
 # ---------------------------------------------------------------------------------- refusals
@@ -1057,9 +808,9 @@ def test_arrays_off_whole_elements_are_refused(cuda: None, rng) -> None:
 
 
 def test_one_op_through_changing_layouts(cuda: None, rng) -> None:
-    """The op keeps the width of each alignment and the stride arguments of each stride pattern
-    it has seen: one op, called on aligned, shifted, fused-QKV and sliced views in turn (and
-    again), launches each time the width and strides of that call, not of an earlier one."""
+    """The op keeps the width of each alignment it has seen: one op, called on aligned, shifted,
+    fused-QKV and sliced views in turn (and again), launches each time the width and strides of
+    that call, not of an earlier one."""
     cfg = rope_config((4, 2), 16)
     hq, hk, d = 4, 2, 16
     rope = cuda_rope_of(cfg, 2, 4)
@@ -1099,168 +850,6 @@ def test_one_op_through_changing_layouts(cuda: None, rng) -> None:
 # ---------------------------------------------------------------------------------- the emulator
 
 
-# ---------------------------------------------------------------------------------- tuning
-
-#: settings of the kernel's knobs beside the one in use: odd and wide batches (a thread's last
-#: batch partly empty), streaming hints, fewer and more threads than the default's 128, loads
-#: before the barrier, a register cap
-TUNINGS = {
-    # the setting measured before batch 4 with streaming hints was adopted (its own code path)
-    "batch1": cuda_rope.RopeKernelTuning(batch=1, streaming=False),
-    "batch3": cuda_rope.RopeKernelTuning(batch=3, streaming=False),
-    "batch8-streaming": cuda_rope.RopeKernelTuning(batch=8, streaming=True),
-    "threads256-batch2": cuda_rope.RopeKernelTuning(threads=256, batch=2, streaming=False),
-    "threads64-batch4-streaming": cuda_rope.RopeKernelTuning(threads=64, batch=4, streaming=True),
-    "min-blocks16": cuda_rope.RopeKernelTuning(batch=1, streaming=False, min_blocks=16),
-    "early": cuda_rope.RopeKernelTuning(batch=1, streaming=False, early=True),
-    "early-batch3-threads64": cuda_rope.RopeKernelTuning(early=True, batch=3, threads=64),
-}
-
-
-def _tuning_battery(rng: np.random.Generator) -> list[np.ndarray]:
-    """What the Rope component computes on an emulated CUDA:0 for a spread of calls: every
-    precision and layout, 16-byte and element-by-element accesses (Q one element past an aligned
-    address), GQA with more items than threads, partial rotary out of place (backward), per-axis
-    M-RoPE positions, a decode step. Inputs come from ``rng``."""
-    out: list[np.ndarray] = []
-    for precision in PRECISIONS:
-        for layout in ("half", "interleaved"):
-            for heads, head_dim, rotary_dim in (((32, 8), 128, 0), ((5, 1), 12, 8)):
-                cfg = rope_config(heads, head_dim, rotary_dim=rotary_dim, layout=layout)
-                rope = cuda_rope_of(cfg, 2, 3, precision, mode=TRAINING)
-                q0, k0 = random_qk(rng, cfg, 2, 3, precision)
-                for shift in (0, 1):
-                    buf = aligned_empty(q0.size + shift, q0.dtype)
-                    q, k = buf[shift:].reshape(q0.shape), k0.copy()
-                    q[...] = q0
-                    rope.prefill(q, k, 100)
-                    out += [q, k, *(x.copy() for x in rope.backward(q, k))]
-                q, k = q0[:, :1].copy(), k0[:, :1].copy()
-                rope.decode(q, k, np.array([5, 900]))
-                out += [q, k]
-                for position in (31, 32, 33):  # the same buffers again: the bound fast path
-                    rope.decode(q, k, position)
-                    out += [q.copy(), k.copy()]
-            mcfg = rope_config((4, 2), 64, layout=layout, mrope_section=(8, 12, 12))
-            mrope = cuda_rope_of(mcfg, 2, 3, precision)
-            q, k = random_qk(rng, mcfg, 2, 3, precision)
-            mrope.rotate(q, k, rng.integers(0, 1500, size=(3, 2, 3)))
-            out += [q, k]
-    return out
-
-
-@pytest.mark.parametrize("tuning", list(TUNINGS))
-def test_every_kernel_tuning_gives_the_same_bits(
-    library: KernelLibrary, monkeypatch, tuning: str
-) -> None:
-    """Each setting of :class:`RopeKernelTuning` (its source compiled on its own, launched with
-    its threads per block) computes exactly what the kernel in use does, on the same inputs."""
-    with emulated_cuda_devices(library):
-        expected = _tuning_battery(np.random.default_rng(7))
-    settings_ = TUNINGS[tuning]
-    source = cuda_rope.rope_source(settings_)
-    assert source != cuda_rope.ROPE_CUDA_SOURCE
-    variant = KernelLibrary([source], rope_name_expressions())
-    monkeypatch.setattr(cuda_rope, "ROPE_CUDA_SOURCE", source)
-    monkeypatch.setattr(cuda_rope, "_THREADS", settings_.threads)
-    launched: list[tuple[str, int]] = []
-    real_launch = variant.launch
-
-    def launch(ctx: Any, src: str, name: str, grid: Any, block: int, args: Any, **kw: Any):
-        assert src is source  # the op hands over the tuned source ...
-        launched.append((name, block))  # ... and launches with its threads per block
-        real_launch(ctx, src, name, grid, block, args, **kw)
-
-    monkeypatch.setattr(variant, "launch", launch)
-    with emulated_cuda_devices(variant):
-        actual = _tuning_battery(np.random.default_rng(7))
-    assert {block for _, block in launched} == {settings_.threads}
-    assert len(actual) == len(expected)
-    assert all(same_bits(a, e) for a, e in zip(actual, expected, strict=True))
-
-
-def test_kernel_tuning_out_of_range_is_refused() -> None:
-    for bad in (
-        {"threads": 100},
-        {"threads": 2048},
-        {"batch": 0},
-        {"batch": 17},
-        {"min_blocks": -1},
-        {"threads": 256, "min_blocks": 16},  # 4,096 threads: more than a multiprocessor holds
-    ):
-        with pytest.raises(ValueError, match="out of range"):
-            cuda_rope.RopeKernelTuning(**bad)
-    assert cuda_rope.rope_source(cuda_rope.ROPE_TUNING) == cuda_rope.ROPE_CUDA_SOURCE
-    assert "__launch_bounds__(128)" in cuda_rope.rope_source(cuda_rope.RopeKernelTuning())
-    tuned = cuda_rope.rope_source(cuda_rope.RopeKernelTuning(threads=256, min_blocks=8))
-    assert "__launch_bounds__(256, 8)" in tuned
-
-
-def test_kernel_tuning_parses_from_its_spec_and_the_environment() -> None:
-    tuning_cls = cuda_rope.RopeKernelTuning
-    for tuning in (
-        tuning_cls(),
-        *TUNINGS.values(),
-        tuning_cls(threads=64, streaming=True, min_blocks=32),
-    ):
-        assert tuning_cls.parse(tuning.spec) == tuning
-    assert tuning_cls().spec == "threads=128,batch=4,streaming=1,early=0,min_blocks=0"
-    assert tuning_cls.parse(" min_blocks = 16 , early=true,") == tuning_cls(
-        early=True, min_blocks=16
-    )
-    for bad, match in (
-        ("warp=2", "not one new knob"),
-        ("early", "not one new knob"),
-        ("batch=2,batch=3", "not one new knob"),
-        ("early=yes", "0/1 or true/false"),
-        ("batch=1.5", "integer"),
-        ("batch=0", "out of range"),
-    ):
-        with pytest.raises(ValueError, match=match):
-            tuning_cls.parse(bad)
-    env = cuda_rope.TUNING_ENV
-    assert cuda_rope.tuning_from_env({}) == tuning_cls()
-    assert cuda_rope.tuning_from_env({env: "batch=2"}) == tuning_cls(batch=2)
-    with pytest.raises(ValueError, match=env):
-        cuda_rope.tuning_from_env({env: "threads=33"})
-    # read when the module is imported: the source and the launch width follow it
-    code = (
-        "from mila_py.ops.cuda import rope; "
-        "print(rope.ROPE_TUNING.spec, rope._THREADS, '__launch_bounds__(256, 4)' in rope.ROPE_CUDA_SOURCE)"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], env={**os.environ, env: "threads=256,min_blocks=4"},
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    assert done.stdout.split() == [
-        "threads=256,batch=4,streaming=1,early=0,min_blocks=4", "256", "True"
-    ]  # fmt: skip
-
-
-def test_a_bad_tuning_in_the_environment_fails_cuda_ropes_only() -> None:
-    """The op registry imports every backend's modules, so a bad ``MILA_ROPE_TUNING`` must not
-    raise at import: CPU components keep working, and making a CUDA RopeOp names the variable."""
-    code = """
-import numpy as np
-from mila_py import BuildContext, Precision, RuntimeMode
-from mila_py.components import Rope, RopeConfig
-from mila_py.ops.cuda import rope as cuda_rope
-cfg = RopeConfig(channels=64, n_heads=2, n_kv_heads=1, max_seq_len=16)
-cpu = Rope("rope", cfg, device="CPU")
-cpu.build(BuildContext((1, 4, 64), RuntimeMode.INFERENCE))
-q, k = np.ones((1, 4, 64), np.float32), np.ones((1, 4, 32), np.float32)
-cpu.forward(q, k)
-try:
-    cuda_rope.CudaRopeOp(None, cfg, Precision.FP32)
-except ValueError as err:
-    print("refused:", err)
-"""
-    env = {**os.environ, cuda_rope.TUNING_ENV: "batch=x"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("refused: MILA_ROPE_TUNING='batch=x'"), done.stdout
-
-
 def test_the_emulator_traps_what_the_gpu_would(cuda: None, monkeypatch, rng) -> None:
     """Misaligned vector accesses, too many threads for ``__launch_bounds__``, too little
     dynamic shared memory, and a template instantiation NVRTC was not asked for all raise."""
@@ -1275,7 +864,7 @@ def test_the_emulator_traps_what_the_gpu_would(cuda: None, monkeypatch, rng) -> 
         with pytest.raises(RuntimeError, match="misaligned access"):
             rope.prefill(q, k, 0)
     with monkeypatch.context() as m:
-        m.setattr(cuda_rope, "_THREADS", 256)
+        m.setattr(cuda_rope, "THREADS", 256)
         with pytest.raises(ValueError, match="256 threads per block, the kernel allows 128"):
             rope.prefill(q0.copy(), k0.copy(), 0)
     real_launch = _kernels.launch
@@ -1309,23 +898,25 @@ def test_strided_parameters_are_declared(library: KernelLibrary) -> None:
     name = cuda_rope.kernel_name(FP32, 1, False)
     with emulated_context(library) as ctx:
         launch = _kernels.launch
-        launch(ctx, "", name, (1,), 128, tuple(args), shared_mem=16, name_expressions=(name,))
+        launch(
+            ctx, "rope.cu", name, (1,), 128, tuple(args), shared_mem=16, name_expressions=(name,)
+        )
         bad = list(args)
         bad[4] = np.zeros((4, 4), np.float32)[:, :2]  # the table is not a MILA_STRIDED parameter
         with pytest.raises(ValueError, match=r"cos_table.*not C-contiguous"):
-            launch(ctx, "", name, (1,), 128, tuple(bad), name_expressions=(name,))
+            launch(ctx, "rope.cu", name, (1,), 128, tuple(bad), name_expressions=(name,))
         bad = list(args)
         bad[1] = np.broadcast_to(x, (1, 1, 4))  # read-only, for the written q_out
         with pytest.raises(ValueError, match=r"q_out.*read-only"):
-            launch(ctx, "", name, (1,), 128, tuple(bad), name_expressions=(name,))
+            launch(ctx, "rope.cu", name, (1,), 128, tuple(bad), name_expressions=(name,))
         bad = list(args)
         bad[6] = None  # CuPy 13 passes an unspecified value for None (cupy/cupy#9046)
         with pytest.raises(TypeError, match="None is not NULL"):
-            launch(ctx, "", name, (1,), 128, tuple(bad), name_expressions=(name,))
+            launch(ctx, "rope.cu", name, (1,), 128, tuple(bad), name_expressions=(name,))
         bad = list(args)
         bad[0] = x.astype(np.float16)
         with pytest.raises(TypeError, match="float\\* given a float16 array"):
-            launch(ctx, "", name, (1,), 128, tuple(bad), name_expressions=(name,))
+            launch(ctx, "rope.cu", name, (1,), 128, tuple(bad), name_expressions=(name,))
 
 
 CONVERT_SOURCE = r"""
@@ -1355,7 +946,7 @@ extern "C" __global__ void widen(
 @pytest.fixture(scope="module")
 def converters() -> KernelLibrary:
     """The RoPE source's own 16-bit conversions (PTX cvt for FP16, integer code for BF16)."""
-    return KernelLibrary([cuda_rope.ROPE_CUDA_SOURCE + CONVERT_SOURCE])
+    return KernelLibrary([_kernels.source("rope.cu") + CONVERT_SOURCE])
 
 
 def _floats_to_round(rng: np.random.Generator) -> np.ndarray:
@@ -1435,129 +1026,3 @@ def test_bf16_as_uint16_bits_on_a_cupy_without_bfloat16(
     with pytest.raises(TypeError, match="dtype"):
         rope.prefill(as_bf16, k0.copy(), 0)
     assert same_bits(as_bf16, q0)
-
-
-@pytest.mark.parametrize("precision", [FP32, BF16], ids=str)
-@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
-def test_packed_launch_values_are_the_launchers_arguments(
-    cuda: None, monkeypatch, rng, precision: Precision, interleaved: bool
-) -> None:
-    """``launch_values``, what ``launcher`` binds and ``packed_launcher`` packs once for
-    ``cuLaunchKernel``, are the checked path's launch arguments one for one (``apply`` at an
-    offset, through ``_launch``): the same arrays, scalars of the same types and values
-    (partial rotary, GQA, B=3 rows of a wider buffer); the launcher passes the same."""
-    layout = RopeLayout.INTERLEAVED if interleaved else RopeLayout.HALF
-    cfg = rope_config((4, 2), 16, rotary_dim=8, layout=layout)
-    rope = cuda_rope_of(cfg, 3, 1, precision)
-    q_wide, k_wide = random_qk(rng, replace(cfg, channels=2 * cfg.channels), 3, 1, precision)
-    q, k = q_wide[..., : cfg.channels], k_wide[..., : cfg.kv_channels]  # strided rows
-    captured: list[tuple[Any, ...]] = []
-    real = _kernels.launch
-
-    def capture(ctx: Any, source: str, name: str, grid: Any, block: Any, args: Any, **kw: Any):
-        captured.append(args)
-        real(ctx, source, name, grid, block, args, **kw)
-
-    monkeypatch.setattr(_kernels, "launch", capture)
-    rope.op.apply(q, k, offset=7, seq_len=8)
-    at = rope.op.launcher(q, k)
-    assert at is not None
-    at(q, k, 7)
-    slot = _kernels.ScalarSlot(np, np.int64)
-    slot(7)
-    values = rope.op.launch_values(q, k, slot)
-    args, bound_args = captured
-    assert len(bound_args) == len(args)
-    for arg, bound_arg in zip(args, bound_args, strict=True):
-        assert bound_arg is arg if isinstance(arg, np.ndarray) else type(bound_arg) is type(arg)
-        assert isinstance(arg, np.ndarray) or bound_arg == arg
-    assert len(values) == len(args) == 27
-    for i, (value, arg) in enumerate(zip(values, args, strict=True)):
-        if isinstance(value, _kernels.ScalarSlot):
-            value = value._cell[0]
-        if isinstance(arg, np.ndarray):
-            assert value is arg, i
-        else:
-            assert type(value) is type(arg) and value == arg, (i, value, arg)
-    packed = rope.op.packed_launcher(q, k)  # the emulator launches what it would pack
-    assert packed is not None
-    for position in (7, 30):  # the position's slot written per call
-        q1, k1 = q.copy(), k.copy()
-        rope.op.apply(q1, k1, offset=position, seq_len=position + 1)
-        before = q_wide.copy(), k_wide.copy()
-        packed(q, k, position)
-        assert q.tobytes() == q1.tobytes() and k.tobytes() == k1.tobytes()
-        assert q_wide[..., cfg.channels :].tobytes() == before[0][..., cfg.channels :].tobytes()
-        q_wide[...], k_wide[...] = before
-
-
-def test_an_emulated_packed_launch_refuses_an_array_that_is_gone(cuda: None, rng) -> None:
-    """The emulator's packed launch holds its arrays weakly, as the real one holds their
-    addresses alone: launched after one is gone (where a GPU would write freed memory) it
-    raises before launching, the other array untouched."""
-    import gc
-
-    cfg = rope_config((2, 1), 8, max_seq_len=32)
-    rope = cuda_rope_of(cfg, 1, 1)
-    q, k = random_qk(rng, cfg, 1, 1)
-    k0 = k.copy()
-    rotate_at = rope.op.packed_launcher(q, k)
-    assert rotate_at is not None
-    del q
-    gc.collect()
-    done = len(launches(rope))
-    with pytest.raises(RuntimeError, match="gone"):
-        rotate_at(None, k, 3)
-    assert k.tobytes() == k0.tobytes() and len(launches(rope)) == done
-
-
-@pytest.mark.parametrize("scalar_type", [np.int64, np.int32, np.float32])
-def test_a_scalar_slots_c_value_writes_its_cell(scalar_type: type[np.generic]) -> None:
-    """``c_value()`` (the packed decode's per-call write) and ``slot(v)`` write the same cell,
-    the one ``pack_params`` passes, at the slot's exact width."""
-    slot = _kernels.ScalarSlot(np, scalar_type)
-    cell = slot.c_value()
-    cell.value = -5
-    assert slot.value() == -5 and type(slot.value()) is scalar_type
-    slot(7)
-    assert cell.value == 7
-    params, _ = _kernels.pack_params((slot,))
-    assert int(params[0]) == slot._cell.ctypes.data
-    assert slot._cell.itemsize == np.dtype(scalar_type).itemsize
-
-
-def test_pack_params_packs_c_values_at_stable_addresses() -> None:
-    import ctypes
-    from types import SimpleNamespace
-
-    device_array = SimpleNamespace(data=SimpleNamespace(ptr=0xDEAD0000))
-    slot = _kernels.ScalarSlot(np, np.int64)
-    args = (device_array, np.int32(-3), slot, np.float32(0.5), _kernels.NULL, np.int64(1 << 40))
-    params, cells = _kernels.pack_params(args)
-    assert params.dtype == np.uint64 and len(params) == len(cells) == len(args)
-
-    def read(i: int, dtype: Any) -> Any:
-        raw = ctypes.string_at(int(params[i]), np.dtype(dtype).itemsize)
-        return np.frombuffer(raw, dtype)[0]
-
-    assert read(0, np.uint64) == 0xDEAD0000
-    assert read(1, np.int32) == -3
-    assert read(3, np.float32) == 0.5
-    assert read(4, np.uint64) == 0
-    assert read(5, np.int64) == 1 << 40
-    slot(4001)  # the slot's cell is the parameter: the next launch sees the new value
-    assert read(2, np.int64) == 4001
-    positions = _kernels.ArraySlot(np, np.int32, 4)  # a by-value struct: its whole bytes
-    struct_params, _ = _kernels.pack_params((positions,))
-    positions(np.array([7, 8, 9]))
-    struct = ctypes.string_at(int(struct_params[0]), 16)
-    assert np.frombuffer(struct, np.int32)[:3].tolist() == [7, 8, 9]
-    for bad in (np.zeros(2, np.float32), 3, 2.5):
-        with pytest.raises(TypeError, match="argument 0"):
-            _kernels.pack_params((bad,))
-
-
-def test_packed_decode_is_what_the_run_asked_for(packed_decode: bool) -> None:
-    """Decode steps launch packed (the default since an H100 run) unless the run passes
-    ``--no-packed-decode`` (CI and the GPU check run the CUDA tests once more with it)."""
-    assert cuda_rope.PACKED_DECODE is packed_decode

@@ -583,7 +583,7 @@ class Llama(Network):
         assert plans is not None
         plan = plans.get(n_b)
         if plan is None:
-            cell = DecodePositions(n_b)
+            cell = DecodePositions(n_b, self.execution_context)
             h = self.embed_tokens._view("output", (n_b, 1, self.config.dim))
             scores = self._state.get("decode_scores")  # CPU builds
             steps: list[Any] = []

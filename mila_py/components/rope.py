@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import math
 import operator
-import weakref
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -73,11 +71,6 @@ class Rope(Component):
         self._k_width = config.kv_channels
         self._max_batch = 0
         self._max_tokens = 0
-        # decode() on the buffers it checked the last two times, again: a launch with nothing
-        # re-checked (the op's decode_fast_path, where it has one), reset when the op or build
-        # changes
-        self._fast_decode: Callable[[Any, Any, Any], bool] | None = None
-        self._last_decoded: tuple[Any, Any] | None = None  # weak references to Q and K
 
     # ------------------------------------------------------------------ lifecycle hooks
     def _on_execution_context_set(self) -> None:
@@ -96,10 +89,8 @@ class Rope(Component):
                 "decode(q, k, position))"
             )
         self._op = op
-        self._fast_decode = self._last_decoded = None
 
     def _on_building(self, build_context: BuildContext) -> None:
-        self._fast_decode = self._last_decoded = None
         shape = build_context.input_shape
         if len(shape) != 3 or shape[2] != self._q_width:
             raise ValueError(
@@ -194,11 +185,7 @@ class Rope(Component):
             position: an int for every sequence, or one int per sequence ``[B]``; with an
                 M-RoPE config also ``[3, B]`` (a position per axis and sequence).
         """
-        fast = self._fast_decode
-        if fast is not None and fast(q, k, position):
-            return
         try:
-            given = q, k
             q, k = self._device_arrays(q, k)
             n_t = self._check_qk(q, k)
             if n_t != 1:
@@ -211,30 +198,11 @@ class Rope(Component):
                         f"must be < max_seq_len = {self.config.max_seq_len}"
                     )
                 self._op.apply(q, k, offset=offset, seq_len=offset + 1)
-                if given[0] is q and given[1] is k:  # this device's own arrays, now checked
-                    self._remember_decoded(q, k)
                 return
             positions, high = self._check_positions(position, (q.shape[0],), "position")
             self._op.apply(q, k, positions=positions[..., None], seq_len=high + 1)
-            if positions.ndim == 1 and given[0] is q and given[1] is k:  # not M-RoPE's [3, B]
-                self._remember_decoded(q, k)
         finally:
             self._release_foreign()
-
-    def _remember_decoded(self, q: Any, k: Any) -> None:
-        """After a checked decode of ``q``, ``k``: the second time running on the same pair, ask
-        the op for a fast path on it (a caller alternating between buffers never pays for one)."""
-        last = self._last_decoded
-        if last is not None and last[0]() is q and last[1]() is k:
-            if self._fast_decode is None:  # kept while the pair stays (a refused position too)
-                make = getattr(self._op, "decode_fast_path", None)
-                self._fast_decode = None if make is None else make(q, k)
-            return
-        self._fast_decode = None  # another pair: the last one's fast path goes
-        try:
-            self._last_decoded = weakref.ref(q), weakref.ref(k)
-        except TypeError:  # an array type without weak references: no fast path
-            self._last_decoded = None
 
     def _decode_at(self, q: Any, k: Any, position: int) -> None:
         """:meth:`decode` at one int position, for a parent that checked what it passes: ``q``

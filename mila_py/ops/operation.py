@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from mila_py.build_context import BuildContext
+from mila_py.devices.device import DeviceType
 from mila_py.devices.execution_context import ExecutionContext
 from mila_py.precision import Precision
 
@@ -29,35 +29,43 @@ __all__ = [
 class DecodePositions:
     """The positions of one decode step, which the bound calls of a decode plan read per call.
 
+    Args:
+        n_sequences: ``B``.
+        context: the plan's execution context; on a GPU the positions are kept in its memory
+            too (:attr:`device`), where the step's kernels read them.
+
     Attributes:
         each: int64 ``[B]``, the position of every sequence (written in place per step).
         highest: ``max(each)``.
         uniform: every sequence is at ``highest`` (no per-sequence work needed).
+        device: int32 ``[B]`` on the context's device, :attr:`each` as of the last :meth:`set`
+            (written on the context's stream, ahead of the step's kernels); None on the CPU.
     """
 
-    __slots__ = ("_device", "each", "highest", "uniform")
+    __slots__ = ("_context", "device", "each", "highest", "uniform")
 
-    def __init__(self, n_sequences: int) -> None:
+    def __init__(self, n_sequences: int, context: ExecutionContext | None = None) -> None:
         self.each = np.zeros(n_sequences, dtype=np.int64)
         self.highest = 0
         self.uniform = True
-        self._device: Any = None
+        on_device = context is not None and context.device_type is not DeviceType.CPU
+        self._context = context if on_device else None
+        self.device: Any = None
+        if self._context is not None:
+            self.device = self._context.allocate((n_sequences,), np.int32)
 
     def set(self, positions: Any, lowest: int, highest: int) -> None:
-        """Take an int (every sequence) or ``[B]`` ints and their range, checked by the caller."""
+        """Take an int (every sequence) or ``[B]`` ints and their range, checked by the caller
+        (every position below ``2**31``); run it with the context active."""
         self.each[...] = positions
         self.highest, self.uniform = highest, lowest == highest
-        self._device = None
-
-    def on_device(self, context: ExecutionContext) -> Any:
-        """:attr:`each` on ``context``'s device: :attr:`each` itself for NumPy, else one copy
-        per step, made on first use and shared by every layer's calls (run with the context
-        active, so the copy is ordered on its stream)."""
-        if context.xp is np:
-            return self.each
-        if self._device is None:
-            self._device = context.to_device(self.each)
-        return self._device
+        ctx: Any = self._context
+        if ctx is not None and self.each.size:
+            values = self.each.astype(np.int32)
+            if ctx.xp is np:  # a device of NumPy arrays (the tests' kernel emulator)
+                self.device[...] = values
+            else:  # ordered after the previous step's kernels, which read the old values
+                self.device.set(values, stream=ctx.stream)
 
 
 def bind_rope_decode(
@@ -251,83 +259,3 @@ class FusedAdamW(Operation):
         """Run the kernel: ``scalars`` are ``(decay, beta1, 1 - beta1, beta2, 1 - beta2,
         sqrt(correction2), eps, step_size)`` in the parameter's dtype."""
         raise NotImplementedError
-
-
-#: the unsigned integer type of each width: a signed array seen through it (see decode_again)
-_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def decode_again(
-    q: Any,
-    k: Any,
-    limit: int,
-    rotate: Callable[[Any, Any, int], None],
-    ready: Callable[[Any, Any], bool],
-    rotate_each: Callable[[Any, Any, np.ndarray], None] | None = None,
-) -> Callable[[Any, Any, Any], bool]:
-    """A RoPE op's fast path for a component's ``decode`` called again on buffers it checked:
-    ``again(q2, k2, position)`` calls ``rotate(q2, k2, position)`` and returns True when ``q2``
-    and ``k2`` are ``q`` and ``k`` (the same objects, held weakly, with the shape, strides and
-    dtype they had here), ``position`` an int in ``[0, limit)`` and ``ready(q2, k2)``; else it
-    does nothing and returns False (the caller takes its checked path).
-
-    With ``rotate_each``, a position per sequence too: ``position`` a NumPy integer array
-    ``[B]`` (B of ``q [B, 1, width]``, at least one) of native byte order, every one in
-    ``[0, limit)``, calls ``rotate_each(q2, k2, position)`` under the same conditions (anything
-    else, a list or ``[B, 1]`` included, returns False for the checked path)."""
-    q_ref: Callable[[], Any] = weakref.ref(q)
-    k_ref: Callable[[], Any] = weakref.ref(k)
-    q_shape, q_strides, q_dtype = q.shape, q.strides, q.dtype
-    k_shape, k_strides, k_dtype = k.shape, k.strides, k.dtype
-    integer, ndarray = np.integer, np.ndarray
-    each_shape = (q_shape[0],) if q_shape[0] else None  # an empty batch takes the checked path
-
-    def same(q2: Any, k2: Any) -> bool:
-        # one attribute at a time (a tuple of them costs ~0.4 us an array); a dtype that is not
-        # the very object seen here only costs a checked call
-        if q2.dtype is not q_dtype or q2.shape != q_shape or q2.strides != q_strides:
-            return False
-        if k2.dtype is not k_dtype or k2.shape != k_shape or k2.strides != k_strides:
-            return False
-        return ready(q2, k2)
-
-    def again(q2: Any, k2: Any, position: Any) -> bool:
-        if q2 is not q_ref() or k2 is not k_ref():
-            return False
-        if type(position) is not int:
-            if type(position) is ndarray and rotate_each is not None:
-                return each_again(q2, k2, position)
-            if not isinstance(position, integer):
-                return False
-            position = int(position)
-        if not 0 <= position < limit:
-            return False
-        # inline, not same(): this is the path of a decode loop at one position, a call of
-        # a few microseconds in all
-        if q2.dtype is not q_dtype or q2.shape != q_shape or q2.strides != q_strides:
-            return False
-        if k2.dtype is not k_dtype or k2.shape != k_shape or k2.strides != k_strides:
-            return False
-        if not ready(q2, k2):
-            return False
-        rotate(q2, k2, position)
-        return True
-
-    def each_again(q2: Any, k2: Any, positions: np.ndarray) -> bool:
-        dtype = positions.dtype
-        if positions.shape != each_shape or dtype.kind not in "iu" or not dtype.isnative:
-            return False
-        if dtype.kind == "i":
-            # one reduction for both bounds: seen as unsigned, a negative position is at least
-            # 2**(bits - 1), past any limit up to that (int32, int64); narrower types need two
-            if limit > 1 << (8 * dtype.itemsize - 1) and positions.min() < 0:
-                return False
-            positions_unsigned = positions.view(_UNSIGNED[dtype.itemsize])
-        else:
-            positions_unsigned = positions
-        if positions_unsigned.max() >= limit or not same(q2, k2):
-            return False
-        rotate_each(q2, k2, positions)  # type: ignore[misc]
-        return True
-
-    return again

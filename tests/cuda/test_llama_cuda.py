@@ -133,35 +133,26 @@ def test_linear_op(ctx, rng, bias: bool, transposed: bool) -> None:
         close(db, db_ref)
 
 
-@pytest.mark.parametrize("b_layout", ["rows", "columns", "strided"])
-@pytest.mark.parametrize("a_layout", ["rows", "columns", "strided"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["out-in", "in-out storage"])
 @pytest.mark.parametrize("m", [1, 5, 300])
-def test_bound_gemm_equals_matmul(ctx, rng, m: int, a_layout: str, b_layout: str) -> None:
-    """``_kernels.bind_gemm`` (one cuBLAS ``sgemm``, its arguments made once: a decode plan's
-    product with ``DIRECT_GEMM``) against ``cupy.matmul`` and the float64 product, for every
-    layout it reads in place, into rows of a wider buffer (the columns beside them untouched),
-    on the context's stream, with the context active."""
-    from mila_py.ops.cuda import _kernels
-
-    def operand(rows: int, cols: int, layout: str) -> Any:
-        if layout == "rows":
-            return dev(f32(rng, rows, cols))
-        if layout == "columns":
-            return cupy.asfortranarray(dev(f32(rng, rows, cols)))
-        return dev(f32(rng, rows, cols + 5))[:, 2 : cols + 2]
-
-    k, n = 96, 40
-    a, b = operand(m, k, a_layout), operand(k, n, b_layout)
-    wide = cupy.full((m, n + 4), np.nan, cupy.float32)
-    out = wide[:, 1 : n + 1]
-    with ctx.activate():
-        call = _kernels.bind_gemm(ctx, a, b, out)
-        assert call is not None
-        call()
-        want = cupy.matmul(a, b)
-    close(out, host(want), rtol=1e-5, atol=1e-5)
-    close(out, host(a).astype(np.float64) @ host(b), rtol=1e-5, atol=1e-5)
-    assert bool(cupy.isnan(wide[:, 0]).all()) and bool(cupy.isnan(wide[:, n + 1 :]).all())
+def test_linear_bind_forward_equals_the_forward(ctx, rng, m: int, transposed: bool) -> None:
+    """The bound forward (a decode plan's product: ``cupy.matmul`` into the output, run with
+    the context active) against the op's forward and the float64 product, for either weight
+    layout; with a bias, the general call."""
+    n_in, n_out = 96, 40
+    op = create_op("LinearOp", ctx, LinearConfig(n_in, n_out, bias=False), FP32)
+    x = f32(rng, m, 1, n_in)
+    w_in_out = f32(rng, n_in, n_out)
+    w = w_in_out.T  # [out, in]
+    gx, gw = dev(x), (dev(w_in_out).T if transposed else dev(np.ascontiguousarray(w)))
+    want = cupy.empty((m, 1, n_out), cupy.float32)
+    op.forward(gx, gw, None, want)
+    close(want, x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
+    for bias in (None, f32(rng, n_out)):
+        out = cupy.full((m, 1, n_out), np.nan, cupy.float32)
+        with ctx.activate():
+            op.bind_forward(gx, gw, None if bias is None else dev(bias), out)()
+        close(out, host(want) + (0 if bias is None else bias), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(("n_rows", "dim"), [(1, 5), (37, 300), (300, 1000)])
@@ -431,14 +422,11 @@ def test_chunked_prefill_and_decode_equal_cpu(weights: str, rng) -> None:
 
 
 @pytest.mark.parametrize(("tie", "extras"), [(False, False), (True, False), (False, True)])
-def test_decode_plan_equals_the_component_path(
-    tmp_path, rng, tie: bool, extras: bool, direct_gemm: bool
-) -> None:
-    """The GPU decode plan (bound cuBLAS calls and launches, ``attention_decode``,
-    ``kv_cache_write``, ragged positions passed by value) against the components'
-    own calls on the GPU: one position for all, ragged positions (also given as a CuPy array),
-    B=1 in a B=2 build; logits and KV caches. Unless ``--no-direct-gemm``, the plan's products
-    are bound ``sgemm`` calls (checked: none fell back to ``cupy.matmul`` unseen)."""
+def test_decode_plan_equals_the_component_path(tmp_path, rng, tie: bool, extras: bool) -> None:
+    """The GPU decode plan (bound products and launches, ``attention_decode``,
+    ``kv_cache_write``, the step's positions read from its device buffer) against the
+    components' own calls on the GPU: one position for all, ragged positions (also given as a
+    CuPy array), B=1 in a B=2 build; logits and KV caches."""
     cfg = dataclasses.replace(CFG, tie_embeddings=tie, **(EXTRAS if extras else {}))
     trained = Llama("llama", cfg, device="CPU")
     trained.build(BuildContext((1, 8), TRAINING))
@@ -467,9 +455,9 @@ def test_decode_plan_equals_the_component_path(
         want = components._decode_components(dev(x[:n_b, position, None]), where)
         close(got, host(want), rtol=1e-5, atol=1e-5)
     assert sorted(planned._plans) == [1, 2] and components._plans == {}
-    bound = [step for _, steps, _ in planned._plans.values() for step in steps
-             if hasattr(step, "gemm_arguments")]  # fmt: skip
-    assert bool(bound) == direct_gemm
+    last = planned._plans[2][0].device  # the last step's positions, on the device
+    assert isinstance(last, cupy.ndarray) and last.dtype == np.int32
+    np.testing.assert_array_equal(host(last), [35 - 4, 35 - 1])
     for a, b in zip(planned.layers, components.layers, strict=True):
         for cache in ("k_cache", "v_cache"):
             close(a.self_attn._state[cache], host(b.self_attn._state[cache]), rtol=1e-5, atol=1e-5)

@@ -11,7 +11,6 @@ The whole module is skipped on machines without CuPy or a GPU.
 from __future__ import annotations
 
 import gc
-import threading
 from typing import Any
 
 import ml_dtypes
@@ -187,24 +186,14 @@ def assert_rest_untouched(x, x0, n_heads: int, head_dim: int, rotary_dim: int) -
 @pytest.mark.real_gpu("NVRTC modules and their kernels")
 @pytest.mark.parametrize("precision", PRECISIONS, ids=str)
 def test_every_kernel_instantiation_compiles_and_is_cached(precision: Precision) -> None:
-    source, names = cuda_rope.ROPE_CUDA_SOURCE, tuple(cuda_rope.kernel_names(precision))
-    module = _kernels.module(source, 0, names)
-    assert _kernels.module(source, 0, names) is module
+    file, names = "rope.cu", tuple(cuda_rope.kernel_names(precision))
+    module = _kernels.module(file, 0, names)
+    assert _kernels.module(file, 0, names) is module
     for name in names:
-        function = _kernels.kernel(source, name, 0, names)
-        assert _kernels.kernel(source, name, 0, names) is function
+        function = _kernels.kernel(file, name, 0, names)
+        assert _kernels.kernel(file, name, 0, names) is function
     assert len(names) == 2 * len(cuda_rope.vector_widths(precision))
     assert cuda_rope.vector_widths(precision)[0] * precision.itemsize == 16
-    for interleaved in (False, True):  # the by-value positions kernels: a module per layout
-        at_names = tuple(cuda_rope.positions_kernel_names(precision, interleaved))
-        assert len(at_names) == len(cuda_rope.vector_widths(precision)) * len(
-            _kernels.POSITION_CAPACITIES
-        )
-        at_module = _kernels.module(source, 0, at_names)
-        assert at_module is not module and _kernels.module(source, 0, at_names) is at_module
-        for name in at_names:
-            function = _kernels.kernel(source, name, 0, at_names)
-            assert _kernels.kernel(source, name, 0, at_names) is function
 
 
 # ---------------------------------------------------------------------------------- forward
@@ -409,19 +398,12 @@ def test_decode_at_each_position_equals_forward(layout: str, precision: Precisio
         assert bits(step_k) == bits(whole_k[:, t : t + 1])
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["cupy-launch", "packed-launch"])
 @pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
 @pytest.mark.parametrize("scaling", [None, "dynamic"], ids=["plain", "dynamic"])
-def test_decode_again_on_the_same_buffers(
-    precision: Precision, scaling: Any, packed: bool, monkeypatch, rng
-) -> None:
-    """A decode loop on one Q/K pair: from the second call on, one launch with its arguments
-    made once (CuPy's by-value objects for the scalars, or every argument packed once for
-    ``cuLaunchKernel`` with ``PACKED_DECODE``) and nothing re-checked; past dynamic NTK's
-    original context (1024) the checked path computes rows per call. A position per sequence
-    takes the by-value kernel's fast path while every one is under 1024. Each step equals the
-    float64 reference, and decoding a fresh copy (the checked path) gives the same bits."""
-    monkeypatch.setattr(cuda_rope, "PACKED_DECODE", packed)
+def test_a_decode_loop_on_the_same_buffers(precision: Precision, scaling: Any, rng) -> None:
+    """A decode loop on one Q/K pair, at int positions and at one per sequence, across dynamic
+    NTK's original context (1024, past which rows are computed per call): each step equals the
+    float64 reference, and decoding a fresh copy gives the same bits."""
     extra = (
         {}
         if scaling is None
@@ -433,20 +415,12 @@ def test_decode_again_on_the_same_buffers(
     rope = cuda_rope_of(cfg, batch, 1, precision=precision)
     checked = cuda_rope_of(cfg, batch, 1, precision=precision)  # fresh buffers: checked calls
     q, k = (up(x) for x in random_qk(rng, cfg, batch, 1, precision))
-    checks = [0]  # checked calls on the pair
-    real_check = rope._check_qk
-    monkeypatch.setattr(
-        rope, "_check_qk", lambda *a, **kw: checks.append(1) or real_check(*a, **kw)
-    )
     each = (np.array([8, 1000]), np.array([1023, 4]), np.array([3000, 7]), np.array([11, 12]))
-    for step, position in enumerate((5, 6, 7, 1023, 1024, 3000, 4095, np.int64(9), 2, *each)):
+    for position in (5, 6, 7, 1023, 1024, 3000, 4095, np.int64(9), 2, *each):
         q0, k0 = random_qk(rng, cfg, batch, 1, precision)
         for buffer, host in ((q, q0), (k, k0)):  # the loop's new token, in place (as bytes)
             write_bits(buffer, host)
-        before = len(checks)
         rope.decode(q, k, position)
-        fast = step >= 2 and int(np.max(position)) < rope.op.table.static_len
-        assert len(checks) == before + (not fast)  # the fast path checks no buffer
         fresh_q, fresh_k = up(q0), up(k0)
         checked.decode(fresh_q, fresh_k, position if np.ndim(position) else int(position))
         assert bits(q) == bits(fresh_q) and bits(k) == bits(fresh_k)
@@ -455,76 +429,6 @@ def test_decode_again_on_the_same_buffers(
         )
         assert_close(down(q), ref_q, precision)
         assert_close(down(k), ref_k, precision)
-    assert rope._fast_decode is not None
-
-
-@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
-@pytest.mark.parametrize("layout", ["half", "interleaved"])
-@pytest.mark.parametrize("batch", [1, 3])
-def test_packed_launcher_gives_the_checked_paths_bits(
-    layout: str, precision: Precision, batch: int, rng
-) -> None:
-    """``packed_launcher`` (``cuLaunchKernel``, every argument packed once) and ``launcher``
-    rotate as the checked ``apply`` does, bit for bit, on strided rows of wider buffers with
-    partial rotary (the channels past it untouched), at several positions; and the packed fast
-    path refuses arrays other than its own, and its own once they are gone."""
-    cfg = rope_config((4, 2), 16, layout=layout, rotary_dim=8)
-    rope = cuda_rope_of(cfg, batch, 1, precision=precision)
-    op = rope._op
-    wide = rope_config((4, 2), 32)  # rows twice as wide: Q and K are strided views
-    q_wide, k_wide = (up(x) for x in random_qk(rng, wide, batch, 1, precision))
-    q, k = q_wide[..., : cfg.channels], k_wide[..., : cfg.kv_channels]
-    packed, plain = op.packed_launcher(q, k), op.launcher(q, k)
-    assert packed is not None and plain is not None
-    for position in (0, 1, 777, 2047):
-        for rotate_at in (packed, plain):
-            before = raw_copy(q_wide), raw_copy(k_wide)
-            expected = raw_copy(q_wide), raw_copy(k_wide)
-            op.apply(expected[0][..., : cfg.channels], expected[1][..., : cfg.kv_channels],
-                     offset=position, seq_len=position + 1)  # fmt: skip
-            rotate_at(q, k, position)
-            assert bits(q_wide) == bits(expected[0]) and bits(k_wide) == bits(expected[1])
-            assert position == 0 or bits(q_wide) != bits(before[0])  # 0: the identity
-            raw(q_wide)[...], raw(k_wide)[...] = raw(before[0]), raw(before[1])
-    # a thread that never used CUDA (no current context): the packed launch makes it current
-    expected = raw_copy(q_wide), raw_copy(k_wide)
-    op.apply(expected[0][..., : cfg.channels], expected[1][..., : cfg.kv_channels],
-             offset=9, seq_len=10)  # fmt: skip
-    errors: list[BaseException] = []
-
-    def in_a_new_thread(rotate_at: Any, q: Any, k: Any) -> None:
-        try:
-            rotate_at(q, k, 9)
-            cupy.cuda.runtime.deviceSynchronize()
-        except BaseException as exc:  # raised in the test's thread below
-            errors.append(exc)
-
-    thread = threading.Thread(target=in_a_new_thread, args=(packed, q, k))
-    thread.start()
-    thread.join()
-    assert not errors, errors
-    assert bits(q_wide) == bits(expected[0]) and bits(k_wide) == bits(expected[1])
-    bound: list[int] = []
-    real_bind = _kernels.bind_packed_launch
-
-    def counting_bind(*args: Any, **kwargs: Any) -> Any:
-        bound.append(1)
-        return real_bind(*args, **kwargs)
-
-    _kernels.bind_packed_launch = counting_bind  # type: ignore[assignment]
-    try:
-        again = op.decode_fast_path(q, k, packed=True)
-    finally:
-        _kernels.bind_packed_launch = real_bind  # type: ignore[assignment]
-    assert again is not None and bound == [1]  # the packed launch, not the CuPy one
-    other_q = raw_copy(q_wide)[..., : cfg.channels]  # the same shape and strides, not the array
-    before = bits(other_q)
-    assert not again(other_q, k, 5) and bits(other_q) == before
-    assert again(q, k, 5)
-    del q, q_wide, packed, plain
-    gc.collect()
-    fresh_q = up(np.zeros((batch, 1, 2 * cfg.channels), dtype_of(precision)))[..., : cfg.channels]
-    assert not again(fresh_q, k, 5) and bits(fresh_q) == bytes(fresh_q.nbytes)
 
 
 @pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
@@ -557,17 +461,15 @@ def test_decode_per_sequence_positions(precision: Precision, rng) -> None:
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 @pytest.mark.parametrize(
     ("batch", "tokens", "mrope"),
-    [(1, 1, False), (3, 1, False), (64, 1, False), (65, 1, False), (512, 1, False),
-     (513, 1, False), (8, 64, False), (21, 1, True), (22, 1, True), (171, 1, True)],
+    [(1, 1, False), (3, 1, False), (600, 1, False), (8, 64, False), (21, 1, True),
+     (171, 1, True)],
     ids=lambda v: str(int(v)),
 )  # fmt: skip
-def test_positions_by_value_give_the_uploaded_paths_bits(
+def test_explicit_positions_of_any_count(
     monkeypatch, batch: int, tokens: int, mrope: bool, layout: str, precision: Precision, rng
 ) -> None:
-    """Explicit positions that fit a by-value capacity (``B * T``, or ``3 * B * T`` with
-    M-RoPE, up to 512) go in the launch's parameters, no upload at all, and give the bits of
-    the same call with its positions uploaded (``POSITION_CAPACITIES`` empty). The struct's
-    elements past the call's positions hold -1 (an earlier, larger call's) and are never read."""
+    """Explicit positions (``[B, T]``, or ``[3, B, T]`` with M-RoPE), few or many, go to the
+    kernel in one upload per call and rotate as the float64 reference."""
     section = {"mrope_section": (4, 2, 2)} if mrope else {}  # the 8 frequencies of 16
     cfg = rope_config((4, 2), 16, layout=layout, **section)
     rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
@@ -575,63 +477,51 @@ def test_positions_by_value_give_the_uploaded_paths_bits(
     shape = (3, batch, tokens) if mrope else (batch, tokens)
     positions = rng.integers(0, cfg.max_seq_len, size=shape)
     q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
-
-    def call(q: Any, k: Any) -> None:
-        if tokens == 1:
-            rope.decode(q, k, positions[..., 0])
-        else:
-            rope.rotate(q, k, positions)
-
-    with monkeypatch.context() as m:
-        m.setattr(_kernels, "POSITION_CAPACITIES", ())
-        uploaded_q, uploaded_k = up(q0), up(k0)
-        call(uploaded_q, uploaded_k)
-    fits = positions.size <= max(_kernels.POSITION_CAPACITIES)
-    for cap in _kernels.POSITION_CAPACITIES:
-        slot = rope.op._position_slots.setdefault(cap, _kernels.ArraySlot(cupy, np.int32, cap))
-        slot.values[:] = -1
     uploads: list[int] = []
     real_to_device = ctx.to_device
     monkeypatch.setattr(ctx, "to_device", lambda a: uploads.append(1) or real_to_device(a))
     q, k = up(q0), up(k0)
-    call(q, k)
-    assert bits(q) == bits(uploaded_q) and bits(k) == bits(uploaded_k)
-    assert len(uploads) == (0 if fits else 1)
+    if tokens == 1:
+        rope.decode(q, k, positions[..., 0])
+    else:
+        rope.rotate(q, k, positions)
+    assert len(uploads) == 1
     ref_q, ref_k = reference(cfg, q0, k0, positions)
     assert_close(down(q), ref_q, precision)
     assert_close(down(k), ref_k, precision)
 
 
 @pytest.mark.parametrize("batch", [5, 600])
-def test_a_ragged_decode_plan_step_passes_its_positions_by_value(
+def test_a_decode_plan_step_reads_its_positions_from_the_device_buffer(
     monkeypatch, batch: int, rng
 ) -> None:
-    """A decode plan's ragged step rotates at the positions of each step, passed in the
-    launch's parameters (5 sequences: no device copy of them) or, past the largest capacity,
-    through the step's device copy (600), both with the checked path's bits."""
+    """A decode plan's step (one position for all, or one per sequence) reads the step's
+    positions from their device buffer (written by ``DecodePositions.set`` on the context's
+    stream): no upload per step, and the bits of the component's own decode."""
     from mila_py.ops.operation import DecodePositions
 
     cfg = rope_config((4, 2), 16)
     rope = cuda_rope_of(cfg, batch, 1)
-    copies: list[int] = []
-    real_on_device = DecodePositions.on_device
-    monkeypatch.setattr(DecodePositions, "on_device",
-                        lambda self, c: copies.append(1) or real_on_device(self, c))  # fmt: skip
+    ctx = rope.execution_context
     q = up(np.zeros((batch, 1, cfg.channels), np.float32))
     k = up(np.zeros((batch, 1, cfg.kv_channels), np.float32))
-    positions = DecodePositions(batch)
+    positions = DecodePositions(batch, ctx)
     step = rope.op.bind_decode(q, k, positions)
-    for _ in range(3):
-        each = rng.integers(0, cfg.max_seq_len, size=batch)
+    uploads: list[int] = []
+    real_to_device = ctx.to_device
+    monkeypatch.setattr(ctx, "to_device", lambda a: uploads.append(1) or real_to_device(a))
+    for ragged in (True, False, True):
+        each = rng.integers(0, cfg.max_seq_len, size=batch) if ragged else np.full(batch, 900)
         q0, k0 = random_qk(rng, cfg, batch, 1)
         q[...], k[...] = up(q0), up(k0)
-        positions.set(each, int(each.min()), int(each.max()))
-        with rope.execution_context.activate():
+        uploads.clear()
+        with ctx.activate():
+            positions.set(each, int(each.min()), int(each.max()))
             step()
+        assert uploads == []  # (the component's decode below uploads its positions)
         checked_q, checked_k = up(q0), up(k0)
         rope.decode(checked_q, checked_k, each)
         assert bits(q) == bits(checked_q) and bits(k) == bits(checked_k)
-    assert len(copies) == (0 if batch <= max(_kernels.POSITION_CAPACITIES) else 3)
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,7 @@ from mila_py.components.rope_table import RopeTable, get_rope, mrope_axes
 from mila_py.devices import DeviceType
 from mila_py.ops.cpu import _rope_fused
 from mila_py.ops.cpu._fused_math import BACKENDS, cpu_backend
-from mila_py.ops.operation import DecodePositions, Operation, bind_rope_decode, decode_again
+from mila_py.ops.operation import DecodePositions, Operation, bind_rope_decode
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
@@ -157,39 +157,6 @@ class CpuRopeOp(Operation):
                 kernel(q, k, tables[0], tables[1], 0, each, True, 0, n_rows, *args)
 
         return rotate
-
-    def decode_fast_path(self, q: Any, k: Any) -> Callable[[Any, Any, Any], bool] | None:
-        """For a component whose ``decode`` is called again and again on the buffers ``q``,
-        ``k`` ``[B, 1, width]`` it has checked: ``again(q2, k2, position)`` rotates them at
-        ``position`` (an int, or a NumPy integer array ``[B]``: one per sequence) with one call
-        of the fused kernel (its arguments made here) and returns True when they are those
-        arrays (:func:`~mila_py.ops.operation.decode_again`), still writeable, every position
-        under the table's :attr:`~RopeTable.static_len`, and the fused path in use; else False,
-        having done nothing. None where one single-threaded kernel call does not apply (the
-        NumPy path, 16-bit data, a batch large enough to split over the cores)."""
-        table = self.table
-        assert table is not None, "CpuRopeOp used before build"
-        if not self.uses_fused or q.shape[1] != 1 or q.dtype not in (np.float32, np.float64):
-            return None
-        if q.shape[0] * (q.shape[2] + k.shape[2]) >= _PARALLEL_ELEMENTS:
-            return None  # large enough to split over the cores: the checked path does that
-        cfg = self.config
-        n_rows = q.shape[0]
-        args = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, table.n_freq, self._interleaved, False)
-        kernel = _rope_fused.rope_rows_inplace
-        cos, sin, no_positions = table.cos, table.sin, _rope_fused.NO_POSITIONS
-
-        def rotate(q: Any, k: Any, position: int) -> None:
-            kernel(q, k, cos, sin, position, no_positions, False, 0, n_rows, *args)
-
-        def rotate_each(q: Any, k: Any, positions: np.ndarray) -> None:  # [B]: one per sequence
-            each = np.ascontiguousarray(positions, dtype=np.int64).reshape(n_rows, 1)
-            kernel(q, k, cos, sin, 0, each, True, 0, n_rows, *args)
-
-        def ready(q: Any, k: Any) -> bool:  # the backend may be switched between calls
-            return bool(self._fused_on and q.flags.writeable and k.flags.writeable)
-
-        return decode_again(q, k, table.static_len, rotate, ready, rotate_each)
 
     def apply(
         self,

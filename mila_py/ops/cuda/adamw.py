@@ -24,32 +24,10 @@ from mila_py.ops.operation import FusedAdamW
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
-__all__ = ["ADAMW_CUDA_SOURCE", "CudaAdamWOp"]
+__all__ = ["CudaAdamWOp"]
 
-ADAMW_CUDA_SOURCE = r"""
-extern "C" __global__ void adamw_step(
-    float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
-    float* __restrict__ v, long long n, int decays, float decay, float beta1,
-    float one_minus_beta1, float beta2, float one_minus_beta2, float correction2_sqrt, float eps,
-    float step_size)
-{
-    const long long stride = (long long)blockDim.x * gridDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const float gi = g[i];
-        float pi = p[i];
-        if (decays) {
-            pi = __fmul_rn(pi, decay);
-        }
-        const float mi = __fadd_rn(__fmul_rn(m[i], beta1), __fmul_rn(one_minus_beta1, gi));
-        const float vi = __fadd_rn(
-            __fmul_rn(v[i], beta2), __fmul_rn(__fmul_rn(one_minus_beta2, gi), gi));
-        const float denom = __fadd_rn(__fdiv_rn(sqrtf(vi), correction2_sqrt), eps);
-        p[i] = __fsub_rn(pi, __fmul_rn(step_size, __fdiv_rn(mi, denom)));
-        m[i] = mi;
-        v[i] = vi;
-    }
-}
-"""
+#: the kernel file
+_FILE = "adamw.cu"
 
 
 @register_op("AdamWOp", DeviceType.CUDA, precisions=(Precision.FP32,))
@@ -63,6 +41,4 @@ class CudaAdamWOp(FusedAdamW):
         args = (p, g, m, v, np.int64(n), np.int32(decays), *scalars)
         ctx: Any = self.context
         with ctx.activate():
-            _kernels.launch(
-                ctx, ADAMW_CUDA_SOURCE, "adamw_step", _kernels.grid_1d(n), _kernels.THREADS, args
-            )
+            _kernels.launch(ctx, _FILE, "adamw_step", _kernels.grid_1d(n), _kernels.THREADS, args)

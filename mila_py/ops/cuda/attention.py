@@ -20,14 +20,13 @@ this exact orchestration with NumPy and reference kernels.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from mila_py.devices import DeviceType
-from mila_py.ops.cpu.attention import _visible_bias, values_product
+from mila_py.ops.cpu.attention import values_product
 from mila_py.ops.cuda import _kernels
 from mila_py.ops.operation import (
     DecodePositions,
@@ -38,194 +37,21 @@ from mila_py.ops.operation import (
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
-__all__ = ["ATTENTION_CUDA_SOURCE", "CudaAttentionOp", "attention_backward", "attention_forward"]
+__all__ = ["CudaAttentionOp", "attention_backward", "attention_forward"]
 
-ATTENTION_CUDA_SOURCE = r"""
-// scores [n_rows, n_tk] C-contiguous, replaced by their softmax. Row r is query t = r % n_tq;
-// with causal != 0 it sees keys s <= q_offset + t (the others get probability 0), else all keys
-// (an additive bias with -inf entries was applied before). One block per row (grid-stride).
-extern "C" __global__ void attention_softmax(
-    float* __restrict__ scores, long long n_rows, int n_tq, int n_tk, long long q_offset,
-    int causal)
-{
-    __shared__ float scratch[32];
-    for (long long row = blockIdx.x; row < n_rows; row += gridDim.x) {
-        float* s = scores + row * n_tk;
-        const long long t = row % n_tq;
-        long long visible = n_tk;
-        if (causal && q_offset + t + 1 < visible) {
-            visible = q_offset + t + 1;
-        }
-        const float sum = mila_block_exp_sum(s, visible, scratch);
-        for (long long i = threadIdx.x; i < n_tk; i += blockDim.x) {
-            s[i] = i < visible ? __fdiv_rn(s[i], sum) : 0.0f;
-        }
-    }
-}
-
-// Decode: one new query per sequence over its cached keys and values. q [B, 1, Hq*d] (rows at
-// stride q_sb: a view of the QKV buffer), k_cache and v_cache [B, t_max, Hk*d] and out
-// [B, 1, Hq*d] C-contiguous. Sequence b sees keys 0 .. len_b - 1, len_b = positions[b] + 1
-// when positions is not NULL, else n. One block of 256 threads per (query head, sequence):
-// - scores: a warp per key, lanes over the channels, kept in dynamic shared memory ([n]
-//   floats, n >= every len_b); the loop runs the same trip count in every warp (shuffles
-//   need whole warps);
-// - the block's softmax over them;
-// - the weighted sum of the values: the threads as groups of `cols` channels, each group
-//   summing p_j v_j over every groups-th key, the groups' sums added through shared memory.
-// positions: int64 in device memory (null: every sequence sees n keys), or by value
-// (mila_positions<N>, attention_decode_at); scratch [32] and partial [blockDim.x] are the
-// kernel's static shared arrays.
-template <typename P>
-__device__ __forceinline__ void attention_decode_body(
-    const float* __restrict__ q, const float* __restrict__ k_cache,
-    const float* __restrict__ v_cache, float* __restrict__ out,
-    const P& positions, int n, long long q_sb, int t_max, int n_heads,
-    int n_kv_heads, int head_dim, float scale, float* scratch, float* partial)
-{
-    extern __shared__ float scores[];
-    const int h = blockIdx.x;
-    const long long b = blockIdx.y;
-    const int kv_head = h / (n_heads / n_kv_heads);
-    const int len = has_positions(positions) ? (int)position_of(positions, b) + 1 : n;
-    const long long kv_width = (long long)n_kv_heads * head_dim;
-    const float* qh = q + b * q_sb + (long long)h * head_dim;
-    const float* kb = k_cache + b * t_max * kv_width + (long long)kv_head * head_dim;
-    const float* vb = v_cache + b * t_max * kv_width + (long long)kv_head * head_dim;
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int n_warps = blockDim.x >> 5;
-    for (int first = 0; first < len; first += n_warps) {
-        const int j = first + warp;
-        float dot = 0.0f;
-        if (j < len) {
-            const float* kj = kb + (long long)j * kv_width;
-            for (int c = lane; c < head_dim; c += 32) {
-                dot = fmaf(__fmul_rn(qh[c], scale), kj[c], dot);
-            }
-        }
-        dot = mila_warp_sum(dot);
-        if (j < len && lane == 0) {
-            scores[j] = dot;
-        }
-    }
-    __syncthreads();
-    const float sum = mila_block_exp_sum(scores, len, scratch);  // p_j = scores[j] / sum
-    const int cols = head_dim < (int)blockDim.x ? head_dim : (int)blockDim.x;
-    const int groups = blockDim.x / cols;
-    const int group = threadIdx.x / cols;
-    const int col = threadIdx.x - group * cols;
-    float* oh = out + b * (long long)n_heads * head_dim + (long long)h * head_dim;
-    for (int base = 0; base < head_dim; base += cols) {  // the same trip count in every thread
-        const int c = base + col;
-        const bool active = group < groups && c < head_dim;
-        float acc = 0.0f;
-        if (active) {
-            for (int j = group; j < len; j += groups) {
-                acc = fmaf(scores[j], vb[(long long)j * kv_width + c], acc);
-            }
-        }
-        __syncthreads();  // the previous pass has read partial
-        if (active) {
-            partial[threadIdx.x] = acc;
-        }
-        __syncthreads();
-        if (active && group == 0) {
-            float total = acc;
-            for (int other = 1; other < groups; ++other) {
-                total = __fadd_rn(total, partial[other * cols + col]);
-            }
-            oh[c] = __fdiv_rn(total, sum);
-        }
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(256) attention_decode(
-    const float* __restrict__ q MILA_STRIDED, const float* __restrict__ k_cache,
-    const float* __restrict__ v_cache, float* __restrict__ out,
-    const long long* __restrict__ positions, int n, long long q_sb, int t_max, int n_heads,
-    int n_kv_heads, int head_dim, float scale)
-{
-    __shared__ float scratch[32];
-    __shared__ float partial[256];
-    attention_decode_body(q, k_cache, v_cache, out, positions, n, q_sb, t_max, n_heads,
-                          n_kv_heads, head_dim, scale, scratch, partial);
-}
-
-// attention_decode with the positions by value: int32, the first B of N.
-template <int N>
-__global__ void __launch_bounds__(256) attention_decode_at(
-    const float* __restrict__ q MILA_STRIDED, const float* __restrict__ k_cache,
-    const float* __restrict__ v_cache, float* __restrict__ out,
-    const mila_positions<N> positions, int n, long long q_sb, int t_max, int n_heads,
-    int n_kv_heads, int head_dim, float scale)
-{
-    __shared__ float scratch[32];
-    __shared__ float partial[256];
-    attention_decode_body(q, k_cache, v_cache, out, positions, n, q_sb, t_max, n_heads,
-                          n_kv_heads, head_dim, scale, scratch, partial);
-}
-
-// The new token's keys and values into the caches: k_new, v_new [B, 1, Hk*d] (rows at strides
-// k_sb, v_sb: views of the QKV buffer) to row positions[b] (or p when positions is NULL) of
-// sequence b of k_cache, v_cache [B, t_max, Hk*d] C-contiguous (grid-stride over B * width).
-template <typename P>
-__device__ __forceinline__ void kv_cache_write_body(
-    const float* __restrict__ k_new, const float* __restrict__ v_new,
-    float* __restrict__ k_cache, float* __restrict__ v_cache,
-    const P& positions, long long p, long long k_sb, long long v_sb,
-    int t_max, int width, int n_b)
-{
-    const long long total = (long long)n_b * width;
-    const long long stride = (long long)blockDim.x * gridDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
-        const long long b = i / width;
-        const long long c = i - b * width;
-        const long long row = has_positions(positions) ? position_of(positions, b) : p;
-        const long long at = (b * t_max + row) * width + c;
-        k_cache[at] = k_new[b * k_sb + c];
-        v_cache[at] = v_new[b * v_sb + c];
-    }
-}
-
-extern "C" __global__ void kv_cache_write(
-    const float* __restrict__ k_new MILA_STRIDED, const float* __restrict__ v_new MILA_STRIDED,
-    float* __restrict__ k_cache, float* __restrict__ v_cache,
-    const long long* __restrict__ positions, long long p, long long k_sb, long long v_sb,
-    int t_max, int width, int n_b)
-{
-    kv_cache_write_body(k_new, v_new, k_cache, v_cache, positions, p, k_sb, v_sb, t_max, width,
-                        n_b);
-}
-
-// kv_cache_write with the positions by value: int32, the first B of N.
-template <int N>
-__global__ void kv_cache_write_at(
-    const float* __restrict__ k_new MILA_STRIDED, const float* __restrict__ v_new MILA_STRIDED,
-    float* __restrict__ k_cache, float* __restrict__ v_cache,
-    const mila_positions<N> positions, long long p, long long k_sb, long long v_sb,
-    int t_max, int width, int n_b)
-{
-    kv_cache_write_body(k_new, v_new, k_cache, v_cache, positions, p, k_sb, v_sb, t_max, width,
-                        n_b);
-}
-
-// dp = (dp - row[r]) * p for the n elements of [n / n_cols, n_cols] (grid-stride).
-extern "C" __global__ void attention_softmax_backward(
-    float* __restrict__ dp, const float* __restrict__ p, const float* __restrict__ row,
-    long long n, int n_cols)
-{
-    const long long stride = (long long)blockDim.x * gridDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        dp[i] = __fmul_rn(__fsub_rn(dp[i], row[i / n_cols]), p[i]);
-    }
-}
-"""
+#: the kernel file
+_FILE = "attention.cu"
 
 #: ``softmax(scores [R, Tk], n_tq, q_offset, causal)``: the in-place masked row softmax
 SoftmaxKernel = Callable[[Any, int, int, bool], None]
 #: ``softmax_backward(dp [R, Tk], probs [R, Tk], row [R])``: ``dp = (dp - row) * probs`` in place
 SoftmaxBackwardKernel = Callable[[Any, Any, Any], None]
+
+
+def _visible_bias(visible: Any, n_tk: int, dtype: Any, xp: Any) -> Any:
+    """``[B, 1, 1, 1, Tk]``: 0 for the first ``visible[b]`` keys of sequence ``b``, else -inf."""
+    seen = xp.arange(n_tk)[None, :] < xp.asarray(visible)[:, None]
+    return xp.where(seen, 0.0, -np.inf).astype(dtype)[:, None, None, None, :]
 
 
 def _heads(x: Any, heads: int, head_dim: int) -> Any:
@@ -358,36 +184,6 @@ _DECODE_THREADS = 256
 _DECODE_MAX_KEYS = 11_000
 
 
-def _by_value_names() -> tuple[str, ...]:
-    """The template instantiations of the by-value positions kernels (one module, compiled on
-    the first ragged decode step that takes them)."""
-    return tuple(
-        f"{kernel}<{cap}>"
-        for kernel in ("attention_decode_at", "kv_cache_write_at")
-        for cap in _kernels.POSITION_CAPACITIES
-    )
-
-
-def _by_value_launch(
-    ctx: Any, kernel: str, n_b: int, grid: tuple[int, ...], block: int
-) -> tuple[_kernels.ArraySlot, Callable[..., None]] | None:
-    """``(slot, launch)`` for ``kernel`` (``attention_decode_at`` or ``kv_cache_write_at``) of the
-    capacity that holds ``n_b`` positions: ``slot(each)`` writes a step's positions into the
-    by-value struct and returns its argument; ``launch(args, shared=0)`` launches, bound at its
-    first call (when the by-value kernels' module is compiled). None where ``n_b`` is past every
-    :data:`~._kernels.POSITION_CAPACITIES`."""
-    cap = _kernels.capacity_for(n_b)
-    if cap is None:
-        return None
-    name = f"{kernel}<{cap}>"
-    launch = _kernels.bind_on_first_call(
-        lambda *_: _kernels.bind_launch(
-            ctx, ATTENTION_CUDA_SOURCE, name, grid, block, name_expressions=_by_value_names()
-        )
-    )
-    return _kernels.ArraySlot(ctx.xp, np.int32, cap), launch
-
-
 @register_op("AttentionOp", DeviceType.CUDA, precisions=(Precision.FP32,))
 class CudaAttentionOp(Operation):
     """cuBLAS + fused-softmax causal GQA attention (same contract as the CPU op)."""
@@ -429,37 +225,28 @@ class CudaAttentionOp(Operation):
     ) -> Callable[[], None]:
         """Write the new token's keys and values ``[B, Hk*d]`` (views of the QKV buffer) to row
         ``positions.each[b]`` of sequence ``b`` of the caches ``[B, T_max, Hk*d]``, as a
-        callable of no arguments (a decode plan): one ``kv_cache_write`` launch (a ragged
-        step's positions passed by value, ``kv_cache_write_at``, where they fit one of
-        :data:`~._kernels.POSITION_CAPACITIES`; else the step's device copy of them)."""
+        callable of no arguments (a decode plan): one ``kv_cache_write`` launch, which reads
+        the rows from the step's device buffer (:attr:`DecodePositions.device`)."""
         item = k_new.dtype.itemsize
         fits = k_cache.flags.c_contiguous and v_cache.flags.c_contiguous
-        if not fits or k_new.strides[1] != item or v_new.strides[1] != item:
+        if (
+            not fits
+            or k_new.strides[1] != item
+            or v_new.strides[1] != item
+            or positions.device is None
+        ):
             return bind_cache_write(self.context.xp, k_new, v_new, k_cache, v_cache, positions)
         ctx: Any = self.context
         n_b, t_max, width = k_cache.shape
-        b = functools.partial(_kernels.bound_scalar, ctx.xp)  # arguments made once
-        fixed = (
-            b(np.int64(k_new.strides[0] // item)), b(np.int64(v_new.strides[0] // item)),
-            b(np.int32(t_max)), b(np.int32(width)), b(np.int32(n_b)),
+        args = (
+            k_new, v_new, k_cache, v_cache, positions.device,
+            np.int64(k_new.strides[0] // item), np.int64(v_new.strides[0] // item),
+            np.int32(t_max), np.int32(width), np.int32(n_b),
         )  # fmt: skip
-        null, highest = b(_kernels.NULL), _kernels.ScalarSlot(ctx.xp, np.int64)
         grid = _kernels.grid_1d(n_b * width)
-        call = _kernels.bind_launch(
-            ctx, ATTENTION_CUDA_SOURCE, "kv_cache_write", grid, _kernels.THREADS
-        )
-        by_value = _by_value_launch(ctx, "kv_cache_write_at", n_b, grid, _kernels.THREADS)
 
         def write() -> None:
-            p = highest(positions.highest)
-            if positions.uniform:
-                call((k_new, v_new, k_cache, v_cache, null, p, *fixed))
-            elif by_value is not None:  # the step's positions in the launch's parameters
-                slot, launch = by_value
-                launch((k_new, v_new, k_cache, v_cache, slot(positions.each), p, *fixed))
-            else:
-                pos = positions.on_device(ctx)
-                call((k_new, v_new, k_cache, v_cache, pos, p, *fixed))
+            _kernels.launch(ctx, _FILE, "kv_cache_write", grid, _kernels.THREADS, args)
 
         return write
 
@@ -477,12 +264,12 @@ class CudaAttentionOp(Operation):
     ) -> Callable[[], None]:
         """Decode attention of ``q [B, 1, Hq*d]`` over ``k_cache``, ``v_cache`` ``[B, T_max,
         Hk*d]`` up to ``positions`` (read at each call) into ``out``, as a callable of no
-        arguments (a decode plan, run with the context active).
+        arguments (a decode plan).
 
         One ``attention_decode`` launch per step (a block per query head and sequence, the
-        scores in shared memory; a ragged step's positions by value, ``attention_decode_at``,
-        where they fit) where the caches and ``out`` are C-contiguous and the scores
-        of the longest sequence fit the default 48 KiB of shared memory (11,000 keys);
+        scores in shared memory, each sequence's length read from the step's device buffer,
+        :attr:`DecodePositions.device`) where the caches and ``out`` are C-contiguous and the
+        scores of the longest sequence fit the default 48 KiB of shared memory (11,000 keys);
         otherwise, and for other layouts, the GEMM path of :meth:`forward`. ``scratch`` is the
         CPU op's; this op takes none.
         """
@@ -493,37 +280,28 @@ class CudaAttentionOp(Operation):
         dense = all(a.flags.c_contiguous for a in (k_cache, v_cache, out))
         if not dense or q.shape[1] != 1 or q.strides[2] != item or q.strides[0] % item:
             return general
-        if k_cache.shape[0] > 65535:  # the grid's y dimension (sequences) has this limit
+        if k_cache.shape[0] > 65535 or positions.device is None:  # the grid's y limit (sequences)
             return general
         if k_cache.shape[0] == 0:  # an empty batch: a grid of no blocks is a launch error
             return lambda: None
         ctx: Any = self.context
         n_b, t_max = k_cache.shape[0], k_cache.shape[1]
         head_dim = q.shape[2] // n_heads
-        b = functools.partial(_kernels.bound_scalar, ctx.xp)  # arguments made once
-        fixed = tuple(b(np.int32(v)) for v in (t_max, n_heads, n_kv_heads, head_dim))
-        stride, s, null = b(np.int64(q.strides[0] // item)), b(np.float32(scale)), b(_kernels.NULL)
+        args = (
+            q, k_cache, v_cache, out, positions.device, np.int64(q.strides[0] // item),
+            np.int32(t_max), np.int32(n_heads), np.int32(n_kv_heads), np.int32(head_dim),
+            np.float32(scale),
+        )  # fmt: skip
         grid = (n_heads, n_b)
-        call = _kernels.bind_launch(
-            ctx, ATTENTION_CUDA_SOURCE, "attention_decode", grid, _DECODE_THREADS
-        )
-        by_value = _by_value_launch(ctx, "attention_decode_at", n_b, grid, _DECODE_THREADS)
-        keys = _kernels.ScalarSlot(ctx.xp, np.int32)
 
         def attend() -> None:
-            n = positions.highest + 1
+            n = positions.highest + 1  # the longest sequence's keys
             if n > _DECODE_MAX_KEYS:
                 general()
                 return
-            if positions.uniform:
-                call((q, k_cache, v_cache, out, null, keys(n), stride, *fixed, s), n * 4)
-            elif by_value is not None:  # per-sequence lengths from the positions, by value
-                slot, launch = by_value
-                at = slot(positions.each)
-                launch((q, k_cache, v_cache, out, at, keys(n), stride, *fixed, s), n * 4)
-            else:  # from the step's positions on the device (one copy per step)
-                pos = positions.on_device(ctx)
-                call((q, k_cache, v_cache, out, pos, keys(n), stride, *fixed, s), n * 4)
+            _kernels.launch(
+                ctx, _FILE, "attention_decode", grid, _DECODE_THREADS, args, shared_mem=n * 4
+            )
 
         return attend
 
@@ -560,7 +338,7 @@ class CudaAttentionOp(Operation):
         )  # fmt: skip
         _kernels.launch(
             self.context,
-            ATTENTION_CUDA_SOURCE,
+            _FILE,
             "attention_softmax",
             _kernels.grid_1d(n_rows, 1),
             _kernels.ROW_THREADS,
@@ -573,7 +351,7 @@ class CudaAttentionOp(Operation):
             return
         _kernels.launch(
             self.context,
-            ATTENTION_CUDA_SOURCE,
+            _FILE,
             "attention_softmax_backward",
             _kernels.grid_1d(n),
             _kernels.THREADS,

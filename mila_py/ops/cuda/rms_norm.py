@@ -27,79 +27,10 @@ from mila_py.ops.operation import Operation
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
-__all__ = ["RMS_NORM_CUDA_SOURCE", "CudaRmsNormOp"]
+__all__ = ["CudaRmsNormOp"]
 
-RMS_NORM_CUDA_SOURCE = r"""
-// x, y [n_rows, dim] C-contiguous; one block per row.
-extern "C" __global__ void rms_norm_forward(
-    const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
-    float* __restrict__ rstd, int dim, float eps)
-{
-    __shared__ double scratch[32];
-    const long long row = blockIdx.x;
-    const float* xr = x + row * dim;
-    float* yr = y + row * dim;
-    // the squares summed in double, as the CPU ops: in float32 a row of |x| ~ 1e19 overflows
-    // (y = 0) and one of 1e-23 underflows
-    double ss = 0.0;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        const double v = xr[i];
-        ss += v * v;
-    }
-    ss = mila_block_sum(ss, scratch);
-    // the CPU op's order: mean, + eps, sqrt, reciprocal, in double; r rounded to float
-    const float r = (float)(1.0 / sqrt(ss / (double)dim + (double)eps));
-    if (threadIdx.x == 0) {
-        rstd[row] = r;
-    }
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        yr[i] = __fmul_rn(__fmul_rn(xr[i], r), w[i]);
-    }
-}
-
-// dx = r * (g - n * mean(g * n)) with n = x * r, g = dy * w; one block per row.
-extern "C" __global__ void rms_norm_backward_dx(
-    const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ rstd,
-    const float* __restrict__ dy, float* __restrict__ dx, int dim)
-{
-    __shared__ float scratch[32];
-    const long long row = blockIdx.x;
-    const long long base = row * dim;
-    const float r = rstd[row];
-    float acc = 0.0f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        const float n = __fmul_rn(x[base + i], r);
-        const float g = __fmul_rn(dy[base + i], w[i]);
-        acc = __fadd_rn(acc, __fmul_rn(g, n));
-    }
-    const float c = __fdiv_rn(mila_block_sum(acc, scratch), (float)dim);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        const float n = __fmul_rn(x[base + i], r);
-        const float g = __fmul_rn(dy[base + i], w[i]);
-        dx[base + i] = __fmul_rn(__fsub_rn(g, __fmul_rn(n, c)), r);
-    }
-}
-
-// partial[chunk, j] = sum over the chunk's rows i of dy[i, j] * (x[i, j] * r[i]).
-// grid (ceil(dim / blockDim.x), chunks); chunk c holds rows [c * rows_per_chunk, ...).
-extern "C" __global__ void rms_norm_backward_dw(
-    const float* __restrict__ x, const float* __restrict__ rstd, const float* __restrict__ dy,
-    float* __restrict__ partial, int n_rows, int dim, int rows_per_chunk)
-{
-    const int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= dim) {
-        return;
-    }
-    const int start = blockIdx.y * rows_per_chunk;
-    const int stop = n_rows < start + rows_per_chunk ? n_rows : start + rows_per_chunk;
-    float acc = 0.0f;
-    for (int i = start; i < stop; ++i) {
-        const long long o = (long long)i * dim + j;
-        acc = __fadd_rn(acc, __fmul_rn(dy[o], __fmul_rn(x[o], rstd[i])));
-    }
-    partial[(long long)blockIdx.y * dim + j] = acc;
-}
-"""
+#: the kernel file
+_FILE = "rms_norm.cu"
 
 #: rows each column thread of the weight-gradient kernel sums at least (then chunks <= 512)
 _MIN_ROWS_PER_CHUNK = 8
@@ -127,31 +58,29 @@ class CudaRmsNormOp(Operation):
                 return
             w = ctx.xp.ascontiguousarray(weight)
             args = (x2, w, y2, r, np.int32(dim), np.float32(self.config.eps))
-            _kernels.launch(
-                ctx, RMS_NORM_CUDA_SOURCE, "rms_norm_forward", (n_rows,), _kernels.ROW_THREADS, args
-            )
+            _kernels.launch(ctx, _FILE, "rms_norm_forward", (n_rows,), _kernels.ROW_THREADS, args)
 
     def bind_forward(self, x: Any, weight: Any, out: Any, rstd: Any) -> Callable[[], Any]:
         """:meth:`forward` of fixed buffers as one kernel launch with its arguments made here
-        (C-contiguous ``x`` and ``weight``; else the general call), run with the context active."""
+        (C-contiguous ``x`` and ``weight``; else the general call)."""
         if not (x.flags.c_contiguous and weight.flags.c_contiguous) or x.size == 0:
             return super().bind_forward(x, weight, out, rstd)
         ctx: Any = self.context
         x2 = x.reshape(-1, x.shape[-1])
         n_rows, dim = x2.shape
-        b = _kernels.bound_scalar
         args = (
             x2,
             weight,
             out_rows(out),
             out_flat(rstd),
-            b(ctx.xp, np.int32(dim)),
-            b(ctx.xp, np.float32(self.config.eps)),
+            np.int32(dim),
+            np.float32(self.config.eps),
         )
-        call = _kernels.bind_launch(
-            ctx, RMS_NORM_CUDA_SOURCE, "rms_norm_forward", (n_rows,), _kernels.ROW_THREADS
-        )
-        return lambda: call(args)
+
+        def run() -> None:
+            _kernels.launch(ctx, _FILE, "rms_norm_forward", (n_rows,), _kernels.ROW_THREADS, args)
+
+        return run
 
     def backward(self, x: Any, weight: Any, rstd: Any, dy: Any, dweight: Any, dx: Any) -> None:
         """Accumulate ``dweight [D]``; overwrite ``dx [..., D]`` (C-contiguous)."""
@@ -168,7 +97,7 @@ class CudaRmsNormOp(Operation):
             w = xp.ascontiguousarray(weight)
             _kernels.launch(
                 ctx,
-                RMS_NORM_CUDA_SOURCE,
+                _FILE,
                 "rms_norm_backward_dx",
                 (n_rows,),
                 _kernels.ROW_THREADS,
@@ -178,7 +107,7 @@ class CudaRmsNormOp(Operation):
             partial = xp.empty((chunks, dim), dtype=np.float32)
             _kernels.launch(
                 ctx,
-                RMS_NORM_CUDA_SOURCE,
+                _FILE,
                 "rms_norm_backward_dw",
                 (math.ceil(dim / _kernels.THREADS), chunks),
                 _kernels.THREADS,

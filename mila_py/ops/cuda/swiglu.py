@@ -26,45 +26,10 @@ from mila_py.ops.operation import Operation
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
-__all__ = ["SWIGLU_CUDA_SOURCE", "CudaSwiGLUOp"]
+__all__ = ["CudaSwiGLUOp"]
 
-SWIGLU_CUDA_SOURCE = r"""
-__device__ __forceinline__ float mila_sigmoid(float g) {
-    return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-g)));
-}
-
-// h = silu(g) * u over n contiguous elements (grid-stride).
-extern "C" __global__ void swiglu_forward(
-    const float* __restrict__ gate, const float* __restrict__ up, float* __restrict__ h,
-    long long n)
-{
-    const long long stride = (long long)blockDim.x * gridDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const float g = gate[i];
-        h[i] = __fmul_rn(__fmul_rn(mila_sigmoid(g), g), up[i]);
-    }
-}
-
-// du = dh * silu(g), dg = dh * silu'(g) * u. dgate may alias dh (read before written), so
-// neither is __restrict__.
-extern "C" __global__ void swiglu_backward(
-    const float* __restrict__ gate, const float* __restrict__ up, const float* dh,
-    float* dgate, float* __restrict__ dup, long long n)
-{
-    const long long stride = (long long)blockDim.x * gridDim.x;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const float g = gate[i];
-        const float u = up[i];
-        const float d = dh[i];
-        const float s = mila_sigmoid(g);
-        const float silu = __fmul_rn(g, s);
-        const float one_minus_s = mila_sigmoid(-g);
-        const float dsilu = __fmul_rn(__fadd_rn(__fmul_rn(one_minus_s, silu), s), u);
-        dup[i] = __fmul_rn(d, silu);
-        dgate[i] = __fmul_rn(d, dsilu);
-    }
-}
-"""
+#: the kernel file
+_FILE = "swiglu.cu"
 
 
 @register_op("SwiGLUOp", DeviceType.CUDA, precisions=(Precision.FP32,))
@@ -84,7 +49,7 @@ class CudaSwiGLUOp(Operation):
                 return
             _kernels.launch(
                 ctx,
-                SWIGLU_CUDA_SOURCE,
+                _FILE,
                 "swiglu_forward",
                 _kernels.grid_1d(n),
                 _kernels.THREADS,
@@ -93,16 +58,18 @@ class CudaSwiGLUOp(Operation):
 
     def bind_forward(self, gate: Any, up: Any, out: Any) -> Callable[[], Any]:
         """:meth:`forward` of fixed buffers as one kernel launch with its arguments made here
-        (C-contiguous ``gate`` and ``up``; else the general call), run with the context active."""
+        (C-contiguous ``gate`` and ``up``; else the general call)."""
         n = int(out.size)
         if not (gate.flags.c_contiguous and up.flags.c_contiguous) or n == 0:
             return super().bind_forward(gate, up, out)
         ctx: Any = self.context
-        args = (gate, up, out_rows(out), _kernels.bound_scalar(ctx.xp, np.int64(n)))
-        call = _kernels.bind_launch(
-            ctx, SWIGLU_CUDA_SOURCE, "swiglu_forward", _kernels.grid_1d(n), _kernels.THREADS
-        )
-        return lambda: call(args)
+        args = (gate, up, out_rows(out), np.int64(n))
+        grid = _kernels.grid_1d(n)
+
+        def run() -> None:
+            _kernels.launch(ctx, _FILE, "swiglu_forward", grid, _kernels.THREADS, args)
+
+        return run
 
     def backward(self, gate: Any, up: Any, dh: Any, dgate: Any, dup: Any) -> None:
         """Overwrite ``dgate`` and ``dup`` (C-contiguous); ``dgate`` may be ``dh`` itself."""
@@ -119,7 +86,7 @@ class CudaSwiGLUOp(Operation):
                 return
             _kernels.launch(
                 ctx,
-                SWIGLU_CUDA_SOURCE,
+                _FILE,
                 "swiglu_backward",
                 _kernels.grid_1d(n),
                 _kernels.THREADS,

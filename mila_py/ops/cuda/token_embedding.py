@@ -21,23 +21,10 @@ from mila_py.ops.operation import Operation
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
 
-__all__ = ["TOKEN_EMBEDDING_CUDA_SOURCE", "CudaTokenEmbeddingOp"]
+__all__ = ["CudaTokenEmbeddingOp"]
 
-TOKEN_EMBEDDING_CUDA_SOURCE = r"""
-// dweight[ids[row]] += dy[row] for every row (grid-stride over rows, threads over the width).
-extern "C" __global__ void token_embedding_backward(
-    const long long* __restrict__ ids, const float* __restrict__ dy, float* __restrict__ dweight,
-    long long n_rows, int dim)
-{
-    for (long long row = blockIdx.x; row < n_rows; row += gridDim.x) {
-        float* target = dweight + ids[row] * dim;
-        const float* source = dy + row * dim;
-        for (int j = threadIdx.x; j < dim; j += blockDim.x) {
-            atomicAdd(target + j, source[j]);
-        }
-    }
-}
-"""
+#: the kernel file
+_FILE = "token_embedding.cu"
 
 
 @register_op("TokenEmbeddingOp", DeviceType.CUDA, precisions=(Precision.FP32,))
@@ -67,7 +54,7 @@ class CudaTokenEmbeddingOp(Operation):
             dim = int(dy2.shape[1])
             _kernels.launch(
                 ctx,
-                TOKEN_EMBEDDING_CUDA_SOURCE,
+                _FILE,
                 "token_embedding_backward",
                 _kernels.grid_1d(n_rows, 1),
                 _kernels.ROW_THREADS,

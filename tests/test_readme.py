@@ -277,3 +277,24 @@ def test_save_hf_checkpoint_block(tmp_path: Path, monkeypatch: Any) -> None:
         tmp_path / "path" / "to" / "finetuned", runtime_mode=RuntimeMode.INFERENCE
     )
     _same_parameters(trainer, again)
+
+
+def test_quick_start_runs_the_hugging_face_comparisons_with_the_pinned_releases() -> None:
+    """The quick start's test command is the one CI runs, it installs the ``hf`` extra (so a
+    newcomer's run compares with Hugging Face as CI's does), and the README names the releases
+    that extra pins."""
+    import tomllib
+
+    root = README.parent
+    lines = README.read_text(encoding="utf-8").splitlines()
+    ci = re.search(r"^test_cmd='(.*)'$", (root / ".ci" / "run").read_text(encoding="utf-8"), re.M)
+    assert ci is not None, ".ci/run: no test_cmd='...' line"
+    assert ci.group(1) in lines
+    extras = re.search(r'install -e "\.\[([\w,]+)\]"', ci.group(1))
+    assert extras is not None and "hf" in extras.group(1).split(",")
+    project = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    pins = dict(r.split("==") for r in project["optional-dependencies"]["hf"] if "==" in r)
+    assert set(pins) == {"torch", "transformers"}
+    text = " ".join(lines)
+    for package, release in pins.items():
+        assert f"{package} {release}" in text, f"README.md does not name {package} {release}"

@@ -6,6 +6,10 @@ gpt-oss's YaRN, Qwen3.5's 256-wide heads); transformers fills it in from the cla
 keeps those class defaults in a table; this scan builds each family's config class from the
 same bare sizes and checks that mila_py reads what the class holds: theta, scaling type and
 parameters, head size, rotated channels. A mismatch prints the table entry that fixes it.
+
+The table is generated from the transformers release ``pyproject.toml`` pins: with that release
+a mismatch fails; with another, its differences are that release's drift and are reported as a
+skip that lists them (``hf_versions.skip_drift_from_pinned_transformers``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import warnings
 from typing import Any
 
 import pytest
-from hf_versions import skip_before_verified_transformers
+from hf_versions import HF_PINNED, skip_drift_from_pinned_transformers
 
 from mila_py.components import RopeConfig
 
@@ -165,7 +169,6 @@ def _check(model_type: str, cls: Any, given: dict[str, Any]) -> str | None:
     ids=["bare", "odd", "theta", "partial"],
 )
 def test_bare_configs_read_as_their_config_class_fills_them_in(given: dict[str, Any]) -> None:
-    skip_before_verified_transformers("the class-default table")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     wrong: list[str] = []
     checked = 0
@@ -177,16 +180,17 @@ def test_bare_configs_read_as_their_config_class_fills_them_in(given: dict[str, 
         if problem is not None:
             wrong.append(problem)
     assert checked > 100
+    skip_drift_from_pinned_transformers("the class-default table", wrong)
     assert not wrong, "class defaults read wrongly; table entries:\n" + "\n".join(wrong)
 
 
 def test_text_model_types_are_the_composite_classes_default_text_configs() -> None:
     from mila_py.components.rope_hf_defaults import TEXT_MODEL_TYPES
 
-    skip_before_verified_transformers("the class-default table's text families")
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    classes = _config_classes()
     found: dict[str, str] = {}
-    for model_type, cls in _config_classes():
+    for model_type, cls in classes:
         if not _is_composite(cls):
             continue
         with warnings.catch_warnings():
@@ -199,7 +203,44 @@ def test_text_model_types_are_the_composite_classes_default_text_configs() -> No
         same = not inner or inner.removesuffix("_text") == model_type.removesuffix("_text")
         if not same and not inner.startswith(model_type + "_"):
             found[model_type] = inner
-    assert found == TEXT_MODEL_TYPES
+    # another release's families the table names but that release lacks are not drift
+    known = {model_type for model_type, _ in classes}
+    pinned = transformers.__version__ == HF_PINNED
+    differences = [
+        f"{model_type!r}: class {found.get(model_type)!r}, table {TEXT_MODEL_TYPES.get(model_type)!r}"
+        for model_type in sorted(found.keys() | TEXT_MODEL_TYPES.keys())
+        if found.get(model_type) != TEXT_MODEL_TYPES.get(model_type)
+        and (pinned or model_type in known)
+    ]
+    skip_drift_from_pinned_transformers("the class-default table's text families", differences)
+    assert not differences, "TEXT_MODEL_TYPES differs:\n" + "\n".join(differences)
+
+
+def _drift_skip(differences: list[str]) -> str | None:
+    """The reason ``skip_drift_from_pinned_transformers`` skips with, or None where it returns."""
+    try:
+        skip_drift_from_pinned_transformers("the table", differences)
+    except pytest.skip.Exception as skipped:
+        return str(skipped.msg)
+    return None
+
+
+@pytest.mark.parametrize("installed", ["pinned", "newer"])
+def test_drift_fails_with_the_pinned_release_and_is_listed_in_a_skip_otherwise(
+    installed: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hf_versions import HF_VERIFIED
+
+    newer = f"{HF_VERIFIED[0]}.{HF_VERIFIED[1] + 1}.0"
+    monkeypatch.setattr(transformers, "__version__", HF_PINNED if installed == "pinned" else newer)
+    differences = ["'new_family': {'rope_theta': 1.0}", "'other_family': {'head_dim': 64}"]
+    assert _drift_skip([]) is None
+    reason = _drift_skip(differences)
+    if installed == "pinned":
+        assert reason is None  # the caller's assertion then fails on the differences
+    else:
+        assert reason is not None and newer in reason and HF_PINNED in reason
+        assert all(difference in reason for difference in differences)
 
 
 def test_a_text_config_without_model_type_is_read_as_its_text_family() -> None:

@@ -6,11 +6,14 @@ gpt-oss's YaRN, Qwen3.5's 256-wide heads). This table holds those class defaults
 reading (theta 10 000, the whole head rotated, ``hidden_size // num_attention_heads``, no
 scaling); ``rope_parameters`` is the class's scaling dict, used when the config has none.
 
-Generated from transformers 5.23's config classes: ``tests/test_rope_hf_class_defaults.py``
-builds every family's class from bare sizes, compares what ``RopeConfig.from_hf`` reads, and
-prints the entry a family is missing, and ``python tests/test_rope_hf_class_defaults.py``
-prints the whole table anew (after a transformers upgrade); the test checks
-``TEXT_MODEL_TYPES`` against the multimodal classes' default text configs.
+Generated from the config classes of transformers 5.24.0, the release ``pyproject.toml``'s
+``hf`` extra pins: ``tests/test_rope_hf_class_defaults.py`` builds every family's class from
+bare sizes, compares what ``RopeConfig.from_hf`` reads, and prints the entry a family is
+missing, and ``python tests/test_rope_hf_class_defaults.py`` prints the whole table anew (after
+a transformers upgrade); the test checks ``TEXT_MODEL_TYPES`` against the multimodal classes'
+default text configs. mila_py reads this table whether or not transformers is installed, so a
+family newer than the pinned release reads with the generic defaults until the table is
+regenerated; the test reports another release's differences as a skip that lists them.
 """
 
 from __future__ import annotations
@@ -21,6 +24,16 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     "EvollaModel": {"rope_theta": 500000.0},
     "afmoe": {"head_dim": 128},
     "apertus": {
+        "rope_parameters": {
+            "factor": 8.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_theta": 12000000.0,
+            "rope_type": "llama3",
+        }
+    },
+    "apertus1p5": {
         "rope_parameters": {
             "factor": 8.0,
             "high_freq_factor": 4.0,
@@ -72,6 +85,7 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     "ernie4_5": {"head_dim": 128, "rope_theta": 500000.0},
     "ernie4_5_moe": {"rope_theta": 500000.0},
     "evolla": {"rope_theta": 500000.0},
+    "exaone": {"rope_theta": 500000.0},
     "flex_olmo": {"rope_theta": 500000.0},
     "flint": {"head_dim": 128},
     "gemma": {"head_dim": 256},
@@ -111,10 +125,12 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     "hrm": {"head_dim": 128},
     "hy_v3": {"head_dim": 128, "rope_theta": 11158840.0},
     "hy_v4": {"head_dim": 64, "qk_rope_head_dim": 64},
+    "hy_v4_vl": {"head_dim": 64, "qk_rope_head_dim": 64},
     "internlm3": {"head_dim": 128},
     "iquestcoder": {"head_dim": 128},
     "jina_embeddings_v3": {"rope_theta": 20000.0},
     "kolibri1": {"head_dim": 128},
+    "lara_mini": {"head_dim": 128},
     "lfm2": {"rope_theta": 1000000.0},
     "lfm2_moe": {"rope_theta": 1000000.0},
     "llama4": {"head_dim": 128, "rope_theta": 500000.0},
@@ -230,6 +246,8 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_vl_moe": {"rope_theta": 500000.0},
     "qwen4_exp": {"head_dim": 256},
     "recurrent_gemma": {"partial_rotary_factor": 0.5},
+    "sarvam_mla": {"head_dim": 64, "qk_rope_head_dim": 64},
+    "sarvam_moe": {"head_dim": 64, "rope_theta": 8000000.0},
     "seed_oss": {"head_dim": 128},
     "smollm3": {"rope_theta": 2000000.0},
     "solar_open": {"head_dim": 128, "rope_theta": 1000000.0},
@@ -296,6 +314,7 @@ TEXT_MODEL_TYPES: dict[str, str] = {
     "nemo_speechlm": "nemotron_h",
     "nemotron_h_omni": "nemotron_h",
     "omdet-turbo": "clip_text_model",
+    "omniasr": "llama",
     "ovis2": "qwen2",
     "paligemma": "gemma",
     "pe_audio": "modernbert",

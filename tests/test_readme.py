@@ -285,8 +285,8 @@ def test_quick_start_runs_the_hugging_face_comparisons_with_the_pinned_releases(
     that extra pins."""
     import tomllib
 
-    root = README.parent
-    lines = README.read_text(encoding="utf-8").splitlines()
+    root = ROOT
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     ci = re.search(r"^test_cmd='(.*)'$", (root / ".ci" / "run").read_text(encoding="utf-8"), re.M)
     assert ci is not None, ".ci/run: no test_cmd='...' line"
     assert ci.group(1) in lines

@@ -1,0 +1,1 @@
+"""Models built from mila_py components, and what generating from them needs."""

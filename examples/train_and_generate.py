@@ -14,34 +14,21 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import math
 import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_llama import (
-    batches,
-    build_or_exit,
-    check_positive,
-    evaluate,
-    held_out_batches,
-    load_corpus,
-    split_corpus,
-)
+from train_llama import build_or_exit, check_positive, load_corpus, prepare
 
-from mila_py import BuildContext, RuntimeMode, TrainingMode
-from mila_py.components import (
-    Llama,
-    LlamaConfig,
-    SoftmaxCrossEntropy,
-    SoftmaxCrossEntropyConfig,
-)
-from mila_py.optim import AdamW, clip_grad_norm
+from mila_py import BuildContext, RuntimeMode
+from mila_py.components import Llama, LlamaConfig
+from mila_py.optim import AdamW, ConstantSchedule
+from mila_py.train import evaluate, train
 
 
 def side_by_side(left: str, right: str, titles: tuple[str, str]) -> str:
@@ -78,8 +65,9 @@ def main() -> None:
     if not 0 <= args.new_tokens <= room:
         parser.error(f"--new-tokens must be in [0, {room}] for this prompt, got {args.new_tokens}")
 
-    tokens = load_corpus(args.data, 4_000_000)
-    train_tokens, held_out_tokens = split_corpus(tokens, args.seq)
+    corpus = load_corpus(args.data, 4_000_000)
+    work = tempfile.TemporaryDirectory()
+    train_data, held_out = prepare(corpus, None, Path(work.name), args.seq, args.batch, args.seed)
     cfg = LlamaConfig(
         vocab_size=256,
         dim=128,
@@ -93,37 +81,23 @@ def main() -> None:
     # 1. train
     train_ctx = BuildContext((args.batch, args.seq), RuntimeMode.TRAINING)
 
-    def build() -> tuple[Llama, SoftmaxCrossEntropy]:
+    def build() -> Llama:
         model = Llama("llama", cfg, device=args.device)
         model.build(train_ctx)
-        loss_fn = SoftmaxCrossEntropy("loss", SoftmaxCrossEntropyConfig(256), device=args.device)
-        loss_fn.build(BuildContext((args.batch, args.seq, 256), RuntimeMode.TRAINING))
-        return model, loss_fn
+        return model
 
-    model, loss_fn = build_or_exit(parser, build)
+    model = build_or_exit(parser, build)
     opt = AdamW(model, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    print(f"Llama: {model.parameter_count():,} parameters; corpus {tokens.size:,} bytes")
-    stream = batches(train_tokens, args.batch, args.seq, np.random.default_rng(args.seed))
-    bar = tqdm(range(args.steps), desc="train", unit="step", mininterval=1.0)
-    start = time.perf_counter()
-    for step in bar:
-        x, y = next(stream)
-        loss = loss_fn.forward(model.forward(x), y)
-        model.backward(loss_fn.backward())
-        opt.lr = 3e-3 * min(1.0, (step + 1) / 30)
-        if math.isfinite(clip_grad_norm(model, 1.0)):  # an inf/NaN gradient: skip the step
-            opt.step()
-        model.zero_gradients()
-        rate = (step + 1) * x.size / (time.perf_counter() - start)
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:,.0f}", refresh=False)  # shown at 1 Hz
+    print(f"Llama: {model.parameter_count():,} parameters; corpus {len(corpus):,} bytes")
+    # warmup over 30 steps, clipping (a step whose gradients hold inf or NaN is skipped)
+    train(model, opt, train_data, steps=args.steps, clip=1.0, schedule=ConstantSchedule(opt, 30))
 
-    # 2. evaluate in EVAL mode
-    model.set_training_mode(TrainingMode.EVAL)
-    held_out = held_out_batches(held_out_tokens, args.batch, args.seq)
+    # 2. evaluate in EVAL mode (evaluate switches the model to EVAL and back)
     print(
-        f"held-out loss after {args.steps} steps: {evaluate(model, loss_fn, held_out):.3f} "
+        f"held-out loss after {args.steps} steps: {evaluate(model, held_out, 4):.3f} "
         f"(uniform guess: {np.log(256):.3f})"
     )
+    work.cleanup()
 
     # 3. serve: an INFERENCE build with the trained weights
     infer_ctx = BuildContext((1, cfg.max_seq_len), RuntimeMode.INFERENCE, prefill_size=64)

@@ -37,6 +37,7 @@ MARKERS: dict[str, list[str]] = {
     "docs/performance.md": [],
     "docs/rope.md": ["register_rope_type(", "from_hf_layers", "mrope_section="],
     "docs/sampling.md": [],
+    "docs/training.md": ["load_checkpoint("],
 }
 
 
@@ -299,3 +300,20 @@ def test_quick_start_runs_the_hugging_face_comparisons_with_the_pinned_releases(
     text = " ".join(lines)
     for package, release in pins.items():
         assert f"{package} {release}" in text, f"README.md does not name {package} {release}"
+
+
+def test_resumable_training_block(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
+    from mila_py.train import read_log
+
+    ns = _run("docs/training.md", "load_checkpoint(", tmp_path, monkeypatch)
+    records = ns["records"]
+    assert [r["step"] for r in records] == list(range(21, 41))
+    assert ns["opt"].step_count + ns["opt"].skipped_steps == 40
+    assert ns["schedule"].step_count == 40 and ns["opt"].lr == pytest.approx(3e-4)
+    log = read_log(tmp_path / "run.jsonl")
+    assert [r["step"] for r in log] == list(range(1, 41))
+    # the repeated sentence is learned: the loss falls well below a uniform guess's ln(256)
+    assert log[-1]["loss"] < math.log(256) - 1 < log[0]["loss"]
+    assert capsys.readouterr().out.strip() == f"40 {round(records[-1]['loss'], 2)}"
+    state = json.loads((tmp_path / "run" / "state.json").read_text())
+    assert state["optimizer"]["step_count"] + state["optimizer"]["skipped_steps"] == 40

@@ -36,6 +36,7 @@ MARKERS: dict[str, list[str]] = {
     "docs/llama.md": ["server.generate", "save_hf_checkpoint("],
     "docs/performance.md": [],
     "docs/rope.md": ["register_rope_type(", "from_hf_layers", "mrope_section="],
+    "docs/text.md": [],
 }
 
 

@@ -49,6 +49,7 @@ from mila_py.components.rope_config import RopeConfig
 from mila_py.components.rope_hf import hf_int_problem, hf_layer_types_problem, hf_real_problem
 from mila_py.components.rope_scaling import rope_type_name
 from mila_py.files import atomic_write_all
+from mila_py.interop.generation_config import GenerationDefaults
 from mila_py.serialization import (
     open_safetensors,
     read_safetensors,
@@ -618,7 +619,8 @@ def eos_token_ids(path: str | os.PathLike[str]) -> list[int] | None:
     """The EOS ids that ``transformers.generate`` stops at for the checkpoint folder ``path``:
     ``eos_token_id`` of its ``generation_config.json`` when there is one (often several ids, as
     for chat models), else of its ``config.json``; None when neither names any. Pass them to
-    :meth:`Llama.generate`'s ``eos_token_id``.
+    :meth:`Llama.generate`'s ``eos_token_id``. :class:`~mila_py.interop.GenerationDefaults`
+    reads the rest of the generation defaults.
 
     Raises:
         FileNotFoundError: ``path`` has no ``config.json``.
@@ -627,16 +629,11 @@ def eos_token_ids(path: str | os.PathLike[str]) -> list[int] | None:
     root = Path(path)
     if not (root / CONFIG_NAME).is_file():
         raise FileNotFoundError(f"eos_token_ids: {root} has no {CONFIG_NAME}")
-    for name in (GENERATION_CONFIG_NAME, CONFIG_NAME):
-        file = root / name
-        value = _read_json(file, "eos_token_ids").get("eos_token_id") if file.is_file() else None
-        if value is None:
-            continue
-        ids = value if isinstance(value, list) else [value]
-        if not ids or not all(is_int(i) for i in ids):
-            raise ValueError(f"eos_token_ids: {file} has eos_token_id={value!r}, not int ids")
-        return ids
-    return None
+    try:
+        ids = GenerationDefaults.from_pretrained(root).eos_token_ids
+    except ValueError as exc:
+        raise ValueError(f"eos_token_ids: {exc}") from exc
+    return list(ids) or None
 
 
 def _read_json(file: Path, who: str) -> dict[str, Any]:

@@ -37,6 +37,7 @@ MARKERS: dict[str, list[str]] = {
     "docs/performance.md": [],
     "docs/rope.md": ["register_rope_type(", "from_hf_layers", "mrope_section="],
     "docs/sampling.md": [],
+    "docs/text.md": [],
     "docs/training.md": ["load_checkpoint("],
 }
 

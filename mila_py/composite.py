@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from mila_py.build_context import BuildContext, TrainingMode
@@ -199,6 +200,12 @@ class Network(CompositeComponent):
 
     The network owns the :class:`~mila_py.run_lock.RunLock` that its stateful calls hold
     (:attr:`run_lock`): calls on one network from several threads run one at a time.
+
+    A network whose backward runs a stack of blocks (a Llama's decoder blocks, last first)
+    calls each of :attr:`block_backward_hooks` with the block after that block's backward:
+    every parameter gradient of the block, and of the parts after it in parameter order, is
+    then final for that backward. Data parallelism starts averaging those gradients there,
+    while the earlier blocks still run (:class:`mila_py.distributed.GradientAllReduce`).
     """
 
     def __init__(
@@ -212,6 +219,8 @@ class Network(CompositeComponent):
             raise ValueError(f"Network '{name}' needs a device, e.g. device='CPU' or 'CUDA:0'")
         super().__init__(name, device=device, precision=precision)
         self._run_lock = RunLock(self._describe())
+        #: ``hook(block)`` after each block's backward (see the class docstring)
+        self.block_backward_hooks: list[Callable[[Component], None]] = []
 
     @property
     def run_lock(self) -> RunLock:

@@ -33,6 +33,7 @@ MARKERS: dict[str, list[str]] = {
         "opt.step",
     ],
     "docs/cuda.md": ["import cupy"],
+    "docs/distributed.md": [],
     "docs/llama.md": ["server.generate", "save_hf_checkpoint("],
     "docs/performance.md": [],
     "docs/rope.md": ["register_rope_type(", "from_hf_layers", "mrope_section="],

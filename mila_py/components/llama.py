@@ -930,6 +930,8 @@ class Llama(Network):
         dh = self.norm.backward(dh)
         for block in reversed(self.layers):
             dh = block.backward(dh)
+            for hook in self.block_backward_hooks:
+                hook(block)
         self.embed_tokens.backward(dh)
 
     @classmethod

@@ -1,0 +1,273 @@
+"""Data parallelism (mila_py.distributed): 2 MPI ranks train as 1 process on the global batch.
+
+The two-rank cases launch ``mpirun -n 2 python tests/dist_worker.py`` once (skipped where
+mpi4py or an MPI launcher is missing); the single-process world runs here, without MPI.
+"""
+
+from __future__ import annotations
+
+import builtins
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from dist_worker import GLOBAL_BATCH, SEED, VARIANTS, global_batches, make_model, train
+
+from mila_py import BuildContext, RuntimeMode
+from mila_py.components import Llama
+from mila_py.distributed import (
+    GradientAllReduce,
+    World,
+    broadcast_parameters,
+    init_world,
+    is_main,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "dist_worker.py"
+MPIRUN = shutil.which("mpirun") or shutil.which("mpiexec")
+HAS_MPI4PY = importlib.util.find_spec("mpi4py") is not None
+#: per tensor, ||p - p_ref|| / ||p_ref||: FP32 sums in another order, through 5 AdamW steps
+RTOL = 1e-5
+
+needs_mpi = pytest.mark.skipif(
+    not (HAS_MPI4PY and MPIRUN),
+    reason="needs mpi4py and an MPI launcher (mpirun): pip install mpi4py mpich",
+)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Any]:
+    """What rank 0 of ``mpirun -n 2 tests/dist_worker.py`` wrote: (info, arrays)."""
+    out = tmp_path_factory.mktemp("dist")
+    env = {k: v for k, v in os.environ.items() if k not in ("PMI_SIZE", "PMI_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"  # two ranks share the cores
+    command = [str(MPIRUN), "-n", "2", sys.executable, str(WORKER), str(out)]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout}\n{result.stderr}"
+    info = json.loads((out / "result.json").read_text())
+    return info, np.load(out / "result.npz")
+
+
+def _reference() -> dict[str, np.ndarray]:
+    """One process, the whole global batch, no all-reduce, from rank 0's seed."""
+    model = make_model(GLOBAL_BATCH, SEED)
+    train(model, global_batches())
+    return {name: p.copy() for name, p in model.named_parameters()}
+
+
+def _worst(params: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> float:
+    return max(
+        float(np.linalg.norm(params[n] - r) / np.linalg.norm(r)) for n, r in reference.items()
+    )
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, np.ndarray]:
+    return _reference()
+
+
+def _rank(arrays: Any, prefix: str, rank: int, names: Any) -> dict[str, np.ndarray]:
+    return {n: arrays[f"{prefix}/rank{rank}/{n}"] for n in names}
+
+
+@needs_mpi
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_two_ranks_train_as_one_process_on_the_global_batch(
+    two_ranks: tuple[dict[str, Any], Any], reference: dict[str, np.ndarray], variant: str
+) -> None:
+    info, arrays = two_ranks
+    assert info["size"] == 2
+    ranks = [_rank(arrays, variant, r, reference) for r in (0, 1)]
+    for name in reference:  # one sum on both ranks: the replicas stay bit-identical
+        np.testing.assert_array_equal(ranks[0][name], ranks[1][name], err_msg=name)
+    assert _worst(ranks[0], reference) < RTOL
+
+
+def test_the_reference_tells_a_rank_alone_from_the_global_batch(
+    reference: dict[str, np.ndarray],
+) -> None:
+    """Training on one rank's half of each batch misses the tolerance by far: the comparison
+    above can fail."""
+    alone = make_model(GLOBAL_BATCH // 2, SEED)
+    train(alone, [b[: GLOBAL_BATCH // 2] for b in global_batches()])
+    params = {name: p for name, p in alone.named_parameters()}
+    assert _worst(params, reference) > 100 * RTOL
+
+
+@needs_mpi
+def test_broadcast_makes_ranks_equal_from_different_seeds(
+    two_ranks: tuple[dict[str, Any], Any], reference: dict[str, np.ndarray]
+) -> None:
+    _, arrays = two_ranks
+    before = [_rank(arrays, "before_broadcast", r, reference) for r in (0, 1)]
+    after = [_rank(arrays, "after_broadcast", r, reference) for r in (0, 1)]
+    assert all(
+        not np.array_equal(before[0][n], before[1][n])
+        for n in reference
+        if n.endswith("proj.weight")
+    )
+    for name in reference:
+        np.testing.assert_array_equal(after[0][name], before[0][name], err_msg=name)
+        np.testing.assert_array_equal(after[1][name], before[0][name], err_msg=name)
+
+
+@needs_mpi
+def test_block_hooks_launch_buckets_during_backward(two_ranks: tuple[dict[str, Any], Any]) -> None:
+    info, _ = two_ranks
+    overlap, blocking = info["overlap"], info["blocking"]
+    assert overlap["buckets"] == blocking["buckets"] > 2
+    # all but the embedding's bucket (final only after the embedding's backward), every step
+    assert overlap["early_launches"] == [overlap["buckets"] - 1] * 5
+    assert blocking["early_launches"] == [0] * 5
+    assert info["one_bucket"]["buckets"] == 1
+    for variant in VARIANTS:  # FP32 gradients: the buckets hold exactly their bytes
+        assert info[variant]["bucket_bytes"] == info[variant]["gradient_bytes"] > 0
+
+
+@needs_mpi
+def test_a_second_overlapping_allreduce_is_refused(two_ranks: tuple[dict[str, Any], Any]) -> None:
+    info, _ = two_ranks
+    assert "already has a GradientAllReduce" in info["second"]
+
+
+@needs_mpi
+def test_ranks_with_different_models_all_raise(two_ranks: tuple[dict[str, Any], Any]) -> None:
+    info, _ = two_ranks
+    for rank_errors in info["mismatch"]:
+        for what in ("broadcast", "allreduce"):
+            assert "the ranks' models differ" in rank_errors[what]
+            assert "(64, 32)" in rank_errors[what] and "(64, 16)" in rank_errors[what]
+
+
+# ---------------------------------------------------------------------- one process, no MPI
+def _trained_once() -> Llama:
+    model = make_model(2, SEED)
+    batch = global_batches()[0][:2]
+    from mila_py.components import SoftmaxCrossEntropy, SoftmaxCrossEntropyConfig
+
+    loss_fn = SoftmaxCrossEntropy("loss", SoftmaxCrossEntropyConfig(64), device="CPU")
+    loss_fn.build(BuildContext((2, batch.shape[1] - 1, 64), RuntimeMode.TRAINING))
+    loss_fn.forward(model.forward(batch[:, :-1]), batch[:, 1:])
+    model.backward(loss_fn.backward())
+    return model
+
+
+def test_single_process_world_runs_without_mpirun() -> None:
+    world = World()
+    assert (world.rank, world.size, world.local_rank, world.local_size) == (0, 1, 0, 1)
+    assert not world.is_distributed and world.comm is None and is_main(world) and is_main()
+    world.barrier()
+    model = _trained_once()
+    params = [p.copy() for p in model.get_parameters()]
+    grads = [g.copy() for g in model.get_gradients()]
+    broadcast_parameters(model, world)
+    allreduce = GradientAllReduce(model, world)
+    assert allreduce.bucket_count == 0 and allreduce.get_memory_stats().total_bytes == 0
+    assert model.block_backward_hooks == []  # nothing to overlap: no hook
+    allreduce(model)
+    for before, after in zip(params, model.get_parameters(), strict=True):
+        np.testing.assert_array_equal(before, after)
+    for before, after in zip(grads, model.get_gradients(), strict=True):
+        np.testing.assert_array_equal(before, after)
+
+
+@pytest.fixture
+def no_mpi4py(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``from mpi4py import MPI`` fail, as where mpi4py is not installed."""
+    real_import = builtins.__import__
+
+    def refuse(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "mpi4py" or name.startswith("mpi4py."):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", refuse)
+    for variable in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(variable, raising=False)
+
+
+def test_init_world_without_mpi4py_is_one_process(no_mpi4py: None) -> None:
+    world = init_world()
+    assert (world.rank, world.size) == (0, 1) and world.comm is None
+
+
+def test_init_world_without_mpi4py_under_a_launcher_says_what_to_install(
+    no_mpi4py: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PMI_SIZE", "4")
+    with pytest.raises(ImportError, match=r"one of 4 ranks.*pip install mpi4py mpich"):
+        init_world()
+
+
+@needs_mpi
+def test_init_world_outside_a_launch_is_one_process() -> None:
+    """With mpi4py installed but no launcher, MPI starts as a singleton: one process."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PMI_SIZE", "PMI_RANK")}
+    env["PYTHONPATH"] = str(ROOT)
+    code = "from mila_py.distributed import init_world; w = init_world(); print(w.size, w.comm)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "None"]
+
+
+def test_importing_the_module_does_not_start_mpi() -> None:
+    code = "import sys, mila_py.distributed; print('mpi4py' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
+def test_block_backward_hooks_run_after_each_block_last_first() -> None:
+    model = make_model(2, SEED)
+    seen: list[str] = []
+    model.block_backward_hooks.append(lambda block: seen.append(block.name))
+    batch = global_batches()[0][:2, :-1]
+    logits = model.forward(batch)
+    model.backward(np.ones_like(logits))
+    assert seen == [block.name for block in reversed(model.layers)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        ({"rank": 1, "size": 1}, ValueError, "0 <= rank < size"),
+        ({"size": 2}, ValueError, "needs their communicator"),
+        ({"rank": 1.0, "size": 2}, TypeError, "rank must be an int"),
+        ({"local_rank": 0, "local_size": 2}, ValueError, "local_size <= size"),
+    ],
+)
+def test_world_refuses_impossible_worlds(kwargs: dict[str, Any], error: type, pattern: str) -> None:
+    with pytest.raises(error, match=pattern):
+        World(**kwargs)
+
+
+def test_gradient_allreduce_refuses_bad_arguments() -> None:
+    model = _trained_once()
+    with pytest.raises(ValueError, match="bucket_bytes must be > 0"):
+        GradientAllReduce(model, World(), 0)
+    with pytest.raises(TypeError, match="world must be a World"):
+        GradientAllReduce(model, None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="is_main: world must be a World"):
+        is_main(0)  # type: ignore[arg-type]
+    inference = Llama("llama", model.config, device="CPU")
+    inference.build(BuildContext((1, 8), RuntimeMode.INFERENCE, initialize_parameters=True))
+    with pytest.raises(RuntimeError, match="no parameter gradients"):
+        GradientAllReduce(inference, World())
+    with pytest.raises(ValueError, match="root must be a rank"):
+        broadcast_parameters(model, World(), root=1)
+    allreduce = GradientAllReduce(model, World())
+    with pytest.raises(ValueError, match="averages the gradients of"):
+        allreduce(inference)

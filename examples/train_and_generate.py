@@ -35,12 +35,8 @@ from train_llama import (
 )
 
 from mila_py import BuildContext, RuntimeMode, TrainingMode
-from mila_py.components import (
-    Llama,
-    LlamaConfig,
-    SoftmaxCrossEntropy,
-    SoftmaxCrossEntropyConfig,
-)
+from mila_py.components import SoftmaxCrossEntropy, SoftmaxCrossEntropyConfig
+from mila_py.models import Llama, LlamaConfig
 from mila_py.optim import AdamW, clip_grad_norm
 
 

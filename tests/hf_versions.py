@@ -9,7 +9,7 @@ import re
 import pytest
 
 #: the transformers release the HF comparisons were verified against, and that
-#: ``mila_py/components/rope_hf_defaults.py`` was generated from
+#: ``mila_py/interop/hf_rope_defaults.py`` was generated from
 HF_VERIFIED = (5, 23)
 
 

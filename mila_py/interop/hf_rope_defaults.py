@@ -7,7 +7,7 @@ reading (theta 10 000, the whole head rotated, ``hidden_size // num_attention_he
 scaling); ``rope_parameters`` is the class's scaling dict, used when the config has none.
 
 Generated from transformers 5.23's config classes: ``tests/test_rope_hf_class_defaults.py``
-builds every family's class from bare sizes, compares what ``RopeConfig.from_hf`` reads, and
+builds every family's class from bare sizes, compares what ``rope_config_from_hf`` reads, and
 prints the entry a family is missing, and ``python tests/test_rope_hf_class_defaults.py``
 prints the whole table anew (after a transformers upgrade); the test checks
 ``TEXT_MODEL_TYPES`` against the multimodal classes' default text configs.

@@ -1,4 +1,4 @@
-"""The benchmarks' PyTorch baseline: the same Llama as ``mila_py.components.Llama``, written in
+"""The benchmarks' PyTorch baseline: the same Llama as ``mila_py.models.Llama``, written in
 PyTorch eager, and one training step of it (forward + cross-entropy + backward + AdamW).
 
 Shared by ``train_step.py`` (CPU) and ``train_step_cuda.py`` (GPU). Attention is
@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mila_py.components import LlamaConfig
+from mila_py.models import LlamaConfig
 
 
 def torch_train_step(

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from mila_py import BuildContext, RuntimeMode
-from mila_py.components import Llama, LlamaConfig
+from mila_py.models import Llama, LlamaConfig
 
 CFG = LlamaConfig(
     vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=192, max_seq_len=512

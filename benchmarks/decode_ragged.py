@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from mila_py import BuildContext, RuntimeMode
-from mila_py.components import Llama, LlamaConfig
+from mila_py.models import Llama, LlamaConfig
 
 CFG = LlamaConfig(
     vocab_size=4096, dim=384, n_layers=6, n_heads=6, n_kv_heads=2, hidden_dim=1024, max_seq_len=1024

@@ -33,8 +33,9 @@ from typing import Any
 import numpy as np
 
 from mila_py import RuntimeMode
-from mila_py.components import Linear, Llama, SwiGLU
+from mila_py.components import Linear, SwiGLU
 from mila_py.devices import DeviceId, DeviceType
+from mila_py.models import Llama
 
 SIZES = {
     "~10M": dict(

@@ -29,8 +29,9 @@ import numpy as np
 from _torch_llama import torch_train_step
 
 from mila_py import BuildContext, RuntimeMode
-from mila_py.components import Llama, LlamaConfig, SoftmaxCrossEntropy, SoftmaxCrossEntropyConfig
+from mila_py.components import SoftmaxCrossEntropy, SoftmaxCrossEntropyConfig
 from mila_py.devices import DeviceId
+from mila_py.models import Llama, LlamaConfig
 from mila_py.optim import AdamW
 
 SIZES: dict[str, tuple[LlamaConfig, int, int]] = {

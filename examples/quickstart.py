@@ -17,6 +17,7 @@ import numpy as np
 
 from mila_py import BuildContext, Network, RuntimeMode, TrainingMode
 from mila_py.components import Rope, RopeConfig
+from mila_py.interop.hf_rope import rope_config_from_hf
 
 
 def training_demo(device: str) -> None:
@@ -64,7 +65,7 @@ def inference_demo(device: str) -> None:
             "original_max_position_embeddings": 8192,
         },
     }
-    cfg = RopeConfig.from_hf(hf_config, max_seq_len=16384)
+    cfg = rope_config_from_hf(hf_config, max_seq_len=16384)
     rope = Rope("rope", cfg, device=device)
     prompt, chunk = 1000, 256
     rope.build(BuildContext((1, prompt, cfg.channels), RuntimeMode.INFERENCE, prefill_size=chunk))

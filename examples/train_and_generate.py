@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_llama import build_or_exit, check_positive, load_corpus, prepare
 
 from mila_py import BuildContext, RuntimeMode
-from mila_py.components import Llama, LlamaConfig
+from mila_py.models import Llama, LlamaConfig
 from mila_py.optim import AdamW, ConstantSchedule
 from mila_py.train import evaluate, train
 

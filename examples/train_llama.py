@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from mila_py import BuildContext, RuntimeMode
-from mila_py.components import Llama, LlamaConfig
 from mila_py.data import TokenDataset, prepare_data
+from mila_py.models import Llama, LlamaConfig
 from mila_py.optim import AdamW, CosineSchedule
 from mila_py.train import evaluate, load_checkpoint, plot_loss, train
 

@@ -1,10 +1,11 @@
 """mila_py: Mila's component lifecycle for NumPy (CPU) and CuPy (NVIDIA GPUs).
 
 The core names are imported here. The subpackages and modules above the core
-(``mila_py.components``, ``mila_py.ops``, ``mila_py.devices``, ``mila_py.optim``,
-``mila_py.hf``, ...) are attributes too, imported on first access: ``import mila_py`` then
-``mila_py.components.Rope`` works, while ``import mila_py`` stays light and the package's own
-modules (which import the core, never this file's names) cannot form an import cycle through it.
+(``mila_py.rope``, ``mila_py.ops``, ``mila_py.components``, ``mila_py.models``,
+``mila_py.interop``, ``mila_py.optim``, ...) are attributes too, imported on first access:
+``import mila_py`` then ``mila_py.models.Llama`` or ``mila_py.interop.hf`` works, while
+``import mila_py`` stays light and the package's own modules (which import the core, never this
+file's names) cannot form an import cycle through it.
 """
 
 from __future__ import annotations

@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 
 from mila_py import BuildContext, RuntimeMode
-from mila_py.components import Llama, LlamaConfig, SoftmaxCrossEntropy, SoftmaxCrossEntropyConfig
+from mila_py.components import SoftmaxCrossEntropy, SoftmaxCrossEntropyConfig
 from mila_py.distributed import GradientAllReduce, broadcast_parameters, init_world, is_main
 from mila_py.init import manual_seed
+from mila_py.models import Llama, LlamaConfig
 from mila_py.optim import AdamW
 
 GLOBAL_BATCH, T, STEPS = 4, 8, 5

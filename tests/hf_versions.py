@@ -28,7 +28,7 @@ def pinned_release(package: str) -> str:
 
 
 #: the transformers release the HF comparisons were verified against, and that
-#: ``mila_py/components/rope_hf_defaults.py`` was generated from
+#: ``mila_py/interop/hf_rope_defaults.py`` was generated from
 HF_PINNED = pinned_release("transformers")
 HF_VERIFIED = (int(HF_PINNED.split(".")[0]), int(HF_PINNED.split(".")[1]))
 #: the oldest release that reads the version-gated cases as the pinned one does (they pass with

@@ -12,9 +12,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from mila_py import BuildContext, RuntimeMode
-from mila_py import hf as hf_module
-from mila_py.components import Llama, LlamaConfig
-from mila_py.hf import read_hf_checkpoint, save_hf_checkpoint
+from mila_py.interop import hf as hf_module
+from mila_py.interop.hf import read_hf_checkpoint, save_hf_checkpoint
+from mila_py.models import Llama, LlamaConfig
 
 CFG = LlamaConfig(
     vocab_size=32, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=24, max_seq_len=2048

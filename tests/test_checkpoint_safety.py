@@ -24,11 +24,11 @@ from safetensors.numpy import load_file, save_file
 
 import mila_py
 from mila_py import BuildContext, RuntimeMode
-from mila_py import hf as hf_module
-from mila_py.components import Llama, LlamaConfig
-from mila_py.components.rope_config import RopeConfig
 from mila_py.files import atomic_write, atomic_write_all, atomic_write_text
-from mila_py.hf import hf_weight_files, read_hf_checkpoint, save_hf_checkpoint
+from mila_py.interop import hf as hf_module
+from mila_py.interop.hf import hf_weight_files, read_hf_checkpoint, save_hf_checkpoint
+from mila_py.models import Llama, LlamaConfig
+from mila_py.rope.config import RopeConfig
 from mila_py.serialization import config_to_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,7 +120,7 @@ _KILLED_MID_SAVE = """
 import shutil, sys, time
 import safetensors.numpy
 from mila_py import BuildContext, RuntimeMode
-from mila_py.components import Llama, LlamaConfig
+from mila_py.models import Llama, LlamaConfig
 
 path, copy = sys.argv[1], sys.argv[2]
 cfg = LlamaConfig(**{config})

@@ -290,15 +290,8 @@ def test_a_child_belongs_to_one_composite_at_a_time() -> None:
 def test_composites_with_a_fixed_set_of_children_refuse_changes() -> None:
     """Composites whose build knows each child by name (SwiGLU, attention, a Llama block, a
     Llama) refuse added and removed children instead of failing at build or later."""
-    from mila_py.components import (
-        AttentionConfig,
-        GroupedQueryAttention,
-        Llama,
-        LlamaBlock,
-        LlamaConfig,
-        SwiGLU,
-        SwiGLUConfig,
-    )
+    from mila_py.components import AttentionConfig, GroupedQueryAttention, SwiGLU, SwiGLUConfig
+    from mila_py.models import Llama, LlamaBlock, LlamaConfig
 
     llama = LlamaConfig(vocab_size=16, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=8,
                         max_seq_len=8)  # fmt: skip

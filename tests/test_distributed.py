@@ -21,7 +21,6 @@ import pytest
 from dist_worker import GLOBAL_BATCH, SEED, VARIANTS, global_batches, make_model, train
 
 from mila_py import BuildContext, RuntimeMode
-from mila_py.components import Llama
 from mila_py.distributed import (
     GradientAllReduce,
     World,
@@ -29,6 +28,7 @@ from mila_py.distributed import (
     init_world,
     is_main,
 )
+from mila_py.models import Llama
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from mila_py.components.llama import Llama
-from mila_py.hf import eos_token_ids
 from mila_py.interop import GenerationDefaults
+from mila_py.interop.hf import eos_token_ids
+from mila_py.models import Llama
 
 SAMPLING_KEYS = (
     "temperature",
@@ -224,7 +224,7 @@ def test_constructed_values_are_checked() -> None:
 
 
 def test_hf_eos_token_ids_reads_through_generation_defaults(tmp_path: Path) -> None:
-    """``mila_py.hf.eos_token_ids`` gives GenerationDefaults' ids (text_config included)."""
+    """``mila_py.interop.hf.eos_token_ids`` gives GenerationDefaults' ids (text_config included)."""
     folder = _write(tmp_path, {"temperature": 0.5}, {"text_config": {"eos_token_id": [5, 6]}})
     assert (
         eos_token_ids(folder)

@@ -21,8 +21,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from mila_py import BuildContext, RuntimeMode  # noqa: E402
-from mila_py.components import Llama, LlamaConfig  # noqa: E402
-from mila_py.hf import (  # noqa: E402
+from mila_py.interop.hf import (  # noqa: E402
     eos_token_ids,
     hf_to_mila,
     llama_config_from_hf,
@@ -32,6 +31,7 @@ from mila_py.hf import (  # noqa: E402
     read_hf_config,
     save_hf_checkpoint,
 )
+from mila_py.models import Llama, LlamaConfig  # noqa: E402
 
 B, T = 2, 40
 VOCAB = 64

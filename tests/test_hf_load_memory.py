@@ -13,9 +13,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from mila_py import BuildContext, RuntimeMode
-from mila_py import hf as hf_module
-from mila_py.components import Llama, LlamaConfig
-from mila_py.hf import hf_weight_files, load_hf_files, save_hf_checkpoint
+from mila_py.interop import hf as hf_module
+from mila_py.interop.hf import hf_weight_files, load_hf_files, save_hf_checkpoint
+from mila_py.models import Llama, LlamaConfig
 
 # attention-heavy (Q, K and V are 3/5 of the parameters): a load that concatenates them, or
 # that holds every tensor before copying, shows well above the bound

@@ -12,8 +12,9 @@ from layer_helpers import assert_same_optimizer_state, move_optional_parameters
 
 from mila_py import BuildContext, Precision, RuntimeMode, TrainingMode
 from mila_py.component import Component
-from mila_py.components import Linear, LinearConfig, Llama, LlamaConfig
+from mila_py.components import Linear, LinearConfig
 from mila_py.devices import create_execution_context
+from mila_py.models import Llama, LlamaConfig
 from mila_py.ops.operation import Operation
 from mila_py.optim import AdamW, clip_grad_norm
 
@@ -277,7 +278,7 @@ def test_save_load_round_trip_and_mismatch_report(tmp_path) -> None:  # type: ig
 def test_hf_checkpoint_round_trip_keeps_the_scaling(tmp_path, key: str) -> None:  # type: ignore[no-untyped-def]
     """save_hf_checkpoint writes the legacy ``type`` key as transformers 5's ``rope_type``, so
     from_pretrained reads back the same scaling and the same logits."""
-    from mila_py.hf import save_hf_checkpoint
+    from mila_py.interop.hf import save_hf_checkpoint
 
     model = built(rope_scaling={key: "linear", "factor": 3.0})
     save_hf_checkpoint(model, tmp_path / "ckpt")
@@ -302,7 +303,7 @@ def test_hf_checkpoint_round_trip_keeps_the_scaling(tmp_path, key: str) -> None:
 def test_hf_checkpoint_refuses_a_scaling_transformers_reads_otherwise(
     tmp_path, scaling: dict, message: str
 ) -> None:  # type: ignore[no-untyped-def]
-    from mila_py.hf import save_hf_checkpoint
+    from mila_py.interop.hf import save_hf_checkpoint
 
     model = built(rope_scaling=scaling)
     with pytest.raises(ValueError, match=message):
@@ -320,7 +321,7 @@ def test_tied_checkpoint_storing_only_lm_head_loads(tmp_path) -> None:  # type: 
     is still refused."""
     from safetensors.numpy import load_file, save_file
 
-    from mila_py.hf import save_hf_checkpoint
+    from mila_py.interop.hf import save_hf_checkpoint
 
     model = built(tie=True)
     folder = tmp_path / "ckpt"

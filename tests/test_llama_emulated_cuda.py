@@ -19,7 +19,8 @@ from kernel_emulator import COMPILER, EmulatedContext
 from layer_helpers import MEMORY_BUILDS, cpu_stats_of_a_cuda_build, move_optional_parameters
 
 from mila_py import BuildContext, RuntimeMode
-from mila_py.components import Llama, LlamaConfig, SoftmaxCrossEntropy, SoftmaxCrossEntropyConfig
+from mila_py.components import SoftmaxCrossEntropy, SoftmaxCrossEntropyConfig
+from mila_py.models import Llama, LlamaConfig
 from mila_py.ops.cuda.adamw import CudaAdamWOp
 from mila_py.optim import AdamW, clip_grad_norm
 

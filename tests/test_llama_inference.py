@@ -11,7 +11,7 @@ import pytest
 from layer_helpers import move_optional_parameters
 
 from mila_py import BuildContext, Precision, RuntimeMode
-from mila_py.components import Llama, LlamaConfig
+from mila_py.models import Llama, LlamaConfig
 
 CFG = LlamaConfig(
     vocab_size=40,

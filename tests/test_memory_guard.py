@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from mila_py import BuildContext, Component, MemoryStats, Network, RuntimeMode
-from mila_py.components import Linear, LinearConfig, Llama, LlamaConfig, RmsNorm, RmsNormConfig
+from mila_py.components import Linear, LinearConfig, RmsNorm, RmsNormConfig
 from mila_py.devices import CpuExecutionContext, CudaExecutionContext, DeviceId, DeviceType
 from mila_py.memory import format_bytes
+from mila_py.models import Llama, LlamaConfig
 
 TRAIN = BuildContext((2, 8, 512), RuntimeMode.TRAINING)
 LLAMA = LlamaConfig(
@@ -136,7 +137,7 @@ def test_a_llama_that_does_not_fit_is_refused_and_can_be_built_later(
 def test_from_pretrained_checks_unless_told_not_to(
     available: dict[str, Any], tmp_path: Path
 ) -> None:
-    from mila_py.hf import save_hf_checkpoint
+    from mila_py.interop.hf import save_hf_checkpoint
 
     source = Llama("llama", LLAMA, device="CPU")
     source.build(BuildContext((1, 8), RuntimeMode.TRAINING))

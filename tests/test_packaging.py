@@ -54,6 +54,12 @@ def test_subpackages_are_attributes_after_a_bare_import() -> None:
         "import sys, mila_py\n"
         "assert 'mila_py.components' not in sys.modules\n"
         "print(mila_py.components.Rope.__module__, mila_py.optim.AdamW.__name__)\n"
+        "assert 'mila_py.interop' not in sys.modules\n"
+        "print(mila_py.models.Llama.__module__, mila_py.interop.hf.__name__)\n"
+        "try:\n"
+        "    mila_py.interop.no_such_module\n"
+        "except AttributeError as error:\n"
+        "    print(error)\n"
         "try:\n"
         "    mila_py.no_such_module\n"
         "except AttributeError as error:\n"
@@ -65,4 +71,6 @@ def test_subpackages_are_attributes_after_a_bare_import() -> None:
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "mila_py.components.rope AdamW"
-    assert lines[1] == "module 'mila_py' has no attribute 'no_such_module'"
+    assert lines[1] == "mila_py.models.llama.network mila_py.interop.hf"
+    assert lines[2] == "module 'mila_py.interop' has no attribute 'no_such_module'"
+    assert lines[3] == "module 'mila_py' has no attribute 'no_such_module'"

@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 from conftest import HAS_CUDA, NO_CUDA_REASON
 
+from mila_py.interop.hf_rope import rope_config_from_hf
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]
 
@@ -28,7 +30,7 @@ MARKERS: dict[str, list[str]] = {
     "README.md": [
         "rope.set_training_mode",
         "required_memory",
-        "RopeConfig.from_hf(",
+        "rope_config_from_hf(",
         "from_pretrained",
         "opt.step",
     ],
@@ -36,7 +38,7 @@ MARKERS: dict[str, list[str]] = {
     "docs/distributed.md": [],
     "docs/llama.md": ["server.generate", "save_hf_checkpoint("],
     "docs/performance.md": [],
-    "docs/rope.md": ["register_rope_type(", "from_hf_layers", "mrope_section="],
+    "docs/rope.md": ["register_rope_type(", "rope_configs_from_hf_layers", "mrope_section="],
     "docs/sampling.md": [],
     "docs/text.md": [],
     "docs/training.md": ["load_checkpoint("],
@@ -77,8 +79,8 @@ def test_every_block_is_covered(page: str) -> None:
 def _hf_checkpoint(where: Path) -> Any:
     """A small random Llama (TRAINING build) saved as a Hugging Face folder at ``where``."""
     from mila_py import BuildContext, RuntimeMode
-    from mila_py.components import Llama, LlamaConfig
-    from mila_py.hf import save_hf_checkpoint
+    from mila_py.interop.hf import save_hf_checkpoint
+    from mila_py.models import Llama, LlamaConfig
 
     cfg = LlamaConfig(
         vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=512
@@ -129,7 +131,7 @@ def test_rope_tour(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
     from rope_helpers import arange_positions, reference
 
     np.random.seed(7)  # the block draws from NumPy's global generator: draw the same again
-    ns = _run("README.md", "RopeConfig.from_hf(", tmp_path, monkeypatch)
+    ns = _run("README.md", "rope_config_from_hf(", tmp_path, monkeypatch)
     np.random.seed(7)
     cfg = ns["cfg"]
     q0 = np.random.randn(1, 1000, cfg.channels).astype(np.float32)
@@ -149,7 +151,7 @@ def test_rope_tour(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
 
 def test_hugging_face_block(tmp_path: Path, monkeypatch: Any) -> None:
     from mila_py import RuntimeMode
-    from mila_py.components import Llama
+    from mila_py.models import Llama
 
     folder = tmp_path / "path" / "to" / "llama"
     source = _hf_checkpoint(folder)
@@ -170,7 +172,7 @@ def test_hugging_face_block(tmp_path: Path, monkeypatch: Any) -> None:
 
 def test_training_block(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
     from mila_py import BuildContext, RuntimeMode
-    from mila_py.components import Llama
+    from mila_py.models import Llama
 
     ns = _run("README.md", "opt.step", tmp_path, monkeypatch)
     model, loss = ns["model"], float(ns["loss"])
@@ -186,7 +188,8 @@ def test_training_block(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
 
 # ------------------------------------------------------------------------------------- docs/*.md
 def test_register_rope_type_block(tmp_path: Path, monkeypatch: Any) -> None:
-    from mila_py.components import RopeConfig, get_rope, rope_scaling
+    from mila_py.components import RopeConfig, get_rope
+    from mila_py.rope import scaling as rope_scaling
 
     # the block registers "my_linear" for the whole process: register it in a copy
     monkeypatch.setattr(rope_scaling, "_TYPES", dict(rope_scaling._TYPES))
@@ -207,13 +210,12 @@ def test_register_rope_type_block(tmp_path: Path, monkeypatch: Any) -> None:
 
 
 def test_per_layer_block(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
-    from mila_py.components import RopeConfig
 
-    ns = _run("docs/rope.md", "from_hf_layers", tmp_path, monkeypatch)
+    ns = _run("docs/rope.md", "rope_configs_from_hf_layers", tmp_path, monkeypatch)
     layers, full = ns["layers"], ns["full"]
     assert len(layers) == 34 and len({id(t) for t in ns["tables"]}) == 2
     assert [i for i, c in enumerate(layers) if c == full] == [5, 11, 17, 23, 29]
-    sliding = RopeConfig.from_hf(ns["gemma3"], layer_type="sliding_attention", max_seq_len=8192)
+    sliding = rope_config_from_hf(ns["gemma3"], layer_type="sliding_attention", max_seq_len=8192)
     assert all(c == sliding for i, c in enumerate(layers) if i % 6 != 5)
     # the comment in the block says what it prints
     assert capsys.readouterr().out.split() == ["1000000.0", "8.0", "10000.0", "2"]
@@ -269,7 +271,7 @@ def test_training_and_serving(tmp_path: Path, monkeypatch: Any) -> None:
 
 def test_save_hf_checkpoint_block(tmp_path: Path, monkeypatch: Any) -> None:
     from mila_py import RuntimeMode
-    from mila_py.components import Llama
+    from mila_py.models import Llama
 
     source = _hf_checkpoint(tmp_path / "path" / "to" / "llama")
     ns = _run("docs/llama.md", "save_hf_checkpoint(", tmp_path, monkeypatch)

@@ -1,6 +1,6 @@
 """Rope against Hugging Face transformers (skipped when transformers or torch is missing).
 
-A tiny Llama ``config.json`` dict per scaling type goes both to ``RopeConfig.from_hf`` and to
+A tiny Llama ``config.json`` dict per scaling type goes both to ``rope_config_from_hf`` and to
 ``LlamaConfig``; the inverse frequencies must agree to float32 precision (HF forms them in
 float32) and the rotation of Q and K must agree with ``LlamaRotaryEmbedding`` +
 ``apply_rotary_pos_emb`` at moderate positions (HF's angles are float32 products).
@@ -25,7 +25,7 @@ from transformers.models.llama.modeling_llama import (  # noqa: E402
     apply_rotary_pos_emb,
 )
 
-from mila_py.components import RopeConfig  # noqa: E402
+from mila_py.interop.hf_rope import rope_config_from_hf  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MAX_POS = 64, 4, 2, 16, 128
 TABLE = 512  # mila's table reaches past max_position_embeddings (dynamic scaling beyond it)
@@ -114,7 +114,7 @@ def _hf_rotate(
 @pytest.mark.parametrize("name", list(ROPE_PARAMETERS))
 def test_rotation_matches_llama_rotary_embedding(name: str, where: str) -> None:
     config_json = _config_json(ROPE_PARAMETERS[name])
-    cfg = RopeConfig.from_hf(config_json, max_seq_len=TABLE)
+    cfg = rope_config_from_hf(config_json, max_seq_len=TABLE)
     assert cfg.rope_type == name.split("-")[0]
     positions = POSITIONS[where]
     rng = np.random.default_rng(3)
@@ -141,7 +141,7 @@ def test_dynamic_matches_one_hf_module_through_a_growing_generation() -> None:
     A shorter call past the original length after a longer one is where they part: HF keeps the
     longest length it saw, mila_py computes the call's own (documented, no history)."""
     config_json = _config_json(ROPE_PARAMETERS["dynamic"])
-    cfg = RopeConfig.from_hf(config_json, max_seq_len=TABLE)
+    cfg = rope_config_from_hf(config_json, max_seq_len=TABLE)
     hf_config = LlamaConfig(**{**config_json, "rope_parameters": dict(ROPE_PARAMETERS["dynamic"])})
     emb = LlamaRotaryEmbedding(hf_config)
     table = make_rope(cfg, 1, 1).table
@@ -165,7 +165,7 @@ def test_partial_rotary_frequencies_match_rope_init_functions(name: str) -> None
         parameters["short_factor"] = parameters["short_factor"][: HEAD_DIM // 4]
         parameters["long_factor"] = parameters["long_factor"][: HEAD_DIM // 4]
     config_json = _config_json(parameters)
-    cfg = RopeConfig.from_hf(config_json, max_seq_len=TABLE)
+    cfg = rope_config_from_hf(config_json, max_seq_len=TABLE)
     assert cfg.rotary_dim == HEAD_DIM // 2
     hf_config = LlamaConfig(**{**config_json, "rope_parameters": dict(parameters)})
     table = make_rope(cfg, 1, 1).table
@@ -183,7 +183,7 @@ def test_proportional_frequencies_match_hf() -> None:
         {"rope_type": "proportional", "rope_theta": 10000.0, "factor": 2.0},
         partial_rotary_factor=0.5,
     )
-    cfg = RopeConfig.from_hf(config_json)
+    cfg = rope_config_from_hf(config_json)
     hf_config = LlamaConfig(
         **{**config_json, "rope_parameters": dict(config_json["rope_parameters"])}
     )
@@ -196,7 +196,7 @@ def test_proportional_frequencies_match_hf() -> None:
 def test_interleaved_layout_is_half_layout_on_permuted_channels() -> None:
     """GPT-J pairs (2i, 2i+1) = Llama pairs (i, i+n) after moving evens before odds."""
     config_json = _config_json(ROPE_PARAMETERS["default"])
-    cfg = RopeConfig.from_hf(config_json, layout="interleaved")
+    cfg = rope_config_from_hf(config_json, layout="interleaved")
     rng = np.random.default_rng(5)
     q, k = random_qk(rng, cfg, 1, 8)
     perm = np.concatenate([np.arange(0, HEAD_DIM, 2), np.arange(1, HEAD_DIM, 2)])
@@ -220,7 +220,7 @@ def test_legacy_rope_scaling_key() -> None:
         "rope_theta": 50000.0,
         "rope_scaling": {"type": "linear", "factor": 2.0},
     }
-    cfg = RopeConfig.from_hf(config_json)
+    cfg = rope_config_from_hf(config_json)
     hf_config = LlamaConfig(**{**config_json, "rope_scaling": dict(config_json["rope_scaling"])})
     want, _ = ROPE_INIT_FUNCTIONS["linear"](hf_config, None)
     np.testing.assert_allclose(

@@ -1,4 +1,4 @@
-"""``RopeConfig.from_hf`` on a ``config.json`` that leaves RoPE keys out, for every family
+"""``rope_config_from_hf`` on a ``config.json`` that leaves RoPE keys out, for every family
 transformers has a config class for.
 
 A Hub ``config.json`` often omits what its config class defaults to (Mixtral's theta 1e6,
@@ -23,6 +23,7 @@ import pytest
 from hf_versions import HF_PINNED, skip_drift_from_pinned_transformers
 
 from mila_py.components import RopeConfig
+from mila_py.interop.hf_rope import rope_config_from_hf, rope_configs_from_hf_layers
 
 pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -148,7 +149,7 @@ def _check(model_type: str, cls: Any, given: dict[str, Any]) -> str | None:
         return None
     want = _expected(hf, params)
     try:
-        got = _read(RopeConfig.from_hf({**given, "model_type": model_type}), want)
+        got = _read(rope_config_from_hf({**given, "model_type": model_type}), want)
     except ValueError as error:
         message = str(error)
         if any(reason in message for reason in REFUSALS):
@@ -185,7 +186,7 @@ def test_bare_configs_read_as_their_config_class_fills_them_in(given: dict[str, 
 
 
 def test_text_model_types_are_the_composite_classes_default_text_configs() -> None:
-    from mila_py.components.rope_hf_defaults import TEXT_MODEL_TYPES
+    from mila_py.interop.hf_rope_defaults import TEXT_MODEL_TYPES
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     classes = _config_classes()
@@ -248,18 +249,18 @@ def test_a_text_config_without_model_type_is_read_as_its_text_family() -> None:
     only); PaliGemma's is Gemma (256-wide heads by default)."""
     text = {"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 4,
             "num_hidden_layers": 4, "max_position_embeddings": 4096}  # fmt: skip
-    aya = RopeConfig.from_hf_layers({"model_type": "aya_vision", "text_config": text})
+    aya = rope_configs_from_hf_layers({"model_type": "aya_vision", "text_config": text})
     assert [c is not None for c in aya] == [True, True, True, False]
     assert aya[0] is not None and aya[0].layout == "interleaved"
-    gemma = RopeConfig.from_hf({"model_type": "paligemma", "text_config": text})
+    gemma = rope_config_from_hf({"model_type": "paligemma", "text_config": text})
     assert gemma.head_dim == 256
 
 
 def regenerate() -> dict[str, dict[str, Any]]:
     """The table anew from the installed transformers: every family the scan finds wrong
-    with an empty table (the hand-kept ``rope_hf._CLASS_DEFAULTS`` still applied), until it
+    with an empty table (the hand-kept ``hf_rope._CLASS_DEFAULTS`` still applied), until it
     finds none. ``python tests/test_rope_hf_class_defaults.py`` prints it."""
-    from mila_py.components import rope_hf_defaults
+    from mila_py.interop import hf_rope_defaults as rope_hf_defaults
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     table = rope_hf_defaults.CLASS_DEFAULTS

@@ -1,9 +1,9 @@
-"""``RopeConfig.from_hf`` across model families: pair layout, partial rotary keys, latent attention.
+"""``rope_config_from_hf`` across model families: pair layout, partial rotary keys, latent attention.
 
 Each case is a ``config.json`` dict as it lies on disk, often with the transformers 4.x keys
 (GPT-NeoX's ``rotary_pct``, GPT-J's ``rotary_dim``); the reference is that model's own
 transformers code: its config class, its rotary module and its apply function, on the q/k layout
-of its own projections. mila_py's Rope, configured by ``from_hf`` alone (layout included), must
+of its own projections. mila_py's Rope, configured by ``rope_config_from_hf`` alone (layout included), must
 rotate the same Q and K to the same values. Config-only checks run without transformers.
 """
 
@@ -19,6 +19,7 @@ from hf_versions import skip_before_verified_transformers, skip_unless_transform
 from rope_helpers import make_rope, random_qk
 
 from mila_py.components import RopeConfig, RopeLayout
+from mila_py.interop.hf_rope import rope_config_from_hf, rope_configs_from_hf_layers
 
 BASE = {
     "hidden_size": 64,
@@ -184,7 +185,7 @@ def test_family_rotates_as_its_own_code(torch: Any, case: str) -> None:
     cls_name, module_name, config_json, layout, rotated = CASES[case]
     if case in BEHAVIOUR_SINCE_VERIFIED:
         skip_before_verified_transformers(BEHAVIOUR_SINCE_VERIFIED[case])
-    cfg = RopeConfig.from_hf({**BASE, **config_json})
+    cfg = rope_config_from_hf({**BASE, **config_json})
     assert (cfg.layout, cfg.rotated_dim) == (layout, rotated)
     hf_config = _config(cls_name, config_json)
     module = _module(module_name)
@@ -207,7 +208,7 @@ def test_latent_attention_rope_head(torch: Any, case: str) -> None:
     HF's ``apply_rotary_pos_emb_interleave`` reads pairs (2i, 2i + 1) and writes them in half
     order, the same dot products as mila_py's in-place pairs."""
     cls_name, module_name, config_json, layout = MLA_CASES[case]
-    cfg = RopeConfig.from_hf({**BASE, **config_json})
+    cfg = rope_config_from_hf({**BASE, **config_json})
     assert (cfg.layout, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads) == (layout, 8, 4, 1)
     hf_config = _config(cls_name, config_json)
     module = _module(module_name)
@@ -237,7 +238,7 @@ def test_latent_attention_rope_head(torch: Any, case: str) -> None:
 
 def test_llama4_pairs_as_complex_numbers(torch: Any) -> None:
     config_json = {"model_type": "llama4_text", "head_dim": 16, "rope_theta": 500000.0}
-    cfg = RopeConfig.from_hf({**BASE, **config_json})
+    cfg = rope_config_from_hf({**BASE, **config_json})
     assert cfg.layout == PAIRS
     hf_config = _config("Llama4TextConfig", config_json)
     module = _module("llama4")
@@ -256,7 +257,7 @@ def test_gptj_rotary_dim_every_two(torch: Any, module_name: str) -> None:
     """GPT-J and CodeGen rotate the first ``rotary_dim`` channels, pairs (2i, 2i + 1)."""
     config_json = {"model_type": module_name, "n_embd": 64, "n_head": 4, "rotary_dim": 8}
     flat = {**BASE, **config_json, "num_key_value_heads": 4}
-    cfg = RopeConfig.from_hf(flat)
+    cfg = rope_config_from_hf(flat)
     assert (cfg.layout, cfg.rotated_dim, cfg.head_dim) == (PAIRS, 8, 16)
     module = _module(module_name)
     q, k = random_qk(np.random.default_rng(8), cfg, 1, len(POSITIONS))
@@ -276,26 +277,26 @@ def test_gptj_rotary_dim_every_two(torch: Any, module_name: str) -> None:
 # -------------------------------------------------------------------------- config-only checks
 def test_rotary_keys_without_transformers() -> None:
     neox = {k: v for k, v in BASE.items() if k != "rope_theta"} | {"model_type": "gpt_neox"}
-    assert RopeConfig.from_hf(neox).rotated_dim == 4  # GPTNeoXConfig's default rotary_pct 0.25
-    assert RopeConfig.from_hf({**neox, "rotary_pct": 1.0}).rotated_dim == 16
-    assert RopeConfig.from_hf({**neox, "rotary_emb_base": 20000.0}).base == 20000.0
+    assert rope_config_from_hf(neox).rotated_dim == 4  # GPTNeoXConfig's default rotary_pct 0.25
+    assert rope_config_from_hf({**neox, "rotary_pct": 1.0}).rotated_dim == 16
+    assert rope_config_from_hf({**neox, "rotary_emb_base": 20000.0}).base == 20000.0
     # GPT-NeoX's config class reads rotary_pct/rotary_emb_base, not the top-level 5.x names;
     # its rope_parameters win over both
     ignored = {**neox, "rotary_pct": 1.0, "partial_rotary_factor": 0.5, "rope_theta": 3e4}
-    assert (RopeConfig.from_hf(ignored).rotated_dim, RopeConfig.from_hf(ignored).base) == (
+    assert (rope_config_from_hf(ignored).rotated_dim, rope_config_from_hf(ignored).base) == (
         16,
         10000.0,
     )
     nested = {**ignored, "rope_parameters": {"rope_type": "default", "rope_theta": 3e4,
                                              "partial_rotary_factor": 0.5}}  # fmt: skip
-    assert (RopeConfig.from_hf(nested).rotated_dim, RopeConfig.from_hf(nested).base) == (8, 3e4)
+    assert (rope_config_from_hf(nested).rotated_dim, rope_config_from_hf(nested).base) == (8, 3e4)
     gptj = {**BASE, "model_type": "gptj"}
-    assert RopeConfig.from_hf({**gptj, "head_dim": 128, "hidden_size": 512}).rotated_dim == 64
-    assert RopeConfig.from_hf({**gptj, "rotary_dim": None}).rotated_dim == 16  # whole head
+    assert rope_config_from_hf({**gptj, "head_dim": 128, "hidden_size": 512}).rotated_dim == 64
+    assert rope_config_from_hf({**gptj, "rotary_dim": None}).rotated_dim == 16  # whole head
     codegen = {**BASE, "model_type": "codegen", "head_dim": 128, "hidden_size": 512}
-    assert RopeConfig.from_hf(codegen).rotated_dim == 64  # CodeGenConfig's default rotary_dim
+    assert rope_config_from_hf(codegen).rotated_dim == 64  # CodeGenConfig's default rotary_dim
     # a Llama-family config rotates all and pairs by halves
-    plain = RopeConfig.from_hf({**BASE, "model_type": "llama", "rotary_dim": None})
+    plain = rope_config_from_hf({**BASE, "model_type": "llama", "rotary_dim": None})
     assert (plain.rotated_dim, plain.layout) == (16, HALF)
 
 
@@ -303,9 +304,9 @@ def test_gpt2_style_names_of_gptj() -> None:
     """GPT-J's config.json says n_head/n_embd/n_positions (HF's attribute_map)."""
     config_json = {"model_type": "gptj", "n_head": 16, "n_embd": 4096, "n_positions": 2048,
                    "n_layer": 28, "rotary_dim": 64}  # fmt: skip
-    cfg = RopeConfig.from_hf(config_json)
+    cfg = rope_config_from_hf(config_json)
     assert (cfg.n_heads, cfg.head_dim, cfg.rotated_dim, cfg.max_seq_len) == (16, 256, 64, 2048)
-    assert cfg.layout == PAIRS and len(RopeConfig.from_hf_layers(config_json)) == 28
+    assert cfg.layout == PAIRS and len(rope_configs_from_hf_layers(config_json)) == 28
 
 
 #: model_type -> the pair layout of its code on q/k as HF stores the weights (written from the
@@ -329,7 +330,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("model_type", list(LAYOUTS))
 def test_pair_layout_of_each_family(model_type: str) -> None:
     config_json = {**BASE, "model_type": model_type, "head_dim": 16, "rotary_dim": None}
-    assert RopeConfig.from_hf(config_json).layout == LAYOUTS[model_type]
+    assert rope_config_from_hf(config_json).layout == LAYOUTS[model_type]
 
 
 @pytest.mark.parametrize(
@@ -341,9 +342,9 @@ def test_pair_layout_of_latent_attention_families(model_type: str, layout: RopeL
     # (Mistral 4's class default is a YaRN that scales queries: a plain RoPE here)
     config_json = {**BASE, "model_type": model_type, "qk_rope_head_dim": 8,
                    "rope_parameters": {"rope_type": "default"}}  # fmt: skip
-    assert RopeConfig.from_hf(config_json).layout == layout
+    assert rope_config_from_hf(config_json).layout == layout
     with pytest.raises(ValueError, match="qk_rope_head_dim is 0"):
-        RopeConfig.from_hf({**config_json, "qk_rope_head_dim": 0})
+        rope_config_from_hf({**config_json, "qk_rope_head_dim": 0})
 
 
 #: families whose config class has a theta or rotated fraction other than 10 000 and 1
@@ -369,16 +370,16 @@ def test_missing_keys_take_the_config_class_defaults(torch: Any, model_type: str
             "head_dim": head_dim, "num_hidden_layers": 2, "max_position_embeddings": 256}  # fmt: skip
     hf = CONFIG_MAPPING[model_type](**bare)
     want = hf.rope_parameters
-    cfg = RopeConfig.from_hf({**bare, "model_type": model_type})
+    cfg = rope_config_from_hf({**bare, "model_type": model_type})
     assert cfg.base == want["rope_theta"]
     assert cfg.rotated_dim == int(head_dim * want.get("partial_rotary_factor", 1.0))
 
 
 def test_moonshine_streaming_default_only_without_rope_parameters() -> None:
     bare = {**BASE, "model_type": "moonshine_streaming", "head_dim": 20, "hidden_size": 80}
-    assert RopeConfig.from_hf(bare).rotated_dim == 16  # its class default 0.8
+    assert rope_config_from_hf(bare).rotated_dim == 16  # its class default 0.8
     given = {**bare, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
-    assert RopeConfig.from_hf(given).rotated_dim == 20  # HF then rotates the whole head
+    assert rope_config_from_hf(given).rotated_dim == 20  # HF then rotates the whole head
 
 
 def test_llama4_scout_rope_scaling(torch: Any) -> None:
@@ -391,7 +392,7 @@ def test_llama4_scout_rope_scaling(torch: Any) -> None:
     config_json = {**BASE, "model_type": "llama4_text", "head_dim": 128, "hidden_size": 512,
                    "rope_theta": 500000.0, "rope_scaling": scaling,
                    "max_position_embeddings": 10485760}  # fmt: skip
-    cfg = RopeConfig.from_hf(config_json, max_seq_len=64)
+    cfg = rope_config_from_hf(config_json, max_seq_len=64)
     hf_config = Llama4TextConfig(**{k: v for k, v in config_json.items() if k != "model_type"})
     want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, None)
     got, _ = make_rope(cfg, 1, 1).table.frequencies()
@@ -401,8 +402,10 @@ def test_llama4_scout_rope_scaling(torch: Any) -> None:
 
 def test_layout_argument_overrides_the_family() -> None:
     cohere = {**BASE, "model_type": "cohere"}
-    assert RopeConfig.from_hf(cohere, layout="half").layout == HALF
-    assert RopeConfig.from_hf({**BASE, "model_type": "llama"}, layout="interleaved").layout == PAIRS
+    assert rope_config_from_hf(cohere, layout="half").layout == HALF
+    assert (
+        rope_config_from_hf({**BASE, "model_type": "llama"}, layout="interleaved").layout == PAIRS
+    )
 
 
 @pytest.mark.parametrize(
@@ -415,19 +418,19 @@ def test_layout_argument_overrides_the_family() -> None:
 )
 def test_families_it_cannot_express_are_refused(model_type: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        RopeConfig.from_hf({**BASE, "model_type": model_type})
+        rope_config_from_hf({**BASE, "model_type": model_type})
 
 
 def test_cohere2_rotates_its_sliding_layers_only() -> None:
     config_json = {**BASE, "model_type": "cohere2", "num_hidden_layers": 8, "head_dim": 16}
-    layers = RopeConfig.from_hf_layers(config_json)
+    layers = rope_configs_from_hf_layers(config_json)
     assert [c is not None for c in layers] == [True, True, True, False] * 2
-    assert layers[0] == RopeConfig.from_hf(config_json, layer_type="sliding_attention")
+    assert layers[0] == rope_config_from_hf(config_json, layer_type="sliding_attention")
     assert layers[0].layout == PAIRS
     with pytest.raises(
         ValueError, match="full_attention layers of this cohere2 model rotate nothing"
     ):
-        RopeConfig.from_hf(config_json, layer_type="full_attention")
+        rope_config_from_hf(config_json, layer_type="full_attention")
     moe = {
         **config_json,
         "model_type": "cohere2_moe",
@@ -435,18 +438,18 @@ def test_cohere2_rotates_its_sliding_layers_only() -> None:
         "mlp_layer_types": ["dense", "sparse", "sparse", "dense"],
         "num_hidden_layers": 4,
     }
-    assert [c is not None for c in RopeConfig.from_hf_layers(moe)] == [True, True, False, True]
+    assert [c is not None for c in rope_configs_from_hf_layers(moe)] == [True, True, False, True]
     with pytest.raises(ValueError, match=r"some full_attention layers .* rotate and some do not"):
-        RopeConfig.from_hf(moe, layer_type="full_attention")
+        rope_config_from_hf(moe, layer_type="full_attention")
     no_rope = {**moe, "prefix_dense_sliding_window_pattern": 4}
-    assert [c is not None for c in RopeConfig.from_hf_layers(no_rope)] == [
+    assert [c is not None for c in rope_configs_from_hf_layers(no_rope)] == [
         False,
         True,
         False,
         False,
     ]
     with pytest.raises(ValueError, match="needs mlp_layer_types"):
-        RopeConfig.from_hf_layers({**moe, "mlp_layer_types": None})
+        rope_configs_from_hf_layers({**moe, "mlp_layer_types": None})
 
 
 def test_no_rope_layer_type_of_llama4() -> None:
@@ -454,8 +457,8 @@ def test_no_rope_layer_type_of_llama4() -> None:
     config_json = {**BASE, "model_type": "llama4_text", "num_hidden_layers": 4,
                    "layer_types": ["chunked_attention"] * 3 + ["full_attention"]}  # fmt: skip
     with pytest.raises(ValueError, match="rotate nothing"):
-        RopeConfig.from_hf(config_json, layer_type="full_attention")
-    assert RopeConfig.from_hf(config_json, layer_type="chunked_attention").layout == PAIRS
+        rope_config_from_hf(config_json, layer_type="full_attention")
+    assert rope_config_from_hf(config_json, layer_type="chunked_attention").layout == PAIRS
 
 
 def test_mistral_query_scaling_is_refused_with_the_way_out() -> None:
@@ -465,11 +468,11 @@ def test_mistral_query_scaling_is_refused_with_the_way_out() -> None:
             "max_position_embeddings": 262144}  # fmt: skip
     config_json = {**BASE, "model_type": "ministral3", "max_position_embeddings": 262144}
     with pytest.raises(ValueError, match=r"queries by 1 \+ beta \* log"):
-        RopeConfig.from_hf(
+        rope_config_from_hf(
             {**config_json, "rope_parameters": {**yarn, "llama_4_scaling_beta": 0.1}},
             max_seq_len=1024,
         )
-    cfg = RopeConfig.from_hf({**config_json, "rope_parameters": yarn}, max_seq_len=1024)
+    cfg = rope_config_from_hf({**config_json, "rope_parameters": yarn}, max_seq_len=1024)
     assert cfg.rope_type == "yarn" and "max_position_embeddings" not in cfg.scaling
 
 
@@ -488,28 +491,32 @@ def test_missing_head_dim_is_the_config_class_default(torch: Any, model_type: st
     config_json = {**bare, "model_type": model_type}
     layered = ("mimo_v2_flash", "gemma3_text", "gemma3n_text")
     layer_type = "sliding_attention" if model_type in layered else None
-    assert RopeConfig.from_hf(config_json, layer_type=layer_type).head_dim == hf.head_dim
+    assert rope_config_from_hf(config_json, layer_type=layer_type).head_dim == hf.head_dim
 
 
 @pytest.mark.parametrize("model_type", ["exaone4", "exaone_moe"])
 def test_exaone4_rotates_its_sliding_layers_only(model_type: str) -> None:
     config_json = {**BASE, "model_type": model_type, "num_hidden_layers": 8, "head_dim": 16}
-    layers = RopeConfig.from_hf_layers(config_json)
+    layers = rope_configs_from_hf_layers(config_json)
     assert [c is not None for c in layers] == [True, True, True, False] * 2
     string = {**config_json, "sliding_window_pattern": "LLG"}
-    assert [c is not None for c in RopeConfig.from_hf_layers(string)] == [True, True, False] * 2 + [
+    assert [c is not None for c in rope_configs_from_hf_layers(string)] == [
+        True,
+        True,
+        False,
+    ] * 2 + [
         True,
         True,
     ]
     no_window = {**config_json, "sliding_window": None, "layer_types": ["full_attention"] * 8}
-    assert None not in RopeConfig.from_hf_layers(no_window)
+    assert None not in rope_configs_from_hf_layers(no_window)
 
 
 def test_exaone4_layer_types_match_the_config_class(torch: Any) -> None:
     from transformers import Exaone4Config
 
     hf = Exaone4Config(**{**BASE, "num_hidden_layers": 8, "head_dim": 16})
-    layers = RopeConfig.from_hf_layers({**BASE, "model_type": "exaone4", "num_hidden_layers": 8,
+    layers = rope_configs_from_hf_layers({**BASE, "model_type": "exaone4", "num_hidden_layers": 8,
                                         "head_dim": 16})  # fmt: skip
     assert [c is not None for c in layers] == [t == "sliding_attention" for t in hf.layer_types]
 
@@ -600,26 +607,26 @@ def test_layers_rotate_where_the_models_attention_does(
     convolution layers rotate nothing. Both the config as transformers writes it and the bare
     config.json (layer pattern from the class default) are read alike."""
     as_json, want = _hf_rotating_layers(torch, model_type, **kwargs)
-    assert [c is not None for c in RopeConfig.from_hf_layers(as_json)] == want
+    assert [c is not None for c in rope_configs_from_hf_layers(as_json)] == want
     bare = {**TINY, **kwargs, "model_type": model_type}
-    assert [c is not None for c in RopeConfig.from_hf_layers(bare)] == want
+    assert [c is not None for c in rope_configs_from_hf_layers(bare)] == want
     for layer_type in set(as_json.get("layer_types") or []):
         rotating = {w for w, t in zip(want, as_json["layer_types"], strict=True) if t == layer_type}
         if rotating == {False}:
             with pytest.raises(ValueError, match="rotate nothing"):
-                RopeConfig.from_hf(as_json, layer_type=layer_type)
+                rope_config_from_hf(as_json, layer_type=layer_type)
         elif rotating == {True}:
-            assert RopeConfig.from_hf(as_json, layer_type=layer_type) is not None
+            assert rope_config_from_hf(as_json, layer_type=layer_type) is not None
 
 
 def test_exaone4_5_text_model_is_exaone4() -> None:
     """EXAONE 4.5's config class renames its text config's ``exaone4_5_text`` to exaone4."""
     text = {**BASE, "num_hidden_layers": 8, "head_dim": 16}
-    want = RopeConfig.from_hf_layers({**text, "model_type": "exaone4"})
+    want = rope_configs_from_hf_layers({**text, "model_type": "exaone4"})
     assert [c is not None for c in want] == [True, True, True, False] * 2
     for inner in ("exaone4_5_text", "exaone4"):
         nested = {"model_type": "exaone4_5", "text_config": {**text, "model_type": inner}}
-        assert RopeConfig.from_hf_layers(nested) == want
+        assert rope_configs_from_hf_layers(nested) == want
 
 
 @pytest.mark.parametrize(
@@ -637,21 +644,21 @@ def test_exaone4_5_text_model_is_exaone4() -> None:
 def test_families_without_rope_are_refused(config_json: dict[str, Any], message: str) -> None:
     config_json = {**BASE, **config_json}
     with pytest.raises(ValueError, match=f"has no RoPE: .*{message}"):
-        RopeConfig.from_hf(config_json)
+        rope_config_from_hf(config_json)
     n_layers = config_json.get("n_layer", BASE["num_hidden_layers"])
-    assert RopeConfig.from_hf_layers(config_json) == [None] * n_layers
+    assert rope_configs_from_hf_layers(config_json) == [None] * n_layers
 
 
 @pytest.mark.parametrize("alibi", [{}, {"alibi": False}, {"alibi": None}])
 def test_falcon_without_alibi_rotates(alibi: dict[str, Any]) -> None:
     """Falcon's code rotates unless ``alibi`` is true (a null is false)."""
-    assert RopeConfig.from_hf({**BASE, "model_type": "falcon", **alibi}).rope_type == "default"
+    assert rope_config_from_hf({**BASE, "model_type": "falcon", **alibi}).rope_type == "default"
 
 
 def test_an_empty_scaling_dict_is_not_the_class_default() -> None:
     """``rope_parameters: {}`` is given (transformers' class fills in only a missing one)."""
     bare = {k: v for k, v in BASE.items() if k != "rope_theta"}
-    assert RopeConfig.from_hf({**bare, "model_type": "gpt_oss", "rope_parameters": {}},
+    assert rope_config_from_hf({**bare, "model_type": "gpt_oss", "rope_parameters": {}},
                               max_seq_len=256).rope_type == "default"  # fmt: skip
 
 
@@ -660,8 +667,8 @@ def test_rope_scaling_is_read_over_rope_parameters() -> None:
     linear = {"rope_type": "linear", "factor": 2.0}
     config_json = {**BASE, "model_type": "llama", "rope_scaling": linear,
                    "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}  # fmt: skip
-    assert RopeConfig.from_hf(config_json).rope_type == "linear"
-    assert RopeConfig.from_hf({**config_json, "rope_scaling": None}).rope_type == "default"
+    assert rope_config_from_hf(config_json).rope_type == "linear"
+    assert rope_config_from_hf({**config_json, "rope_scaling": None}).rope_type == "default"
 
 
 @pytest.mark.parametrize("given", [{}, {"rope_parameters": None}, {"rope_scaling": None}])
@@ -670,27 +677,27 @@ def test_a_config_without_scaling_takes_the_class_default(given: dict[str, Any])
     YaRN x32 from 4 096 positions; a config.json without them, or with them null, means that."""
     bare = {k: v for k, v in BASE.items() if k != "rope_theta"}
     config_json = {**bare, "model_type": "gpt_oss", **given}
-    cfg = RopeConfig.from_hf(config_json, max_seq_len=256)
+    cfg = rope_config_from_hf(config_json, max_seq_len=256)
     assert (cfg.base, cfg.head_dim, cfg.rope_type) == (150000.0, 64, "yarn")
     assert cfg.scaling is not None
     assert (cfg.scaling["factor"], cfg.scaling["original_max_position_embeddings"]) == (32.0, 4096)
-    mixtral = RopeConfig.from_hf({**bare, "model_type": "mixtral", **given})
+    mixtral = rope_config_from_hf({**bare, "model_type": "mixtral", **given})
     assert (mixtral.base, mixtral.rope_type) == (1e6, "default")
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "minimax", "lfm2", "afmoe", "bamba"])
 def test_one_config_needs_no_layer_count(model_type: str) -> None:
-    """from_hf without layer_type reads no layer pattern (only from_hf_layers needs
+    """rope_config_from_hf without layer_type reads no layer pattern (only rope_configs_from_hf_layers needs
     num_hidden_layers)."""
     config_json = {k: v for k, v in BASE.items() if k != "num_hidden_layers"}
-    cfg = RopeConfig.from_hf({**config_json, "model_type": model_type, "head_dim": 64})
+    cfg = rope_config_from_hf({**config_json, "model_type": model_type, "head_dim": 64})
     assert cfg.head_dim == 64
 
 
 def test_a_family_without_rope_says_so_without_a_layer_count() -> None:
     t5 = {"model_type": "t5", "num_layers": 6, "num_heads": 8, "d_model": 512}
     with pytest.raises(ValueError, match="has no RoPE: bucketed relative position biases"):
-        RopeConfig.from_hf_layers(t5)
+        rope_configs_from_hf_layers(t5)
 
 
 @pytest.mark.parametrize(
@@ -711,4 +718,4 @@ def test_malformed_configs_are_value_errors(change: dict[str, Any], message: str
     the key."""
     config_json = {**BASE, "model_type": "llama", **change}
     with pytest.raises(ValueError, match=message):
-        RopeConfig.from_hf_layers(config_json)
+        rope_configs_from_hf_layers(config_json)

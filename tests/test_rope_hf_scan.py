@@ -1,4 +1,4 @@
-"""``RopeConfig.from_hf`` on families a scan of every transformers rotary module found read
+"""``rope_config_from_hf`` on families a scan of every transformers rotary module found read
 wrongly or refused: keys under the family's own names (JetMoE's ``kv_channels``, Zamba2's
 ``attention_head_dim``, Moonshine's ``decoder_*``, Bailing-Hybrid's ``model_max_length``),
 switches that turn RoPE off (ESM's and GraniteMoeHybrid's ``position_embedding_type``, Zamba2's
@@ -20,6 +20,7 @@ from hf_versions import skip_before_verified_transformers
 from rope_helpers import make_rope, random_qk
 
 from mila_py.components import RopeConfig
+from mila_py.interop.hf_rope import rope_config_from_hf, rope_configs_from_hf_layers
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -73,7 +74,7 @@ def _compare(cfg: RopeConfig, rotary: Any, positions: np.ndarray, **kwargs: Any)
 
 POSITIONS = np.array([0, 1, 7, 100, 250, 500])
 
-#: id -> (package, config class, rotary class, config kwargs, from_hf kwargs, head_dim, rotated)
+#: id -> (package, config class, rotary class, config kwargs, rope_config_from_hf kwargs, head_dim, rotated)
 CASES: dict[str, tuple[str, str, str, dict[str, Any], dict[str, Any], int, int]] = {
     "jetmoe-kv-channels": ("jetmoe", "JetMoeConfig", "JetMoeRotaryEmbedding", {}, {}, 128, 128),
     "zamba2-attention-head-dim": (
@@ -98,7 +99,7 @@ CASES: dict[str, tuple[str, str, str, dict[str, Any], dict[str, Any], int, int]]
 def test_family_keys_read_as_the_family_reads_them(case: str) -> None:
     package, config_class, rotary_class, kwargs, extra, head_dim, rotated = CASES[case]
     hf_config, rotary = _family(package, config_class, rotary_class, **kwargs)
-    cfg = RopeConfig.from_hf(hf_config.to_dict(), **extra)
+    cfg = rope_config_from_hf(hf_config.to_dict(), **extra)
     assert (cfg.head_dim, cfg.rotated_dim) == (head_dim, rotated)
     _compare(cfg, rotary, POSITIONS)
 
@@ -109,7 +110,7 @@ def test_moonshine_reads_its_decoder_heads() -> None:
     hf_config, rotary = _family("moonshine", "MoonshineConfig", "MoonshineRotaryEmbedding")
     as_json = hf_config.to_dict()
     assert as_json.get("num_attention_heads") is None
-    cfg = RopeConfig.from_hf(as_json)
+    cfg = rope_config_from_hf(as_json)
     assert cfg.n_heads == as_json["decoder_num_attention_heads"]
     assert cfg.n_kv_heads == as_json["decoder_num_key_value_heads"]
     assert (cfg.head_dim, cfg.rotated_dim, cfg.layout) == (36, 32, "interleaved")
@@ -121,7 +122,7 @@ def test_bailing_hybrid_reads_model_max_length() -> None:
     hf_config, _ = _family("bailing_hybrid", "BailingHybridConfig", "BailingHybridRotaryEmbedding")
     as_json = hf_config.to_dict()
     assert as_json.get("max_position_embeddings") is None and as_json["model_max_length"]
-    assert RopeConfig.from_hf(as_json).max_seq_len == as_json["model_max_length"]
+    assert rope_config_from_hf(as_json).max_seq_len == as_json["model_max_length"]
 
 
 @pytest.mark.parametrize(
@@ -133,8 +134,8 @@ def test_bailing_hybrid_reads_model_max_length() -> None:
     ],
 )
 def test_families_whose_switch_turns_rope_off(package, config_class, key, off) -> None:  # type: ignore[no-untyped-def]
-    """The class default turns RoPE off (the model builds no rotary module): from_hf says so,
-    and from_hf_layers gives every layer None."""
+    """The class default turns RoPE off (the model builds no rotary module): rope_config_from_hf says so,
+    and rope_configs_from_hf_layers gives every layer None."""
     models = f"transformers.models.{package}"
     hf_config = getattr(
         importlib.import_module(f"{models}.configuration_{package}"), config_class
@@ -142,8 +143,8 @@ def test_families_whose_switch_turns_rope_off(package, config_class, key, off) -
     as_json = hf_config.to_dict()
     assert as_json.get(key, off) == off
     with pytest.raises(ValueError, match=f"has no RoPE: {key}="):
-        RopeConfig.from_hf(as_json)
-    layers = RopeConfig.from_hf_layers(as_json)
+        rope_config_from_hf(as_json)
+    layers = rope_configs_from_hf_layers(as_json)
     assert layers and all(layer is None for layer in layers)
 
 
@@ -173,7 +174,7 @@ def test_interleaved_mrope_leaves_the_rest_to_the_temporal_axis(
         skip_before_verified_transformers("Cohere Compass's interleaved M-RoPE sections")
     hf_config, rotary = _family(package, config_class, rotary_class, **kwargs)
     layer = {"layer_type": "full_attention"} if "layer_types" in kwargs else {}
-    cfg = RopeConfig.from_hf(hf_config.to_dict(), **layer)
+    cfg = rope_config_from_hf(hf_config.to_dict(), **layer)
     assert cfg.mrope_interleaved and sum(cfg.mrope_section) == cfg.rotated_dim // 2
     rng = np.random.default_rng(5)
     per_axis = np.stack([np.arange(6) * 3, rng.integers(0, 40, 6), rng.integers(0, 40, 6)])
@@ -183,7 +184,7 @@ def test_interleaved_mrope_leaves_the_rest_to_the_temporal_axis(
 
 def test_granite_swa_rotates_each_layer_with_its_own_theta() -> None:
     """``layer_rope_theta`` gives each layer its theta, 0 for none (one rotary module per
-    theta in the model's code); from_hf without a layer cannot say which one."""
+    theta in the model's code); rope_config_from_hf without a layer cannot say which one."""
     import copy
 
     kinds = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
@@ -191,17 +192,17 @@ def test_granite_swa_rotates_each_layer_with_its_own_theta() -> None:
         "granite_swa", "GraniteSWAConfig", "GraniteSWARotaryEmbedding",
         num_hidden_layers=4, layer_types=kinds, layer_rope_theta=[1e4, 0, 1e6, 1e4],
     )  # fmt: skip
-    layers = RopeConfig.from_hf_layers(hf_config.to_dict())
+    layers = rope_configs_from_hf_layers(hf_config.to_dict())
     assert [None if c is None else c.base for c in layers] == [1e4, None, 1e6, 1e4]
     theta_config = copy.deepcopy(hf_config)  # as the model builds its theta-1e6 module
     theta_config.rope_parameters = {**hf_config.rope_parameters, "rope_theta": 1e6}
     module = importlib.import_module("transformers.models.granite_swa.modeling_granite_swa")
     _compare(layers[2], module.GraniteSWARotaryEmbedding(theta_config), POSITIONS)
     with pytest.raises(ValueError, match="different thetas"):
-        RopeConfig.from_hf(hf_config.to_dict())
+        rope_config_from_hf(hf_config.to_dict())
     same = copy.deepcopy(hf_config.to_dict())
     same["layer_rope_theta"] = [5e5] * 4
-    assert RopeConfig.from_hf(same).base == 5e5
+    assert rope_config_from_hf(same).base == 5e5
 
 
 def test_muse_layers_without_theta_have_no_rope() -> None:
@@ -213,12 +214,12 @@ def test_muse_layers_without_theta_have_no_rope() -> None:
         num_hidden_layers=8,
     )  # fmt: skip
     as_json = hf_config.to_dict()
-    layers = RopeConfig.from_hf_layers(as_json)
+    layers = rope_configs_from_hf_layers(as_json)
     assert [c is None for c in layers] == [t == 0 for t in as_json["layer_rope_theta"]]
-    sliding = RopeConfig.from_hf(as_json, layer_type="sliding_attention")
+    sliding = rope_config_from_hf(as_json, layer_type="sliding_attention")
     _compare(sliding, rotary, POSITIONS)
     with pytest.raises(ValueError, match="rotate nothing"):
-        RopeConfig.from_hf(as_json, layer_type="full_attention")
+        rope_config_from_hf(as_json, layer_type="full_attention")
 
 
 def test_laguna_reads_its_heads_per_layer() -> None:
@@ -227,6 +228,6 @@ def test_laguna_reads_its_heads_per_layer() -> None:
         num_hidden_layers=4, num_attention_heads_per_layer=[48, 64, 48, 32],
         layer_types=["full_attention"] * 4,
     )  # fmt: skip
-    layers = RopeConfig.from_hf_layers(hf_config.to_dict())
+    layers = rope_configs_from_hf_layers(hf_config.to_dict())
     assert [c.n_heads for c in layers] == [48, 64, 48, 32]  # type: ignore[union-attr]
     assert len({id(c) for c in layers}) == 3  # equal layers share one config

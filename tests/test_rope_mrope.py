@@ -28,6 +28,7 @@ from rope_reference import mrope_frequency_positions
 
 from mila_py import Precision
 from mila_py.components import RopeConfig
+from mila_py.interop.hf_rope import rope_config_from_hf
 
 #: (head_dim, rotary_dim, section, interleaved, layout): Qwen2-VL-like, Qwen3-VL-like,
 #: GLM-4V-like (interleaved pairs, half the head rotated), and sections with an empty axis
@@ -170,12 +171,12 @@ def _vlm(model_type: str, **rope: Any) -> dict[str, Any]:
     ],
 )  # fmt: skip
 def test_from_hf_reads_vision_language_configs(model_type, rope, interleaved, layout) -> None:
-    cfg = RopeConfig.from_hf(_vlm(model_type, **rope))
+    cfg = rope_config_from_hf(_vlm(model_type, **rope))
     section = tuple(rope["mrope_section"])
     assert (cfg.mrope_section, cfg.mrope_interleaved, cfg.layout) == (section, interleaved, layout)
     assert cfg.n_heads == 4 and cfg.head_dim == 32 and cfg.rope_type == "default"
     # an explicit layout wins
-    assert RopeConfig.from_hf(_vlm(model_type, **rope), layout="half").layout == "half"
+    assert rope_config_from_hf(_vlm(model_type, **rope), layout="half").layout == "half"
 
 
 @pytest.mark.parametrize(
@@ -188,11 +189,11 @@ def test_from_hf_takes_the_models_default_section(model_type, section, interleav
     rotary = {"partial_rotary_factor": 0.5} if model_type == "glm4v" else {}
     config = _vlm(model_type, **rotary)
     config["text_config"].update(head_dim=128, hidden_size=4 * 128)
-    cfg = RopeConfig.from_hf(config)
+    cfg = rope_config_from_hf(config)
     assert (cfg.mrope_section, cfg.mrope_interleaved) == (section, interleaved)
     # a head the default does not fit: refused, as the model's code would fail
     with pytest.raises(ValueError, match="must sum to the 8 rotated"):
-        RopeConfig.from_hf(_vlm(model_type, partial_rotary_factor=0.5))
+        rope_config_from_hf(_vlm(model_type, partial_rotary_factor=0.5))
 
 
 @pytest.mark.parametrize(
@@ -201,7 +202,7 @@ def test_from_hf_takes_the_models_default_section(model_type, section, interleav
 )
 def test_from_hf_refuses_what_it_cannot_express(model_type: str, pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
-        RopeConfig.from_hf(_vlm(model_type, mrope_section=[22, 22, 20]))
+        rope_config_from_hf(_vlm(model_type, mrope_section=[22, 22, 20]))
 
 
 def test_a_type_with_other_frequency_counts_is_refused_at_build() -> None:
@@ -448,7 +449,7 @@ def test_matches_hugging_face(model: str, backend: str, rng) -> None:
         head_dim=head_dim, max_position_embeddings=512, rope_parameters=rope_parameters,
     )  # fmt: skip
     rotary = getattr(modeling, rotary_cls)(hf_config)
-    cfg = RopeConfig.from_hf(hf_config.to_dict())  # layout and axes from the model_type
+    cfg = rope_config_from_hf(hf_config.to_dict())  # layout and axes from the model_type
     assert cfg.mrope_section == tuple(section)
     assert cfg.layout == ("interleaved" if model == "glm4v" else "half")
     assert cfg.mrope_interleaved == model.startswith("qwen3")

@@ -2,7 +2,8 @@
 
 Every type runs at positions 1000..max_seq_len-1 (errors hide at position 0), with both layouts,
 full and partial rotary dims, both CPU backends; ``dynamic`` and ``longrope`` run below and above
-their original context. Also: scaling-dict validation, ``register_rope_type`` and ``from_hf``.
+their original context. Also: scaling-dict validation, ``register_rope_type`` and
+``rope_config_from_hf``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from mila_py.components import (
     register_rope_type,
     registered_rope_types,
 )
-from mila_py.components import rope_scaling as _rope_scaling
+from mila_py.interop.hf_rope import rope_config_from_hf
+from mila_py.rope import scaling as _rope_scaling
 
 HEAD_DIM = 16
 MAX_SEQ = 4096
@@ -503,7 +505,7 @@ def test_register_rope_type_argument_checks() -> None:
         register_rope_type("yarn", lambda *a: None)
 
 
-# ---------------------------------------------------------------------------------- from_hf
+# ---------------------------------------------------------------------- rope_config_from_hf
 
 
 def _hf(**extra: Any) -> dict[str, Any]:
@@ -518,21 +520,21 @@ def _hf(**extra: Any) -> dict[str, Any]:
 
 
 def test_from_hf_reads_the_plain_fields() -> None:
-    cfg = RopeConfig.from_hf(_hf())
+    cfg = rope_config_from_hf(_hf())
     assert (cfg.channels, cfg.n_heads, cfg.n_kv_heads, cfg.max_seq_len) == (64, 4, 2, 2048)
     assert cfg.base == 50000.0 and cfg.rotary_dim == 0 and cfg.scaling is None
-    cfg = RopeConfig.from_hf(_hf(head_dim=32, partial_rotary_factor=0.5), max_seq_len=100)
+    cfg = rope_config_from_hf(_hf(head_dim=32, partial_rotary_factor=0.5), max_seq_len=100)
     assert cfg.head_dim == 32 and cfg.channels == 128 and cfg.rotary_dim == 16
     assert cfg.max_seq_len == 100
     with pytest.raises(ValueError, match="hidden_size"):
-        RopeConfig.from_hf({"num_attention_heads": 4, "max_position_embeddings": 8})
+        rope_config_from_hf({"num_attention_heads": 4, "max_position_embeddings": 8})
 
 
 def test_from_hf_fills_what_hf_takes_from_the_model_config() -> None:
-    yarn = RopeConfig.from_hf(_hf(rope_scaling={"type": "yarn", "factor": 4.0}), max_seq_len=8192)
+    yarn = rope_config_from_hf(_hf(rope_scaling={"type": "yarn", "factor": 4.0}), max_seq_len=8192)
     assert yarn.rope_type == "yarn"
     assert yarn.scaling["original_max_position_embeddings"] == 2048
-    phi = RopeConfig.from_hf(
+    phi = rope_config_from_hf(
         _hf(
             original_max_position_embeddings=512,
             rope_parameters={"rope_type": "longrope", **_longrope(8), "rope_theta": 10000.0},
@@ -541,7 +543,7 @@ def test_from_hf_fills_what_hf_takes_from_the_model_config() -> None:
     assert phi.base == 10000.0
     assert phi.scaling["original_max_position_embeddings"] == 512
     assert phi.scaling["factor"] == pytest.approx(2048 / 512)
-    dynamic = RopeConfig.from_hf(
+    dynamic = rope_config_from_hf(
         _hf(rope_parameters={"rope_type": "dynamic", "factor": 2.0}), max_seq_len=8192
     )
     assert dynamic.scaling["original_max_position_embeddings"] == 2048

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mila_py import BuildContext, RuntimeMode
-from mila_py.components import Llama, LlamaConfig
+from mila_py.models import Llama, LlamaConfig
 from mila_py.optim import AdamW, _finite
 
 CFG = LlamaConfig(

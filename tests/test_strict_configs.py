@@ -2,7 +2,7 @@
 naming the key and the value when the config is made, never a silent conversion or fallback.
 
 Covers RoPE scaling dicts (:class:`RopeConfig`), Hugging Face ``config.json`` fields
-(:meth:`RopeConfig.from_hf`, :func:`llama_config_from_hf`) and ``MILA_PY_CPU_BACKEND``.
+(:func:`rope_config_from_hf`, :func:`llama_config_from_hf`) and ``MILA_PY_CPU_BACKEND``.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 
 from mila_py.components import Rope, RopeConfig
-from mila_py.components import rope_scaling as _rope_scaling
-from mila_py.components.rope_scaling import register_rope_type
 from mila_py.components.swiglu import SwiGLU, SwiGLUConfig
-from mila_py.hf import llama_config_from_hf
+from mila_py.interop.hf import llama_config_from_hf
+from mila_py.interop.hf_rope import rope_config_from_hf, rope_configs_from_hf_layers
 from mila_py.ops.cpu import _fused_math
+from mila_py.rope import scaling as _rope_scaling
+from mila_py.rope.scaling import register_rope_type
 
 NAN, INF = float("nan"), float("inf")
 HQ, HK, HEAD_DIM, MAX_SEQ = 4, 2, 16, 64
@@ -180,9 +181,9 @@ def _hf(**overrides: Any) -> dict[str, Any]:
 def test_from_hf_names_a_bad_rope_theta(bad: Any, error: type[Exception]) -> None:
     """Before, the error (if any) named ``base``, a field the config does not have."""
     with pytest.raises(error, match=rf"rope_theta.*{bad!r}"):
-        RopeConfig.from_hf(_hf(rope_theta=bad))
+        rope_config_from_hf(_hf(rope_theta=bad))
     with pytest.raises(error, match=rf"rope_theta.*{bad!r}"):
-        RopeConfig.from_hf(_hf(rope_theta=None, rope_parameters={"rope_theta": bad}))
+        rope_config_from_hf(_hf(rope_theta=None, rope_parameters={"rope_theta": bad}))
 
 
 @pytest.mark.parametrize(
@@ -202,15 +203,15 @@ def test_from_hf_names_a_bad_rope_theta(bad: Any, error: type[Exception]) -> Non
 def test_from_hf_refuses_mistyped_fields(key: str, bad: Any) -> None:
     """``int()`` / ``float()`` read ``"32"``, truncated ``32.5`` and ``128.9``."""
     with pytest.raises(TypeError, match=rf"{key}.*{bad!r}"):
-        RopeConfig.from_hf(_hf(**{key: bad}))
+        rope_config_from_hf(_hf(**{key: bad}))
 
 
 def test_from_hf_refuses_a_non_dict_text_config() -> None:
     """Before, a text_config that was not a dict was ignored in silence."""
     with pytest.raises(TypeError, match=r"text_config.*\['oops'\]"):
-        RopeConfig.from_hf({"model_type": "llava", "text_config": ["oops"]})
+        rope_config_from_hf({"model_type": "llava", "text_config": ["oops"]})
     with pytest.raises(TypeError, match="text_config"):
-        RopeConfig.from_hf(_hf(text_config="qwen2"))
+        rope_config_from_hf(_hf(text_config="qwen2"))
 
 
 @pytest.mark.parametrize(
@@ -228,15 +229,15 @@ def test_from_hf_refuses_unknown_or_malformed_layer_types(
     """Before, a string was read one character per layer and an unknown type rotated (or, with
     per-layer-type parameters, silently did not)."""
     with pytest.raises(error, match=pattern):
-        RopeConfig.from_hf(_hf(layer_types=layer_types))
+        rope_config_from_hf(_hf(layer_types=layer_types))
     with pytest.raises(error, match=pattern):
-        RopeConfig.from_hf_layers(_hf(layer_types=layer_types))
+        rope_configs_from_hf_layers(_hf(layer_types=layer_types))
 
 
 def test_from_hf_still_reads_known_layer_types_and_numpy_ints() -> None:
-    configs = RopeConfig.from_hf_layers(_hf(layer_types=["full_attention", "linear_attention"]))
+    configs = rope_configs_from_hf_layers(_hf(layer_types=["full_attention", "linear_attention"]))
     assert configs[0] is not None and configs[1] is None
-    cfg = RopeConfig.from_hf(_hf(hidden_size=np.int64(32), rope_theta=500000))
+    cfg = rope_config_from_hf(_hf(hidden_size=np.int64(32), rope_theta=500000))
     assert cfg.channels == 32 and cfg.base == 500000.0
 
 
@@ -284,7 +285,7 @@ def test_llama_config_collects_every_type_problem() -> None:
     message = str(info.value)
     for key in (*bad, "rope_theta", "hidden_act"):
         assert key in message
-    assert message.count("rope_theta") == 1  # RopeConfig.from_hf is not asked again
+    assert message.count("rope_theta") == 1  # rope_config_from_hf is not asked again
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,7 @@ import sys
 import numpy as np
 
 from mila_py import BuildContext, RuntimeMode
-from mila_py.components import Llama, LlamaConfig
+from mila_py.models import Llama, LlamaConfig
 from mila_py.data import TokenDataset
 from mila_py.init import manual_seed
 from mila_py.optim import AdamW, CosineSchedule
@@ -239,7 +239,7 @@ def test_a_checkpoint_that_does_not_fit_loads_nothing(tmp_path: Path) -> None:
     assert other_opt.step_count == 0 and other_schedule.step_count == 0
 
     from mila_py import BuildContext, RuntimeMode
-    from mila_py.components import Llama, LlamaConfig
+    from mila_py.models import Llama, LlamaConfig
     from mila_py.optim import AdamW
 
     cfg = LlamaConfig(

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from mila_py import BuildContext, RuntimeMode, TrainingMode
-from mila_py.components import Llama, LlamaConfig, SoftmaxCrossEntropy, SoftmaxCrossEntropyConfig
+from mila_py.components import SoftmaxCrossEntropy, SoftmaxCrossEntropyConfig
 from mila_py.data import TokenDataset, prepare_data
 from mila_py.init import manual_seed
+from mila_py.models import Llama, LlamaConfig
 from mila_py.optim import AdamW, LinearSchedule, clip_grad_norm
 from mila_py.train import evaluate, plot_loss, read_log, train
 

@@ -18,7 +18,7 @@ from rope_helpers import (
     rope_config,
 )
 
-from mila_py.components.llama import _sample
+from mila_py.models.generation import sample
 
 
 # --- R6: a Q/K whose channel axis is strided (a documented "any strides" input) -------------
@@ -71,9 +71,9 @@ def test_op_prefill_and_decode_equal_the_component(backend: str, scaling) -> Non
 # --- B6: top_p keeps the smallest set whose probability reaches top_p -----------------------
 def test_top_p_keeps_the_token_that_crosses_the_threshold() -> None:
     logits = np.log(np.tile([0.5, 0.3, 0.2], (4000, 1)))
-    seen = set(_sample(logits, 1.0, None, 0.6, np.random.default_rng(0)).tolist())
+    seen = set(sample(logits, 1.0, None, 0.6, np.random.default_rng(0)).tolist())
     assert seen == {0, 1}  # 0.5 < 0.6, so the 0.3 token is needed; the 0.2 one never
-    seen = set(_sample(logits, 1.0, None, 0.5, np.random.default_rng(0)).tolist())
+    seen = set(sample(logits, 1.0, None, 0.5, np.random.default_rng(0)).tolist())
     assert seen == {0}  # 0.5 reaches 0.5 already
 
 
@@ -84,8 +84,8 @@ def test_a_single_file_beside_an_index_wins(tmp_path) -> None:
     from safetensors.numpy import load_file, save_file
 
     from mila_py import BuildContext, RuntimeMode
-    from mila_py.components import Llama, LlamaConfig
-    from mila_py.hf import read_hf_checkpoint, save_hf_checkpoint
+    from mila_py.interop.hf import read_hf_checkpoint, save_hf_checkpoint
+    from mila_py.models import Llama, LlamaConfig
 
     cfg = LlamaConfig(
         vocab_size=32, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=24, max_seq_len=64

@@ -14,12 +14,12 @@ from mila_py.components._layer import check_device_array, check_sizes, is_int, l
 from mila_py.components.linear import Linear, LinearConfig
 from mila_py.components.rms_norm import RmsNorm, RmsNormConfig
 from mila_py.components.rope import Rope
-from mila_py.components.rope_config import RopeConfig, RopeLayout
 from mila_py.composite import CompositeComponent
 from mila_py.devices import DeviceLike
 from mila_py.ops.operation import DecodePositions
 from mila_py.ops.registry import create_op
 from mila_py.precision import Precision
+from mila_py.rope.config import RopeConfig, RopeLayout
 
 __all__ = ["AttentionConfig", "CachedLengths", "GroupedQueryAttention"]
 

@@ -16,12 +16,12 @@ import numpy as np
 
 from mila_py.build_context import BuildContext
 from mila_py.component import Component
-from mila_py.components.rope_config import RopeConfig, RopeLayout
 from mila_py.devices import DeviceLike
 from mila_py.devices.overlap import arrays_overlap, same_view, self_overlaps
 from mila_py.ops.operation import PositionalPairedOp
 from mila_py.ops.registry import create_op, find_op
 from mila_py.precision import Precision
+from mila_py.rope.config import RopeConfig, RopeLayout
 
 __all__ = ["Rope"]
 

@@ -9,7 +9,7 @@ fall back to ``config.json`` (its top level, then its ``text_config``) where
 
 In mila_py's terms greedy decoding is ``temperature=0``: ``do_sample`` false means greedy
 whatever ``temperature`` says, and :meth:`GenerationDefaults.generate_kwargs` gives the
-arguments of :meth:`~mila_py.components.llama.Llama.generate` accordingly.
+arguments of :meth:`~mila_py.models.Llama.generate` accordingly.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class GenerationDefaults:
         return float(self.temperature) if self.do_sample else 0.0
 
     def generate_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of :meth:`~mila_py.components.llama.Llama.generate` these
+        """The keyword arguments of :meth:`~mila_py.models.Llama.generate` these
         defaults ask for: ``temperature`` (0 when greedy), ``top_k`` and ``top_p`` (None where
         they keep every token or decoding is greedy), ``eos_token_id`` and ``pad_token_id``
         (None where unset), and ``max_new_tokens`` where the checkpoint gives one.

@@ -30,15 +30,10 @@ if cuda_device_count() == 0:
 import cupy
 
 from mila_py import BuildContext, Precision, RuntimeMode
-from mila_py.components import (
-    Llama,
-    LlamaConfig,
-    RmsNormConfig,
-    SoftmaxCrossEntropy,
-    SoftmaxCrossEntropyConfig,
-)
+from mila_py.components import RmsNormConfig, SoftmaxCrossEntropy, SoftmaxCrossEntropyConfig
 from mila_py.components.linear import LinearConfig
 from mila_py.devices import create_execution_context
+from mila_py.models import Llama, LlamaConfig
 from mila_py.ops.cpu.attention import attention_backward, attention_forward
 from mila_py.ops.cpu.linear import linear_backward, linear_forward
 from mila_py.ops.cpu.rms_norm import rms_norm_backward, rms_norm_forward

@@ -31,14 +31,14 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from mila_py.build_context import BuildContext
-from mila_py.components.rope_config import RopeConfig, RopeLayout
-from mila_py.components.rope_table import RopeTable, get_rope, mrope_axes
 from mila_py.devices import DeviceType
 from mila_py.ops.cpu import _rope_fused
 from mila_py.ops.cpu._fused_math import BACKENDS, cpu_backend
 from mila_py.ops.operation import DecodePositions, Operation, bind_rope_decode
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
+from mila_py.rope.config import RopeConfig, RopeLayout
+from mila_py.rope.table import RopeTable, get_rope, mrope_axes
 
 __all__ = ["BACKENDS", "CpuRopeOp"]
 

@@ -35,13 +35,13 @@ from typing import Any
 import numpy as np
 
 from mila_py.build_context import BuildContext
-from mila_py.components.rope_config import RopeConfig, RopeLayout
-from mila_py.components.rope_table import RopeTable, get_rope, mrope_axes
 from mila_py.devices import DeviceType
 from mila_py.ops.cuda import _kernels
 from mila_py.ops.operation import DecodePositions, Operation, bind_rope_decode
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
+from mila_py.rope.config import RopeConfig, RopeLayout
+from mila_py.rope.table import RopeTable, get_rope, mrope_axes
 
 __all__ = ["THREADS", "CudaRopeOp", "kernel_name", "kernel_names", "vector_widths"]
 

@@ -1,6 +1,6 @@
 """Hugging Face ``config.json`` -> :class:`RopeConfig`: for a model, a layer type, or each layer.
 
-Behind :meth:`RopeConfig.from_hf` and :meth:`RopeConfig.from_hf_layers`. Everything a model's
+Behind :func:`rope_config_from_hf` and :func:`rope_configs_from_hf_layers`. Everything a model's
 own transformers code decides beyond the ``config.json`` keys lives in the tables here:
 
 - vision-language families: how M-RoPE assigns frequencies to position axes, the section their
@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mila_py.components._layer import is_int
-from mila_py.components.rope_hf_defaults import CLASS_DEFAULTS, TEXT_MODEL_TYPES
-from mila_py.components.rope_scaling import rope_type_name
+from mila_py.interop.hf_rope_defaults import CLASS_DEFAULTS, TEXT_MODEL_TYPES
+from mila_py.rope.scaling import rope_type_name
 
 if TYPE_CHECKING:
-    from mila_py.components.rope_config import RopeConfig, RopeLayout
+    from mila_py.rope.config import RopeConfig, RopeLayout
 
 __all__ = [
     "HF_LAYER_TYPES",
@@ -349,7 +349,7 @@ def hf_layer_types_problem(value: Any) -> str | None:
 def _as_int(key: str, value: Any) -> int:
     problem = hf_int_problem(key, value)
     if problem is not None:
-        raise TypeError(f"RopeConfig.from_hf: {problem}")
+        raise TypeError(f"rope_config_from_hf: {problem}")
     return int(value)
 
 
@@ -357,7 +357,7 @@ def _as_real(key: str, value: Any) -> float:
     problem = hf_real_problem(key, value)
     if problem is not None:
         error = ValueError if _is_real(value) else TypeError  # a real number: not finite
-        raise error(f"RopeConfig.from_hf: {problem}")
+        raise error(f"rope_config_from_hf: {problem}")
     return float(value)
 
 
@@ -468,12 +468,12 @@ class _HfRope:
     def __init__(self, config: Mapping[str, Any]) -> None:
         if not isinstance(config, Mapping):
             raise TypeError(
-                f"RopeConfig.from_hf: config must be a dict, got {type(config).__name__}"
+                f"rope_config_from_hf: config must be a dict, got {type(config).__name__}"
             )
         text = config.get("text_config")
         if text is not None and not isinstance(text, Mapping):
             raise TypeError(
-                f"RopeConfig.from_hf: text_config must be a dict (the text model's config), got "
+                f"rope_config_from_hf: text_config must be a dict (the text model's config), got "
                 f"{text!r}"
             )
         if isinstance(text, Mapping) and "num_attention_heads" not in config:
@@ -500,17 +500,17 @@ class _HfRope:
         problem = hf_layer_types_problem(given)
         if problem is not None:
             error = ValueError if isinstance(given, list | tuple) else TypeError
-            raise error(f"RopeConfig.from_hf: {problem}")
+            raise error(f"rope_config_from_hf: {problem}")
         self.model_type = config.get("model_type")
         self.vlm = _vlm_family(self.model_type)
         if self.vlm in _NOT_EXPRESSIBLE:
             raise ValueError(
-                f"RopeConfig.from_hf: {self.model_type!r} uses {_NOT_EXPRESSIBLE[self.vlm]}, "
+                f"rope_config_from_hf: {self.model_type!r} uses {_NOT_EXPRESSIBLE[self.vlm]}, "
                 "which RopeConfig cannot express"
             )
         if self.text_type in _REFUSED:
             raise ValueError(
-                f"RopeConfig.from_hf: {self.model_type!r} uses {_REFUSED[self.text_type]}, "
+                f"rope_config_from_hf: {self.model_type!r} uses {_REFUSED[self.text_type]}, "
                 "which RopeConfig cannot express"
             )
         switch = _ROPE_SWITCHES.get(self.text_type)
@@ -528,7 +528,7 @@ class _HfRope:
             nested = copy.deepcopy(dict(self.default_scaling))
         raw = config.get("rope_scaling") or nested
         if not isinstance(raw, Mapping):
-            raise ValueError(f"RopeConfig.from_hf: rope_scaling must be a dict, got {raw!r}")
+            raise ValueError(f"rope_config_from_hf: rope_scaling must be a dict, got {raw!r}")
         self.per_type: dict[str, dict[str, Any] | None] | None = None
         if self.family is not None:
             self.per_type = self._family_parameters(self.family)
@@ -544,7 +544,7 @@ class _HfRope:
         nested = config.get("rope_parameters")
         if nested is not None and not (isinstance(nested, Mapping) and _is_per_layer_type(nested)):
             raise ValueError(
-                f"RopeConfig.from_hf: a {self.model_type} config's rope_parameters must be a dict "
+                f"rope_config_from_hf: a {self.model_type} config's rope_parameters must be a dict "
                 f"per layer type ({FULL}, {SLIDING}), got {nested!r}"
             )
         source = nested if nested is not None else family.defaults
@@ -553,7 +553,7 @@ class _HfRope:
         if isinstance(flat, Mapping) and flat and not _is_per_layer_type(flat):
             if not family.scaling_to:
                 raise ValueError(
-                    f"RopeConfig.from_hf: {self.model_type} reads no flat rope_scaling; give "
+                    f"rope_config_from_hf: {self.model_type} reads no flat rope_scaling; give "
                     f"rope_parameters per layer type ({FULL}, {SLIDING})"
                 )
             flat = dict(flat)
@@ -608,7 +608,7 @@ class _HfRope:
 
     def _n_layers(self) -> int:
         if self.config.get("num_hidden_layers") is None:
-            raise ValueError("RopeConfig.from_hf: config.json has no 'num_hidden_layers'")
+            raise ValueError("rope_config_from_hf: config.json has no 'num_hidden_layers'")
         return _as_int("num_hidden_layers", self.config["num_hidden_layers"])
 
     def uses_rope(self, index: int, layer_type: str | None) -> bool:
@@ -630,7 +630,7 @@ class _HfRope:
                 n = self._n_layers()
                 if not isinstance(flags, Sequence) or isinstance(flags, str) or len(flags) != n:
                     raise ValueError(
-                        f"RopeConfig.from_hf: no_rope_layers must be a list of "
+                        f"rope_config_from_hf: no_rope_layers must be a list of "
                         f"{n} (num_hidden_layers) flags, got {flags!r}"
                     )
                 return bool(flags[index])
@@ -639,7 +639,7 @@ class _HfRope:
         if family in _SLIDING_ONLY:
             if layer_type is None:
                 raise ValueError(
-                    f"RopeConfig.from_hf: a {self.model_type} config needs layer_types to tell "
+                    f"rope_config_from_hf: a {self.model_type} config needs layer_types to tell "
                     "which layers rotate"
                 )
             window = self.config.get("sliding_window", _WINDOW_DEFAULTS.get(family, 4096))
@@ -652,7 +652,7 @@ class _HfRope:
             mlp = self.config.get("mlp_layer_types")
             if not mlp:
                 raise ValueError(
-                    "RopeConfig.from_hf: a cohere2_moe config needs mlp_layer_types to tell "
+                    "rope_config_from_hf: a cohere2_moe config needs mlp_layer_types to tell "
                     "which full-attention layers rotate"
                 )
             pattern = self.config.get("prefix_dense_sliding_window_pattern", 1)
@@ -721,19 +721,19 @@ class _HfRope:
             known = self.layer_types if layer_type is not None else None
             if layer_type is not None and known is not None and layer_type not in known:
                 raise ValueError(
-                    f"RopeConfig.from_hf: layer_type {layer_type!r} is not in the config's "
+                    f"rope_config_from_hf: layer_type {layer_type!r} is not in the config's "
                     f"layer_types {sorted(set(known))}"
                 )
             return dict(self.flat or {})
         if layer_type is None:
             raise ValueError(
-                f"RopeConfig.from_hf: this {self.model_type or 'model'} config gives each layer "
+                f"rope_config_from_hf: this {self.model_type or 'model'} config gives each layer "
                 f"type its own RoPE ({', '.join(sorted(self.per_type))}); pass layer_type=..., or "
-                "use RopeConfig.from_hf_layers for one config per layer"
+                "use rope_configs_from_hf_layers for one config per layer"
             )
         if layer_type not in self.per_type:
             raise ValueError(
-                f"RopeConfig.from_hf: no RoPE parameters for layer_type {layer_type!r}; the config "
+                f"rope_config_from_hf: no RoPE parameters for layer_type {layer_type!r}; the config "
                 f"has {sorted(self.per_type)}"
             )
         entry = self.per_type[layer_type]
@@ -756,12 +756,12 @@ class _HfRope:
         rotary = 2 * int(prf * head_dim // 2) if name == "proportional" else int(head_dim * prf)
         if rotary <= 0:  # RopeConfig reads rotary_dim 0 as the whole head
             raise ValueError(
-                f"RopeConfig.from_hf: head_dim {head_dim} * partial_rotary_factor {prf} rotates "
+                f"rope_config_from_hf: head_dim {head_dim} * partial_rotary_factor {prf} rotates "
                 "no channel"
             )
         if rotary % 2:
             raise ValueError(
-                f"RopeConfig.from_hf: head_dim {head_dim} * partial_rotary_factor {prf} = "
+                f"rope_config_from_hf: head_dim {head_dim} * partial_rotary_factor {prf} = "
                 f"{rotary} rotated channels is odd"
             )
         return rotary
@@ -781,7 +781,7 @@ class _HfRope:
         max_seq_len: int | None,
         layout: RopeLayout | str | None,
     ) -> RopeConfig:
-        from mila_py.components.rope_config import RopeConfig, RopeLayout
+        from mila_py.rope.config import RopeConfig, RopeLayout
 
         config = {**self.config, **heads}
         if config.get("max_position_embeddings") is None and max_seq_len is not None:
@@ -790,11 +790,11 @@ class _HfRope:
         missing = [key for key in needed if config.get(key) is None]
         if missing:
             hint = " (or pass max_seq_len=...)" if missing == ["max_position_embeddings"] else ""
-            raise ValueError(f"RopeConfig.from_hf: config.json has no {missing[0]!r}{hint}")
+            raise ValueError(f"rope_config_from_hf: config.json has no {missing[0]!r}{hint}")
         n_heads, hidden, max_pos = (_as_int(key, config[key]) for key in needed)
         for key, value in zip(needed, (n_heads, hidden, max_pos), strict=True):
             if value <= 0:
-                raise ValueError(f"RopeConfig.from_hf: {key} must be > 0, got {value}")
+                raise ValueError(f"rope_config_from_hf: {key} must be > 0, got {value}")
         n_kv = _as_int("num_key_value_heads", config.get("num_key_value_heads") or n_heads)
         head_dim = _as_int("head_dim", config.get("head_dim") or hidden // n_heads)
         mla = config.get("qk_rope_head_dim") is not None
@@ -802,7 +802,7 @@ class _HfRope:
             head_dim, n_kv = _as_int("qk_rope_head_dim", config["qk_rope_head_dim"]), 1
             if head_dim <= 0:
                 raise ValueError(
-                    f"RopeConfig.from_hf: qk_rope_head_dim is {head_dim}: this model's latent "
+                    f"rope_config_from_hf: qk_rope_head_dim is {head_dim}: this model's latent "
                     "attention rotates nothing"
                 )
         base = heads.get("rope_theta", params.get("rope_theta"))  # a layer's own theta first
@@ -816,7 +816,7 @@ class _HfRope:
         rotary_dim = head_dim if mla else self._rotated(params, name, head_dim)
         if params.get("llama_4_scaling_beta") is not None:
             raise ValueError(
-                "RopeConfig.from_hf: llama_4_scaling_beta (Ministral 3, Mistral 4) scales the "
+                "rope_config_from_hf: llama_4_scaling_beta (Ministral 3, Mistral 4) scales the "
                 "queries by 1 + beta * log(1 + floor(position / "
                 "original_max_position_embeddings)) after RoPE, which Rope does not do; below "
                 "that length the factor is 1, so drop the key from the config if your contexts "
@@ -849,7 +849,7 @@ class _HfRope:
                 params[original] = _as_int(original, params[original])
             if params[original] <= 0:
                 raise ValueError(
-                    f"RopeConfig.from_hf: {original} must be > 0, got {params[original]}"
+                    f"rope_config_from_hf: {original} must be > 0, got {params[original]}"
                 )
             if name in ("yarn", "longrope") and params.get("factor") is None:
                 params["factor"] = max_pos / params[original]
@@ -875,16 +875,85 @@ def rope_config_from_hf(
     max_seq_len: int | None = None,
     layout: RopeLayout | str | None = None,
 ) -> RopeConfig:
-    """See :meth:`RopeConfig.from_hf`."""
+    """Build a RopeConfig from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x).
+
+    Reads ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``,
+    ``max_position_embeddings``, ``rope_theta``, ``partial_rotary_factor`` and the scaling dict
+    (``rope_scaling`` or ``rope_parameters``). Values HF would take from the model config
+    (``original_max_position_embeddings``, a missing YaRN/LongRoPE ``factor``) are written into
+    the scaling dict, so the result computes what HF computes even if ``max_seq_len`` differs
+    from ``max_position_embeddings``.
+
+    Vision-language configs: a config whose text model sits in ``text_config`` is read from
+    there, as the family of that text model (a ``text_config`` without a ``model_type`` is
+    the one the multimodal class defaults to: Aya Vision's Cohere 2, PaliGemma's Gemma). M-RoPE follows what the model's own code does, which the ``model_type`` decides:
+    the Qwen3-VL family (``qwen3_vl``, ``qwen3_vl_moe``, ``qwen3_5``, ``qwen3_5_moe``,
+    ``qwen3_omni_moe``, ``qwen4_exp``, ``cosmos3_edge``) always interleaves its axes, the
+    Qwen2-VL and GLM-4V families never do, whatever ``mrope_interleaved`` says (without a
+    ``model_type`` the flag decides), and a config without ``mrope_section`` gets the one
+    the model's code defaults to; GLM-4.1V and GLM-OCR pair channels ``(2i, 2i + 1)``.
+    ERNIE-4.5-VL and HunYuan-VL, whose multimodal RoPE this class cannot express, are refused.
+
+    Layer types: models whose layers rotate differently (Gemma 3's sliding layers with theta
+    10 000, its full layers with 1 000 000 and a linear factor; ModernBERT; OLMo 3; Gemma 4,
+    whose full layers are wider; MiMo-V2-Flash, whose sliding layers have twice the key
+    heads) give ``rope_parameters`` per layer type. Name the type with ``layer_type``; the
+    transformers 4.x keys of these families are read as their code reads them:
+    ``rope_local_base_freq``, ``global_rope_theta``/``local_rope_theta``, a flat
+    ``rope_scaling`` (Gemma 3 and OLMo 3 apply it to their full layers, ModernBERT to
+    both, Gemma 4 and MiMo read none), Gemma 4's ``global_head_dim`` and the zero-padded
+    ``per_layer_config`` keys transformers 5.x writes. Without ``layer_types``, each
+    family's own pattern decides (Gemma 3's ``sliding_window_pattern``, Llama 4's
+    ``no_rope_layers``, ...). :func:`rope_configs_from_hf_layers` gives the config of every layer.
+
+    Families: the pair layout is the one the family's code applies to q/k as HF stores the
+    weights: ``(2i, 2i + 1)`` for GPT-J, CodeGen, Cohere (1, 2), Helium, GLM, GLM-4,
+    ERNIE-4.5, Moonshine, Llama 4, RoFormer, BLT; halves for the rest. Partial rotary comes
+    from ``partial_rotary_factor``, else GPT-NeoX's ``rotary_pct``, GPT-J's ``rotary_dim``,
+    or the factor the family's config class defaults to (Phi, StableLM, Persimmon, GLM,
+    Qwen3-Next, Nemotron, ...); GPT-NeoX's ``rotary_emb_base`` is its theta. A key the
+    config leaves out (or a null scaling dict) takes what the family's transformers config
+    class defaults to, where that differs from the generic reading: theta (Mixtral 1e6,
+    Llama 4 5e5, ...), head size (Qwen3.5 256, Gemma 256, ...), latent RoPE head, scaling
+    (gpt-oss's YaRN x32, Apertus's llama3, ...); the table is checked against every
+    transformers config class. GPT-J's ``n_head``/``n_embd`` names are read too. Multi-head latent attention (a
+    ``qk_rope_head_dim``: DeepSeek-V2/V3, Kimi-K2, MiniCPM3, ...) gives the config of the
+    RoPE part: ``qk_rope_head_dim`` channels per query head and one shared key head,
+    paired ``(2i, 2i + 1)`` unless ``rope_interleave`` is false (MiniCPM3 by halves); HF
+    writes those pairs back in half order, which changes no attention score. DeepSeek-V4
+    (RoPE on the last channels) and nanochat (rotation by -theta) are refused, and so are
+    configs without RoPE: families that have none (GPT-2, OPT, BLOOM, Jamba, Kimi-Linear,
+    Mamba, ...: the error names what they use) and RoPE switched off by the family's key
+    (Falcon's ``alibi``, ESM's ``position_embedding_type``, ...). A ``rope_scaling`` is read
+    over a ``rope_parameters``, as transformers does.
+
+    Args:
+        config: the parsed ``config.json``.
+        layer_type: which layer type's RoPE (``"full_attention"``, ``"sliding_attention"``,
+            ...); required when the config has per-layer-type RoPE parameters, checked
+            against ``layer_types`` otherwise.
+        max_seq_len: table size; defaults to ``max_position_embeddings``.
+        layout: ``"half"`` or ``"interleaved"``; None picks the one of the ``model_type``
+            (see Families above; ``"half"`` for Llama-family checkpoints).
+
+    Raises:
+        ValueError: a missing key, a config RopeConfig cannot express, a NaN or infinite
+            number (``rope_theta``, a scaling value, ...) or an unknown name in
+            ``layer_types``.
+        TypeError: a key of the wrong type: a size that is not an int (a float, even a
+            whole one, a str, a bool), a ``rope_theta`` or ``partial_rotary_factor`` that
+            is not a real number, a ``layer_types`` that is not a list, a ``text_config``
+            that is not a dict.
+    """
     hf = _HfRope(config)
     if hf.rope_off is not None:
         raise ValueError(
-            f"RopeConfig.from_hf: this {hf.model_type} config has no RoPE: {hf.rope_off}"
+            f"rope_config_from_hf: this {hf.model_type} config has no RoPE: {hf.rope_off}"
         )
     params = hf.parameters(layer_type)
     if params is None:
         raise ValueError(
-            f"RopeConfig.from_hf: layer_type {layer_type!r} rotates nothing (its rope_parameters "
+            f"rope_config_from_hf: layer_type {layer_type!r} rotates nothing (its rope_parameters "
             "are null)"
         )
     heads: dict[str, Any] = {}
@@ -893,13 +962,13 @@ def rope_config_from_hf(
         rotating = {hf.uses_rope(i, t) for i, t in enumerate(kinds) if t == layer_type}
         if rotating == {False}:
             raise ValueError(
-                f"RopeConfig.from_hf: the {layer_type} layers of this {hf.model_type} model "
+                f"rope_config_from_hf: the {layer_type} layers of this {hf.model_type} model "
                 "rotate nothing"
             )
         if len(rotating) > 1:
             raise ValueError(
-                f"RopeConfig.from_hf: some {layer_type} layers of this {hf.model_type} model "
-                "rotate and some do not; use RopeConfig.from_hf_layers"
+                f"rope_config_from_hf: some {layer_type} layers of this {hf.model_type} model "
+                "rotate and some do not; use rope_configs_from_hf_layers"
             )
         found = {
             tuple(sorted(hf.overrides(i, t).items()))
@@ -908,8 +977,8 @@ def rope_config_from_hf(
         }
         if len(found) > 1:
             raise ValueError(
-                f"RopeConfig.from_hf: the {layer_type} layers differ in head sizes "
-                f"({sorted(found)}); use RopeConfig.from_hf_layers"
+                f"rope_config_from_hf: the {layer_type} layers differ in head sizes "
+                f"({sorted(found)}); use rope_configs_from_hf_layers"
             )
         heads = dict(found.pop()) if found else {}
     elif hf.layer_thetas is not None or hf.config.get("num_attention_heads_per_layer"):
@@ -921,9 +990,9 @@ def rope_config_from_hf(
         }
         if len(each) > 1:
             raise ValueError(
-                f"RopeConfig.from_hf: the layers of this {hf.model_type} model rotate with "
+                f"rope_config_from_hf: the layers of this {hf.model_type} model rotate with "
                 "different thetas or head counts (layer_rope_theta, "
-                "num_attention_heads_per_layer); use RopeConfig.from_hf_layers"
+                "num_attention_heads_per_layer); use rope_configs_from_hf_layers"
             )
         heads = dict(each.pop()) if each else {}
     return hf.build(params, heads, max_seq_len, layout)
@@ -935,11 +1004,36 @@ def rope_configs_from_hf_layers(
     max_seq_len: int | None = None,
     layout: RopeLayout | str | None = None,
 ) -> list[RopeConfig | None]:
-    """See :meth:`RopeConfig.from_hf_layers`."""
+    """One RopeConfig per layer of a Hugging Face ``config.json`` dict, None where a layer
+    rotates nothing.
+
+    For models whose layers differ: the type of layer ``i`` is ``layer_types[i]`` (or the
+    pattern the family's code derives when the list is missing, e.g. Gemma 3's
+    ``sliding_window_pattern``), each type takes its own entry of a per-layer-type
+    ``rope_parameters`` (a null or missing entry: no RoPE, except in Gemma 3/3n, ModernBERT
+    and OLMo 3, whose code fills in the default), ``per_layer_config`` (Gemma 4) sets head
+    sizes per layer. Unrotated: SmolLM3's, Llama 4's and Mistral Large 3's
+    ``no_rope_layers``; the full-attention layers of Cohere 2, EXAONE 4 (and 4.5), AFMoE,
+    Flint and Kolibri 1 (Cohere 2's and Flint's sliding ones too, without a
+    ``sliding_window``); layers without attention (``linear_attention`` of Qwen3-Next,
+    Qwen3.5, MiniMax, OLMo-Hybrid, Bailing-Hybrid and Bamba, Recurrent Gemma's recurrent
+    blocks, LFM2's and LFM3's ``conv``, by ``layer_types`` or the family's default
+    pattern). A config without RoPE gives None for every layer. Layers that resolve
+    alike share one (equal) config, so :func:`get_rope` gives them one table. A model with
+    one RoPE gives the same config for every layer.
+
+    Args:
+        config: the parsed ``config.json`` (needs ``num_hidden_layers``).
+        max_seq_len, layout: as in :func:`rope_config_from_hf`.
+
+    Raises:
+        ValueError: as :func:`rope_config_from_hf`, ``layer_types`` of the wrong length, or
+            per-layer-type parameters without ``layer_types`` or a family pattern.
+    """
     hf = _HfRope(config)
     if hf.rope_off is not None and config.get("num_hidden_layers") is None:
         raise ValueError(
-            f"RopeConfig.from_hf_layers: this {hf.model_type} config has no RoPE: "
+            f"rope_configs_from_hf_layers: this {hf.model_type} config has no RoPE: "
             f"{hf.rope_off} (and no num_hidden_layers to give each layer None)"
         )
     n_layers = hf._n_layers()
@@ -948,12 +1042,12 @@ def rope_configs_from_hf_layers(
     kinds = hf.layer_types
     if kinds is None and hf.per_type is not None:
         raise ValueError(
-            "RopeConfig.from_hf_layers: the config gives RoPE per layer type "
+            "rope_configs_from_hf_layers: the config gives RoPE per layer type "
             f"({', '.join(sorted(hf.per_type))}) but no layer_types to say which layer is which"
         )
     if kinds is not None and len(kinds) != n_layers:
         raise ValueError(
-            f"RopeConfig.from_hf_layers: layer_types has {len(kinds)} entries for "
+            f"rope_configs_from_hf_layers: layer_types has {len(kinds)} entries for "
             f"{n_layers} num_hidden_layers"
         )
     made: dict[Any, RopeConfig | None] = {}

@@ -3,7 +3,7 @@
 A Hugging Face ``LlamaForCausalLM`` (or ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or
 ``Qwen3ForCausalLM``, without an effective sliding window) directory holds ``config.json`` and ``model.safetensors`` (or a sharded
 ``model.safetensors.index.json`` plus its shards). This module turns the config into a
-:class:`~mila_py.components.llama.LlamaConfig` and the tensors into the names of mila_py's
+:class:`~mila_py.models.LlamaConfig` and the tensors into the names of mila_py's
 component tree::
 
     model.embed_tokens.weight                     -> embed_tokens.weight
@@ -44,12 +44,18 @@ import ml_dtypes  # also registers numpy's "bfloat16" dtype, which safetensors.n
 import numpy as np
 
 from mila_py.components._layer import is_int
-from mila_py.components.llama import Llama, LlamaConfig
-from mila_py.components.rope_config import RopeConfig
-from mila_py.components.rope_hf import hf_int_problem, hf_layer_types_problem, hf_real_problem
-from mila_py.components.rope_scaling import rope_type_name
 from mila_py.files import atomic_write_all
 from mila_py.interop.generation_config import GenerationDefaults
+from mila_py.interop.hf_rope import (
+    hf_int_problem,
+    hf_layer_types_problem,
+    hf_real_problem,
+    rope_config_from_hf,
+)
+from mila_py.models.llama.config import LlamaConfig
+from mila_py.models.llama.network import Llama
+from mila_py.rope.config import RopeConfig
+from mila_py.rope.scaling import rope_type_name
 from mila_py.serialization import (
     open_safetensors,
     read_safetensors,
@@ -124,7 +130,7 @@ def llama_config_from_hf(config: Mapping[str, Any], *, context: int | None = Non
     ``max_position_embeddings`` -> ``max_seq_len``, ``rms_norm_eps`` -> ``norm_eps`` (HF default
     1e-6), ``tie_word_embeddings`` -> ``tie_embeddings`` (default False) and ``head_dim``. RoPE
     (``rope_theta``, ``rope_parameters`` or legacy ``rope_scaling``) goes through
-    :meth:`RopeConfig.from_hf`, so every scaling type maps the same way as there.
+    :func:`rope_config_from_hf`, so every scaling type maps the same way as there.
 
     Attention biases: ``qwen2`` checkpoints have them on Q, K and V (``qkv_bias``); a ``llama``
     or ``qwen3`` config's ``attention_bias`` puts them on Q, K, V and the output projection
@@ -203,11 +209,11 @@ def llama_config_from_hf(config: Mapping[str, Any], *, context: int | None = Non
         )
 
     rope: RopeConfig | None = None
-    if not missing and not mistyped:  # RopeConfig.from_hf reads the same keys
+    if not missing and not mistyped:  # rope_config_from_hf reads the same keys
         try:
-            rope = RopeConfig.from_hf(config)
+            rope = rope_config_from_hf(config)
         except (ValueError, TypeError) as exc:
-            # transformers reads a rope_scaling over a rope_parameters, as from_hf does
+            # transformers reads a rope_scaling over a rope_parameters, as rope_config_from_hf does
             key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
             problems.append(f"{key}: {exc}")
     if rope is not None and rope.rotary_dim:

@@ -1,4 +1,5 @@
-"""LlamaBlock and the Llama network: a decoder built from mila_py components.
+"""The Llama network: a decoder built from mila_py components (its blocks: :mod:`.block`, its
+config: :mod:`.config`, its generation loops: :mod:`mila_py.models.generation`).
 
 Tree (names follow the component tree, dotted in ``named_parameters`` and safetensors files)::
 
@@ -15,247 +16,37 @@ Tree (names follow the component tree, dotted in ``named_parameters`` and safete
 
 from __future__ import annotations
 
-import math
-import warnings
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from mila_py.build_context import BuildContext
 from mila_py.components._layer import (
-    check_finite,
     check_grad,
-    check_sizes,
-    is_bool,
     is_int,
     leading_view,
 )
 from mila_py.components.attention import (
-    AttentionConfig,
     CachedLengths,
-    GroupedQueryAttention,
-    check_chunk,
     check_decode_positions,
     check_seq_len,
 )
 from mila_py.components.linear import Linear, LinearConfig
-from mila_py.components.residual import Residual, ResidualConfig
 from mila_py.components.rms_norm import RmsNorm, RmsNormConfig
-from mila_py.components.swiglu import SwiGLU, SwiGLUConfig
 from mila_py.components.token_embedding import TokenEmbedding, TokenEmbeddingConfig
-from mila_py.composite import CompositeComponent, Network
+from mila_py.composite import Network
 from mila_py.devices import DeviceLike, DeviceType
 from mila_py.devices.sizing import SizingContext
+from mila_py.models import generation
+from mila_py.models.llama.block import LlamaBlock, tokens_per_pass
+from mila_py.models.llama.config import LlamaConfig
 from mila_py.ops.operation import DecodePositions
 from mila_py.ops.registry import create_op
 from mila_py.precision import Precision
 from mila_py.run_lock import serialized
 
-__all__ = ["Llama", "LlamaBlock", "LlamaConfig"]
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    """Shape of a Llama-style decoder.
-
-    Args:
-        vocab_size, dim, n_layers, n_heads, n_kv_heads, hidden_dim (SwiGLU width), max_seq_len.
-        rope_base, rope_scaling: RoPE theta and a Hugging Face scaling dict (or None).
-        norm_eps: RMSNorm epsilon. tie_embeddings: the output head reuses the embedding matrix.
-        head_dim: per-head width (default ``dim // n_heads``).
-        qkv_bias, out_bias: biases on the attention's QKV and output projections (Qwen2 has the
-            first; Hugging Face Llama's ``attention_bias`` means both).
-        qk_norm: RMS-normalize each head of Q and K before RoPE (Qwen3), with ``norm_eps``.
-        mlp_bias: biases on the SwiGLU projections (Hugging Face Llama's ``mlp_bias``).
-    """
-
-    vocab_size: int
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    hidden_dim: int
-    max_seq_len: int
-    rope_base: float = 10000.0
-    rope_scaling: Mapping[str, Any] | None = None
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    head_dim: int | None = None
-    qkv_bias: bool = False
-    out_bias: bool = False
-    qk_norm: bool = False
-    mlp_bias: bool = False
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        check_sizes(self, "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim")
-        for name in ("tie_embeddings", "qkv_bias", "out_bias", "qk_norm", "mlp_bias"):
-            if not is_bool(getattr(self, name)):
-                raise TypeError(f"LlamaConfig: {name} must be a bool, got {getattr(self, name)!r}")
-        check_finite(self, "norm_eps", positive=True)
-        self.attention_config()
-
-    def attention_config(self) -> AttentionConfig:
-        return AttentionConfig(
-            dim=self.dim,
-            n_heads=self.n_heads,
-            n_kv_heads=self.n_kv_heads,
-            max_seq_len=self.max_seq_len,
-            head_dim=self.head_dim,
-            rope_base=self.rope_base,
-            rope_scaling=self.rope_scaling,
-            qkv_bias=self.qkv_bias,
-            out_bias=self.out_bias,
-            qk_norm=self.qk_norm,
-            qk_norm_eps=self.norm_eps,
-        )
-
-
-def _chunk(build_context: BuildContext) -> int:
-    """Tokens per pass: T for TRAINING; the prefill size (0 = all of T) for INFERENCE."""
-    n_t = build_context.input_shape[1]
-    if build_context.is_inference and build_context.prefill_size:
-        return min(n_t, build_context.prefill_size)
-    return n_t
-
-
-class LlamaBlock(CompositeComponent):
-    """Pre-norm decoder block: ``h = x + attn(norm1(x))``, ``y = h + mlp(norm2(h))``, the two
-    sums its :class:`Residual` children (``attn_residual``, ``mlp_residual``)."""
-
-    def __init__(
-        self,
-        name: str,
-        config: LlamaConfig,
-        *,
-        device: DeviceLike | None = None,
-        precision: Precision = Precision.FP32,
-    ) -> None:
-        super().__init__(name, device=device, precision=precision)
-        self.config = config
-        self.input_layernorm = RmsNorm(
-            "input_layernorm", RmsNormConfig(config.dim, config.norm_eps), precision=precision
-        )
-        self.self_attn = GroupedQueryAttention(
-            "self_attn", config.attention_config(), precision=precision
-        )
-        self.post_attention_layernorm = RmsNorm(
-            "post_attention_layernorm",
-            RmsNormConfig(config.dim, config.norm_eps),
-            precision=precision,
-        )
-        self.mlp = SwiGLU(
-            "mlp", SwiGLUConfig(config.dim, config.hidden_dim, config.mlp_bias), precision=precision
-        )
-        self.attn_residual = Residual(
-            "attn_residual", ResidualConfig(config.dim), precision=precision
-        )
-        self.mlp_residual = Residual(
-            "mlp_residual", ResidualConfig(config.dim), precision=precision
-        )
-        for child in (
-            self.input_layernorm,
-            self.self_attn,
-            self.attn_residual,
-            self.post_attention_layernorm,
-            self.mlp,
-            self.mlp_residual,
-        ):
-            self.add_component(child)
-        self._fix_children()
-
-    def _on_building(self, build_context: BuildContext) -> None:
-        shape = build_context.input_shape
-        if len(shape) != 3 or shape[2] != self.config.dim:
-            raise ValueError(
-                f"{self._describe()}: build shape must be [B, T, dim={self.config.dim}], got {shape}"
-            )
-        chunk = _chunk(build_context)
-        act = build_context.with_shape((shape[0], chunk, shape[2]))
-        self.input_layernorm.build(act)
-        self.self_attn.build(build_context)  # the whole context: its KV cache
-        self.attn_residual.build(act)
-        self.post_attention_layernorm.build(act)
-        self.mlp.build(act)
-        self.mlp_residual.build(act)
-        if build_context.is_training:
-            self._add_state("dhidden", self._allocate(shape))
-            self._add_state("dinput", self._allocate(shape))
-
-    def forward(self, x: Any, position_offset: int = 0, *, seq_len: int | None = None) -> Any:
-        """``x [B, T, dim] -> [B, T, dim]`` (a view of the block's output buffer).
-
-        On INFERENCE builds ``x`` is a prefill chunk at ``position_offset``; ``seq_len`` is the
-        end of the whole prompt it belongs to, for RoPE's length-dependent scaling (default:
-        the chunk's end; see :meth:`Rope.prefill`).
-
-        Raises:
-            TypeError, ValueError: ``x`` is not a float array ``[B', T', dim]`` of this device
-                within the build (``T' >= 1``), or it overlaps a buffer of this block (the
-                block's own output given back: pass a copy). Nothing is written then.
-        """
-        check_chunk(self, x)
-        if seq_len is not None and is_int(position_offset):  # before the norm writes
-            end = position_offset + x.shape[1]
-            check_seq_len(self, seq_len, end, self.self_attn.context_length)
-        return self._forward(x, position_offset, seq_len)
-
-    def _forward(self, x: Any, position_offset: int, seq_len: int | None = None) -> Any:
-        """:meth:`forward` for a parent passing a buffer it owns (no overlap check); a chunked
-        prefill passes the end of its whole prompt as ``seq_len`` (RoPE's length-dependent
-        scaling)."""
-        return self._run(x, lambda a: self.self_attn.forward(a, position_offset, seq_len=seq_len))
-
-    def decode(self, x: Any, positions: Any) -> Any:
-        """One token per sequence, ``x [B, 1, dim]`` at ``positions`` (INFERENCE builds)."""
-        check_chunk(self, x)
-        return self._decode(x, positions)
-
-    def _decode(self, x: Any, positions: Any) -> Any:
-        """:meth:`decode` for a parent passing a buffer it owns (no overlap check)."""
-        return self._run(x, lambda a: self.self_attn.decode(a, positions))
-
-    def _bind_decode(
-        self, x: Any, positions: DecodePositions, scores: Any
-    ) -> tuple[list[Any], Any]:
-        """``(steps, y)``: callables that run :meth:`decode` of the buffer ``x [B, 1, dim]`` (its
-        values at call time) at ``positions`` (read at call time, checked by the caller) into
-        ``y``, for a decode plan of an INFERENCE build. ``scores``: the CPU attention's scratch,
-        ``>= n_heads * context`` elements."""
-        norm_steps, normed = self.input_layernorm._bind_forward(x)
-        attn_steps, attended = self.self_attn._bind_decode(normed, positions, scores)
-        skip_steps, h = self.attn_residual._bind_forward(x, attended)
-        post_steps, post = self.post_attention_layernorm._bind_forward(h)
-        mlp_steps, mlp_out = self.mlp._bind_forward(post)
-        out_steps, out = self.mlp_residual._bind_forward(h, mlp_out)
-        steps = [*norm_steps, *attn_steps, *skip_steps, *post_steps, *mlp_steps, *out_steps]
-        return steps, out
-
-    def _run(self, x: Any, attend: Any) -> Any:
-        attended = attend(self.input_layernorm.forward(x))  # the one check of x
-        # x, h and the children's outputs are checked or owned: the children skip their checks
-        h = self.attn_residual._forward(x, attended)
-        return self.mlp_residual._forward(
-            h, self.mlp._forward(self.post_attention_layernorm._forward(h))
-        )
-
-    def backward(self, dy: Any) -> Any:
-        """``dy [B, T, dim] -> dx [B, T, dim]``; accumulates every parameter gradient."""
-        if not self.is_built or not self.build_context.is_training:
-            raise RuntimeError(f"{self._describe()}: backward() needs a TRAINING build")
-        xp = self.execution_context.xp
-        skip, branch = self.mlp_residual.backward(dy)  # the one check of dy
-        n_b, n_t = dy.shape[0], dy.shape[1]
-        dh = self._state["dhidden"][:n_b, :n_t]
-        xp.add(skip, self.post_attention_layernorm.backward(self.mlp.backward(branch)), out=dh)
-        dx = self._state["dinput"][:n_b, :n_t]
-        skip, branch = self.attn_residual.backward(dh)
-        xp.add(skip, self.input_layernorm.backward(self.self_attn.backward(branch)), out=dx)
-        return dx
+__all__ = ["Llama"]
 
 
 class Llama(Network):
@@ -331,7 +122,7 @@ class Llama(Network):
             raise ValueError(
                 f"{self._describe()}: T = {n_t} exceeds max_seq_len = {self.config.max_seq_len}"
             )
-        chunk = _chunk(build_context)
+        chunk = tokens_per_pass(build_context)
         act = build_context.with_shape((n_b, chunk, self.config.dim))
         self.embed_tokens.build(build_context.with_shape((n_b, chunk)))
         for block in self.layers:
@@ -358,7 +149,7 @@ class Llama(Network):
     @property
     def chunk_size(self) -> int:
         """Tokens per forward pass: T for TRAINING builds, the prefill chunk for INFERENCE."""
-        return _chunk(self.build_context)
+        return tokens_per_pass(self.build_context)
 
     @property
     def context_length(self) -> int:
@@ -649,228 +440,17 @@ class Llama(Network):
         is closed or is garbage-collected: meanwhile the calls of other threads on this model
         wait, so close a stream you stop reading early. It may be advanced from any thread.
         """
-        args = (max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, pad_token_id)
-        return self._start(prompt, *args)[2]
-
-    def _start(
-        self, prompt: Any, *args: Any
-    ) -> tuple[np.ndarray, np.ndarray, Iterator[np.ndarray], str]:
-        """What :meth:`stream` and :meth:`generate` share: their arguments checked (``args``:
-        those after the prompt, in :meth:`stream`'s order), then ``(prompt rows, lengths, the
-        token iterator, what the prompt came as)`` (see :meth:`_prompt_rows`)."""
-        self._require_inference("generate()")
-        rows, lengths, kind = self._prompt_rows(prompt)
-        sampling = self._sampling(*args)
-        room = self.context_length - rows.shape[1] + 1
-        if sampling[0] > room:
-            warnings.warn(
-                f"{self._describe()}: max_new_tokens={sampling[0]} cut to {room}: a prompt of "
-                f"{rows.shape[1]} tokens leaves room for {room} in the context of "
-                f"{self.context_length}",
-                stacklevel=3,
-            )
-            sampling = (room, *sampling[1:])
-        steps = self._token_steps(rows, lengths, *sampling)
-        return rows, lengths, steps, kind
-
-    def _token_steps(
-        self,
-        rows: np.ndarray,
-        lengths: np.ndarray,
-        steps: int,
-        temperature: float,
-        top_k: int | None,
-        top_p: float | None,
-        rng: np.random.Generator,
-        stop: np.ndarray | None,
-        pad: int,
-    ) -> Iterator[np.ndarray]:
-        """The generator behind :meth:`stream`, of checked arguments. It holds the model's
-        run lock from its first step to its end (a hold that a paused stream keeps, and that
-        its ``finally`` gives back when it is closed or collected)."""
-        hold = self._run_lock.hold()
-        try:
-            ctx = self.execution_context
-            xp = ctx.xp
-            n_b, n_t = rows.shape  # steps: cut to the context by _start
-            finished = np.zeros(n_b, dtype=bool)
-            logits = self.prefill(rows)
-            position: Any = n_t
-            if lengths.min() < n_t:  # each row's last prompt token again, at its own position
-                last = lengths - 1
-                logits = self.decode(rows[np.arange(n_b), last], last)
-                position = lengths
-            for step in range(steps):
-                mine = self._cache_writes  # the cache as this stream left it
-                if temperature == 0:
-                    # greedy: the argmax on the device, or -1 for a row with a NaN or inf
-                    # logit, so that one [B] readback brings the ids and the check
-                    with ctx.activate():
-                        finite = xp.isfinite(logits).all(axis=-1)
-                        token = ctx.to_host(xp.where(finite, logits.argmax(axis=-1), -1))
-                    self._check_finite_logits(token >= 0, finished, step)
-                else:
-                    host = ctx.to_host(logits)
-                    self._check_finite_logits(np.isfinite(host).all(axis=-1), finished, step)
-                    token = _sample(host, temperature, top_k, top_p, rng)
-                if stop is not None:
-                    token = np.where(finished, pad, token)
-                    finished |= np.isin(token, stop)
-                if step + 1 == steps or finished.all():
-                    hold.release()  # a stream that gave its last token holds nothing
-                    yield token
-                    return
-                hold.pause()
-                yield token
-                hold.resume()
-                if self._cache_writes != mine:
-                    raise RuntimeError(
-                        f"{self._describe()}: another call wrote the KV cache while this stream "
-                        "was paused (a prefill, decode, reset or another stream); its context is "
-                        "gone: start a new stream"
-                    )
-                logits = self.decode(token, position + step)
-        finally:
-            hold.release()
-
-    def _check_finite_logits(self, finite: np.ndarray, finished: np.ndarray, step: int) -> None:
-        """Refuse to sample new token ``step`` from logits that hold NaN or inf: ``finite``
-        ``[B]`` says which rows are finite; rows already ``finished`` (padded) do not count.
-
-        Raises:
-            FloatingPointError: naming the step and every sequence whose logits are not finite.
-        """
-        bad = np.flatnonzero(~finite & ~finished)
-        if bad.size:
-            which = "sequences" if bad.size > 1 else "sequence"
-            rows = ", ".join(str(int(r)) for r in bad)
-            raise FloatingPointError(
-                f"{self._describe()}: NaN or inf in the logits of new token {step} (0-based) "
-                f"for {which} {rows} (batch row); no token was sampled from them. The weights "
-                "or the activations hold NaN or overflowed: check the checkpoint, or run in a "
-                "wider precision"
-            )
-
-    def _prompt_rows(self, prompt: Any) -> tuple[np.ndarray, np.ndarray, str]:
-        """``prompt`` as host rows ``[B, T]`` (a list's prompts right-padded with token 0), the
-        length of each row's prompt ``[B]``, and what it came as: ``"1d"``, ``"2d"`` or
-        ``"list"``."""
-        to_host = self.execution_context.to_host
-        if isinstance(prompt, list | tuple) and prompt and all(np.ndim(p) >= 1 for p in prompt):
-            seqs = [np.asarray(to_host(p)) for p in prompt]
-            if any(r.ndim != 1 or r.size == 0 or r.dtype.kind not in "iu" for r in seqs):
-                raise ValueError(
-                    f"{self._describe()}: a list of prompts must hold non-empty 1-D integer "
-                    f"token sequences, got {[f'{r.dtype}{list(r.shape)}' for r in seqs]}"
-                )
-            lengths = np.array([r.size for r in seqs])
-            rows = np.zeros((len(seqs), int(lengths.max())), dtype=np.int64)
-            for row, r in zip(rows, seqs, strict=True):
-                row[: r.size] = r
-            self._check_prompt_rows(rows)
-            return rows, lengths, "list"
-        try:
-            tokens = np.asarray(to_host(prompt))
-        except ValueError:  # nested lists of different lengths
-            tokens = np.asarray(None)
-        if tokens.ndim not in (1, 2) or tokens.size == 0 or tokens.dtype.kind not in "iu":
-            raise ValueError(
-                f"{self._describe()}: prompt must be non-empty integer tokens [T] or [B, T], or a "
-                f"list of [T_b] sequences, got {tokens.dtype} of shape {tokens.shape}"
-            )
-        rows = tokens[None] if tokens.ndim == 1 else tokens
-        self._check_prompt_rows(rows)
-        return rows, np.full(rows.shape[0], rows.shape[1]), f"{tokens.ndim}d"
-
-    def _check_prompt_rows(self, rows: np.ndarray) -> None:
-        """Refuse prompt rows ``[B, T]`` that the build cannot take, before any work."""
-        n_b, n_t = rows.shape
-        build_b = self.build_context.input_shape[0]
-        if n_b > build_b or n_t > self.context_length:
-            raise ValueError(
-                f"{self._describe()}: {n_b} prompts of up to {n_t} tokens do not fit the build "
-                f"({build_b} sequences, context {self.context_length})"
-            )
-        low, high = int(rows.min()), int(rows.max())
-        if low < 0 or high >= self.config.vocab_size:
-            raise ValueError(
-                f"{self._describe()}: prompt token ids must be in [0, {self.config.vocab_size}), "
-                f"got {low}..{high}"
-            )
-
-    def _sampling(
-        self,
-        max_new_tokens: int,
-        temperature: float,
-        top_k: int | None,
-        top_p: float | None,
-        seed: int | None,
-        eos_token_id: Any,
-        pad_token_id: Any,
-    ) -> tuple[int, float, int | None, float | None, np.random.Generator, np.ndarray | None, int]:
-        """The checked arguments of :meth:`_token_steps` after the prompt."""
-        if not is_int(max_new_tokens):
-            raise TypeError(
-                f"{self._describe()}: max_new_tokens must be an int, got {max_new_tokens!r}"
-            )
-        if max_new_tokens < 0:
-            raise ValueError(f"{self._describe()}: max_new_tokens must be >= 0")
-        temperature = self._real(temperature, "temperature")
-        if not (math.isfinite(temperature) and temperature >= 0):
-            raise ValueError(
-                f"{self._describe()}: temperature must be finite and >= 0, got {temperature}"
-            )
-        if top_p is not None:
-            top_p = self._real(top_p, "top_p")
-            if not 0 <= top_p <= 1:  # (NaN fails too)
-                raise ValueError(f"{self._describe()}: top_p must be in [0, 1], got {top_p}")
-        if top_k is not None and not is_int(top_k):
-            raise TypeError(f"{self._describe()}: top_k must be an int or None, got {top_k!r}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"{self._describe()}: top_k must be >= 1, got {top_k}")
-        if seed is not None and not is_int(seed):
-            raise TypeError(f"{self._describe()}: seed must be an int or None, got {seed!r}")
-        if seed is not None and seed < 0:
-            raise ValueError(f"{self._describe()}: seed must be >= 0, got {seed}")
-        stop, pad = self._stop_tokens(eos_token_id, pad_token_id)
-        rng = np.random.default_rng(seed)
-        return max_new_tokens, temperature, top_k, top_p, rng, stop, pad
-
-    def _real(self, value: Any, name: str) -> float:
-        """``value`` as a float: ints, floats, NumPy scalars and 0-d arrays (not bools, strings
-        or complex numbers)."""
-        try:
-            if isinstance(value, bool | str | bytes) or np.iscomplexobj(value):
-                raise TypeError
-            return float(value)
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"{self._describe()}: {name} must be a real number, got {value!r}"
-            ) from None
-
-    def _stop_tokens(self, eos_token_id: Any, pad_token_id: Any) -> tuple[np.ndarray | None, int]:
-        """The EOS ids as an array (None: no stopping) and the id that pads finished rows."""
-        vocab = self.config.vocab_size
-
-        def token_id(value: Any, what: str) -> int:
-            if isinstance(value, np.ndarray) and value.ndim == 0:
-                value = value[()]  # a 0-d array: its scalar
-            if not is_int(value):
-                raise TypeError(f"{self._describe()}: {what} must be int ids, got {value!r}")
-            if not 0 <= value < vocab:
-                raise ValueError(
-                    f"{self._describe()}: {what} {value} is outside the vocabulary [0, {vocab})"
-                )
-            return int(value)
-
-        pad = None if pad_token_id is None else token_id(pad_token_id, "pad_token_id")
-        if eos_token_id is None:
-            return None, 0  # nothing finishes: no row is padded
-        ids = [eos_token_id] if np.ndim(eos_token_id) == 0 else list(eos_token_id)
-        if not ids:
-            raise ValueError(f"{self._describe()}: eos_token_id is an empty list")
-        stop = np.array([token_id(i, "eos_token_id") for i in ids])
-        return stop, int(stop[0]) if pad is None else pad
+        return generation.stream(
+            self,
+            prompt,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+        )
 
     @serialized
     def generate(
@@ -895,14 +475,17 @@ class Llama(Network):
                 names the step (the index of the new token) and the sequences. The KV cache
                 holds what the generation wrote up to then.
         """
-        args = (max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, pad_token_id)
-        rows, lengths, steps, kind = self._start(prompt, *args)
-        new = list(steps)
-        tail = np.stack(new, axis=1) if new else rows[:, :0]
-        if kind == "list":
-            return [np.concatenate([r[:n], t]) for r, n, t in zip(rows, lengths, tail, strict=True)]
-        out = np.concatenate([rows, tail], axis=1)
-        return out if kind == "2d" else out[0]
+        return generation.generate(
+            self,
+            prompt,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+        )
 
     @serialized
     def backward(self, dlogits: Any) -> None:
@@ -951,7 +534,7 @@ class Llama(Network):
 
         Args:
             path: a folder with ``config.json`` and ``model.safetensors`` (or a sharded
-                ``model.safetensors.index.json``); see :mod:`mila_py.hf`.
+                ``model.safetensors.index.json``); see :mod:`mila_py.interop.hf`.
             device: where the network runs.
             runtime_mode: a ``RuntimeMode``; None means ``RuntimeMode.INFERENCE``.
             batch_size: B of the build shape.
@@ -966,7 +549,7 @@ class Llama(Network):
 
         The config, the arguments and the weight files' headers are checked, and the model
         built, before any tensor is read; the tensors are then read one at a time, each
-        copied into its parameter (:func:`mila_py.hf.load_hf_files`), so the load needs
+        copied into its parameter (:func:`mila_py.interop.hf.load_hf_files`), so the load needs
         about one tensor's memory beyond the model's.
 
         Raises:
@@ -975,8 +558,8 @@ class Llama(Network):
                 parse, or tensors that do not match the config (every problem listed at once).
             MemoryError: the build does not fit the device's available memory.
         """
-        from mila_py import hf
         from mila_py.build_context import RuntimeMode
+        from mila_py.interop import hf
 
         mode = RuntimeMode.INFERENCE if runtime_mode is None else runtime_mode
         if not isinstance(precision, Precision):
@@ -1018,34 +601,3 @@ def _as_position(value: Any, who: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise ValueError(f"{who}: position_offset must be an int >= 0, got {value!r}")
     return int(value)
-
-
-def _sample(
-    logits: np.ndarray,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    rng: np.random.Generator,
-) -> np.ndarray:
-    """Next token per row of ``logits [B, V]``."""
-    if temperature == 0:
-        return logits.argmax(axis=-1)
-    wide = logits.astype(np.float64)
-    # shifted first: a tiny temperature then sends the others to -inf, never the top to inf
-    with np.errstate(over="ignore"):  # -> -inf, which is what it means
-        scaled = (wide - wide.max(axis=-1, keepdims=True)) / temperature
-    if top_k is not None and top_k < scaled.shape[-1]:
-        kth = np.partition(scaled, -top_k, axis=-1)[:, -top_k][:, None]
-        scaled = np.where(scaled < kth, -np.inf, scaled)
-    probs = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
-    probs /= probs.sum(axis=-1, keepdims=True)
-    if top_p is not None and top_p < 1:
-        order = np.argsort(-probs, axis=-1)
-        sorted_probs = np.take_along_axis(probs, order, axis=-1)
-        keep_sorted = np.cumsum(sorted_probs, axis=-1) - sorted_probs < top_p
-        keep_sorted[:, 0] = True  # the most likely token always (top_p = 0: greedy)
-        keep = np.zeros_like(keep_sorted)
-        np.put_along_axis(keep, order, keep_sorted, axis=-1)
-        probs = np.where(keep, probs, 0.0)
-        probs /= probs.sum(axis=-1, keepdims=True)
-    return np.array([rng.choice(probs.shape[-1], p=row) for row in probs])

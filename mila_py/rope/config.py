@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from mila_py.components.rope_scaling import (
+from mila_py.rope.scaling import (
     BOOKKEEPING_KEYS,
     RopeType,
     check_scaling,
@@ -109,7 +109,7 @@ class RopeConfig:
     Raises:
         ValueError: on any invalid value, saying what to fix; in the scaling dict, a NaN or
             infinite number anywhere, or a bool or str where a number goes (see
-            :func:`~mila_py.components.rope_scaling.check_scaling_values`).
+            :func:`~mila_py.rope.scaling.check_scaling_values`).
         TypeError: a non-int size or a non-dict scaling.
     """
 
@@ -210,14 +210,15 @@ class RopeConfig:
         if theta is not None and float(theta) != float(self.base):
             raise ValueError(
                 f"RopeConfig: scaling carries rope_theta={theta} but base={self.base}; set "
-                "base=<rope_theta> (or use RopeConfig.from_hf, which does)"
+                "base=<rope_theta> (or read the config.json with "
+                "mila_py.interop.hf_rope.rope_config_from_hf, which does)"
             )
         prf = scaling.get("partial_rotary_factor")
         if prf is not None and int(self.head_dim * float(prf)) != self.rotated_dim:
             raise ValueError(
                 f"RopeConfig: scaling carries partial_rotary_factor={prf} (rotary_dim "
                 f"{int(self.head_dim * float(prf))}) but rotary_dim={self.rotated_dim}; set "
-                "rotary_dim to match (or use RopeConfig.from_hf)"
+                "rotary_dim to match (or use mila_py.interop.hf_rope.rope_config_from_hf)"
             )
         check_scaling(self.scaling, self.head_dim, self.rotated_dim, self.max_seq_len)
         self._validate_mrope()
@@ -320,126 +321,3 @@ class RopeConfig:
             self.max_seq_len,
             tuple(sorted((k, v) for k, v in params if k not in BOOKKEEPING_KEYS)),
         )
-
-    @classmethod
-    def from_hf(
-        cls,
-        config: Mapping[str, Any],
-        *,
-        layer_type: str | None = None,
-        max_seq_len: int | None = None,
-        layout: RopeLayout | str | None = None,
-    ) -> RopeConfig:
-        """Build a RopeConfig from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x).
-
-        Reads ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``,
-        ``max_position_embeddings``, ``rope_theta``, ``partial_rotary_factor`` and the scaling dict
-        (``rope_scaling`` or ``rope_parameters``). Values HF would take from the model config
-        (``original_max_position_embeddings``, a missing YaRN/LongRoPE ``factor``) are written into
-        the scaling dict, so the result computes what HF computes even if ``max_seq_len`` differs
-        from ``max_position_embeddings``.
-
-        Vision-language configs: a config whose text model sits in ``text_config`` is read from
-        there, as the family of that text model (a ``text_config`` without a ``model_type`` is
-        the one the multimodal class defaults to: Aya Vision's Cohere 2, PaliGemma's Gemma). M-RoPE follows what the model's own code does, which the ``model_type`` decides:
-        the Qwen3-VL family (``qwen3_vl``, ``qwen3_vl_moe``, ``qwen3_5``, ``qwen3_5_moe``,
-        ``qwen3_omni_moe``, ``qwen4_exp``, ``cosmos3_edge``) always interleaves its axes, the
-        Qwen2-VL and GLM-4V families never do, whatever ``mrope_interleaved`` says (without a
-        ``model_type`` the flag decides), and a config without ``mrope_section`` gets the one
-        the model's code defaults to; GLM-4.1V and GLM-OCR pair channels ``(2i, 2i + 1)``.
-        ERNIE-4.5-VL and HunYuan-VL, whose multimodal RoPE this class cannot express, are refused.
-
-        Layer types: models whose layers rotate differently (Gemma 3's sliding layers with theta
-        10 000, its full layers with 1 000 000 and a linear factor; ModernBERT; OLMo 3; Gemma 4,
-        whose full layers are wider; MiMo-V2-Flash, whose sliding layers have twice the key
-        heads) give ``rope_parameters`` per layer type. Name the type with ``layer_type``; the
-        transformers 4.x keys of these families are read as their code reads them:
-        ``rope_local_base_freq``, ``global_rope_theta``/``local_rope_theta``, a flat
-        ``rope_scaling`` (Gemma 3 and OLMo 3 apply it to their full layers, ModernBERT to
-        both, Gemma 4 and MiMo read none), Gemma 4's ``global_head_dim`` and the zero-padded
-        ``per_layer_config`` keys transformers 5.x writes. Without ``layer_types``, each
-        family's own pattern decides (Gemma 3's ``sliding_window_pattern``, Llama 4's
-        ``no_rope_layers``, ...). :meth:`from_hf_layers` gives the config of every layer.
-
-        Families: the pair layout is the one the family's code applies to q/k as HF stores the
-        weights: ``(2i, 2i + 1)`` for GPT-J, CodeGen, Cohere (1, 2), Helium, GLM, GLM-4,
-        ERNIE-4.5, Moonshine, Llama 4, RoFormer, BLT; halves for the rest. Partial rotary comes
-        from ``partial_rotary_factor``, else GPT-NeoX's ``rotary_pct``, GPT-J's ``rotary_dim``,
-        or the factor the family's config class defaults to (Phi, StableLM, Persimmon, GLM,
-        Qwen3-Next, Nemotron, ...); GPT-NeoX's ``rotary_emb_base`` is its theta. A key the
-        config leaves out (or a null scaling dict) takes what the family's transformers config
-        class defaults to, where that differs from the generic reading: theta (Mixtral 1e6,
-        Llama 4 5e5, ...), head size (Qwen3.5 256, Gemma 256, ...), latent RoPE head, scaling
-        (gpt-oss's YaRN x32, Apertus's llama3, ...); the table is checked against every
-        transformers config class. GPT-J's ``n_head``/``n_embd`` names are read too. Multi-head latent attention (a
-        ``qk_rope_head_dim``: DeepSeek-V2/V3, Kimi-K2, MiniCPM3, ...) gives the config of the
-        RoPE part: ``qk_rope_head_dim`` channels per query head and one shared key head,
-        paired ``(2i, 2i + 1)`` unless ``rope_interleave`` is false (MiniCPM3 by halves); HF
-        writes those pairs back in half order, which changes no attention score. DeepSeek-V4
-        (RoPE on the last channels) and nanochat (rotation by -theta) are refused, and so are
-        configs without RoPE: families that have none (GPT-2, OPT, BLOOM, Jamba, Kimi-Linear,
-        Mamba, ...: the error names what they use) and RoPE switched off by the family's key
-        (Falcon's ``alibi``, ESM's ``position_embedding_type``, ...). A ``rope_scaling`` is read
-        over a ``rope_parameters``, as transformers does.
-
-        Args:
-            config: the parsed ``config.json``.
-            layer_type: which layer type's RoPE (``"full_attention"``, ``"sliding_attention"``,
-                ...); required when the config has per-layer-type RoPE parameters, checked
-                against ``layer_types`` otherwise.
-            max_seq_len: table size; defaults to ``max_position_embeddings``.
-            layout: ``"half"`` or ``"interleaved"``; None picks the one of the ``model_type``
-                (see Families above; ``"half"`` for Llama-family checkpoints).
-
-        Raises:
-            ValueError: a missing key, a config RopeConfig cannot express, a NaN or infinite
-                number (``rope_theta``, a scaling value, ...) or an unknown name in
-                ``layer_types``.
-            TypeError: a key of the wrong type: a size that is not an int (a float, even a
-                whole one, a str, a bool), a ``rope_theta`` or ``partial_rotary_factor`` that
-                is not a real number, a ``layer_types`` that is not a list, a ``text_config``
-                that is not a dict.
-        """
-        from mila_py.components.rope_hf import rope_config_from_hf
-
-        return rope_config_from_hf(
-            config, layer_type=layer_type, max_seq_len=max_seq_len, layout=layout
-        )
-
-    @classmethod
-    def from_hf_layers(
-        cls,
-        config: Mapping[str, Any],
-        *,
-        max_seq_len: int | None = None,
-        layout: RopeLayout | str | None = None,
-    ) -> list[RopeConfig | None]:
-        """One RopeConfig per layer of a Hugging Face ``config.json`` dict, None where a layer
-        rotates nothing.
-
-        For models whose layers differ: the type of layer ``i`` is ``layer_types[i]`` (or the
-        pattern the family's code derives when the list is missing, e.g. Gemma 3's
-        ``sliding_window_pattern``), each type takes its own entry of a per-layer-type
-        ``rope_parameters`` (a null or missing entry: no RoPE, except in Gemma 3/3n, ModernBERT
-        and OLMo 3, whose code fills in the default), ``per_layer_config`` (Gemma 4) sets head
-        sizes per layer. Unrotated: SmolLM3's, Llama 4's and Mistral Large 3's
-        ``no_rope_layers``; the full-attention layers of Cohere 2, EXAONE 4 (and 4.5), AFMoE,
-        Flint and Kolibri 1 (Cohere 2's and Flint's sliding ones too, without a
-        ``sliding_window``); layers without attention (``linear_attention`` of Qwen3-Next,
-        Qwen3.5, MiniMax, OLMo-Hybrid, Bailing-Hybrid and Bamba, Recurrent Gemma's recurrent
-        blocks, LFM2's and LFM3's ``conv``, by ``layer_types`` or the family's default
-        pattern). A config without RoPE gives None for every layer. Layers that resolve
-        alike share one (equal) config, so :func:`get_rope` gives them one table. A model with
-        one RoPE gives the same config for every layer.
-
-        Args:
-            config: the parsed ``config.json`` (needs ``num_hidden_layers``).
-            max_seq_len, layout: as in :meth:`from_hf`.
-
-        Raises:
-            ValueError: as :meth:`from_hf`, ``layer_types`` of the wrong length, or
-                per-layer-type parameters without ``layer_types`` or a family pattern.
-        """
-        from mila_py.components.rope_hf import rope_configs_from_hf_layers
-
-        return rope_configs_from_hf_layers(config, max_seq_len=max_seq_len, layout=layout)

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from mila_py.components.rope_config import RopeConfig
-from mila_py.components.rope_scaling import original_length
 from mila_py.devices import DeviceId, DeviceLike, DeviceType
+from mila_py.rope.config import RopeConfig
+from mila_py.rope.scaling import original_length
 
 __all__ = ["RopeTable", "clear_rope_cache", "get_rope", "mrope_axes"]
 

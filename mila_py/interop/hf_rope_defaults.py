@@ -8,7 +8,7 @@ scaling); ``rope_parameters`` is the class's scaling dict, used when the config 
 
 Generated from the config classes of transformers 5.24.0, the release ``pyproject.toml``'s
 ``hf`` extra pins: ``tests/test_rope_hf_class_defaults.py`` builds every family's class from
-bare sizes, compares what ``RopeConfig.from_hf`` reads, and prints the entry a family is
+bare sizes, compares what ``rope_config_from_hf`` reads, and prints the entry a family is
 missing, and ``python tests/test_rope_hf_class_defaults.py`` prints the whole table anew (after
 a transformers upgrade); the test checks ``TEXT_MODEL_TYPES`` against the multimodal classes'
 default text configs. mila_py reads this table whether or not transformers is installed, so a

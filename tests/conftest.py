@@ -146,3 +146,15 @@ def quiet_transformers() -> Iterator[None]:
     logger.setLevel(logging.ERROR)
     yield
     logger.setLevel(level)
+
+
+@pytest.fixture(autouse=True)
+def _restore_base_seed() -> Iterator[None]:
+    """Every test starts from mila_py's default base seed, and one that sets another (to build
+    a model as a script would) leaves the default behind for the tests after it."""
+    from mila_py.init import initial_seed, manual_seed
+
+    manual_seed(0)
+    yield
+    manual_seed(0)
+    assert initial_seed() == 0

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from mila_py.build_context import BuildContext, RuntimeMode, TrainingMode
 from mila_py.data import TokenDataset
+from mila_py.distributed import World, is_main
 from mila_py.files import _sync_folder, atomic_write, atomic_write_text
 from mila_py.optim import AdamW, _Schedule, clip_grad_norm
 from mila_py.precision import Precision
@@ -423,6 +424,15 @@ def train(
     The steps done so far are ``optimizer.step_count + optimizer.skipped_steps``, which a
     checkpoint saves: after :func:`load_checkpoint` the same call goes on where it stopped.
 
+    Data parallelism: every rank calls ``train`` alike, with its share of each global batch
+    and a :class:`~mila_py.distributed.GradientAllReduce` as ``allreduce``. The ranks are
+    ``allreduce.world`` (where the object has one): only its rank 0 evaluates, shows
+    progress, writes the log and saves checkpoints, and the other ranks wait at each
+    checkpoint until it is whole (a save that fails on rank 0 raises on every rank). The
+    logged loss and token counts are those of the global batch.
+    Where the object has ``no_sync()``, the backward of every micro-batch but the last runs
+    inside it (their gradients are not final, so nothing is sent for them).
+
     Args:
         model: a built TRAINING Llama (anything with ``forward``, ``backward``, ``config.
             vocab_size``); optimizer: its AdamW.
@@ -443,8 +453,10 @@ def train(
         progress: show a tqdm progress bar (loss, lr, tokens/s).
         loss_fn: a TRAINING SoftmaxCrossEntropy for the batches (default: one is built).
         allreduce: called with the model after the last micro-batch's backward, before
-            clipping (e.g. an MPI average of the gradients).
-        rngs: generators saved with each checkpoint (see :func:`save_checkpoint`).
+            clipping (e.g. a :class:`~mila_py.distributed.GradientAllReduce`); its ``world``
+            and ``no_sync()``, where it has them, are used as said above.
+        rngs: generators saved with each checkpoint (see :func:`save_checkpoint`; rank 0's,
+            in data parallelism).
 
     Returns:
         The log records of the steps this call ran.
@@ -452,9 +464,21 @@ def train(
     Raises:
         ValueError: a bad argument, batches that do not fit the model's build, or a schedule
             whose step count differs from the steps done.
-        RuntimeError: the model is not a TRAINING build.
+        TypeError: ``allreduce.world`` is not a World.
+        RuntimeError: the model is not a TRAINING build, or rank 0 failed to save a
+            checkpoint (on the other ranks).
     """
     _check_train_arguments(steps, grad_accum, clip, eval_every, eval_batches, checkpoint_every)
+    world = getattr(allreduce, "world", None)
+    if world is not None and not isinstance(world, World):
+        raise TypeError(
+            f"train: allreduce.world must be a mila_py.distributed.World, got {world!r}"
+        )
+    main = is_main(world)
+    ranks = 1 if world is None else world.size
+    no_sync: Callable[[], contextlib.AbstractContextManager[Any]] | None = getattr(
+        allreduce, "no_sync", None
+    )
     if not model.is_built or not model.build_context.is_training:
         raise RuntimeError(f"train: {model._describe()} must be a built TRAINING model")
     _check_fits(model, dataset, "training")
@@ -469,22 +493,22 @@ def train(
     if loss_fn is None:
         loss_fn = _loss_for(model, dataset.batch_size, dataset.seq_len, RuntimeMode.TRAINING)
     eval_loss_fn = None
-    if eval_dataset is not None and eval_every:
+    if eval_dataset is not None and eval_every and main:
         eval_loss_fn = _loss_for(
             model, eval_dataset.batch_size, eval_dataset.seq_len, RuntimeMode.INFERENCE
         )
-    tokens_per_step = dataset.batch_size * dataset.seq_len * grad_accum
+    tokens_per_step = dataset.batch_size * dataset.seq_len * grad_accum * ranks
     records: list[dict[str, Any]] = []
     model.set_training_mode(TrainingMode.NORMAL)
     model.zero_gradients()
     with contextlib.ExitStack() as stack:
         log: IO[str] | None = None
-        if log_path is not None:
+        if log_path is not None and main:
             log = stack.enter_context(open(log_path, "a", encoding="utf-8"))
         bar = stack.enter_context(
             tqdm(
                 total=steps, initial=min(done, steps), desc="train", unit="step",
-                disable=not progress, mininterval=1.0, dynamic_ncols=True,
+                disable=not (progress and main), mininterval=1.0, dynamic_ncols=True,
             )
         )  # fmt: skip
         start = time.perf_counter()
@@ -492,13 +516,19 @@ def train(
             lr = float(optimizer.lr)
             # 1. micro-batches: backward adds each one's gradient (scaled) into the buffers
             loss = 0.0
-            for _ in range(grad_accum):
+            for micro in range(grad_accum):
                 x, y = dataset.next_batch()
                 loss += loss_fn.forward(model.forward(x), y) / grad_accum
-                model.backward(loss_fn.backward(1.0 / grad_accum))
+                dlogits = loss_fn.backward(1.0 / grad_accum)
+                # the earlier micro-batches' gradients are not final: send nothing for them
+                last = micro == grad_accum - 1
+                with contextlib.nullcontext() if last or no_sync is None else no_sync():
+                    model.backward(dlogits)
             # 2. data parallelism: every rank's gradients averaged before they are used
             if allreduce is not None:
                 allreduce(model)
+            if world is not None and world.is_distributed:
+                loss = world.comm.allreduce(loss) / world.size  # the global batch's mean
             # 3. clipping; a non-finite norm leaves the gradients as they are
             norm = clip_grad_norm(model, clip) if clip is not None else None
             # 4. the update, unless the gradients hold inf or NaN (it would poison the weights)
@@ -533,7 +563,12 @@ def train(
             if checkpoint_dir is not None and (
                 done == steps or (checkpoint_every and done % checkpoint_every == 0)
             ):
-                save_checkpoint(checkpoint_dir, model, optimizer, schedule, dataset, rngs=rngs)
+                _save_on_main(
+                    world,
+                    lambda: save_checkpoint(
+                        checkpoint_dir, model, optimizer, schedule, dataset, rngs=rngs
+                    ),
+                )
             if log is not None:
                 log.write(json.dumps(record) + "\n")
                 log.flush()
@@ -544,6 +579,32 @@ def train(
                 postfix["eval"] = f"{record['eval_loss']:.3f}"
             bar.set_postfix(postfix, refresh=False)
     return records
+
+
+def _save_on_main(world: World | None, save: Callable[[], Any]) -> None:
+    """``save()`` on rank 0 only; the other ranks wait until it is done.
+
+    Rank 0 broadcasts the outcome after the save, so the broadcast is the barrier: no rank
+    goes on (and may read the checkpoint) before it is whole, and a save that fails raises on
+    every rank instead of leaving the others waiting for a rank that is gone.
+
+    Raises:
+        RuntimeError: (ranks other than 0) rank 0 failed to save; rank 0 raises its own error.
+    """
+    if world is None or not world.is_distributed:
+        save()
+        return
+    if world.rank == 0:
+        try:
+            save()
+        except BaseException as exc:
+            world.comm.bcast(f"{type(exc).__name__}: {exc}", root=0)
+            raise
+        world.comm.bcast(None, root=0)
+        return
+    failure = world.comm.bcast(None, root=0)
+    if failure is not None:
+        raise RuntimeError(f"train: rank 0 failed to save the checkpoint ({failure})")
 
 
 def _check_train_arguments(

@@ -271,3 +271,112 @@ def test_gradient_allreduce_refuses_bad_arguments() -> None:
     allreduce = GradientAllReduce(model, World())
     with pytest.raises(ValueError, match="averages the gradients of"):
         allreduce(inference)
+
+
+# ------------------------------------------------------- examples/train_llama.py under mpirun
+EXAMPLE = ROOT / "examples" / "train_llama.py"
+#: a tiny model, 5 steps of 2 micro-batches of a global batch of 4 (the earlier micro-batch's
+#: backward inside no_sync on 2 ranks)
+EXAMPLE_ARGS = ["--seq", "32", "--dim", "16", "--layers", "1", "--heads", "2", "--kv-heads",
+                "1", "--warmup", "2", "--grad-accum", "2", "--steps", "5", "--seed", "3"]  # fmt: skip
+
+
+def _example(where: Path, ranks: int, *args: str) -> subprocess.CompletedProcess[str]:
+    """``examples/train_llama.py`` on one process, or on ``ranks`` under ``mpirun``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PMI_SIZE", "PMI_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, str(EXAMPLE), "--data", str(where / "corpus.txt"), *args]
+    if ranks > 1:
+        command = [str(MPIRUN), "-n", str(ranks), *command]
+    return subprocess.run(command, cwd=where, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _ran(done: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    assert done.returncode == 0, f"{' '.join(done.args)} failed:\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+def _saved(folder: Path, file: str = "model.safetensors") -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(folder / file))
+
+
+@pytest.fixture(scope="module")
+def example_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    """Checkpoints (and logs) of the example: ``two`` (2 ranks, 5 steps), ``one`` (one
+    process, the same arguments), ``half`` (one process on one rank's share: batch 2),
+    ``resumed`` (2 ranks: 3 of the 5 steps saved, then resumed for the other 2). Returns the
+    folder and each run's standard output."""
+    where = tmp_path_factory.mktemp("example")
+    (where / "corpus.txt").write_bytes(
+        b"".join(b"def f%d(x):\n    return x * %d + 1\n" % (i, i) for i in range(800))
+    )
+    out = {}
+    for name, ranks, batch, extra in (
+        ("two", 2, "4", []),
+        ("one", 1, "4", []),
+        ("half", 1, "2", []),
+        ("stopped", 2, "4", ["--stop-after", "3"]),
+        ("resumed", 2, "4", ["--resume", str(where / "stopped")]),
+    ):
+        log = ["--log", str(where / f"{name}.jsonl")]
+        done = _example(where, ranks, *EXAMPLE_ARGS, "--batch", batch, "--save", name, *log, *extra)
+        out[name] = _ran(done).stdout
+    return where, out
+
+
+@needs_mpi
+def test_the_example_on_two_ranks_trains_as_one_process_on_the_global_batch(
+    example_runs: tuple[Path, dict[str, str]],
+) -> None:
+    where, out = example_runs
+    two, one = _saved(where / "two"), _saved(where / "one")
+    assert sorted(two) == sorted(one)
+    assert _worst(two, one) < RTOL
+    # the tolerance tells one rank's share alone from the global batch
+    assert _worst(_saved(where / "half"), one) > 100 * RTOL
+    # each rank read its own half of every global batch
+    data = json.loads((where / "two" / "state.json").read_text())["data"]
+    assert (data["batch_size"], data["world_size"]) == (2, 2)
+    assert "2 ranks of 2 sequences each" in out["two"]
+
+
+@needs_mpi
+def test_the_example_logs_and_prints_once_on_two_ranks(
+    example_runs: tuple[Path, dict[str, str]],
+) -> None:
+    """Rank 0 alone writes the log, with the global batch's loss and tokens, and prints."""
+    where, out = example_runs
+    two = [json.loads(line) for line in (where / "two.jsonl").read_text().splitlines()]
+    one = [json.loads(line) for line in (where / "one.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3, 4, 5]
+    assert [r["tokens"] for r in two] == [r["tokens"] for r in one]
+    for mine, theirs in zip(two, one, strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-6)
+    assert out["two"].count("held-out loss:") == 1 and out["two"].count("parameters;") == 1
+
+
+@needs_mpi
+def test_the_example_resumed_on_two_ranks_equals_the_run_that_never_stopped(
+    example_runs: tuple[Path, dict[str, str]],
+) -> None:
+    where, out = example_runs
+    assert "at step 3 of 5" in out["resumed"]
+    stopped = json.loads((where / "stopped" / "state.json").read_text())["optimizer"]
+    assert stopped["step_count"] + stopped["skipped_steps"] == 3
+    for file in ("model.safetensors", "optimizer.safetensors"):
+        resumed, whole = _saved(where / "resumed", file), _saved(where / "two", file)
+        assert sorted(resumed) == sorted(whole)
+        for name, want in whole.items():
+            np.testing.assert_array_equal(resumed[name], want, err_msg=f"{file}: {name}")
+
+
+@needs_mpi
+def test_the_example_refuses_a_global_batch_the_ranks_cannot_share(tmp_path: Path) -> None:
+    (tmp_path / "corpus.txt").write_bytes(b"x = 1\n" * 2000)
+    done = _example(tmp_path, 2, *EXAMPLE_ARGS, "--batch", "3")
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    message = "--batch 3 is the global batch, split evenly between the 2 ranks"
+    assert done.stderr.count(message) == 1, done.stderr  # said once, by rank 0

@@ -10,10 +10,7 @@ file's names) cannot form an import cycle through it.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-from types import ModuleType
-
+from mila_py._lazy import lazy_submodules
 from mila_py.build_context import BuildContext, RuntimeMode, TrainingMode
 from mila_py.component import Component
 from mila_py.composite import CompositeComponent, Network
@@ -40,23 +37,4 @@ __all__ = [
     "available_devices",
 ]
 
-
-def __getattr__(name: str) -> ModuleType:
-    """``mila_py.<name>`` for a submodule not imported yet (PEP 562): imports and returns it.
-
-    Raises:
-        AttributeError: ``name`` is private or names no submodule of ``mila_py``.
-    """
-    if not name.startswith("_"):
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as error:
-            if error.name != f"{__name__}.{name}":
-                raise  # the submodule exists but one of its own imports is missing
-    raise AttributeError(f"module 'mila_py' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    """This module's names and its public submodules, imported or not (for completion)."""
-    submodules = (m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
-    return sorted({*globals(), *submodules})
+__getattr__, __dir__ = lazy_submodules(__name__, __path__, lambda: globals())

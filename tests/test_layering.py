@@ -26,6 +26,7 @@ PACKAGE = ROOT / "mila_py"
 #: ``ops.cuda``) sit above RoPE's math, whose tables they read. ``serialization`` is core:
 #: ``Component.save``/``load`` call it.
 RANKS: dict[str, tuple[int, str]] = {
+    "mila_py._lazy": (0, "devices"),  # the packages' lazy submodule attributes
     "mila_py.devices": (0, "devices"),
     "mila_py.build_context": (1, "core"),
     "mila_py.precision": (1, "core"),

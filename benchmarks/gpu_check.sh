@@ -4,7 +4,7 @@
 # Logs go to $OUT (or ./gpu_check_out). Run from the repository root:
 #   bash benchmarks/gpu_check.sh tests   # the test suite, CUDA cases included
 #   bash benchmarks/gpu_check.sh rope    # RoPE benchmark (copy ceiling, peers)
-#   bash benchmarks/gpu_check.sh llama   # training step, generation, decode plan
+#   bash benchmarks/gpu_check.sh llama   # training step, gradient all-reduce, generation, decode plan
 #   bash benchmarks/gpu_check.sh bench   # rope + llama
 #   bash benchmarks/gpu_check.sh         # everything
 #   bash benchmarks/gpu_check.sh once    # everything, cut to end within ~560 s
@@ -12,8 +12,8 @@
 # order, each stage under its own timeout, the most important first:
 #   the whole suite (in parallel over the machine's cores); RoPE without the torch.compile peer
 #   in 5 interleaved rounds; the decode plan against the components' calls, at one position and
-#   ragged (B=4); RoPE against the torch.compile peer alone; the training and generation
-#   benchmarks on the time left.
+#   ragged (B=4); RoPE against the torch.compile peer alone; the training, all-reduce and
+#   generation benchmarks on the time left.
 # The whole call ends by ~560 s (GPU_CHECK_END=SECONDS ends it sooner: the later stages get what
 # is left); logs stream to $OUT as they go, so a stage that runs out still leaves what it printed.
 # Without `pip install -e`, the checkout is put on PYTHONPATH. The RoPE peers Liger-Kernel and
@@ -32,13 +32,13 @@ what="${1:-all}"
 status=0
 if [[ "$what" == once ]]; then
   end="${GPU_CHECK_END:-560}"  # seconds: where the call must end (the variable shortens it)
-  t_tests=170 t_rope=100 t_compile=150 t_train=50 t_gen=140 t_plan=30
+  t_tests=170 t_rope=100 t_compile=150 t_train=50 t_ar=30 t_gen=140 t_plan=30
   rope_args=(--no-compile --rounds 5 --repeats 3)  # ~60 s: 69 figures a round (3 peers)
   gen_args=(--repeat 1)
   plan_args=(--steps 100 --rounds 3)
 else
   end=560
-  t_tests=480 t_rope=300 t_compile=0 t_train=200 t_gen=200 t_plan=120
+  t_tests=480 t_rope=300 t_compile=0 t_train=200 t_ar=120 t_gen=200 t_plan=120
   rope_args=() gen_args=() plan_args=()
 fi
 mark() { echo "== $1 at ${SECONDS}s"; }
@@ -89,11 +89,14 @@ fi
 if stage llama && { [[ "$what" != once ]] || (( $(left) > 120 )); }; then
   mark llama
   if [[ "$what" == once ]]; then  # the time left, shared in the proportions of the timeouts
-    share=$(( $(left) - 30 ))  # each stage's kill may add its 10 s
-    t_train=$(( share * t_train / 190 )) t_gen=$(( share * t_gen / 190 ))
+    share=$(( $(left) - 40 ))  # each stage's kill may add its 10 s
+    t_train=$(( share * t_train / 220 )) t_ar=$(( share * t_ar / 220 )) t_gen=$(( share * t_gen / 220 ))
   fi
   timeout -k 10 "$t_train" python3 benchmarks/train_step_cuda.py --device CUDA:0 2>&1 \
     | tee "$out/llama.log" || status=1
+  # the gradient all-reduce on one GPU: NCCL over a one-rank world (backend="nccl")
+  timeout -k 10 "$t_ar" python3 benchmarks/allreduce.py --device CUDA:0 2>&1 \
+    | tee -a "$out/llama.log" || status=1
   timeout -k 10 "$t_gen" python3 benchmarks/generate.py --device CUDA:0 ${gen_args[@]+"${gen_args[@]}"} 2>&1 \
     | grep -v Writing | tee -a "$out/llama.log" || status=1
   if [[ "$what" != once ]]; then  # `once` ran it after the RoPE benchmark

@@ -18,6 +18,10 @@ On CPUs the gradients travel through MPI itself (``Iallreduce`` on NumPy buffers
 through NCCL, called through CuPy (``cupy.cuda.nccl``); MPI only hands NCCL's unique id from
 rank 0 to the others.
 
+On one GPU, ``GradientAllReduce(model, World(), backend="nccl")`` runs the GPU path over a
+communicator of one rank (NCCL's sum over one rank returns the gradients as they are): a way to
+test and time it without a second GPU.
+
 Only rank 0 writes checkpoints and logs: guard those with :func:`is_main`.
 """
 
@@ -37,6 +41,7 @@ from mila_py.devices.cuda import cuda_device_count
 from mila_py.memory import MemoryCategory, MemoryLocation, MemoryStats
 
 __all__ = [
+    "BACKENDS",
     "GradientAllReduce",
     "World",
     "broadcast_parameters",
@@ -56,6 +61,10 @@ _LAUNCHER_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_
 
 #: default bytes of gradients averaged in one all-reduce (as PyTorch's DDP)
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+#: what :class:`GradientAllReduce` sums through: ``"auto"`` (MPI on CPUs, NCCL on GPUs, nothing
+#: in a single-process world) or ``"nccl"`` (NCCL, in a single-process world too)
+BACKENDS = ("auto", "nccl")
 
 
 def import_mpi() -> ModuleType:
@@ -78,7 +87,8 @@ class World:
     """The processes of a data-parallel run and this process's place among them.
 
     ``World()`` is the single-process world (rank 0 of 1), on which every collective call of
-    this module does nothing; :func:`init_world` makes the world of an MPI launch.
+    this module does nothing (but a ``GradientAllReduce`` made with ``backend="nccl"``);
+    :func:`init_world` makes the world of an MPI launch.
 
     Args:
         rank: this process's index, ``0 <= rank < size``.
@@ -169,14 +179,20 @@ class World:
     def _nccl_communicator(self, context: Any) -> Any:
         """The NCCL communicator of every rank's GPU, made on first use (a collective call:
         every rank makes it at the same point): rank 0 creates the unique id, MPI broadcasts
-        it, and each rank joins with the GPU of ``context`` current."""
+        it (pickled: ``bytes`` from CuPy >= 14, a tuple of ints before, each what its
+        ``NcclCommunicator`` takes), and each rank joins with the GPU of ``context`` current.
+        A single-process world without a communicator makes a communicator of one rank.
+
+        Raises:
+            RuntimeError: CuPy finds no NCCL library.
+        """
         index = context.device_id.index
         communicator = self._nccl.get(index)
         if communicator is None:
-            from cupy.cuda import nccl
-
+            nccl = _import_nccl()
             unique_id = nccl.get_unique_id() if self._rank == 0 else None
-            unique_id = self._comm.bcast(unique_id, root=0)
+            if self._comm is not None:
+                unique_id = self._comm.bcast(unique_id, root=0)
             with context.device:
                 communicator = nccl.NcclCommunicator(self._size, unique_id, self._rank)
             self._nccl[index] = communicator
@@ -187,6 +203,22 @@ class World:
             f"World(rank={self._rank}, size={self._size}, local_rank={self._local_rank}, "
             f"local_size={self._local_size})"
         )
+
+
+def _import_nccl() -> ModuleType:
+    """``cupy.cuda.nccl``, where CuPy found the NCCL library.
+
+    Raises:
+        RuntimeError: CuPy was built or installed without NCCL (``nccl.available`` is False).
+    """
+    from cupy.cuda import nccl
+
+    if not getattr(nccl, "available", False):
+        raise RuntimeError(
+            "data parallelism on GPUs needs NCCL, and CuPy finds no NCCL library: install the "
+            "NCCL of CuPy's CUDA version (CuPy's installation guide, 'Additional CUDA Libraries')"
+        )
+    return nccl
 
 
 def _launcher_size() -> tuple[str, int] | None:
@@ -327,8 +359,7 @@ def broadcast_parameters(model: Component, world: World, root: int = 0) -> None:
             # as bytes: any dtype (bfloat16 too) travels unchanged
             world.comm.Bcast([p.reshape(-1).view(np.uint8), mpi.BYTE], root=root)
         return
-    from cupy.cuda import nccl
-
+    nccl = _import_nccl()
     stream = cast(CudaExecutionContext, ctx).stream
     communicator = world._nccl_communicator(ctx)
     with ctx.activate():
@@ -392,13 +423,14 @@ class _MpiEngine:
 
 class _NcclEngine:
     """All-reduce of CuPy buckets through NCCL on a stream of its own, ordered after the
-    model's stream by events, so that it runs while later blocks' backward runs.
+    model's stream by events, so that it runs while earlier blocks' backward runs.
 
-    Written from CuPy's documented ``cupy.cuda.nccl`` API; it has not run on GPUs."""
+    The calls are CuPy's ``cupy.cuda.nccl`` (``cupy_backends/cuda/libs/nccl.pyx``): pointers
+    and the stream as ints (``.data.ptr``, ``.ptr``), the count in elements of the NCCL dtype.
+    A one-rank communicator runs it on one GPU; between GPUs it has not run."""
 
     def __init__(self, world: World, ctx: Any) -> None:
-        from cupy.cuda import nccl
-
+        nccl = _import_nccl()
         self._nccl = nccl
         self._ctx = ctx
         self._cupy = ctx.xp
@@ -466,7 +498,9 @@ class GradientAllReduce:
     which takes a core of its own.
 
     Every rank constructs it, and calls it, at the same points (collective calls). In a
-    single-process world it does nothing and allocates nothing.
+    single-process world it does nothing and allocates nothing, unless ``backend="nccl"``:
+    then a model on a GPU goes through the whole GPU path (buckets, copies, the NCCL
+    all-reduce of a one-rank communicator, the scaling by 1), and trains as it would without.
 
     Args:
         model: a built TRAINING component (a :class:`~mila_py.components.Llama`).
@@ -474,13 +508,18 @@ class GradientAllReduce:
         bucket_bytes: bytes of (FP32) gradients per all-reduce; a larger gradient gets a
             bucket of its own.
         overlap: launch buckets during backward (needs the network's block hooks).
+        backend: one of :data:`BACKENDS`: ``"auto"`` sums through MPI on CPUs and NCCL on
+            GPUs, and skips a single-process world; ``"nccl"`` needs a model on a GPU and
+            sums through NCCL in every world, one of a single process included.
 
     Raises:
         TypeError: a wrong argument type.
         RuntimeError: ``model`` is not built for TRAINING, or (``overlap=True``) another
-            GradientAllReduce already launches during its backward (:meth:`detach` it).
-        ValueError: ``bucket_bytes`` is not > 0, or the ranks' models differ (raised on every
-            rank); on a GPU, bfloat16 gradients carried as ``uint16`` (a CuPy without
+            GradientAllReduce already launches during its backward (:meth:`detach` it), or
+            CuPy finds no NCCL library.
+        ValueError: ``bucket_bytes`` is not > 0, ``backend`` is not one of :data:`BACKENDS`
+            (or ``"nccl"`` for a model on the CPU), or the ranks' models differ (raised on
+            every rank); on a GPU, bfloat16 gradients carried as ``uint16`` (a CuPy without
             bfloat16).
     """
 
@@ -491,6 +530,7 @@ class GradientAllReduce:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         *,
         overlap: bool = True,
+        backend: str = "auto",
     ) -> None:
         who = "GradientAllReduce"
         _check_model(model, who)
@@ -501,6 +541,8 @@ class GradientAllReduce:
             raise ValueError(f"{who}: bucket_bytes must be > 0, got {bucket_bytes}")
         if not isinstance(overlap, bool):
             raise TypeError(f"{who}: overlap must be a bool, got {overlap!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"{who}: backend must be one of {BACKENDS}, got {backend!r}")
         named = _distinct((name, g) for name, _, g in model.named_parameter_gradients())
         if not named:
             raise RuntimeError(
@@ -509,6 +551,11 @@ class GradientAllReduce:
             )
         ctx = model.execution_context
         on_cpu = ctx.device_type is DeviceType.CPU
+        if backend == "nccl" and on_cpu:
+            raise ValueError(
+                f"{who}: backend='nccl' sums on GPUs, but {model._describe()} is on "
+                f"{model.device_id}: use backend='auto' (MPI) for a model on the CPU"
+            )
         if not on_cpu and any(g.dtype == np.uint16 for _, g in named):
             raise ValueError(
                 f"{who}: {model._describe()} carries bfloat16 gradients as uint16 (a CuPy "
@@ -518,6 +565,7 @@ class GradientAllReduce:
         self.world = world
         self.bucket_bytes = int(bucket_bytes)
         self.overlap = overlap
+        self.backend = backend
         #: buckets the last call found launched during backward (by the block hooks)
         self.last_early_launches = 0
         self._grads = [g for _, g in named]
@@ -526,11 +574,12 @@ class GradientAllReduce:
         self._sync = True
         self._last_first = -1  # the first gradient index of the last block hooked (-1: none)
         self._first_index: dict[int, int | None] = {}  # id(block) -> its first gradient index
-        if not world.is_distributed:
+        if not world.is_distributed and backend != "nccl":
             return
         if overlap:
             self._refuse_second(model, who)
-        _check_same_model(world, _signature(named), who)
+        if world.is_distributed:
+            _check_same_model(world, _signature(named), who)
         self._engine = _MpiEngine(world) if on_cpu else _NcclEngine(world, ctx)
         with ctx.activate():
             self._buckets = self._make_buckets(ctx)
@@ -573,7 +622,7 @@ class GradientAllReduce:
     # ------------------------------------------------------------------ properties
     @property
     def bucket_count(self) -> int:
-        """All-reduces per step (0 in a single-process world)."""
+        """All-reduces per step (0 in a single-process world, unless ``backend="nccl"``)."""
         return len(self._buckets)
 
     @property
@@ -683,7 +732,7 @@ class GradientAllReduce:
         return (
             f"GradientAllReduce({self.model._describe()}, {self.world!r}, "
             f"{self.bucket_count} buckets of <= {self.bucket_bytes:,} bytes, "
-            f"overlap={self.overlap})"
+            f"overlap={self.overlap}, backend={self.backend!r})"
         )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +50,11 @@ def config(dim: int = 32) -> LlamaConfig:
     )
 
 
-def make_model(batch: int, seed: int, dim: int = 32) -> Llama:
-    """A TRAINING build for ``batch`` sequences of ``T`` tokens, initialized from ``seed``."""
+def make_model(batch: int, seed: int, dim: int = 32, device: str = "CPU") -> Llama:
+    """A TRAINING build on ``device`` for ``batch`` sequences of ``T`` tokens, initialized
+    from ``seed``."""
     manual_seed(seed)
-    model = Llama("llama", config(dim), device="CPU")
+    model = Llama("llama", config(dim), device=device)
     model.build(BuildContext((batch, T), RuntimeMode.TRAINING))
     return model
 
@@ -69,13 +71,18 @@ def train(
     micro: int = 1,
     allreduce: GradientAllReduce | None = None,
     no_sync: bool = False,
+    after_allreduce: Callable[[], None] | None = None,
 ) -> list[int]:
     """:data:`STEPS` AdamW steps, each on one ``[B, T + 1]`` window of ``batches`` cut into
     ``micro`` micro-batches whose gradients accumulate, then ``allreduce(model)`` (the earlier
-    micro-batches' backward inside ``allreduce.no_sync()`` with ``no_sync``). Returns the
-    buckets the block hooks had launched at each all-reduce."""
+    micro-batches' backward inside ``allreduce.no_sync()`` with ``no_sync``) and
+    ``after_allreduce()``, on the model's device. Returns the buckets the block hooks had
+    launched at each all-reduce."""
     n_b = batches[0].shape[0]
-    loss_fn = SoftmaxCrossEntropy("loss", SoftmaxCrossEntropyConfig(64), device="CPU")
+    ctx = model.execution_context
+    loss_fn = SoftmaxCrossEntropy(
+        "loss", SoftmaxCrossEntropyConfig(64), device=str(model.device_id)
+    )
     loss_fn.build(BuildContext((n_b, T, 64), RuntimeMode.TRAINING))
     opt = AdamW(model, lr=1e-2, weight_decay=0.1)
     rows = n_b // micro
@@ -83,7 +90,9 @@ def train(
     for window in batches:
         for m in range(micro):
             piece = window[m * rows : (m + 1) * rows]
-            loss_fn.forward(model.forward(piece[:, :-1]), piece[:, 1:])
+            tokens = ctx.to_device(np.ascontiguousarray(piece[:, :-1]))
+            targets = ctx.to_device(np.ascontiguousarray(piece[:, 1:]))
+            loss_fn.forward(model.forward(tokens), targets)
             dlogits = loss_fn.backward(1.0 / micro)
             quiet = allreduce is not None and no_sync and m < micro - 1
             with allreduce.no_sync() if quiet else contextlib.nullcontext():  # type: ignore[union-attr]
@@ -91,6 +100,8 @@ def train(
         if allreduce is not None:
             allreduce(model)
             early.append(allreduce.last_early_launches)
+            if after_allreduce is not None:
+                after_allreduce()
         opt.step()
         model.zero_gradients()
     return early

@@ -1,7 +1,9 @@
 """Data parallelism (mila_py.distributed): 2 MPI ranks train as 1 process on the global batch.
 
 The two-rank cases launch ``mpirun -n 2 python tests/dist_worker.py`` once (skipped where
-mpi4py or an MPI launcher is missing); the single-process world runs here, without MPI.
+mpi4py or an MPI launcher is missing); the single-process world runs here, without MPI. On a
+GPU, the NCCL path runs here too, over a communicator of one rank (``backend="nccl"``), and
+must train exactly as the GPU alone (skipped without CuPy, a GPU or NCCL).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import builtins
 import importlib.util
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -18,7 +21,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from dist_worker import GLOBAL_BATCH, SEED, VARIANTS, global_batches, make_model, train
+from conftest import HAS_CUDA, NO_CUDA_REASON
+from dist_worker import GLOBAL_BATCH, SEED, VARIANTS, T, global_batches, make_model, train
 
 from mila_py import BuildContext, RuntimeMode
 from mila_py.distributed import (
@@ -271,6 +275,133 @@ def test_gradient_allreduce_refuses_bad_arguments() -> None:
     allreduce = GradientAllReduce(model, World())
     with pytest.raises(ValueError, match="averages the gradients of"):
         allreduce(inference)
+
+
+def test_backend_is_auto_or_nccl_and_nccl_needs_a_gpu() -> None:
+    model = _trained_once()
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'nccl'\), got 'mpi'"):
+        GradientAllReduce(model, World(), backend="mpi")
+    with pytest.raises(ValueError, match=r"backend='nccl' sums on GPUs, but .* is on CPU"):
+        GradientAllReduce(model, World(), backend="nccl")
+    assert model.block_backward_hooks == []  # the refused ones hooked nothing
+    assert GradientAllReduce(model, World(), backend="auto").bucket_count == 0
+
+
+# ------------------------------------------------------ one GPU: NCCL over a one-rank world
+def _nccl_available() -> bool:
+    if not HAS_CUDA:
+        return False
+    from cupy.cuda import nccl
+
+    return bool(getattr(nccl, "available", False))
+
+
+needs_nccl = pytest.mark.skipif(
+    not _nccl_available(), reason=f"{NO_CUDA_REASON}, or CuPy finds no NCCL library"
+)
+GPU = "CUDA:0"
+GPU_STEPS = 3
+
+
+def _distinct_token_batches() -> list[np.ndarray]:
+    """:data:`GPU_STEPS` ``[GLOBAL_BATCH, T + 1]`` windows whose input tokens (all but the last
+    column) never repeat within a window. The CUDA embedding's backward adds each token's row
+    with ``atomicAdd``, in an order that may differ between runs where a token repeats; without
+    repeats every kernel of the step is deterministic, so two runs agree to the bit."""
+    rng = np.random.default_rng(11)
+    windows = []
+    for _ in range(GPU_STEPS):
+        inputs = rng.permutation(64)[: GLOBAL_BATCH * T].reshape(GLOBAL_BATCH, T)
+        windows.append(np.concatenate([inputs, rng.integers(0, 64, (GLOBAL_BATCH, 1))], axis=1))
+    return windows
+
+
+def _host(array: Any) -> np.ndarray:
+    """A host copy once every stream of the GPU (the all-reduce's own included) finished."""
+    import cupy
+
+    cupy.cuda.runtime.deviceSynchronize()
+    return cupy.asnumpy(array)
+
+
+def _gpu_parameters(model: Llama) -> dict[str, np.ndarray]:
+    return {name: _host(p) for name, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def gpu_reference() -> dict[str, np.ndarray]:
+    """The parameters of the model trained on the GPU alone, no all-reduce."""
+    model = make_model(GLOBAL_BATCH, SEED, device=GPU)
+    train(model, _distinct_token_batches())
+    return _gpu_parameters(model)
+
+
+@pytest.mark.cuda
+@needs_nccl
+def test_the_gpu_step_repeats_to_the_bit(gpu_reference: dict[str, np.ndarray]) -> None:
+    """What the exact comparison below rests on: the same steps on the GPU, run again."""
+    model = make_model(GLOBAL_BATCH, SEED, device=GPU)
+    train(model, _distinct_token_batches())
+    again = _gpu_parameters(model)
+    for name, want in gpu_reference.items():
+        np.testing.assert_array_equal(again[name], want, err_msg=name)
+
+
+class _PicklingComm:
+    """A one-rank stand-in for an mpi4py communicator: ``bcast`` returns the object after a
+    pickle round trip, as mpi4py's object broadcast hands it to the other ranks."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        self.sent.append(obj)
+        return pickle.loads(pickle.dumps(obj))
+
+
+@pytest.mark.cuda
+@needs_nccl
+@pytest.mark.parametrize(
+    ("overlap", "communicator"),
+    [(True, False), (False, False), (True, True)],
+    ids=["overlap", "blocking", "id-through-a-communicator"],
+)
+def test_a_one_rank_nccl_allreduce_trains_as_the_gpu_alone(
+    gpu_reference: dict[str, np.ndarray], overlap: bool, communicator: bool
+) -> None:
+    """The GPU path (buckets packed on the all-reduce's stream, NCCL's sum over one rank,
+    the scaling by 1, the gradients unpacked before the optimizer) changes no bit: every
+    parameter after the steps equals the GPU-alone run's."""
+    comm = _PicklingComm() if communicator else None
+    world = World(comm=comm)
+    model = make_model(GLOBAL_BATCH, SEED, device=GPU)
+    allreduce = GradientAllReduce(model, world, 4096, overlap=overlap, backend="nccl")
+    gradient_bytes = sum(g.nbytes for g in model.get_gradients())
+    assert allreduce.bucket_count > 2 and sum(allreduce.bucket_nbytes) == gradient_bytes
+    assert allreduce.get_memory_stats().device_gradient_bytes == gradient_bytes
+    if comm is not None:  # rank 0's unique id went through the communicator, once
+        assert len(comm.sent) == 1 and len(comm.sent[0]) == 128
+
+    def every_gradient_went_through_a_bucket() -> None:
+        for bucket in allreduce._buckets:
+            packed = np.concatenate([_host(g).ravel() for g in bucket.grads])
+            np.testing.assert_array_equal(_host(bucket.buffer), packed)
+
+    early = train(
+        model,
+        _distinct_token_batches(),
+        1,
+        allreduce,
+        after_allreduce=every_gradient_went_through_a_bucket,
+    )
+    # all but the embedding's bucket launch from the block hooks during backward
+    assert early == ([allreduce.bucket_count - 1] if overlap else [0]) * GPU_STEPS
+    got = _gpu_parameters(model)
+    assert sorted(got) == sorted(gpu_reference)
+    for name, want in gpu_reference.items():
+        np.testing.assert_array_equal(got[name], want, err_msg=name)
+    allreduce.detach()
+    assert model.block_backward_hooks == []
 
 
 # ------------------------------------------------------- examples/train_llama.py under mpirun

@@ -81,6 +81,8 @@ def relaunch(args: argparse.Namespace, ranks: int) -> int:
         print("needs an MPI launcher (mpirun): pip install mpi4py mpich", file=sys.stderr)
         return 1
     env = dict(os.environ)
+    # Open MPI refuses to run as root (containers) without this consent; MPICH ignores it
+    env["OMPI_ALLOW_RUN_AS_ROOT"] = env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
     threads = str(max(1, (os.cpu_count() or 1) // ranks))
     env.setdefault("OMP_NUM_THREADS", threads)
     env.setdefault("NUMBA_NUM_THREADS", env["OMP_NUM_THREADS"])

@@ -46,15 +46,16 @@ def transformers_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def skip_before_verified_transformers(what: str) -> None:
-    """Skip a comparison whose transformers behaviour changed before :data:`CASES_HOLD_SINCE`
-    (an older release reads or rotates it otherwise); newer releases run it, so drift shows."""
-    if transformers_version() < CASES_HOLD_SINCE:
+def skip_before_verified_transformers(what: str, since: tuple[int, int] = CASES_HOLD_SINCE) -> None:
+    """Skip a comparison whose transformers behaviour changed before ``since`` (default
+    :data:`CASES_HOLD_SINCE`: an older release reads, rotates or renders it otherwise); newer
+    releases run it, so drift shows."""
+    if transformers_version() < since:
         import transformers
 
         pytest.skip(
             f"{what}: transformers {transformers.__version__} predates "
-            f"{CASES_HOLD_SINCE[0]}.{CASES_HOLD_SINCE[1]}, the release this case holds from "
+            f"{since[0]}.{since[1]}, the release this case holds from "
             f"(verified against {HF_PINNED})"
         )
 

@@ -20,6 +20,7 @@ from chat_templates import (
     NAMESPACE_GENERATION,
     SYSTEM_CONVERSATION,
 )
+from hf_versions import skip_before_verified_transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizer_helpers import byte_level_tokenizer
@@ -184,8 +185,9 @@ def test_documents_and_reasoning_fields_as_transformers(hf: Any) -> None:
         {"role": "assistant", "content": "a", "reasoning": "because"},
     ]
     got = render(template, messages, documents=documents)
-    assert got == reference(hf, template, messages, documents=documents)
     assert "(because/because)" in got
+    skip_before_verified_transformers("reasoning fields aliased", since=(5, 24))
+    assert got == reference(hf, template, messages, documents=documents)
 
 
 def test_continue_final_message_as_transformers(hf: Any) -> None:
@@ -217,7 +219,9 @@ def test_template_data_is_plain(hf: Any) -> None:
         {"role": "user", "content": "a", "n": np.int64(7), "flag": np.bool_(False), "obj": Opaque()}
     ]
     got = render(template, messages)
-    assert got == reference(hf, template, messages) == "a|7|False|<Opaque>;"
+    assert got == "a|7|False|<Opaque>;"
+    skip_before_verified_transformers("rich objects as placeholders", since=(5, 24))
+    assert got == reference(hf, template, messages)
 
 
 @pytest.mark.parametrize(
@@ -233,6 +237,7 @@ def test_sandbox_refuses_unsafe_templates(hf: Any, template: str) -> None:
     messages = [{"role": "user", "content": "x"}]
     with pytest.raises(ChatTemplateError, match="chat template failed while rendering"):
         render(template, messages)
+    skip_before_verified_transformers("its sandbox's refusals", since=(5, 24))
     with pytest.raises(Exception):  # noqa: B017 (transformers raises jinja2's own errors)
         reference(hf, template, messages)
 

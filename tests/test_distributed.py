@@ -47,13 +47,22 @@ needs_mpi = pytest.mark.skipif(
 )
 
 
+def mpi_env() -> dict[str, str]:
+    """The environment of a process that ``mpirun`` starts: this checkout first on the path, one
+    thread per rank (the ranks share the cores), no rank variables of an enclosing launch, and
+    Open MPI's consent to run as root (it refuses otherwise, as in containers; MPICH ignores it)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PMI_SIZE", "PMI_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    env["OMPI_ALLOW_RUN_AS_ROOT"] = env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
+    return env
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Any]:
     """What rank 0 of ``mpirun -n 2 tests/dist_worker.py`` wrote: (info, arrays)."""
     out = tmp_path_factory.mktemp("dist")
-    env = {k: v for k, v in os.environ.items() if k not in ("PMI_SIZE", "PMI_RANK")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = "1"  # two ranks share the cores
+    env = mpi_env()
     command = [str(MPIRUN), "-n", "2", sys.executable, str(WORKER), str(out)]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout}\n{result.stderr}"
@@ -414,9 +423,7 @@ EXAMPLE_ARGS = ["--seq", "32", "--dim", "16", "--layers", "1", "--heads", "2", "
 
 def _example(where: Path, ranks: int, *args: str) -> subprocess.CompletedProcess[str]:
     """``examples/train_llama.py`` on one process, or on ``ranks`` under ``mpirun``."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PMI_SIZE", "PMI_RANK")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = "1"
+    env = mpi_env()
     command = [sys.executable, str(EXAMPLE), "--data", str(where / "corpus.txt"), *args]
     if ranks > 1:
         command = [str(MPIRUN), "-n", str(ranks), *command]

@@ -323,6 +323,10 @@ def apply_temperature(logits: Any, temperature: float) -> Any:
     who = "apply_temperature"
     _check_logits(who, logits)
     t = _check_temperature(who, temperature, zero_ok=False)
+    # a GPU's kernels flush a subnormal operand to zero (1e-38 in float32), which would send
+    # every positive logit to +inf: divide by the smallest normal number instead, the same
+    # limit (only the largest logits overflow)
+    t = max(t, float(np.finfo(logits.dtype).tiny))
     with _quiet():
         return logits / logits.dtype.type(t)
 

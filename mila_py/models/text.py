@@ -328,8 +328,19 @@ def complete_detailed(
         if not isinstance(p, str):
             raise TypeError(f"{who}: prompt must be a str or a list of strs, got {p!r}")
     ids = [tokenizer.encode(p) for p in prompts]
-    options = _options(model, tokenizer, who, max_new_tokens, temperature, top_p, top_k, seed,
-                       stop, stop_token_ids, processors)  # fmt: skip
+    options = _options(
+        model,
+        tokenizer,
+        who,
+        max_new_tokens,
+        temperature,
+        top_p,
+        top_k,
+        seed,
+        stop,
+        stop_token_ids,
+        processors,
+    )
     return _run_waves(model, tokenizer, ids, options, who)
 
 
@@ -351,8 +362,19 @@ def chat_detailed(
     who = f"{model._describe()}: chat()"
     tokenizer = _tokenizer(model, who, "chat()")
     ids = [_chat_ids(tokenizer, messages, who)]
-    options = _options(model, tokenizer, who, max_new_tokens, temperature, top_p, top_k, seed,
-                       stop, stop_token_ids, processors)  # fmt: skip
+    options = _options(
+        model,
+        tokenizer,
+        who,
+        max_new_tokens,
+        temperature,
+        top_p,
+        top_k,
+        seed,
+        stop,
+        stop_token_ids,
+        processors,
+    )
     return _run_waves(model, tokenizer, ids, options, who)[0]
 
 
@@ -382,8 +404,19 @@ def stream_text(
         raise TypeError(
             f"{who}: prompt must be a str or a list of chat messages (dicts), got {prompt!r}"
         )
-    options = _options(model, tokenizer, who, max_new_tokens, temperature, top_p, top_k, seed,
-                       stop, stop_token_ids, processors)  # fmt: skip
+    options = _options(
+        model,
+        tokenizer,
+        who,
+        max_new_tokens,
+        temperature,
+        top_p,
+        top_k,
+        seed,
+        stop,
+        stop_token_ids,
+        processors,
+    )
     _check_lengths(model, [ids], who)
     return TextStream(_Wave(model, tokenizer, [ids], options, options.seed))
 

@@ -559,10 +559,18 @@ class Llama(Network):
 
         :meth:`complete_detailed` returns each text with its finish reason and token counts.
         """
-        done = text.complete_detailed(self, prompt, max_new_tokens=max_new_tokens,
-                                      temperature=temperature, top_p=top_p, top_k=top_k,
-                                      seed=seed, stop=stop, stop_token_ids=stop_token_ids,
-                                      **processors)  # fmt: skip
+        done = text.complete_detailed(
+            self,
+            prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            **processors,
+        )
         return done[0].text if isinstance(prompt, str) else [c.text for c in done]
 
     def complete_detailed(

@@ -42,7 +42,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-__all__ = ["create_app", "run_server"]
+__all__ = ["RequestError", "create_app", "require_serving", "run_server"]
 
 #: OpenAI's default ``max_tokens`` for ``/v1/completions``
 COMPLETIONS_MAX_TOKENS = 16
@@ -72,7 +72,7 @@ _COMPLETION_KEYS = frozenset((*_COMMON, "prompt"))
 _CHAT_KEYS = frozenset((*_COMMON, "messages", "max_completion_tokens"))
 
 
-def _require_serving() -> tuple[Any, Any]:
+def require_serving() -> tuple[Any, Any]:
     """``(fastapi, uvicorn)``, or an ImportError naming the extra that installs them."""
     try:
         import fastapi
@@ -205,7 +205,7 @@ def create_app(model: Any, model_name: str) -> Any:
         ImportError: FastAPI or uvicorn is not installed (the ``serve`` extra).
         ValueError: ``model`` has no tokenizer, or ``model_name`` is empty.
     """
-    fastapi, _ = _require_serving()
+    fastapi, _ = require_serving()
     from fastapi.responses import JSONResponse, StreamingResponse
 
     if getattr(model, "tokenizer", None) is None:
@@ -545,6 +545,6 @@ def run_server(
     Raises:
         ImportError: FastAPI or uvicorn is not installed (the ``serve`` extra).
     """
-    _, uvicorn = _require_serving()
+    _, uvicorn = require_serving()
     app = create_app(model, model_name)
     uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -36,6 +36,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import re
 import threading
 import time
 import uuid
@@ -122,7 +123,11 @@ def _bad_value(exc: Exception, body: Mapping[str, Any]) -> RequestError:
     """A ValueError or TypeError of the model's checks as a 400, naming the first parameter of
     the request that its message mentions."""
     message = str(exc)
-    named = sorted((message.find(k), k) for k in body if k in message and k != "model")
+    named = sorted(
+        (found.start(), k)
+        for k in body
+        if k != "model" and (found := re.search(rf"\b{re.escape(k)}\b", message))
+    )
     return RequestError(message, param=named[0][1] if named else None)
 
 
@@ -241,7 +246,12 @@ def create_app(model: Any, model_name: str) -> Any:
         assert isinstance(exc, RequestError)
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    async def failed(_: Any, exc: Exception) -> Any:
+        error = RequestError(f"{type(exc).__name__}: {exc}", status=500, type="server_error")
+        return JSONResponse(error.body(), status_code=500)
+
     app.add_exception_handler(RequestError, refused)
+    app.add_exception_handler(Exception, failed)  # a failed generation, in OpenAI's format too
 
     def model_card() -> dict[str, Any]:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "mila_py"}

@@ -5,6 +5,7 @@ same model (tests/test_text.py checks those against the tokenizer and ``generate
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 import threading
@@ -199,6 +200,29 @@ def test_bad_parameters_are_400_in_openai_format(
     with pytest.raises(openai.BadRequestError):
         kwargs = {k: v for k, v in body.items() if k not in ("model", "prompt")}
         client.completions.create(model=NAME, prompt=body["prompt"], extra_body=kwargs)
+
+
+def test_penalties_reach_the_model_only_where_it_takes_them(url: str, model: Llama) -> None:
+    body = {"model": NAME, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    neutral, _ = post(url, "/v1/completions", {**body, "presence_penalty": 0})
+    assert neutral == 200  # neutral: nothing passed on
+    status, answer = post(url, "/v1/completions", {**body, "presence_penalty": 0.5})
+    if "presence_penalty" in inspect.signature(model.stream).parameters:
+        assert status == 200
+    else:
+        assert status == 400 and answer["error"]["param"] == "presence_penalty"
+
+
+def test_a_failed_generation_is_500_in_openai_format(
+    url: str, model: Llama, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise FloatingPointError("NaN in the logits")
+
+    monkeypatch.setattr(model, "stream", broken)
+    status, answer = post(url, "/v1/completions", {"model": NAME, "prompt": "Hello"})
+    assert status == 500 and answer["error"]["type"] == "server_error"
+    assert "NaN in the logits" in answer["error"]["message"]
 
 
 def test_chat_errors_too(url: str) -> None:

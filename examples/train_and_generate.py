@@ -6,6 +6,10 @@
 3. An INFERENCE build with the trained weights (saved and loaded through safetensors): chunked
    prefill of a prompt, then token-by-token decode; prints the text and decode tokens/s.
 4. The memory tables of both builds, side by side, and the predicted inference footprint.
+5. The trained model saved as a Hugging Face folder (``--out``, default ``./mila-demo``) with a
+   byte-level tokenizer (``tokenizer.json``: id i is byte i, as the model was trained), a
+   minimal chat template and the sampling settings used above, ready for
+   ``mila-py chat ./mila-demo`` and ``mila-py serve ./mila-demo``.
 
 Run: ``python examples/train_and_generate.py`` (under a minute on 2 CPU cores; ``--help``).
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import json
 import os
 import sys
 import tempfile
@@ -21,11 +26,16 @@ import time
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, models, pre_tokenizers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_llama import build_or_exit, check_positive, load_corpus, prepare
 
 from mila_py import BuildContext, RuntimeMode
+from mila_py.files import atomic_write
+from mila_py.interop import Tokenizer
+from mila_py.interop.hf import save_hf_checkpoint
 from mila_py.models import Llama, LlamaConfig
 from mila_py.optim import AdamW, ConstantSchedule
 from mila_py.train import evaluate, train
@@ -37,6 +47,47 @@ def side_by_side(left: str, right: str, titles: tuple[str, str]) -> str:
     rows = [f"{titles[0]:<{width}}    {titles[1]}"]
     rows += [f"{x:<{width}}    {y}" for x, y in zip(a, b, strict=True)]
     return "\n".join(rows)
+
+
+#: the sampling of the generation step, saved as the folder's generation defaults
+TEMPERATURE, TOP_K = 0.8, 40
+#: a minimal chat template: each turn a Python comment, which a model of Python source continues
+CHAT_TEMPLATE = (
+    "{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}# assistant:{% endif %}"
+)
+
+
+def byte_tokenizer() -> Tokenizer:
+    """A byte-level tokenizer whose id i is byte i (the model's vocabulary): a BPE without
+    merges over the 256 symbols of the byte-level alphabet (GPT-2's: printable bytes stand for
+    themselves, the others for the characters from U+0100 on), with its pre-tokenizer and
+    decoder."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [b for b in range(256) if b not in printable]
+    symbol_of = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    assert sorted(symbol_of.values()) == sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Backend(models.BPE(vocab={s: b for b, s in symbol_of.items()}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return Tokenizer(backend, chat_template=CHAT_TEMPLATE)
+
+
+def save_demo(model: Llama, folder: str, temperature: float, top_k: int, new_tokens: int) -> None:
+    """``model`` as a Hugging Face folder with the byte tokenizer, the chat template and the
+    sampling settings as ``generation_config.json``."""
+    save_hf_checkpoint(model, folder)
+    byte_tokenizer().save_pretrained(folder)
+    settings = {
+        "do_sample": True,
+        "temperature": temperature,
+        "top_k": top_k,
+        "max_new_tokens": new_tokens,
+    }
+    text = json.dumps(settings, indent=2) + "\n"
+    atomic_write(
+        Path(folder) / "generation_config.json", lambda p: p.write_text(text), who="save_demo"
+    )
 
 
 def main() -> None:
@@ -53,6 +104,9 @@ def main() -> None:
         "--new-tokens", type=int, default=120, help="bytes to generate (%(default)s)"
     )
     parser.add_argument("--seed", type=int, default=0, help="batches and sampling (%(default)s)")
+    parser.add_argument(
+        "--out", default="mila-demo", help="the Hugging Face folder to save (%(default)s)"
+    )
     args = parser.parse_args()
     context = 512  # the model's max_seq_len: the INFERENCE build's KV cache
     check_positive(parser, args, "steps", "batch", "seq")
@@ -116,7 +170,7 @@ def main() -> None:
     generated = []
     start = time.perf_counter()
     for token in server.stream(
-        prompt, max_new_tokens=args.new_tokens, temperature=0.8, top_k=40, seed=args.seed
+        prompt, max_new_tokens=args.new_tokens, temperature=TEMPERATURE, top_k=TOP_K, seed=args.seed
     ):
         generated.append(int(token[0]))
         sys.stdout.write(text.decode(bytes([generated[-1]])))
@@ -146,6 +200,13 @@ def main() -> None:
     print(
         f"\nrequired_memory(INFERENCE) predicted before building: {predicted.total_bytes:,} bytes; "
         f"after building: {server.get_memory_stats().total_bytes:,} bytes"
+    )
+
+    # 5. save as a Hugging Face folder, with a tokenizer, for mila-py chat / serve
+    save_demo(server, args.out, TEMPERATURE, TOP_K, max(args.new_tokens, 1))
+    print(
+        f"\nsaved to {args.out} (safetensors, byte-level tokenizer.json, chat template); try:\n"
+        f"  mila-py chat {args.out}\n  mila-py serve {args.out}"
     )
 
 

@@ -257,15 +257,15 @@ def test_save_hf_checkpoint_that_fails_renaming_the_config_puts_the_weights_back
 def test_save_hf_checkpoint_replaces_a_checkpoint_whole(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     save_hf_checkpoint(built(), path)
-    (path / "tokenizer.json").write_text("{}")  # the folder's other files are left alone
+    (path / "notes.txt").write_text("{}")  # the folder's other files are left alone
     new_model = built(dataclasses.replace(CFG, rope_base=500000.0), shift=1.0)
     save_hf_checkpoint(new_model, path)
-    assert sorted(os.listdir(path)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(os.listdir(path)) == ["config.json", "model.safetensors", "notes.txt"]
     reloaded = Llama.from_pretrained(path)
     assert reloaded.config.rope_base == 500000.0
     assert params(reloaded) == params(new_model)
     with pytest.raises(OSError, match="save_hf_checkpoint: cannot write"):
-        save_hf_checkpoint(new_model, path / "tokenizer.json")  # a file, not a folder
+        save_hf_checkpoint(new_model, path / "notes.txt")  # a file, not a folder
 
 
 # ------------------------------------------------------------------ shards stay inside

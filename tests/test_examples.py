@@ -127,3 +127,37 @@ def test_resume_from_nothing_is_a_usage_error(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=120, env=ENV,
     )  # fmt: skip
     assert done.returncode == 2 and "no checkpoint there" in done.stderr
+
+
+def test_the_main_example_saves_a_folder_that_mila_py_chat_and_serve_load(
+    tmp_path: Path,
+) -> None:
+    """A two-step run: the saved folder loads with its tokenizer (id i is byte i, as the model
+    was trained), its chat template and its sampling settings, and the text calls run on it."""
+    from mila_py.models import Llama
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(b"".join(b"def f%d(x):\n    return x + %d\n" % (i, i) for i in range(800)))
+    out = tmp_path / "demo"
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_and_generate.py"), "--data", str(corpus),
+         "--steps", "2", "--batch", "2", "--seq", "32", "--new-tokens", "8", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert f"mila-py chat {out}" in done.stdout and f"mila-py serve {out}" in done.stdout
+    model = Llama.from_pretrained(out)
+    text = "def f(x):\n\treturn 'é' + \"😀\"\x00\x7f"
+    assert model.tokenizer.encode(text) == list(text.encode())
+    assert model.tokenizer.decode(list(text.encode())) == text
+    assert model.config.vocab_size == len(model.tokenizer) == 256
+    prompt = model.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert prompt == "# user: hi\n# assistant:"
+    defaults = model.generation_defaults
+    assert defaults.do_sample and defaults.temperature == 0.8 and defaults.top_k == 40
+    assert defaults.max_new_tokens == 8
+    done_text = model.complete_detailed("def ", seed=0)[0]
+    assert done_text.completion_tokens == 8 and done_text.finish_reason == "length"
+    assert isinstance(model.chat([{"role": "user", "content": "hi"}], seed=0), str)

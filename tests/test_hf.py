@@ -218,7 +218,7 @@ def test_generation_stops_at_eos_as_hf_does(checkpoints: dict[str, tuple[Any, Pa
     hf_model, path = checkpoints["gqa"]
     prompt = tokens(4, t=5)
     model = Llama.from_pretrained(path, batch_size=B, seq_len=T, prefill_size=2)
-    greedy = model.generate(prompt, max_new_tokens=12)
+    greedy = model.generate(prompt, max_new_tokens=12, eos_token_id=None)
     stop = [int(greedy[0, 5 + 1]), int(greedy[1, 5 + 4])]  # both rows finish early
     with torch.no_grad():
         ref = hf_model.generate(
@@ -251,7 +251,8 @@ def test_greedy_generation_matches_hf(checkpoints: dict[str, tuple[Any, Path]], 
         ).numpy()
     model = Llama.from_pretrained(path, batch_size=B, seq_len=T, prefill_size=2)
     assert model.chunk_size == 2
-    got = model.generate(prompt, max_new_tokens=new, temperature=0.0)
+    # as HF's call: no EOS (the checkpoint's generation_config.json names one)
+    got = model.generate(prompt, max_new_tokens=new, temperature=0.0, eos_token_id=None)
     np.testing.assert_array_equal(got, ref)
 
 

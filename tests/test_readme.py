@@ -31,7 +31,8 @@ MARKERS: dict[str, list[str]] = {
         "rope.set_training_mode",
         "required_memory",
         "rope_config_from_hf(",
-        "from_pretrained",
+        "eos_token_ids(",
+        "model.complete(",
         "opt.step",
     ],
     "docs/cuda.md": ["import cupy"],
@@ -162,12 +163,29 @@ def test_hugging_face_block(tmp_path: Path, monkeypatch: Any) -> None:
     stop = next((i for i in range(1, len(new)) if new[i] not in new[:i]), 0)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [new[stop]]}))
 
-    ns = _run("README.md", "from_pretrained", tmp_path, monkeypatch)
+    ns = _run("README.md", "eos_token_ids(", tmp_path, monkeypatch)
     model, out = ns["model"], ns["out"]
     assert np.array_equal(out[: len(prompt)], ns["prompt_ids"])
     assert ns["new_ids"].tolist() == new[: stop + 1]  # greedy up to and including the EOS
     assert model.build_context.is_inference and model.chunk_size == 256
     _same_parameters(source, model)
+
+
+def test_text_block(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
+    from text_helpers import make_model_folder
+
+    folder = make_model_folder(tmp_path / "path" / "to" / "chat-model")
+    ns = _run("README.md", "model.complete(", tmp_path, monkeypatch)
+    model, stream = ns["model"], ns["stream"]
+    assert model.tokenizer is not None and model.build_context.input_shape[0] == 2
+    assert ns["text"] == model.complete("Once upon a time", max_new_tokens=16)
+    texts = ns["texts"]
+    assert len(texts) == 3 and all("\n" not in t for t in texts)
+    assert texts == [model.complete(p, stop=["\n"]) for p in ("def main(", "Hello", "2 + 2 =")]
+    assert ns["reply"] == model.chat([{"role": "user", "content": "Hi!"}], max_new_tokens=16)
+    assert "".join(ns["pieces"]) == ns["text"]
+    assert capsys.readouterr().out.split() == [stream.finish_reason, str(stream.completion_tokens)]
+    assert folder.is_dir() and not model.run_lock.locked
 
 
 def test_training_block(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:

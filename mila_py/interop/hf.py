@@ -52,6 +52,7 @@ from mila_py.interop.hf_rope import (
     hf_real_problem,
     rope_config_from_hf,
 )
+from mila_py.interop.tokenizer import TOKENIZER_NAME, Tokenizer
 from mila_py.models.llama.config import LlamaConfig
 from mila_py.models.llama.network import Llama
 from mila_py.rope.config import RopeConfig
@@ -75,6 +76,7 @@ __all__ = [
     "read_hf_checkpoint",
     "read_hf_config",
     "read_hf_tensors",
+    "read_text_files",
     "save_hf_checkpoint",
 ]
 
@@ -640,6 +642,25 @@ def eos_token_ids(path: str | os.PathLike[str]) -> list[int] | None:
     except ValueError as exc:
         raise ValueError(f"eos_token_ids: {exc}") from exc
     return list(ids) or None
+
+
+def read_text_files(
+    path: str | os.PathLike[str],
+) -> tuple[Tokenizer | None, GenerationDefaults]:
+    """What :meth:`Llama.from_pretrained` reads beside the weights of the checkpoint folder
+    ``path``: its tokenizer (``tokenizer.json`` and ``tokenizer_config.json``; None where there
+    is no ``tokenizer.json``) and its generation defaults (``generation_config.json``, with
+    ``config.json`` for the ids it does not name).
+
+    Raises:
+        FileNotFoundError: ``path`` has no ``config.json``.
+        ValueError: a tokenizer or generation file that does not parse (the message names it).
+    """
+    root = Path(path)
+    if not (root / CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"read_text_files: {root} has no {CONFIG_NAME}")
+    tokenizer = Tokenizer.from_pretrained(root) if (root / TOKENIZER_NAME).is_file() else None
+    return tokenizer, GenerationDefaults.from_pretrained(root)
 
 
 def _read_json(file: Path, who: str) -> dict[str, Any]:

@@ -7,10 +7,11 @@ each new token is decoded, greedy on the device or sampled on the host (:func:`s
 
 from __future__ import annotations
 
+import enum
 import math
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
@@ -19,7 +20,57 @@ from mila_py.components._layer import is_int
 if TYPE_CHECKING:  # for annotations only: the network imports this module
     from mila_py.models.llama.network import Llama
 
-__all__ = ["generate", "sample", "stream"]
+__all__ = ["DEFAULT", "Default", "defaults_of", "generate", "sample", "stream", "with_defaults"]
+
+
+class Default(enum.Enum):
+    """The type of :data:`DEFAULT`."""
+
+    DEFAULT = "DEFAULT"
+
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+#: an argument of ``Llama.generate``/``Llama.stream`` the caller did not pass: it takes the
+#: model's generation defaults (see :func:`with_defaults`)
+DEFAULT: Final = Default.DEFAULT
+
+
+def defaults_of(model: Any) -> dict[str, Any]:
+    """What :func:`with_defaults` fills in for ``model``: ``temperature``, ``top_k``, ``top_p``,
+    ``eos_token_id`` and ``pad_token_id``.
+
+    They come from ``model.generation_defaults`` where it is set (an object with a
+    ``generate_kwargs()`` method, as :class:`mila_py.interop.GenerationDefaults` has: the
+    checkpoint's ``generation_config.json``, which :meth:`Llama.from_pretrained` loads);
+    otherwise greedy decoding (``temperature=0``), no top-k or top-p, and no EOS id.
+    """
+    values: dict[str, Any] = dict.fromkeys(("top_k", "top_p", "eos_token_id", "pad_token_id"))
+    values["temperature"] = 0.0
+    defaults = getattr(model, "generation_defaults", None)
+    if defaults is not None:
+        given = defaults.generate_kwargs()
+        values.update({k: given[k] for k in values if k in given})
+    return values
+
+
+def with_defaults(
+    model: Any, temperature: Any, top_k: Any, top_p: Any, eos_token_id: Any, pad_token_id: Any
+) -> tuple[float, int | None, float | None, int | Sequence[int] | None, int | None]:
+    """The arguments of ``Llama.generate``/``Llama.stream`` with each one left at
+    :data:`DEFAULT` replaced by the model's default (:func:`defaults_of`); an argument the
+    caller passed, ``None`` included, is kept as given."""
+    fallback = defaults_of(model)
+    given = {
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": pad_token_id,
+    }
+    t, k, p, eos, pad = (fallback[n] if v is DEFAULT else v for n, v in given.items())
+    return t, k, p, eos, pad
 
 
 def stream(

@@ -16,7 +16,7 @@ Tree (names follow the component tree, dotted in ``named_parameters`` and safete
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,8 @@ from mila_py.components.token_embedding import TokenEmbedding, TokenEmbeddingCon
 from mila_py.composite import Network
 from mila_py.devices import DeviceLike, DeviceType
 from mila_py.devices.sizing import SizingContext
-from mila_py.models import generation
+from mila_py.models import generation, text
+from mila_py.models.generation import DEFAULT, Default
 from mila_py.models.llama.block import LlamaBlock, tokens_per_pass
 from mila_py.models.llama.config import LlamaConfig
 from mila_py.ops.operation import DecodePositions
@@ -66,7 +67,21 @@ class Llama(Network):
     thread that shares the model reads (or copies) it, and runs any sequence of calls that must
     not be interleaved with another thread's (a training forward and its backward), inside
     ``with model.run_lock:``.
+
+    Text in, text out (:meth:`complete`, :meth:`chat`, :meth:`stream_text`) needs a
+    :attr:`tokenizer`; :meth:`from_pretrained` loads one where the folder has a
+    ``tokenizer.json``.
     """
+
+    #: the tokenizer of the text methods (a :class:`mila_py.interop.Tokenizer`, or any object
+    #: with its ``encode``, ``apply_chat_template``, ``stream_decoder`` and ``eos_token_id``);
+    #: set by :meth:`from_pretrained` from ``tokenizer.json``, else None
+    tokenizer: Any = None
+    #: the checkpoint's generation defaults (a :class:`mila_py.interop.GenerationDefaults`, or
+    #: any object with its ``generate_kwargs()`` and ``max_new_tokens``) that :meth:`generate`,
+    #: :meth:`stream` and the text methods use for the arguments a caller leaves out; set by
+    #: :meth:`from_pretrained`, else None
+    generation_defaults: Any = None
 
     def __init__(
         self,
@@ -397,13 +412,13 @@ class Llama(Network):
         self,
         prompt: Any,
         max_new_tokens: int = 32,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
+        temperature: float | Default = DEFAULT,
+        top_k: int | Default | None = DEFAULT,
+        top_p: float | Default | None = DEFAULT,
         seed: int | None = None,
         *,
-        eos_token_id: int | Sequence[int] | None = None,
-        pad_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | Default | None = DEFAULT,
+        pad_token_id: int | Default | None = DEFAULT,
     ) -> Iterator[np.ndarray]:
         """An iterator of ``[B]`` new tokens, one step at a time (prefill once, then decode).
 
@@ -425,6 +440,14 @@ class Llama(Network):
         once every sequence is finished, as Hugging Face's ``generate`` does. Without it, the
         stream runs ``max_new_tokens`` steps (fewer if the context fills up).
 
+        Defaults: ``temperature``, ``top_k``, ``top_p``, ``eos_token_id`` and ``pad_token_id``
+        that the caller does not pass take the model's :attr:`generation_defaults` (the
+        checkpoint's ``generation_config.json``, loaded by :meth:`from_pretrained`, as
+        transformers' ``generate`` takes them): its EOS ids and pad id, and its temperature,
+        top-k and top-p where it samples (``do_sample``; else greedy). A model without them
+        decodes greedily with no EOS id. An argument passed explicitly always wins: ``None``
+        switches top-k, top-p or EOS stopping off whatever the checkpoint says.
+
         Raises (at the call, before any work):
             RuntimeError: not an INFERENCE build.
             ValueError, TypeError: a bad prompt, sampling parameter or token id.
@@ -440,6 +463,9 @@ class Llama(Network):
         is closed or is garbage-collected: meanwhile the calls of other threads on this model
         wait, so close a stream you stop reading early. It may be advanced from any thread.
         """
+        temperature, top_k, top_p, eos_token_id, pad_token_id = generation.with_defaults(
+            self, temperature, top_k, top_p, eos_token_id, pad_token_id
+        )
         return generation.stream(
             self,
             prompt,
@@ -457,13 +483,13 @@ class Llama(Network):
         self,
         prompt: Any,
         max_new_tokens: int = 32,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
+        temperature: float | Default = DEFAULT,
+        top_k: int | Default | None = DEFAULT,
+        top_p: float | Default | None = DEFAULT,
         seed: int | None = None,
         *,
-        eos_token_id: int | Sequence[int] | None = None,
-        pad_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | Default | None = DEFAULT,
+        pad_token_id: int | Default | None = DEFAULT,
     ) -> np.ndarray | list[np.ndarray]:
         """The prompt followed by up to ``max_new_tokens`` generated tokens, on the host:
         ``[B, T + n]`` for a ``[B, T]`` prompt, ``[T + n]`` for a ``[T]`` one, and for a list of
@@ -475,6 +501,9 @@ class Llama(Network):
                 names the step (the index of the new token) and the sequences. The KV cache
                 holds what the generation wrote up to then.
         """
+        temperature, top_k, top_p, eos_token_id, pad_token_id = generation.with_defaults(
+            self, temperature, top_k, top_p, eos_token_id, pad_token_id
+        )
         return generation.generate(
             self,
             prompt,
@@ -486,6 +515,100 @@ class Llama(Network):
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
         )
+
+    # ------------------------------------------------------------------ text
+    def complete(
+        self,
+        prompt: str | Sequence[str],
+        *,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        **processors: Any,
+    ) -> str | list[str]:
+        """The text generated after ``prompt`` (without the prompt), through :attr:`tokenizer`.
+
+        Args:
+            prompt: a str, or a list of strs (one text each, in order). More prompts than the
+                build's batch size run in waves of ``batch_size`` prompts, one after another.
+            max_new_tokens: at most this many new tokens per prompt (fewer where the context
+                ends first); None: the checkpoint's ``max_new_tokens``, else 64.
+            temperature, top_p, top_k: as for :meth:`stream`; None takes the checkpoint's
+                default (:attr:`generation_defaults`), else greedy.
+            seed: seeds the sampling (the first wave as ``stream(seed=seed)`` does, each later
+                wave with a seed derived from it).
+            stop: a string or strings: the text ends just before the first that appears.
+            stop_token_ids: ids that end the text (left out of it), besides the EOS ids (the
+                checkpoint's, else the tokenizer's).
+            **processors: further arguments of :meth:`stream` (e.g. the penalties where it
+                takes them), passed on where not None.
+
+        Returns:
+            a str for a str prompt, a list of strs for a list.
+
+        Raises:
+            RuntimeError: no tokenizer (load the model with :meth:`from_pretrained` from a
+                folder with ``tokenizer.json``, or set :attr:`tokenizer`), or not an
+                INFERENCE build.
+            ValueError, TypeError: a bad argument, or a prompt longer than the context; raised
+                before any work.
+
+        :meth:`complete_detailed` returns each text with its finish reason and token counts.
+        """
+        done = text.complete_detailed(
+            self,
+            prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            **processors,
+        )
+        return done[0].text if isinstance(prompt, str) else [c.text for c in done]
+
+    def complete_detailed(
+        self, prompt: str | Sequence[str], **options: Any
+    ) -> list[text.Completion]:
+        """:meth:`complete` with, per prompt, a :class:`~mila_py.models.text.Completion`: the
+        text, the finish reason (``"stop"`` or ``"length"``) and the token counts."""
+        return text.complete_detailed(self, prompt, **options)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> str:
+        """The assistant's reply to ``messages`` (dicts with ``role`` and ``content``, oldest
+        first), rendered with the tokenizer's chat template (``add_generation_prompt=True``).
+        The options are :meth:`complete`'s. :meth:`chat_detailed` returns a
+        :class:`~mila_py.models.text.Completion`.
+
+        Raises:
+            RuntimeError, ValueError, TypeError: as :meth:`complete`; a ValueError too where
+                the tokenizer has no chat template or the template refuses the messages.
+        """
+        return text.chat_detailed(self, messages, **options).text
+
+    def chat_detailed(
+        self, messages: Sequence[Mapping[str, Any]], **options: Any
+    ) -> text.Completion:
+        """:meth:`chat` as a :class:`~mila_py.models.text.Completion`."""
+        return text.chat_detailed(self, messages, **options)
+
+    def stream_text(
+        self, prompt: str | Sequence[Mapping[str, Any]], **options: Any
+    ) -> text.TextStream:
+        """The text of one prompt (a str) or chat conversation (a list of messages), piece by
+        piece as it is generated: a :class:`~mila_py.models.text.TextStream` of strs, whose
+        ``finish_reason`` and token counts are set once it ends. The options are
+        :meth:`complete`'s; they are checked before it returns. A piece that could be the
+        start of a stop string is held back until the next tokens decide. It holds the model
+        like :meth:`stream`: close it (or use ``with``) when you stop reading early.
+        """
+        return text.stream_text(self, prompt, **options)
 
     @serialized
     def backward(self, dlogits: Any) -> None:
@@ -547,8 +670,14 @@ class Llama(Network):
             check_memory: refuse a build the device cannot hold (see :meth:`build`);
                 ``False`` builds without checking.
 
-        The config, the arguments and the weight files' headers are checked, and the model
-        built, before any tensor is read; the tensors are then read one at a time, each
+        The model's :attr:`tokenizer` is the folder's ``tokenizer.json`` (with
+        ``tokenizer_config.json``: special tokens, chat template), or None where it has none;
+        its :attr:`generation_defaults` are ``generation_config.json``'s (EOS ids from
+        ``config.json`` where that file does not name them), which :meth:`generate`,
+        :meth:`stream` and the text methods use for the arguments a caller leaves out.
+
+        The config, the arguments, the weight files' headers and the tokenizer and generation
+        files are checked, and the model built, before any tensor is read; the tensors are then read one at a time, each
         copied into its parameter (:func:`mila_py.interop.hf.load_hf_files`), so the load needs
         about one tensor's memory beyond the model's.
 
@@ -574,6 +703,7 @@ class Llama(Network):
         context = int(seq_len) if seq_len is not None and is_int(seq_len) and seq_len > 0 else None
         config = hf.llama_config_from_hf(hf.read_hf_config(path), context=context)
         files = hf.hf_weight_files(path)
+        tokenizer, defaults = hf.read_text_files(path)  # checked before any tensor is read
         n_t = config.max_seq_len if seq_len is None else seq_len
         if prefill_size is None:
             prefill_size = min(n_t, _DEFAULT_PREFILL) if is_int(n_t) else 0
@@ -585,6 +715,7 @@ class Llama(Network):
             check_memory=check_memory,
         )
         hf.load_hf_files(model, files)
+        model.tokenizer, model.generation_defaults = tokenizer, defaults
         return model
 
 

@@ -5,7 +5,9 @@
 - a tiny Llama, TRAINING: logits, loss, every gradient and every parameter after AdamW steps
   equal to the CPU model's with the same weights (tied and untied embeddings); the loss a
   standalone component with a context of its own;
-- INFERENCE: chunked prefill, uniform and ragged decode logits, greedy ``generate`` tokens;
+- INFERENCE: chunked prefill, uniform and ragged decode logits (the decode steps replayed
+  from their CUDA graphs), greedy ``generate`` tokens; a captured step on new inputs, and a
+  capture that allocates refused;
 - ``get_memory_stats()`` (and ``required_memory``) identical on both devices.
 
 "Equal" is fp32 parity: cuBLAS and the GPU's reductions sum in other orders than NumPy, so

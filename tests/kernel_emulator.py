@@ -48,8 +48,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import emulated_cupy
 import ml_dtypes
 import numpy as np
+from emulated_cupy import DeviceArray, Stream, refuse
 
 from mila_py.devices.device import DeviceId, DeviceType
 from mila_py.devices.execution_context import ExecutionContext
@@ -512,6 +514,10 @@ class KernelLibrary:
 class EmulatedContext(ExecutionContext):
     """A CUDA-like execution context over NumPy arrays (host memory, synchronous).
 
+    Its arrays are :class:`emulated_cupy.DeviceArray` s and its stream an
+    :class:`emulated_cupy.Stream`, which captures CUDA graphs as a GPU does (the kernel
+    launches and the array work of a capture recorded, not run; see ``emulated_cupy``).
+
     ``bfloat16_native = False`` (on the class or an instance) plays a CuPy older than 14: BF16
     arrays are carried as their ``uint16`` bits, as :class:`CudaExecutionContext` does there.
     """
@@ -521,7 +527,7 @@ class EmulatedContext(ExecutionContext):
     def __init__(self) -> None:
         self.device_id = DeviceId(DeviceType.CUDA, 0)
         self.xp = np
-        self.stream = None
+        self.stream = Stream()
         self.launches: list[str] = []
 
     def activate(self) -> Any:
@@ -529,6 +535,7 @@ class EmulatedContext(ExecutionContext):
 
     def synchronize(self) -> None:
         """Everything ran already."""
+        refuse("a context synchronized (it waits for work that is only being recorded)")
 
     def storage_dtype(self, dtype: Any) -> np.dtype:
         """``uint16`` for bfloat16 when ``bfloat16_native`` is False, else ``dtype``."""
@@ -536,14 +543,43 @@ class EmulatedContext(ExecutionContext):
         return np.dtype(np.uint16) if dt == _BF16 and not self.bfloat16_native else dt
 
     def allocate(self, shape: tuple[int, ...], dtype: Any, *, zero: bool = True) -> np.ndarray:
+        refuse("a context allocated device memory")
         dt = self.storage_dtype(dtype)
-        return np.zeros(shape, dtype=dt) if zero else np.empty(shape, dtype=dt)
+        array = np.zeros(shape, dtype=dt) if zero else np.empty(shape, dtype=dt)
+        return array.view(DeviceArray)
 
     def is_device_array(self, array: Any) -> bool:
         return isinstance(array, np.ndarray)
 
     def to_device(self, array: Any) -> np.ndarray:
-        return np.array(array, copy=True)
+        refuse("a copy of host data to the device (and an allocation)")
+        return np.array(array, copy=True).view(DeviceArray)
+
+    def to_host(self, array: Any) -> np.ndarray:
+        refuse("a copy of device memory to the host")
+        return np.array(np.asarray(array), copy=True)
+
+
+def _launch_or_record(library: KernelLibrary, c: Any, *launch: Any, **kw: Any) -> None:
+    """Run an emulated launch, or record it in the capture under way on ``c``'s stream (a
+    launch on another stream during a capture is refused, as relaxed capture refuses launches
+    that would order against it)."""
+    stream = emulated_cupy.capturing()
+    name = launch[1]
+    if stream is None:
+        c.launches.append(name)
+        library.launch(c, *launch, **kw)
+        return
+    if c.stream is not stream:
+        raise emulated_cupy.CaptureError(
+            f"{name}: launched on another stream than the one capturing a graph"
+        )
+
+    def replay() -> None:
+        c.launches.append(name)
+        library.launch(c, *launch, **kw)
+
+    stream.record(replay)
 
 
 @contextlib.contextmanager
@@ -555,8 +591,7 @@ def emulated_context(library: KernelLibrary) -> Iterator[EmulatedContext]:
     def launch(c: Any, file: str, name: str, grid: tuple, block: int, args: tuple, **kw: Any):
         assert c is ctx, "a CUDA op launched on another context"
         check_file(file, name)
-        ctx.launches.append(name)
-        library.launch(c, file, name, grid, block, args, **kw)
+        _launch_or_record(library, c, file, name, grid, block, args, **kw)
 
     _kernels.launch = launch  # type: ignore[assignment]
     try:
@@ -597,8 +632,7 @@ def emulated_cuda_devices(library: KernelLibrary) -> Iterator[None]:
     def launch(c: Any, file: str, name: str, grid: tuple, block: int, args: tuple, **kw: Any):
         assert isinstance(c, EmulatedContext), "a CUDA op launched on a real CUDA context"
         check_file(file, name)
-        c.launches.append(name)
-        library.launch(c, file, name, grid, block, args, **kw)
+        _launch_or_record(library, c, file, name, grid, block, args, **kw)
 
     clear_rope_cache()
     component_module.create_execution_context = create  # type: ignore[assignment]

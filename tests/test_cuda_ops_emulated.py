@@ -41,6 +41,7 @@ from mila_py.components import (
     RmsNormConfig,
     SoftmaxCrossEntropyConfig,
 )
+from mila_py.devices.graph import replayable
 from mila_py.ops.cpu.attention import CpuAttentionOp
 from mila_py.ops.cpu.attention import attention_backward as cpu_attention_backward
 from mila_py.ops.cpu.attention import attention_forward as cpu_attention_forward
@@ -405,8 +406,9 @@ def test_attention_decode_kernel_matches_a_float64_reference(
     """The decode plan's one-launch kernel (``bind_decode``): Q a view of the QKV buffer, the
     caches ``[B, T_max, Hk*d]``, one length for all or one per sequence (1 key, several warp
     rounds; heads of 4 to 320 channels: 64 key groups of 4 channels, 6 groups of 40 and 16
-    idle threads, two passes over 320), against float64; past the keys that fit shared memory,
-    the GEMM path. The kernel reads each step's positions from the step's device buffer."""
+    idle threads, two passes over 320), against float64; for caches of more keys than fit
+    shared memory, the GEMM path (chosen at bind time: every step launches the same). The
+    kernel reads each step's positions from the step's device buffer."""
     n_b, t_max, scale = 3, 80, 0.37
     _, q, _, _ = _qkv(rng, n_b, 1, hq, hk, d)
     q_before = q.copy()
@@ -428,20 +430,28 @@ def test_attention_decode_kernel_matches_a_float64_reference(
     assert not out_buf[n_b:].any()
     from mila_py.ops.cuda import attention as cuda_attention
 
-    monkeypatch.setattr(cuda_attention, "_DECODE_MAX_KEYS", 60)  # 67 keys: too many
-    pos = np.array([66, 12, 40]) if ragged else np.array([66] * 3)
-    positions.set(pos, int(pos.min()), int(pos.max()))
-    attend()
-    assert not ctx.launches[-1].startswith("attention_decode")
-    close(out, _decode_reference(q, k_cache, v_cache, hq, hk, scale, pos), 1e-5, 1e-5)
+    assert replayable(attend)
+    monkeypatch.setattr(cuda_attention, "_DECODE_MAX_KEYS", 60)  # a cache of 80 keys: too many
+    attend = CudaAttentionOp(ctx, None, FP32).bind_decode(
+        q, k_cache, v_cache, hq, hk, scale, out, positions
+    )
+    assert not replayable(attend)  # it slices the caches by the positions on the host
+    for step in ([66, 12, 40], [3, 3, 3]) if ragged else ([66] * 3, [3] * 3):
+        pos = np.array(step)
+        positions.set(pos, int(pos.min()), int(pos.max()))
+        launched = len(ctx.launches)
+        attend()
+        assert "attention_decode" not in ctx.launches[launched:]
+        close(out, _decode_reference(q, k_cache, v_cache, hq, hk, scale, pos), 1e-5, 1e-5)
 
 
 def test_attention_decode_at_its_key_limit_fits_shared_memory(
     ctx: EmulatedContext, rng, monkeypatch
 ) -> None:
-    """The most keys the decode kernel takes (``_DECODE_MAX_KEYS``): their scores and the
-    kernel's static shared arrays fit the 48 KiB a launch gets by default (the emulator counts
-    both, as the GPU does); 1,100 keys more would not."""
+    """The most keys the decode kernel takes (``_DECODE_MAX_KEYS``): the scores of a cache
+    of that many keys (the shared memory of every step) and the kernel's static shared arrays
+    fit the 48 KiB a launch gets by default (the emulator counts both, as the GPU does);
+    1,100 keys more would not."""
     from mila_py.ops.cuda import attention as cuda_attention
 
     n = cuda_attention._DECODE_MAX_KEYS
@@ -450,15 +460,15 @@ def test_attention_decode_at_its_key_limit_fits_shared_memory(
     k_cache, v_cache = f32(rng, 1, n + 1100, hk * d), f32(rng, 1, n + 1100, hk * d)
     out = np.zeros((1, 1, hq * d), np.float32)
     positions = DecodePositions(1, ctx)
-    attend = CudaAttentionOp(ctx, None, FP32).bind_decode(
-        q, k_cache, v_cache, hq, hk, 0.5, out, positions
-    )
+    op = CudaAttentionOp(ctx, None, FP32)
+    attend = op.bind_decode(q, k_cache[:, :n], v_cache[:, :n], hq, hk, 0.5, out, positions)
     positions.set(n - 1, n - 1, n - 1)
     attend()
     assert ctx.launches[-1] == "attention_decode"
     close(out, _decode_reference(q, k_cache, v_cache, hq, hk, 0.5, [n - 1]), 1e-5, 1e-5)
     monkeypatch.setattr(cuda_attention, "_DECODE_MAX_KEYS", n + 1100)
-    positions.set(n + 1099, n + 1099, n + 1099)
+    attend = op.bind_decode(q, k_cache, v_cache, hq, hk, 0.5, out, positions)
+    positions.set(0, 0, 0)
     with pytest.raises(ValueError, match="static"):
         attend()
 

@@ -256,6 +256,29 @@ def test_greedy_generation_matches_hf(checkpoints: dict[str, tuple[Any, Path]], 
     np.testing.assert_array_equal(got, ref)
 
 
+def test_greedy_generation_with_a_repetition_penalty_matches_hf(
+    checkpoints: dict[str, tuple[Any, Path]],
+) -> None:
+    """transformers' repetition penalty in a greedy ``generate`` (its logits processor over
+    the prompt and the new tokens): the same tokens, which the penalty changes."""
+    hf_model, path = checkpoints["gqa"]
+    prompt = tokens(4, t=5)
+    with torch.no_grad():
+        ref = hf_model.generate(
+            torch.from_numpy(prompt),
+            max_new_tokens=12,
+            do_sample=False,
+            repetition_penalty=1.5,
+            eos_token_id=None,
+            pad_token_id=0,
+        ).numpy()
+    model = Llama.from_pretrained(path, batch_size=B, seq_len=T, prefill_size=2)
+    # eos_token_id=None as in the reference (the checkpoint's own EOS id would stop it)
+    got = model.generate(prompt, max_new_tokens=12, repetition_penalty=1.5, eos_token_id=None)
+    np.testing.assert_array_equal(got, ref)
+    assert not np.array_equal(got, model.generate(prompt, max_new_tokens=12, eos_token_id=None))
+
+
 def test_scaling_matters(checkpoints: dict[str, tuple[Any, Path]]) -> None:
     """The llama3 case with its scaling dropped is far from HF: the parity tests see RoPE."""
     hf_model, path = checkpoints["llama3"]

@@ -183,9 +183,11 @@ def test_decode_plan_equals_the_component_path(
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     assert planned._plans is not None and sorted(planned._plans) == [1, 2]
     assert components._plans == {}  # the reference never made one
-    for n_b, (cell, _, _) in planned._plans.items():
+    for n_b, plan in planned._plans.items():
+        cell = plan.positions
         assert cell.device.dtype == np.int32 and cell.device.shape == (n_b,)
-    last = planned._plans[2][0]
+        assert plan.step.graph is not None  # each batch size's step replays its own graph
+    last = planned._plans[2].positions
     np.testing.assert_array_equal(last.device, [29 - 4, 29 - 1])
     for a, b in zip(planned.layers, components.layers, strict=True):
         for cache in ("k_cache", "v_cache"):

@@ -280,6 +280,13 @@ def test_bad_stop_tokens_are_refused(weights: str, kwargs: dict, error: type) ->
         ({"temperature": 1.0, "top_p": -0.1}, ValueError, "top_p"),
         ({"temperature": 1.0, "seed": -3}, ValueError, "seed"),
         ({"temperature": 1.0, "seed": 1.5}, TypeError, "seed"),
+        ({"temperature": 1.0, "min_p": 1.5}, ValueError, "Llama 'llama': min_p"),
+        ({"temperature": 1.0, "min_p": "0.1"}, TypeError, "min_p"),
+        ({"repetition_penalty": 0.0}, ValueError, "Llama 'llama': repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, ValueError, "repetition_penalty"),
+        ({"presence_penalty": 2.5}, ValueError, "Llama 'llama': presence_penalty"),
+        ({"frequency_penalty": -3.0}, ValueError, "frequency_penalty"),
+        ({"frequency_penalty": None}, TypeError, "frequency_penalty"),
     ],
     ids=str,
 )
@@ -293,6 +300,97 @@ def test_bad_sampling_is_refused_before_any_work(
         model.generate(tokens(1, 4, seed=3), 4, **kwargs)
     for block, cache in zip(model.layers, caches, strict=True):
         np.testing.assert_array_equal(block.self_attn._state["k_cache"], cache)
+
+
+def penalized_greedy(
+    model: Llama, prompt: np.ndarray, new: int, repetition: float, presence: float, frequency: float
+) -> np.ndarray:
+    """Greedy tokens under the penalties, written from their definitions on the host: a logit
+    of a token in the prompt or generated so far divided by ``repetition`` when positive, else
+    multiplied (transformers); then ``presence`` subtracted once and ``frequency`` once per
+    time from the logit of every token generated so far (OpenAI)."""
+    logits = model.prefill(prompt)
+    out = []
+    for step in range(new):
+        chosen = []
+        for b, row in enumerate(logits.astype(np.float32)):
+            done = [t[b] for t in out]
+            seen = set(prompt[b].tolist()) | set(done)
+            x = row.copy()
+            for token in seen:
+                x[token] = x[token] * repetition if x[token] < 0 else x[token] / repetition
+            for token in set(done):
+                x[token] -= np.float32(presence) + np.float32(frequency) * done.count(token)
+            chosen.append(int(np.argmax(x)))
+        out.append(np.array(chosen))
+        logits = model.decode(out[-1], prompt.shape[1] + step)
+    return np.stack(out, axis=1)
+
+
+def test_penalties_follow_their_definitions(weights: str) -> None:
+    """Greedy generation with the repetition, presence and frequency penalties on picks what
+    the penalties' definitions pick (each step from the previous steps' tokens), which is
+    not what plain greedy picks."""
+    model = make(weights, RuntimeMode.INFERENCE, (2, 32))
+    prompt = tokens(2, 5, seed=11)
+    args = (1.8, 0.7, 0.9)
+    got = model.generate(
+        prompt, 10, repetition_penalty=args[0], presence_penalty=args[1], frequency_penalty=args[2]
+    )
+    want = penalized_greedy(model, prompt, 10, *args)
+    np.testing.assert_array_equal(got[:, 5:], want)
+    assert not np.array_equal(got, model.generate(prompt, 10))
+    only_repetition = model.generate(prompt, 10, repetition_penalty=1.8)
+    np.testing.assert_array_equal(
+        only_repetition[:, 5:], penalized_greedy(model, prompt, 10, 1.8, 0, 0)
+    )
+
+
+#: sharpens the near-uniform logits of the tests' random weights
+TEMPERATURE = 0.1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "kept"),
+    [({"top_k": 4}, "top_k"), ({"min_p": 0.3}, "min_p"), ({"top_p": 0.6}, "top_p")],
+    ids=["top_k", "min_p", "top_p"],
+)
+def test_sampled_tokens_follow_the_filtered_distribution(
+    weights: str, kwargs: dict, kept: str
+) -> None:
+    """The first new token of 64 copies of one prompt, drawn with 8 seeds at a temperature of
+    0.1: every draw is a token the filter keeps, and their frequencies are those of the
+    filtered softmax of the logits over the temperature (within 4.5
+    standard deviations each: the seeds fix the draws, so this either always passes or
+    never)."""
+    n_b, n_seeds = 64, 8
+    model = make(weights, RuntimeMode.INFERENCE, (n_b, 8))
+    prompt = np.repeat(tokens(1, 4, seed=12), n_b, axis=0)
+    logits = model.prefill(prompt[:1])[0].astype(np.float64) / TEMPERATURE
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    order = np.argsort(-p)
+    keep = np.zeros(p.size, bool)
+    if kept == "top_k":
+        keep[order[: kwargs["top_k"]]] = True
+    elif kept == "min_p":
+        keep = p >= kwargs["min_p"] * p.max()
+    else:  # the smallest set of the most likely tokens whose probability reaches top_p
+        reach = np.cumsum(p[order])
+        keep[order[: int(np.searchsorted(reach, kwargs["top_p"])) + 1]] = True
+    assert 1 < keep.sum() < p.size  # a filter that keeps some tokens and drops others
+    want = np.where(keep, p, 0) / p[keep].sum()
+    draws = np.concatenate(
+        [
+            model.generate(prompt, 1, temperature=TEMPERATURE, seed=seed, **kwargs)[:, -1]
+            for seed in range(n_seeds)
+        ]
+    )
+    assert keep[draws].all()
+    n = draws.size
+    seen = np.bincount(draws, minlength=p.size) / n
+    bound = 4.5 * np.sqrt(want * (1 - want) / n) + 1 / n
+    assert (np.abs(seen - want) <= bound).all(), (seen[keep], want[keep])
 
 
 def test_temperature_takes_numpy_numbers(weights: str) -> None:

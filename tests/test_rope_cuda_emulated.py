@@ -721,9 +721,12 @@ def test_a_decode_plan_step_reads_its_positions_from_the_device_buffer(
 
 @pytest.mark.parametrize("scaling", ["none", "dynamic", "longrope"])
 def test_a_decode_plan_step_across_the_original_context(cuda: None, scaling: str, rng) -> None:
-    """The op's bound decode (a decode plan's call) reads the step's device positions while the
-    step stays under the original context (1024); past it, dynamic NTK's rows are computed per
-    call and LongRoPE switches tables, through the general path."""
+    """The op's bound decode (a decode plan's call) across the original context (1024):
+    dynamic NTK's rows are computed per call past it and LongRoPE switches tables, so for
+    positions that may cross it (below 4096) their call goes through the general path, which
+    reads the positions on the host (no CUDA graph can replay it); below a limit of 1024 the
+    table is one, and the call reads the step's device positions alone, as without scaling."""
+    from mila_py.devices.graph import replayable
     from mila_py.ops.operation import DecodePositions
 
     cfg = rope_config((3, 1), 16, max_seq_len=4096, scaling=_decode_loop_cases(8)[scaling])
@@ -731,8 +734,11 @@ def test_a_decode_plan_step_across_the_original_context(cuda: None, scaling: str
     rope = cuda_rope_of(cfg, batch, 1)
     cpu = make_rope(cfg, batch, 1)
     q, k = random_qk(rng, cfg, batch, 1)
+    under = DecodePositions(batch, rope.execution_context, limit=1024)
+    assert replayable(rope.op.bind_decode(q, k, under))
     positions = DecodePositions(batch, rope.execution_context)
     step = rope.op.bind_decode(q, k, positions)
+    assert replayable(step) == (scaling == "none")
     for position in (1022, 1023, 1024, 1025, 3000, 7):
         q0, k0 = random_qk(rng, cfg, batch, 1)
         q[...], k[...] = q0, k0

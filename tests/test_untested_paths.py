@@ -18,7 +18,7 @@ from rope_helpers import (
     rope_config,
 )
 
-from mila_py.models.generation import sample
+from mila_py.models.sampling import SamplingParams, sample
 
 
 # --- R6: a Q/K whose channel axis is strided (a documented "any strides" input) -------------
@@ -71,9 +71,11 @@ def test_op_prefill_and_decode_equal_the_component(backend: str, scaling) -> Non
 # --- B6: top_p keeps the smallest set whose probability reaches top_p -----------------------
 def test_top_p_keeps_the_token_that_crosses_the_threshold() -> None:
     logits = np.log(np.tile([0.5, 0.3, 0.2], (4000, 1)))
-    seen = set(sample(logits, 1.0, None, 0.6, np.random.default_rng(0)).tolist())
+    params = SamplingParams(temperature=1.0, top_p=0.6)
+    seen = set(sample(logits, params, rng=np.random.default_rng(0)).tolist())
     assert seen == {0, 1}  # 0.5 < 0.6, so the 0.3 token is needed; the 0.2 one never
-    seen = set(sample(logits, 1.0, None, 0.5, np.random.default_rng(0)).tolist())
+    params = SamplingParams(temperature=1.0, top_p=0.5)
+    seen = set(sample(logits, params, rng=np.random.default_rng(0)).tolist())
     assert seen == {0}  # 0.5 reaches 0.5 already
 
 

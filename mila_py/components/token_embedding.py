@@ -129,6 +129,15 @@ class TokenEmbedding(Layer):
         self._op.forward(tokens, self._parameters["weight"], y)
         return y
 
+    def _bind_lookup(self, tokens: Any) -> tuple[list[Any], Any]:
+        """``(steps, y)``: callables that look up the ids of the buffer ``tokens [B]`` (int32 on
+        this device, its values at call time, checked by the caller) into the output view
+        ``y [B, 1, dim]``, for a decode plan (INFERENCE builds)."""
+        n_b = int(tokens.shape[0])
+        y = self._view("output", (n_b, 1, self.config.dim))
+        weight = self._parameters["weight"]
+        return [self._op.bind_forward(tokens.reshape(n_b, 1), weight, y)], y
+
     def backward(self, dy: Any) -> None:
         """Accumulate ``dweight[tokens[b, t]] += dy[b, t]`` (repeated ids add up).
 

@@ -1,8 +1,13 @@
 """Generation: the loops behind :meth:`Llama.generate <mila_py.models.Llama.generate>` and
-:meth:`Llama.stream <mila_py.models.Llama.stream>`, their argument checks, and sampling.
+:meth:`Llama.stream <mila_py.models.Llama.stream>`, and their argument checks.
 
 Functions of the model they run, which the Llama methods call: a prompt is prefilled once, then
-each new token is decoded, greedy on the device or sampled on the host (:func:`sample`).
+each new token is chosen on the model's device (:func:`mila_py.models.sampling.sample_tokens`:
+the penalties, then greedy or temperature, top-k, top-p and min-p, the draws' uniforms taken up
+front from a seeded host generator) and decoded. A step of the loop writes the step's positions
+(a few bytes to the device), feeds the sampled ids to the decode step's token buffer (a copy on
+the device), runs the decode step (on a GPU the replay of its CUDA graph) and reads back one
+``[B]`` array: the new ids, ``-1`` in a row whose logits hold NaN or inf.
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 
 from mila_py.components._layer import is_int
+from mila_py.models import sampling
+from mila_py.models.sampling import SamplingParams, TokenCounts, array_module, sample_tokens
 
 if TYPE_CHECKING:  # for annotations only: the network imports this module
     from mila_py.models.llama.network import Llama
 
-__all__ = ["DEFAULT", "Default", "defaults_of", "generate", "sample", "stream", "with_defaults"]
+__all__ = ["DEFAULT", "Default", "defaults_of", "generate", "stream", "with_defaults"]
 
 
 class Default(enum.Enum):
@@ -84,11 +91,16 @@ def stream(
     *,
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
 ) -> Iterator[np.ndarray]:
     """The token stream of :meth:`Llama.stream <mila_py.models.Llama.stream>` (see there):
     ``[B]`` new tokens per step, prefill once, then decode."""
     args = (max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, pad_token_id)
-    return _start(model, prompt, *args, stacklevel=4)[2]
+    penalties = (min_p, repetition_penalty, presence_penalty, frequency_penalty)
+    return _start(model, prompt, *args, *penalties, stacklevel=4)[2]
 
 
 def _start(
@@ -100,18 +112,18 @@ def _start(
     caller's frame for the warning of a cut ``max_new_tokens``, counted from here."""
     model._require_inference("generate()")
     rows, lengths, kind = _prompt_rows(model, prompt)
-    sampling = _sampling(model, *args)
+    steps, params, stop, pad = _sampling(model, *args)
     room = model.context_length - rows.shape[1] + 1
-    if sampling[0] > room:
+    if steps > room:
         warnings.warn(
-            f"{model._describe()}: max_new_tokens={sampling[0]} cut to {room}: a prompt of "
+            f"{model._describe()}: max_new_tokens={steps} cut to {room}: a prompt of "
             f"{rows.shape[1]} tokens leaves room for {room} in the context of "
             f"{model.context_length}",
             stacklevel=stacklevel,
         )
-        sampling = (room, *sampling[1:])
-    steps = _token_steps(model, rows, lengths, *sampling)
-    return rows, lengths, steps, kind
+        steps = room
+    tokens = _token_steps(model, rows, lengths, steps, params, stop, pad)
+    return rows, lengths, tokens, kind
 
 
 def _token_steps(
@@ -119,50 +131,63 @@ def _token_steps(
     rows: np.ndarray,
     lengths: np.ndarray,
     steps: int,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    rng: np.random.Generator,
+    params: SamplingParams,
     stop: np.ndarray | None,
     pad: int,
 ) -> Iterator[np.ndarray]:
-    """The generator behind :func:`stream`, of checked arguments. It holds the model's
-    run lock from its first step to its end (a hold that a paused stream keeps, and that
-    its ``finally`` gives back when it is closed or collected)."""
+    """The generator behind :func:`stream`, of checked arguments (``steps`` cut to the
+    context by :func:`_start`). It holds the model's run lock from its first step to its end
+    (a hold that a paused stream keeps, and that its ``finally`` gives back when it is closed
+    or collected)."""
     hold = model._run_lock.hold()
     try:
         ctx = model.execution_context
-        xp = ctx.xp
-        n_b, n_t = rows.shape  # steps: cut to the context by _start
-        finished = np.zeros(n_b, dtype=bool)
-        logits = model.prefill(rows)
-        position: Any = n_t
-        if lengths.min() < n_t:  # each row's last prompt token again, at its own position
-            last = lengths - 1
-            logits = model.decode(rows[np.arange(n_b), last], last)
-            position = lengths
+        n_b, n_t = rows.shape
+        finished = np.zeros(n_b, dtype=bool)  # the host's copy of `done`
+        with ctx.activate():
+            logits = model.prefill(rows)
+            position: Any = n_t
+            if lengths.min() < n_t:  # each row's last prompt token again, at its own position
+                last = lengths - 1
+                logits = model._decode_ids(rows[np.arange(n_b), last], last)[:, 0]
+                position = lengths
+            xp = array_module(logits)
+            counts = None
+            if params.uses_counts:  # the penalties' state: the prompts' tokens, on the device
+                counts = TokenCounts.from_prompt(
+                    rows, model.config.vocab_size, lengths=lengths, xp=xp
+                )
+            # every step's uniforms in one copy: row s is what the s-th draw of the seeded
+            # generator gives
+            uniforms = None
+            if not params.greedy:
+                uniforms = xp.asarray(params.make_rng().random((steps, n_b)))
+            stop_d = None if stop is None else xp.asarray(stop)
+            done = xp.zeros(n_b, dtype=bool)  # rows that emitted an EOS, on the device
         for step in range(steps):
             mine = model._cache_writes  # the cache as this stream left it
-            if temperature == 0:
-                # greedy: the argmax on the device, or -1 for a row with a NaN or inf
-                # logit, so that one [B] readback brings the ids and the check
-                with ctx.activate():
-                    finite = xp.isfinite(logits).all(axis=-1)
-                    token = ctx.to_host(xp.where(finite, logits.argmax(axis=-1), -1))
-                _check_finite_logits(model, token >= 0, finished, step)
-            else:
-                host = ctx.to_host(logits)
-                _check_finite_logits(model, np.isfinite(host).all(axis=-1), finished, step)
-                token = sample(host, temperature, top_k, top_p, rng)
+            with ctx.activate():
+                drawn = None if uniforms is None else uniforms[step]
+                token = sample_tokens(logits, params, drawn, counts)
+                # -1 in a row of logits that are not all finite (the sampler takes -inf for a
+                # masked token; from the model it is an overflow)
+                token = xp.where(xp.isfinite(logits).all(axis=-1), token, -1)
+                if stop_d is not None:
+                    token = xp.where(done, pad, token)
+                if counts is not None:
+                    counts.update(token, ~done)
+                if stop_d is not None:
+                    done |= (token[:, None] == stop_d[None, :]).any(axis=1)
+                host = ctx.to_host(token)  # the step's one readback: its ids and the check
+            _check_finite_logits(model, host >= 0, finished, step, counts is not None)
             if stop is not None:
-                token = np.where(finished, pad, token)
-                finished |= np.isin(token, stop)
+                finished |= np.isin(host, stop)
             if step + 1 == steps or finished.all():
                 hold.release()  # a stream that gave its last token holds nothing
-                yield token
+                yield host
                 return
             hold.pause()
-            yield token
+            yield host
             hold.resume()
             if model._cache_writes != mine:
                 raise RuntimeError(
@@ -170,14 +195,19 @@ def _token_steps(
                     "was paused (a prefill, decode, reset or another stream); its context is "
                     "gone: start a new stream"
                 )
-            logits = model.decode(token, position + step)
+            with ctx.activate():  # the sampled ids stay on the device: no check needed
+                logits = model._decode_ids(token, position + step)[:, 0]
     finally:
         hold.release()
 
 
-def _check_finite_logits(model: Llama, finite: np.ndarray, finished: np.ndarray, step: int) -> None:
-    """Refuse to sample new token ``step`` from logits that hold NaN or inf: ``finite``
-    ``[B]`` says which rows are finite; rows already ``finished`` (padded) do not count.
+def _check_finite_logits(
+    model: Llama, finite: np.ndarray, finished: np.ndarray, step: int, penalized: bool = False
+) -> None:
+    """Refuse new token ``step`` where it could not be sampled: ``finite`` ``[B]`` says which
+    rows were sampled (the others' logits hold NaN or inf, or with ``penalized`` the
+    penalties may have sent every logit to -inf); rows already ``finished`` (padded) do not
+    count.
 
     Raises:
         FloatingPointError: naming the step and every sequence whose logits are not finite.
@@ -186,11 +216,12 @@ def _check_finite_logits(model: Llama, finite: np.ndarray, finished: np.ndarray,
     if bad.size:
         which = "sequences" if bad.size > 1 else "sequence"
         rows = ", ".join(str(int(r)) for r in bad)
+        also = " (or the penalties sent every logit to -inf: use smaller ones)" if penalized else ""
         raise FloatingPointError(
             f"{model._describe()}: NaN or inf in the logits of new token {step} (0-based) "
-            f"for {which} {rows} (batch row); no token was sampled from them. The weights "
-            "or the activations hold NaN or overflowed: check the checkpoint, or run in a "
-            "wider precision"
+            f"for {which} {rows} (batch row){also}; no token was sampled from them. The "
+            "weights or the activations hold NaN or overflowed: check the checkpoint, or run "
+            "in a wider precision"
         )
 
 
@@ -252,34 +283,55 @@ def _sampling(
     seed: int | None,
     eos_token_id: Any,
     pad_token_id: Any,
-) -> tuple[int, float, int | None, float | None, np.random.Generator, np.ndarray | None, int]:
-    """The checked arguments of :func:`_token_steps` after the prompt."""
+    min_p: float | None = None,
+    repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+) -> tuple[int, SamplingParams, np.ndarray | None, int]:
+    """The checked arguments of :func:`_token_steps` after the prompt: ``(max_new_tokens,
+    the sampling parameters, the EOS ids or None, the pad id)``."""
+    who = model._describe()
     if not is_int(max_new_tokens):
-        raise TypeError(
-            f"{model._describe()}: max_new_tokens must be an int, got {max_new_tokens!r}"
-        )
+        raise TypeError(f"{who}: max_new_tokens must be an int, got {max_new_tokens!r}")
     if max_new_tokens < 0:
-        raise ValueError(f"{model._describe()}: max_new_tokens must be >= 0")
+        raise ValueError(f"{who}: max_new_tokens must be >= 0")
     temperature = _real(model, temperature, "temperature")
     if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(
-            f"{model._describe()}: temperature must be finite and >= 0, got {temperature}"
-        )
+        raise ValueError(f"{who}: temperature must be finite and >= 0, got {temperature}")
     if top_p is not None:
         top_p = _real(model, top_p, "top_p")
         if not 0 <= top_p <= 1:  # (NaN fails too)
-            raise ValueError(f"{model._describe()}: top_p must be in [0, 1], got {top_p}")
+            raise ValueError(f"{who}: top_p must be in [0, 1], got {top_p}")
     if top_k is not None and not is_int(top_k):
-        raise TypeError(f"{model._describe()}: top_k must be an int or None, got {top_k!r}")
+        raise TypeError(f"{who}: top_k must be an int or None, got {top_k!r}")
     if top_k is not None and top_k < 1:
-        raise ValueError(f"{model._describe()}: top_k must be >= 1, got {top_k}")
+        raise ValueError(f"{who}: top_k must be >= 1, got {top_k}")
     if seed is not None and not is_int(seed):
-        raise TypeError(f"{model._describe()}: seed must be an int or None, got {seed!r}")
+        raise TypeError(f"{who}: seed must be an int or None, got {seed!r}")
     if seed is not None and seed < 0:
-        raise ValueError(f"{model._describe()}: seed must be >= 0, got {seed}")
+        raise ValueError(f"{who}: seed must be >= 0, got {seed}")
+    min_p = 0.0 if min_p is None else sampling._check_min_p(who, min_p)
+    repetition_penalty = sampling._check_repetition_penalty(who, repetition_penalty)
+    presence_penalty = sampling._check_penalty(who, "presence_penalty", presence_penalty)
+    frequency_penalty = sampling._check_penalty(who, "frequency_penalty", frequency_penalty)
     stop, pad = _stop_tokens(model, eos_token_id, pad_token_id)
-    rng = np.random.default_rng(seed)
-    return max_new_tokens, temperature, top_k, top_p, rng, stop, pad
+    params = SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        # top_p = 0 keeps the most likely token alone, as any top_p below every probability
+        # (the nucleus filter keeps at least one token)
+        top_p=_TINY_TOP_P if top_p == 0 else 1.0 if top_p is None else top_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        seed=None if seed is None else int(seed),
+    )
+    return int(max_new_tokens), params, stop, pad
+
+
+#: the top_p of ``top_p=0``: below every float32 probability of a token kept after the softmax
+_TINY_TOP_P = 1e-45
 
 
 def _real(model: Llama, value: Any, name: str) -> float:
@@ -333,45 +385,19 @@ def generate(
     *,
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
 ) -> np.ndarray | list[np.ndarray]:
     """The tokens of :meth:`Llama.generate <mila_py.models.Llama.generate>` (see there): the
     prompt followed by the new ones, on the host."""
     args = (max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, pad_token_id)
-    rows, lengths, steps, kind = _start(model, prompt, *args, stacklevel=5)
+    penalties = (min_p, repetition_penalty, presence_penalty, frequency_penalty)
+    rows, lengths, steps, kind = _start(model, prompt, *args, *penalties, stacklevel=5)
     new = list(steps)
     tail = np.stack(new, axis=1) if new else rows[:, :0]
     if kind == "list":
         return [np.concatenate([r[:n], t]) for r, n, t in zip(rows, lengths, tail, strict=True)]
     out = np.concatenate([rows, tail], axis=1)
     return out if kind == "2d" else out[0]
-
-
-def sample(
-    logits: np.ndarray,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    rng: np.random.Generator,
-) -> np.ndarray:
-    """Next token per row of ``logits [B, V]``."""
-    if temperature == 0:
-        return logits.argmax(axis=-1)
-    wide = logits.astype(np.float64)
-    # shifted first: a tiny temperature then sends the others to -inf, never the top to inf
-    with np.errstate(over="ignore"):  # -> -inf, which is what it means
-        scaled = (wide - wide.max(axis=-1, keepdims=True)) / temperature
-    if top_k is not None and top_k < scaled.shape[-1]:
-        kth = np.partition(scaled, -top_k, axis=-1)[:, -top_k][:, None]
-        scaled = np.where(scaled < kth, -np.inf, scaled)
-    probs = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
-    probs /= probs.sum(axis=-1, keepdims=True)
-    if top_p is not None and top_p < 1:
-        order = np.argsort(-probs, axis=-1)
-        sorted_probs = np.take_along_axis(probs, order, axis=-1)
-        keep_sorted = np.cumsum(sorted_probs, axis=-1) - sorted_probs < top_p
-        keep_sorted[:, 0] = True  # the most likely token always (top_p = 0: greedy)
-        keep = np.zeros_like(keep_sorted)
-        np.put_along_axis(keep, order, keep_sorted, axis=-1)
-        probs = np.where(keep, probs, 0.0)
-        probs /= probs.sum(axis=-1, keepdims=True)
-    return np.array([rng.choice(probs.shape[-1], p=row) for row in probs])

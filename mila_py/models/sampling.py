@@ -25,6 +25,7 @@ updated in place with each step's tokens, so no token history goes back to the h
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from types import ModuleType
@@ -52,6 +53,8 @@ __all__ = [
 PENALTY_RANGE = (-2.0, 2.0)
 
 _NEG_INF = np.float32(-np.inf)
+#: the smallest normal float32: the temperature of a draw whose temperature rounds to 0 there
+_TINIEST = float(np.finfo(np.float32).tiny)
 
 
 class SamplingTypeError(TypeError, ValueError):
@@ -651,6 +654,15 @@ def process_logits(logits: Any, params: SamplingParams, counts: TokenCounts | No
     xp = _check_logits(who, logits)
     if not isinstance(params, SamplingParams):
         raise TypeError(f"{who}: params must be a SamplingParams, got {type(params).__name__}")
+    x = _penalized(logits, params, counts, xp)
+    if params.greedy:
+        return x
+    return _warped(x, params)
+
+
+def _penalized(logits: Any, params: SamplingParams, counts: TokenCounts | None, xp: Any) -> Any:
+    """The first half of :func:`process_logits`: the penalties."""
+    who = "process_logits"
     x = logits
     if params.uses_counts:
         if counts is None:
@@ -666,8 +678,12 @@ def process_logits(logits: Any, params: SamplingParams, counts: TokenCounts | No
             x = apply_presence_frequency(
                 x, params.presence_penalty, params.frequency_penalty, counts.generated
             )
-    if params.greedy:
-        return x
+    return x
+
+
+def _warped(x: Any, params: SamplingParams) -> Any:
+    """The second half of :func:`process_logits` when sampling: temperature, top-k, top-p,
+    min-p."""
     if params.temperature != 1.0:
         x = apply_temperature(x, params.temperature)
     if params.top_k:
@@ -733,14 +749,22 @@ def sample_tokens(
     # or inf travels through the processors
     x = xp.where(usable[:, None], logits, np.float32(0))
     with _quiet():
-        x = process_logits(x, params, counts)
+        x = _penalized(x, params, counts, xp)
         top = x.max(axis=-1, keepdims=True)  # [B, 1]
         usable &= top[:, 0] > -np.inf  # every logit pushed to -inf by the penalties
         if params.greedy:
             tokens = x.argmax(axis=-1)
         else:
-            # +inf (a tiny temperature or penalty overflowed float32) as the limit of the
-            # softmax: the tokens at +inf share the row, the others get nothing
+            # each row shifted to a maximum of 0 before the temperature, which leaves the
+            # distribution as it is but keeps x / T finite at the top: a temperature so small
+            # that 1 / T overflows float32 (or T rounds to 0 there) draws the largest logits
+            # alone, the limit of the softmax
+            if not np.float32(params.temperature) > 0:
+                params = dataclasses.replace(params, temperature=_TINIEST)
+            x = _warped(xp.where(xp.isfinite(top), x - top, x), params)
+            top = x.max(axis=-1, keepdims=True)
+            # +inf (a penalty overflowed float32) as the limit of the softmax: the tokens at
+            # +inf share the row, the others get nothing
             probs = xp.exp(xp.where(x == top, np.float32(0), x - top))  # [B, V], max 1
             cum = xp.cumsum(probs, axis=-1, dtype=xp.float64)
             threshold = uniforms.astype(xp.float64) * cum[:, -1]  # [B], < the total

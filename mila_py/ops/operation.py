@@ -13,6 +13,7 @@ import numpy as np
 from mila_py.build_context import BuildContext
 from mila_py.devices.device import DeviceType
 from mila_py.devices.execution_context import ExecutionContext
+from mila_py.devices.graph import reads_host
 from mila_py.precision import Precision
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "bind_attention_decode",
     "bind_cache_write",
     "bind_rope_decode",
+    "write_ints",
 ]
 
 
@@ -33,6 +35,9 @@ class DecodePositions:
         n_sequences: ``B``.
         context: the plan's execution context; on a GPU the positions are kept in its memory
             too (:attr:`device`), where the step's kernels read them.
+        limit: every position of the plan's steps is below it (the KV cache's length), so
+            that an op can choose at bind time what serves every step (one table, one launch
+            geometry); None when unknown.
 
     Attributes:
         each: int64 ``[B]``, the position of every sequence (written in place per step).
@@ -40,14 +45,18 @@ class DecodePositions:
         uniform: every sequence is at ``highest`` (no per-sequence work needed).
         device: int32 ``[B]`` on the context's device, :attr:`each` as of the last :meth:`set`
             (written on the context's stream, ahead of the step's kernels); None on the CPU.
+        limit: as given.
     """
 
-    __slots__ = ("_context", "device", "each", "highest", "uniform")
+    __slots__ = ("_context", "device", "each", "highest", "limit", "uniform")
 
-    def __init__(self, n_sequences: int, context: ExecutionContext | None = None) -> None:
+    def __init__(
+        self, n_sequences: int, context: ExecutionContext | None = None, limit: int | None = None
+    ) -> None:
         self.each = np.zeros(n_sequences, dtype=np.int64)
         self.highest = 0
         self.uniform = True
+        self.limit = limit
         on_device = context is not None and context.device_type is not DeviceType.CPU
         self._context = context if on_device else None
         self.device: Any = None
@@ -59,13 +68,19 @@ class DecodePositions:
         (every position below ``2**31``); run it with the context active."""
         self.each[...] = positions
         self.highest, self.uniform = highest, lowest == highest
-        ctx: Any = self._context
-        if ctx is not None and self.each.size:
-            values = self.each.astype(np.int32)
-            if ctx.xp is np:  # a device of NumPy arrays (the tests' kernel emulator)
-                self.device[...] = values
-            else:  # ordered after the previous step's kernels, which read the old values
-                self.device.set(values, stream=ctx.stream)
+        if self._context is not None and self.each.size:
+            write_ints(self._context, self.device, self.each)
+
+
+def write_ints(context: Any, buffer: Any, values: np.ndarray) -> None:
+    """Host ints ``values`` into the int32 device array ``buffer`` of the same size, on the
+    context's stream (ordered after the work queued before, which may read the old values);
+    run it with the context active. The values must fit an int32."""
+    host = values.astype(np.int32).reshape(buffer.shape)
+    if context.xp is np:  # a device of NumPy arrays (the tests' kernel emulator)
+        buffer[...] = host
+    else:
+        buffer.set(host, stream=context.stream)
 
 
 def bind_rope_decode(
@@ -73,9 +88,11 @@ def bind_rope_decode(
 ) -> Callable[[], None]:
     """A RoPE op's ``apply`` on ``q``, ``k`` ``[B, 1, width]`` at the step's ``positions`` (read
     at each call), as a callable of no arguments: the decode-plan call of any RoPE op, which
-    ops with a cheaper direct call use where that does not apply."""
+    ops with a cheaper direct call use where that does not apply (it reads the positions on
+    the host: see :func:`~mila_py.devices.graph.reads_host`)."""
     each = positions.each.reshape(-1, 1)  # a view: the values of the step
 
+    @reads_host
     def rotate() -> None:
         top = positions.highest
         if positions.uniform:
@@ -92,11 +109,13 @@ def bind_cache_write(
     """The new token's keys and values ``[B, Hk*d]`` into row ``positions.each[b]`` of sequence
     ``b`` of the caches ``[B, T_max, Hk*d]`` (C-contiguous), as a callable of no arguments (a
     decode plan): array assignments of the module ``xp``. Ragged steps index the caches seen as
-    ``[B * T_max, Hk*d]`` at ``b * T_max + each[b]`` (one index array, made on the host)."""
+    ``[B * T_max, Hk*d]`` at ``b * T_max + each[b]`` (one index array, made on the host, so
+    the call :func:`~mila_py.devices.graph.reads_host`)."""
     k_rows = k_cache.reshape(-1, k_cache.shape[-1])  # views of the C-contiguous caches
     v_rows = v_cache.reshape(-1, v_cache.shape[-1])
     starts, each = np.arange(k_cache.shape[0]) * k_cache.shape[1], positions.each
 
+    @reads_host
     def write() -> None:
         if positions.uniform:
             k_cache[:, positions.highest] = k_new
@@ -125,9 +144,11 @@ def bind_attention_decode(
     """An attention op's ``forward`` of ``q [B, 1, Hq*d]`` over the cached keys and values
     ``[B, T_max, Hk*d]`` up to the step's ``positions`` (read at each call; sequence ``b`` sees
     ``0 .. positions.each[b]``), into ``out``, as a callable of no arguments: the decode-plan
-    call of any attention op."""
+    call of any attention op (it slices the caches by the positions on the host: see
+    :func:`~mila_py.devices.graph.reads_host`)."""
     each = positions.each
 
+    @reads_host
     def attend() -> None:
         n = positions.highest + 1
         visible = None if positions.uniform else each + 1

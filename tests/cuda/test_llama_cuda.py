@@ -5,7 +5,9 @@
 - a tiny Llama, TRAINING: logits, loss, every gradient and every parameter after AdamW steps
   equal to the CPU model's with the same weights (tied and untied embeddings); the loss a
   standalone component with a context of its own;
-- INFERENCE: chunked prefill, uniform and ragged decode logits, greedy ``generate`` tokens;
+- INFERENCE: chunked prefill, uniform and ragged decode logits (the decode steps replayed
+  from their CUDA graphs), greedy ``generate`` tokens; a captured step on new inputs, and a
+  capture that allocates refused;
 - ``get_memory_stats()`` (and ``required_memory``) identical on both devices.
 
 "Equal" is fp32 parity: cuBLAS and the GPU's reductions sum in other orders than NumPy, so
@@ -33,6 +35,7 @@ from mila_py import BuildContext, Precision, RuntimeMode
 from mila_py.components import RmsNormConfig, SoftmaxCrossEntropy, SoftmaxCrossEntropyConfig
 from mila_py.components.linear import LinearConfig
 from mila_py.devices import create_execution_context
+from mila_py.devices.graph import capture
 from mila_py.models import Llama, LlamaConfig
 from mila_py.ops.cpu.attention import attention_backward, attention_forward
 from mila_py.ops.cpu.linear import linear_backward, linear_forward
@@ -450,12 +453,37 @@ def test_decode_plan_equals_the_component_path(tmp_path, rng, tie: bool, extras:
         want = components._decode_components(dev(x[:n_b, position, None]), where)
         close(got, host(want), rtol=1e-5, atol=1e-5)
     assert sorted(planned._plans) == [1, 2] and components._plans == {}
-    last = planned._plans[2][0].device  # the last step's positions, on the device
+    for plan in planned._plans.values():  # each batch size's step replays its CUDA graph
+        assert plan.step.captures == 1 and plan.step.graph is not None
+    last = planned._plans[2].positions.device  # the last step's positions, on the device
     assert isinstance(last, cupy.ndarray) and last.dtype == np.int32
     np.testing.assert_array_equal(host(last), [35 - 4, 35 - 1])
     for a, b in zip(planned.layers, components.layers, strict=True):
         for cache in ("k_cache", "v_cache"):
             close(a.self_attn._state[cache], host(b.self_attn._state[cache]), rtol=1e-5, atol=1e-5)
+
+
+def test_a_captured_step_replays_on_new_inputs_and_refuses_allocations() -> None:
+    """``mila_py.devices.graph.capture`` on the context's stream: the first call runs the
+    calls and captures them, the later ones launch the graph, which reads its arrays' current
+    values. A call that allocates while it is captured raises (CuPy's allocator refuses;
+    the emulator too), and the stream is left able to capture again."""
+    ctx = create_execution_context(DEVICE)
+    with ctx.activate():
+        a, c = cupy.ones(4, dtype=cupy.float32), cupy.zeros(4, dtype=cupy.float32)
+        step = capture(ctx, [lambda: cupy.multiply(a, 2, out=c), lambda: cupy.add(c, a, out=c)])
+        step()
+        assert step.graph is not None and step.captures == 1
+        np.testing.assert_array_equal(host(c), [3] * 4)
+        cupy.copyto(a, cupy.full(4, 5, dtype=cupy.float32))
+        step()
+        np.testing.assert_array_equal(host(c), [15] * 4)
+        failing = capture(ctx, [lambda: cupy.multiply(a, 2)])  # a new array for the result
+        with pytest.raises(RuntimeError):
+            failing()
+        assert failing.graph is None and not ctx.stream.is_capturing()
+        step()
+        np.testing.assert_array_equal(host(c), [15] * 4)
 
 
 def test_greedy_generate_equals_cpu(weights: str, rng) -> None:

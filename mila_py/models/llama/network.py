@@ -42,7 +42,7 @@ from mila_py.models import generation, text
 from mila_py.models.generation import DEFAULT, Default
 from mila_py.models.llama.block import LlamaBlock, tokens_per_pass
 from mila_py.models.llama.config import LlamaConfig
-from mila_py.ops.operation import DecodePositions
+from mila_py.models.llama.decode_plan import DecodePlan
 from mila_py.ops.registry import create_op
 from mila_py.precision import Precision
 from mila_py.run_lock import serialized
@@ -115,7 +115,7 @@ class Llama(Network):
         self._fix_children()
         self._hidden: Any = None
         #: decode plans per batch size on INFERENCE builds (None on TRAINING builds)
-        self._plans: dict[int, tuple[DecodePositions, list[Any], Any]] | None = None
+        self._plans: dict[int, DecodePlan] | None = None
         self._cached: CachedLengths | None = None  # INFERENCE builds
         #: counts the calls that write the KV cache, so a stream sees another call's
         self._cache_writes = 0
@@ -332,18 +332,22 @@ class Llama(Network):
         """One token per sequence through the cached context.
 
         Args:
-            token: ``[B]`` ints, the newest token of each sequence.
+            token: ``[B]`` ints, the newest token of each sequence. Host ids (a list, a NumPy
+                array) are checked on the host; ids on the model's device cost one wait for
+                the device (their range is read back before the step).
             position: its position, an int or one per sequence ``[B]`` (ragged batches), at
                 most the sequence's :attr:`cached_lengths` (an earlier one rewinds).
 
         Returns:
             next-token logits ``[B, vocab]`` (a copy, on the model's device).
 
-        Runs a decode plan (see :meth:`_decode_plan`), made per batch size on first use.
+        Runs the decode step of ``B`` sequences (a :class:`~.decode_plan.DecodePlan`, made on
+        first use): on a GPU it is captured as a CUDA graph by its first run and replayed by
+        the next ones.
         """
         self._require_inference("decode()")
         ctx = self.execution_context
-        given = token
+        host = None if ctx.is_device_array(token) else np.asarray(token)
         token = _on_device(ctx, token)
         if not (token.ndim <= 1 or (token.ndim == 2 and token.shape[1] == 1)):
             raise ValueError(
@@ -352,20 +356,31 @@ class Llama(Network):
                 "several tokens"
             )
         token = token.reshape(-1, 1)
-        n_b = token.shape[0]
-        positions, lowest, highest = check_decode_positions(
-            position, n_b, self.context_length, self._describe(), ctx.to_host
-        )
         with ctx.activate():
-            shape = self._check_tokens(token, given, token)
-            self._start_cache_write(positions, n_b)
-            self.embed_tokens._lookup(token, shape)  # into the plan's input buffer
-            cell, steps, logits = self._decode_plan(n_b)
-            cell.set(positions, lowest, highest)
-            for step in steps:
-                step()
-            self._cached.mark(positions, 1, n_b)  # type: ignore[union-attr]
-            return logits[:, 0].copy()
+            self._check_tokens(token, token if host is None else host, token)
+            ids = token if host is None else host.reshape(-1)
+            return self._decode_ids(ids, position)[:, 0].copy()
+
+    def _decode_ids(self, ids: Any, position: Any) -> Any:
+        """:meth:`decode` of ids ``[B]`` (or ``[B, 1]``) known to be in the vocabulary: checked
+        by the caller, or a sampler's (host ints, or ints on the device, which are not read
+        back). Returns the logits ``[B, 1, vocab]``, a view of the step's buffer that the next
+        step overwrites. Run it with the context active.
+
+        Raises:
+            ValueError: a bad position, or one that would leave a gap in the KV cache (nothing
+                is written then).
+        """
+        n_b = int(ids.shape[0])
+        positions, lowest, highest = check_decode_positions(
+            position, n_b, self.context_length, self._describe(), self.execution_context.to_host
+        )
+        plan = self._decode_plan(n_b)
+        self._start_cache_write(positions, n_b)
+        plan.feed(ids)
+        logits = plan.run(positions, lowest, highest)
+        self._cached.mark(positions, 1, n_b)  # type: ignore[union-attr]
+        return logits
 
     def _decode_components(self, token: Any, position: Any) -> Any:
         """:meth:`decode` through the components' own calls (``token [B, 1]`` on the device):
@@ -376,36 +391,20 @@ class Llama(Network):
                 h = block._decode(h, position)
             return self._head(h)[:, 0].copy()
 
-    def _decode_plan(self, n_b: int) -> tuple[DecodePositions, list[Any], Any]:
-        """``(positions, steps, logits view)`` of one decode step for ``n_b`` sequences.
+    def _decode_plan(self, n_b: int) -> DecodePlan:
+        """The decode step of ``n_b`` sequences (see :class:`~.decode_plan.DecodePlan`), made on
+        first use and kept for the build.
 
-        Every layer's work bound once to the buffers it reads and writes (the embedding's
-        output in, the head's logits out): a token runs the steps in order, without the checks
-        and view-making of the component calls, which cost ~60 us per layer, as much as the
-        kernels of a small model. Decode sets the positions first. Plans hold
-        views and bound calls only: every buffer they use is a state buffer of the build.
+        Every layer's work bound once to the buffers it reads and writes: a token runs the
+        bound calls in order, without the checks and view-making of the component calls, which
+        cost ~60 us per layer, as much as the kernels of a small model; on a GPU the step is
+        then replayed from a CUDA graph, one launch per token.
         """
         plans = self._plans
         assert plans is not None
         plan = plans.get(n_b)
         if plan is None:
-            cell = DecodePositions(n_b, self.execution_context)
-            h = self.embed_tokens._view("output", (n_b, 1, self.config.dim))
-            scores = self._state.get("decode_scores")  # CPU builds
-            steps: list[Any] = []
-            for block in self.layers:
-                block_steps, h = block._bind_decode(h, cell, scores)
-                steps += block_steps
-            norm_steps, h = self.norm._bind_forward(h)
-            steps += norm_steps
-            if self.lm_head is not None:
-                head_steps, logits = self.lm_head._bind_forward(h)
-                steps += head_steps
-            else:
-                logits = leading_view(self._state["logits"], (n_b, 1, self.config.vocab_size))
-                weight = self.embed_tokens._parameters["weight"]  # [vocab, dim]
-                steps.append(self._head_op.bind_forward(h, weight, None, logits))
-            plan = plans[n_b] = (cell, steps, logits)
+            plan = plans[n_b] = DecodePlan(self, n_b)
         return plan
 
     def stream(
@@ -419,6 +418,10 @@ class Llama(Network):
         *,
         eos_token_id: int | Sequence[int] | Default | None = DEFAULT,
         pad_token_id: int | Default | None = DEFAULT,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
     ) -> Iterator[np.ndarray]:
         """An iterator of ``[B]`` new tokens, one step at a time (prefill once, then decode).
 
@@ -431,9 +434,15 @@ class Llama(Network):
         of new tokens, at most ``context_length - T + 1`` for the longest prompt's ``T`` (a
         larger ``max_new_tokens`` is cut to that with a ``UserWarning``).
 
-        Greedy when ``temperature == 0``; otherwise samples from ``softmax(logits / T)``
-        restricted to the ``top_k`` most likely tokens and the smallest set whose probability
-        reaches ``top_p`` (one generator, seeded with ``seed``, for all rows).
+        Each token is chosen on the model's device (:mod:`mila_py.models.sampling`), with
+        transformers' processors in its order: first the penalties, ``repetition_penalty``
+        (over the prompt and the tokens generated so far; 1 is off) and OpenAI's
+        ``presence_penalty`` and ``frequency_penalty`` (over the generated tokens; 0 is off);
+        then greedy (the argmax) when ``temperature == 0``, else a draw from
+        ``softmax(logits / T)`` restricted to the ``top_k`` most likely tokens, the smallest
+        set whose probability reaches ``top_p`` (0 keeps the most likely token alone) and the
+        tokens at least ``min_p`` times as likely as the most likely one (the draws of all rows
+        from one generator seeded with ``seed``: the same seed gives the same tokens).
 
         With ``eos_token_id`` (one id or several), a sequence that emits one of them is finished:
         its later tokens are ``pad_token_id`` (default: the first EOS id), and the stream ends
@@ -456,8 +465,9 @@ class Llama(Network):
             RuntimeError: another call wrote the KV cache since the previous step (a prefill,
                 decode, reset or other stream on this model): the stream cannot go on.
             FloatingPointError: the model's logits for a new token hold NaN or inf (in a row
-                still generating); the message names the step (the index of the new token)
-                and the sequences. Nothing is sampled from them, and the stream ends.
+                still generating), or the penalties sent all of a row's to -inf; the message
+                names the step (the index of the new token) and the sequences. Nothing is
+                sampled from them, and the stream ends.
 
         The stream holds the model (see the class docstring) from its first token until it ends,
         is closed or is garbage-collected: meanwhile the calls of other threads on this model
@@ -476,6 +486,10 @@ class Llama(Network):
             seed,
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
         )
 
     @serialized
@@ -490,6 +504,10 @@ class Llama(Network):
         *,
         eos_token_id: int | Sequence[int] | Default | None = DEFAULT,
         pad_token_id: int | Default | None = DEFAULT,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
     ) -> np.ndarray | list[np.ndarray]:
         """The prompt followed by up to ``max_new_tokens`` generated tokens, on the host:
         ``[B, T + n]`` for a ``[B, T]`` prompt, ``[T + n]`` for a ``[T]`` one, and for a list of
@@ -514,6 +532,10 @@ class Llama(Network):
             seed,
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
         )
 
     # ------------------------------------------------------------------ text

@@ -269,9 +269,10 @@ class CudaAttentionOp(Operation):
         One ``attention_decode`` launch per step (a block per query head and sequence, the
         scores in shared memory, each sequence's length read from the step's device buffer,
         :attr:`DecodePositions.device`) where the caches and ``out`` are C-contiguous and the
-        scores of the longest sequence fit the default 48 KiB of shared memory (11,000 keys);
-        otherwise, and for other layouts, the GEMM path of :meth:`forward`. ``scratch`` is the
-        CPU op's; this op takes none.
+        scores of ``T_max`` keys fit the default 48 KiB of shared memory (11,000 keys): its
+        arguments and shared memory are the same at every step, so a CUDA graph can replay it.
+        Otherwise, and for other layouts, the GEMM path of :meth:`forward` (which slices the
+        caches by the positions on the host). ``scratch`` is the CPU op's; this op takes none.
         """
         general = bind_attention_decode(
             self.forward, q, k_cache, v_cache, n_heads, n_kv_heads, scale, out, positions
@@ -284,8 +285,10 @@ class CudaAttentionOp(Operation):
             return general
         if k_cache.shape[0] == 0:  # an empty batch: a grid of no blocks is a launch error
             return lambda: None
-        ctx: Any = self.context
         n_b, t_max = k_cache.shape[0], k_cache.shape[1]
+        if t_max > _DECODE_MAX_KEYS:
+            return general
+        ctx: Any = self.context
         head_dim = q.shape[2] // n_heads
         args = (
             q, k_cache, v_cache, out, positions.device, np.int64(q.strides[0] // item),
@@ -295,12 +298,8 @@ class CudaAttentionOp(Operation):
         grid = (n_heads, n_b)
 
         def attend() -> None:
-            n = positions.highest + 1  # the longest sequence's keys
-            if n > _DECODE_MAX_KEYS:
-                general()
-                return
             _kernels.launch(
-                ctx, _FILE, "attention_decode", grid, _DECODE_THREADS, args, shared_mem=n * 4
+                ctx, _FILE, "attention_decode", grid, _DECODE_THREADS, args, shared_mem=t_max * 4
             )
 
         return attend

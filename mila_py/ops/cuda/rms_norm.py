@@ -62,22 +62,30 @@ class CudaRmsNormOp(Operation):
 
     def bind_forward(self, x: Any, weight: Any, out: Any, rstd: Any) -> Callable[[], Any]:
         """:meth:`forward` of fixed buffers as one kernel launch with its arguments made here
-        (C-contiguous ``x`` and ``weight``; else the general call)."""
-        if not (x.flags.c_contiguous and weight.flags.c_contiguous) or x.size == 0:
+        (C-contiguous ``weight`` and ``out``). A strided ``x`` (the heads of Q, a view of the
+        QKV buffer, under ``qk_norm``) is copied into ``out`` first (``xp.copyto``, no new
+        memory) and normalized there in place: the kernel reads each element of a row, sums the
+        row, then each thread writes only the elements it read. Else the general call."""
+        if not (weight.flags.c_contiguous and out.flags.c_contiguous) or x.size == 0:
             return super().bind_forward(x, weight, out, rstd)
+        if x.flags.c_contiguous:
+            return self._bound(x.reshape(-1, x.shape[-1]), weight, out, rstd, None)
+        if x.shape != out.shape:
+            return super().bind_forward(x, weight, out, rstd)
+        return self._bound(out_rows(out), weight, out, rstd, x)
+
+    def _bound(self, x2: Any, weight: Any, out: Any, rstd: Any, staged: Any) -> Callable[[], Any]:
+        """The launch over the rows ``x2 [N, D]``, after a copy of ``staged`` into ``out``
+        (which ``x2`` then views) unless None."""
         ctx: Any = self.context
-        x2 = x.reshape(-1, x.shape[-1])
         n_rows, dim = x2.shape
-        args = (
-            x2,
-            weight,
-            out_rows(out),
-            out_flat(rstd),
-            np.int32(dim),
-            np.float32(self.config.eps),
-        )
+        eps = np.float32(self.config.eps)
+        args = (x2, weight, out_rows(out), out_flat(rstd), np.int32(dim), eps)
+        copyto = ctx.xp.copyto
 
         def run() -> None:
+            if staged is not None:
+                copyto(out, staged)
             _kernels.launch(ctx, _FILE, "rms_norm_forward", (n_rows,), _kernels.ROW_THREADS, args)
 
         return run

@@ -120,25 +120,29 @@ class CudaRopeOp(Operation):
 
     def bind_decode(self, q: Any, k: Any, positions: DecodePositions) -> Callable[[], None]:
         """:meth:`decode` of ``q``, ``k`` ``[B, 1, width]`` at ``positions`` (read at each call),
-        as a callable of no arguments (a decode plan). Where the table covers the step, one
-        launch that reads the positions from the step's device buffer
-        (:attr:`DecodePositions.device`); the rest goes through :meth:`apply`."""
+        as a callable of no arguments (a decode plan). Where one table serves every position
+        below ``positions.limit`` (default: the table's length), one launch that reads the positions from the step's device
+        buffer (:attr:`DecodePositions.device`) and nothing from the host, so a CUDA graph can
+        replay it; a length-dependent scaling (``dynamic``, LongRoPE) whose table changes below
+        the limit goes through :meth:`apply` (which reads the positions on the host)."""
         general = bind_rope_decode(self.apply, q, k, positions)
         table = self.table
         assert table is not None, "CudaRopeOp used before build"
         item = self._item
         if q.shape[1] != 1 or q.shape[0] == 0 or q.strides[2] != item or k.strides[2] != item:
             return general
-        device = positions.device
-        if device is None:
+        device, limit = positions.device, positions.limit
+        if limit is None:  # every position is below the table's length
+            limit = self.config.max_seq_len
+        if device is None or not 0 < limit <= self.config.max_seq_len:
             return general
+        first, last = table.tables_for(1), table.tables_for(limit)
+        if first is None or last is None or first[0] is not last[0] or first[1] is not last[1]:
+            return general  # the rows depend on the step's length
+        cos, sin = first
 
         def rotate() -> None:
-            tables = table.tables_for(positions.highest + 1)
-            if tables is None:  # rows of this length, computed per call
-                general()
-            else:
-                self._launch(q, k, q, k, *tables, device, 0, False)
+            self._launch(q, k, q, k, cos, sin, device, 0, False)
 
         return rotate
 

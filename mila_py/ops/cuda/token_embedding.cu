@@ -13,3 +13,27 @@ extern "C" __global__ void token_embedding_backward(
         }
     }
 }
+
+// out [n_rows, dim] = weight [vocab, dim] [ids[row]] for int32 ids [n_rows] in device memory (a
+// decode step's token buffer, written before the step: nothing here comes from the host). An
+// id outside [0, vocab), which the callers' checks rule out, gives a row of NaN, never a read
+// outside the table. One block per row (grid-stride over rows, threads over the width).
+extern "C" __global__ void token_embedding_lookup(
+    const int* __restrict__ ids, const float* __restrict__ weight, float* __restrict__ out,
+    long long n_rows, int dim, int vocab)
+{
+    for (long long row = blockIdx.x; row < n_rows; row += gridDim.x) {
+        const int id = ids[row];
+        float* target = out + row * dim;
+        if (id < 0 || id >= vocab) {
+            for (int j = threadIdx.x; j < dim; j += blockDim.x) {
+                target[j] = __uint_as_float(0x7fc00000u);
+            }
+            continue;
+        }
+        const float* source = weight + (long long)id * dim;
+        for (int j = threadIdx.x; j < dim; j += blockDim.x) {
+            target[j] = source[j];
+        }
+    }
+}

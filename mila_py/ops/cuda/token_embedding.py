@@ -2,7 +2,8 @@
 
 ::
 
-    forward   y [N, D] = W [V, D] [tokens [N]]      cupy.take into the output buffer
+    forward   y [N, D] = W [V, D] [tokens [N]]      cupy.take into the output buffer (a decode
+                                                    plan: one kernel reading int32 device ids)
     backward  dW [tokens[i]] += dy [i]               one block per token, atomicAdd per element
 
 Repeated ids are added with float atomics, so their order (and the last bits of a row that many
@@ -11,6 +12,7 @@ tokens share) may vary from run to run; the CPU op sums each id's rows in a fixe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -36,6 +38,24 @@ class CudaTokenEmbeddingOp(Operation):
         ctx: Any = self.context
         with ctx.activate():
             ctx.xp.take(weight, tokens, axis=0, out=out)
+
+    def bind_forward(self, tokens: Any, weight: Any, out: Any) -> Callable[[], Any]:
+        """:meth:`forward` of fixed buffers (a decode plan): for C-contiguous int32 ``tokens``
+        (the step's token buffer), ``weight`` and ``out``, one ``token_embedding_lookup``
+        launch, which reads the ids on the device; else the general call."""
+        dense = all(a.flags.c_contiguous for a in (tokens, weight, out))
+        n_rows = int(tokens.size)
+        if not dense or tokens.dtype != np.int32 or n_rows == 0:
+            return super().bind_forward(tokens, weight, out)
+        ctx: Any = self.context
+        vocab, dim = int(weight.shape[0]), int(weight.shape[1])
+        args = (tokens, weight, out, np.int64(n_rows), np.int32(dim), np.int32(vocab))
+        grid = _kernels.grid_1d(n_rows, 1)
+
+        def lookup() -> None:
+            _kernels.launch(ctx, _FILE, "token_embedding_lookup", grid, _kernels.ROW_THREADS, args)
+
+        return lookup
 
     def backward(self, tokens: Any, dy: Any, dweight: Any) -> None:
         """``dweight[tokens[i]] += dy[i]`` for every position ``i`` (repeated ids accumulate)."""

@@ -219,3 +219,25 @@ def test_capture_records_device_work_and_refuses_host_work() -> None:
     cpu = capture(CpuExecutionContext(), [lambda: np.add(a, b, out=c)])
     cpu()
     assert cpu.eager and cpu.graph is None
+
+
+def test_a_call_a_library_refuses_to_capture_leaves_the_step_eager() -> None:
+    """CuPy refuses some library calls while a stream captures (its cuBLAS calls raise
+    NotImplementedError): the capture is dropped, the warm-up's results stand, and the step
+    runs eagerly from then on, giving the same results."""
+    ctx = EmulatedContext()
+    a, b, c = (ctx.to_device(np.full(3, v, np.float32)) for v in (1.0, 2.0, 0.0))
+
+    def library_call() -> None:
+        if ctx.stream.is_capturing():
+            raise NotImplementedError("calling cuBLAS API during stream capture is unsupported")
+        np.multiply(c, 2.0, out=c)
+
+    step = capture(ctx, [lambda: np.add(a, b, out=c), library_call])
+    step()
+    np.testing.assert_array_equal(c, [6, 6, 6])
+    assert step.eager and step.graph is None and not ctx.stream.is_capturing()
+    a[...] = 3.0
+    step()
+    np.testing.assert_array_equal(c, [10, 10, 10])
+    assert step.captures == 1  # never tried again

@@ -90,6 +90,13 @@ class Step:
             with _refusing_allocations(self._context):
                 for call in self._calls:
                     call()
+        except NotImplementedError:
+            # a library that refuses to be captured (CuPy's cuBLAS calls, where a step has
+            # them): the warm-up run already gave this step's results, and the step stays eager
+            with contextlib.suppress(Exception):
+                stream.end_capture()
+            self._stream = None
+            return None
         except BaseException:
             with contextlib.suppress(Exception):  # the capture is invalid: drop it
                 stream.end_capture()

@@ -10,7 +10,8 @@ elementwise part. With ``s = sigmoid(g)``::
 ``s = 1 / (1 + exp(-g))`` and ``1 - s = 1 / (1 + exp(g))`` are each computed directly, so
 neither cancels; where ``exp`` overflows to inf, ``1 / (1 + inf) = 0`` is the right limit (the
 overflow warning is silenced). Rows are processed in cache-sized blocks, so temporaries stay
-small. The math is dtype-generic (the tests run it in float64).
+small. The math is dtype-generic (the tests run it in float64). FP16 and BF16 storage runs the
+float32 code on widened copies, each output rounded once (see :mod:`._wide`).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from mila_py.devices.overlap import same_view
 from mila_py.ops.cpu import _fused_layers
 from mila_py.ops.cpu._fused_op import FusedCpuOp
 from mila_py.ops.cpu._rows import apart_from, as_rows, out_rows, row_blocks
+from mila_py.ops.cpu._wide import CPU_PRECISIONS, is_reduced, store, wide, wide_like
+from mila_py.ops.operation import Operation
 from mila_py.ops.registry import register_op
-from mila_py.precision import Precision
 
 __all__ = ["CpuSwiGLUOp", "swiglu_backward", "swiglu_forward"]
 
@@ -88,13 +90,21 @@ def swiglu_backward(
         np.multiply(dh2[s], dsilu, out=dg2[s])
 
 
-@register_op("SwiGLUOp", DeviceType.CPU, precisions=(Precision.FP32, Precision.FP64))
+@register_op("SwiGLUOp", DeviceType.CPU, precisions=CPU_PRECISIONS)
 class CpuSwiGLUOp(FusedCpuOp):
     """``silu(g) * u`` (see :func:`swiglu_forward`, :func:`swiglu_backward`); forward and
     backward run the fused Numba kernels of :mod:`._fused_layers` when they are available."""
 
     def forward(self, gate: Any, up: Any, out: Any) -> None:
+        if is_reduced(out.dtype):  # float32 copies, rounded once into out
+            h = wide_like(out)
+            self._forward(wide(gate), wide(up), h)
+            store(out, h)
+            return
         gate, up = apart_from((out,), gate, up)
+        self._forward(gate, up, out)
+
+    def _forward(self, gate: Any, up: Any, out: Any) -> None:
         if self.fuses(gate.dtype):
             _fused_layers.swiglu_rows(as_rows(gate), as_rows(up), out_rows(out))
         else:
@@ -113,6 +123,8 @@ class CpuSwiGLUOp(FusedCpuOp):
         C-contiguous ``both [..., 2H]`` (``out [..., H]``), as a callable of no arguments: the
         fused kernel reads the dense rows (the strided halves would not vectorize)."""
         h = out.shape[-1]
+        if is_reduced(both.dtype):
+            return Operation.bind_forward(self, both[..., :h], both[..., h:], out)
         if self.fuses(both.dtype):
             return functools.partial(_fused_layers.swiglu_packed_rows, as_rows(both), out_rows(out))
         return super().bind_forward(both[..., :h], both[..., h:], out)
@@ -120,6 +132,15 @@ class CpuSwiGLUOp(FusedCpuOp):
     def backward(self, gate: Any, up: Any, dh: Any, dgate: Any, dup: Any) -> None:
         """``dgate``, ``dup`` for ``dh``; ``dgate`` may be ``dh`` itself (the same elements), any
         other overlap of an output with an input is copied apart first."""
+        if is_reduced(dup.dtype):  # float32 copies, each output rounded once
+            dg, du = wide(dh), wide_like(dup)
+            self._backward(wide(gate), wide(up), dg, dg, du)
+            store(dgate, dg)
+            store(dup, du)
+            return
+        self._backward(gate, up, dh, dgate, dup)
+
+    def _backward(self, gate: Any, up: Any, dh: Any, dgate: Any, dup: Any) -> None:
         in_place = same_view(dgate, dh)
         gate, up = apart_from((dgate, dup), gate, up)
         (dh,) = apart_from((dup,) if in_place else (dgate, dup), dh)

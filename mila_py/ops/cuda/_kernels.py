@@ -265,7 +265,8 @@ _REDUCED = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
 def matmul(xp: Any, a: Any, b: Any, out: Any) -> None:
-    """``out = a @ b`` for 2-D ``a``, ``b`` and a C-contiguous ``out`` of one float dtype.
+    """``out = a @ b`` for 2-D ``a``, ``b`` of one float dtype and a C-contiguous ``out`` of
+    theirs or a 16-bit one.
 
     float32 and CuPy's FP16/BF16: one ``xp.matmul`` (cuBLAS; 16-bit operands accumulate in
     float32 and the result is rounded once). With NumPy (the emulated GPU of the tests), 16-bit
@@ -274,4 +275,4 @@ def matmul(xp: Any, a: Any, b: Any, out: Any) -> None:
     if xp is np and out.dtype in _REDUCED:
         out[...] = np.matmul(a.astype(np.float32), b.astype(np.float32))
         return
-    xp.matmul(a, b, out=out)
+    xp.matmul(a, b, out=out)  # (float32 operands into a 16-bit out: cast once, by CuPy)

@@ -15,7 +15,8 @@ weight.
 FP16 and BF16: the forward and ``dx`` products take the 16-bit operands as they are (CuPy's
 2-D matmul runs cuBLAS with float32 accumulation and rounds each output once, see
 :func:`._kernels.matmul`); the float32 weight and bias gradients accumulate from float32 copies
-of ``x`` and ``dy`` (a float32 ``dy`` is used as it is).
+of ``x`` and ``dy``. A float32 ``dy`` is used as it is (``dx`` then from a float32 copy of the
+weight).
 """
 
 from __future__ import annotations
@@ -78,5 +79,5 @@ class CudaLinearOp(Operation):
             _kernels.gemm_accumulate(xp, dy_wide, _kernels.as_dtype(xp, x2, wide), dweight)
             if dbias is not None:
                 dbias += dy_wide.sum(axis=0)
-            dy_stored = _kernels.as_dtype(xp, dy2, weight.dtype)
-            _kernels.matmul(xp, dy_stored, weight, out_rows(dx))  # dx = dy W
+            # dx = dy W: a float32 dy takes the weight as float32 too (one rounding, into dx)
+            _kernels.matmul(xp, dy2, _kernels.as_dtype(xp, weight, dy2.dtype), out_rows(dx))

@@ -218,6 +218,25 @@ def test_a_16_bit_product_is_the_float32_product_rounded_once(precision: Precisi
     np.testing.assert_array_equal(lin.forward(x), wide.astype(precision.numpy_dtype))
 
 
+def test_16_bit_cpu_inference_weights_are_stored_as_rows() -> None:
+    """16-bit CPU INFERENCE builds keep every weight ``[out, in]`` (the decode kernel streams
+    rows), a packed SwiGLU's gate and up too; FP32 builds store widening layers transposed."""
+    for precision, rows in ((Precision.FP32, False), (Precision.BF16, True)):
+        lin = built(
+            Linear("lin", LinearConfig(16, 48), device="CPU", precision=precision),
+            (1, 16),
+            INFERENCE,
+        )
+        assert lin.weight.flags.c_contiguous is rows
+        mlp = built(
+            SwiGLU("mlp", SwiGLUConfig(16, 24), device="CPU", precision=precision),
+            (1, 16),
+            INFERENCE,
+        )
+        packed = mlp._packed_weight()
+        assert packed is not None and packed.flags.c_contiguous is rows
+
+
 @needs_numba
 @pytest.mark.parametrize("layout", ["out-in", "in-out"])
 @pytest.mark.parametrize("precision", REDUCED)

@@ -12,10 +12,15 @@ layouts, as :class:`~mila_py.components.Linear` stores its weight:
 - :func:`_columns_product`: ``W^T [in, out]`` C-contiguous (``W`` a transposed view): each
   input element scales a weight row into a block of float32 sums, four rows at a time.
 
-Both split the outputs into blocks over Numba's threads (``prange``). The ops bind them to a
-decode plan's buffers once (:func:`bind`: the compiled function, without Numba's per-call
-dispatch); wider calls (prefill, training) use the float32 BLAS path of :mod:`.linear`.
-Importing this module never fails.
+Both split the outputs into blocks over Numba's threads (``prange``, ``NUMBA_NUM_THREADS``):
+one thread streams a row block at ~half the bandwidth two do, which would leave a 16-bit decode
+no faster than float32's two-thread BLAS. (RoPE's kernels avoid ``parallel=True`` because its
+OpenMP threads keep spinning into the BLAS work that follows them; a 16-bit decode step has no
+BLAS work, and prefill does not use these kernels.) The ops bind them to a decode plan's
+buffers once (:func:`bind`: the compiled function, without Numba's per-call dispatch); wider
+calls (prefill, training) use the float32 BLAS path of :mod:`.linear`. Of the two layouts,
+rows stream faster (~25-28 GB/s against ~20 on 2 EPYC cores), so 16-bit CPU builds store every
+weight ``[out, in]`` (:class:`~mila_py.components.Linear`). Importing this module never fails.
 """
 
 from __future__ import annotations
@@ -26,7 +31,14 @@ from typing import Any
 
 import numpy as np
 
-from mila_py.ops.cpu._fused_math import AVAILABLE, REDUCED_DTYPES, bits, converters, numba
+from mila_py.ops.cpu._fused_math import (
+    AVAILABLE,
+    REDUCED_DTYPES,
+    bits,
+    compiled,
+    converters,
+    numba,
+)
 
 __all__ = ["MAX_ROWS", "applies", "bind"]
 
@@ -126,22 +138,6 @@ def applies(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, out: np.
     return 0 < rows <= MAX_ROWS and (weight.flags.c_contiguous or weight.T.flags.c_contiguous)
 
 
-#: compiled kernels by (kernel, argument types)
-_COMPILED: dict[tuple[Any, ...], Any] = {}
-
-
-def _compiled(kernel: Any, args: tuple[Any, ...]) -> Any:
-    """``kernel`` compiled for ``args``' types, as a plain function (no per-call dispatch: the
-    arguments must keep exactly these types)."""
-    sig = tuple(numba.typeof(a) for a in args)
-    key = (id(kernel), sig)
-    found = _COMPILED.get(key)
-    if found is None:
-        kernel.compile(sig)
-        found = _COMPILED[key] = kernel.get_overload(sig)
-    return found
-
-
 def bind(
     x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, out: np.ndarray
 ) -> Callable[[], None]:
@@ -164,7 +160,7 @@ def bind(
         per_thread = -(-weight.shape[0] // (4 * n_threads))  # ~4 blocks a thread
         block = min(_COLUMN_BLOCK, max(16, -(-per_thread // 16) * 16))
     args = (x2, w, b, y2, widen, narrow, block)
-    return functools.partial(_compiled(kernel, args), *args)
+    return functools.partial(compiled(kernel, args), *args)
 
 
 if AVAILABLE:

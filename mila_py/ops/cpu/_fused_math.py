@@ -43,6 +43,7 @@ __all__ = [
     "REDUCED_DTYPES",
     "backend_allows",
     "bits",
+    "compiled",
     "converters",
     "cpu_backend",
     "enabled",
@@ -84,6 +85,23 @@ def bits(x: np.ndarray) -> np.ndarray:
     """``x`` as a kernel takes it: a 16-bit float array as a ``uint16`` view of its bits, any
     other array as it is."""
     return x.view(np.uint16) if x.dtype in REDUCED_DTYPES else x
+
+
+#: compiled kernels by (kernel, argument types), see :func:`compiled`
+_COMPILED: dict[tuple[Any, ...], Any] = {}
+
+
+def compiled(kernel: Any, args: tuple[Any, ...]) -> Any:
+    """The jitted ``kernel`` compiled for ``args``' types, as a plain function: no per-call
+    dispatch (which costs ~10 us for the converter functions' types), so a decode plan binds
+    it. The function checks little: it must be called with arguments of exactly these types."""
+    sig = tuple(numba.typeof(a) for a in args)
+    key = (id(kernel), sig)
+    found = _COMPILED.get(key)
+    if found is None:
+        kernel.compile(sig)
+        found = _COMPILED[key] = kernel.get_overload(sig)
+    return found
 
 
 def converters(dtype: Any) -> tuple[Any, Any]:

@@ -10,8 +10,9 @@ Per row ``x [D]`` with weight ``w [D]``::
 
 Rows are processed in cache-sized blocks, so temporaries stay small however large the batch.
 The math is dtype-generic (the tests run it in float64); the op trusts its caller's shapes.
-FP16 and BF16 storage runs the float32 code on widened copies, ``y`` and ``dx`` rounded once
-(``r`` and ``dw`` are float32 buffers; see :mod:`._wide`).
+FP16 and BF16 storage computes in float32, ``y`` and ``dx`` rounded once (``r`` and ``dw`` are
+float32 buffers): the fused forward reads and writes the 16-bit bits, the other paths run the
+float32 code on widened copies (see :mod:`._wide`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 from mila_py.devices.device import DeviceType
 from mila_py.devices.overlap import same_view
 from mila_py.ops.cpu import _fused_layers
+from mila_py.ops.cpu._fused_math import bits, compiled, converters
 from mila_py.ops.cpu._fused_op import FusedCpuOp
 from mila_py.ops.cpu._rows import apart_from, as_rows, out_flat, out_rows, row_blocks
 from mila_py.ops.cpu._wide import CPU_PRECISIONS, is_reduced, store, wide, wide_like
@@ -98,34 +100,38 @@ class CpuRmsNormOp(FusedCpuOp):
     """RMS normalization (see :func:`rms_norm_forward`, :func:`rms_norm_backward`); forward and
     backward run the fused Numba kernels of :mod:`._fused_layers` when they are available."""
 
-    def forward(self, x: Any, weight: Any, out: Any, rstd: Any) -> None:
-        if is_reduced(out.dtype):  # float32 copies (apart from the outputs already)
-            y = wide_like(out)
-            self._forward(wide(x), wide(weight), y, rstd)
-            store(out, y)
-            return
-        x, weight = apart_from((out, rstd), x, weight)
-        self._forward(x, weight, out, rstd)
+    def fuses(self, dtype: Any) -> bool:
+        """Whether calls on ``dtype`` run the fused kernels (16-bit storage: as float32)."""
+        return super().fuses(np.dtype(np.float32) if is_reduced(dtype) else dtype)
 
-    def _forward(self, x: Any, weight: Any, out: Any, rstd: Any) -> None:
+    def forward(self, x: Any, weight: Any, out: Any, rstd: Any) -> None:
+        x, weight = apart_from((out, rstd), x, weight)
         if self.fuses(x.dtype):  # one pass (Numba), see _fused_layers
-            _fused_layers.rms_norm_rows(
-                as_rows(x), weight, self.config.eps, out_rows(out), out_flat(rstd)
-            )
+            self._fused_call(x, weight, out, rstd)()
+        elif is_reduced(out.dtype):  # float32 copies, y rounded once
+            y = wide_like(out)
+            rms_norm_forward(wide(x), wide(weight), self.config.eps, y, rstd)
+            store(out, y)
         else:
             rms_norm_forward(x, weight, self.config.eps, out, rstd)
+
+    def _fused_call(self, x: Any, weight: Any, out: Any, rstd: Any) -> Callable[[], Any]:
+        """The fused kernel on 2-D views (16-bit storage as its bits), as a call of its
+        compiled function (no dispatch: decode plans bind it)."""
+        args = (
+            bits(as_rows(x)),
+            bits(weight),
+            float(self.config.eps),
+            bits(out_rows(out)),
+            out_flat(rstd),
+            *converters(x.dtype),
+        )
+        return functools.partial(compiled(_fused_layers.rms_norm_rows, args), *args)
 
     def bind_forward(self, x: Any, weight: Any, out: Any, rstd: Any) -> Callable[[], Any]:
         """The fused kernel on 2-D views (C-contiguous ``x``), else :meth:`forward`."""
         if self.fuses(x.dtype) and x.flags.c_contiguous:
-            return functools.partial(
-                _fused_layers.rms_norm_rows,
-                as_rows(x),
-                weight,
-                self.config.eps,
-                out_rows(out),
-                out_flat(rstd),
-            )
+            return self._fused_call(x, weight, out, rstd)
         return super().bind_forward(x, weight, out, rstd)
 
     def backward(self, x: Any, weight: Any, rstd: Any, dy: Any, dweight: Any, dx: Any) -> None:

@@ -19,6 +19,12 @@ The lifecycle (mirroring Mila's ``Component``):
 Subclasses register what they allocate with :meth:`_add_parameter` and :meth:`_add_state`; from
 those registrations the base class answers ``named_parameters``, ``get_gradients``,
 ``zero_gradients``, ``parameter_count`` and ``get_memory_stats`` for every component alike.
+
+Precision: parameters and state are stored in the component's precision. On TRAINING builds the
+gradient of a 16-bit parameter (FP16, BF16) is an FP32 buffer (:attr:`Precision.compute_dtype`),
+so that micro-batches and many small updates accumulate without 16-bit rounding; the gradients
+of FP32 and FP64 parameters have their parameter's dtype. :class:`~mila_py.memory.MemoryStats`
+counts each buffer in its own dtype (``by_dtype``).
 """
 
 from __future__ import annotations
@@ -444,7 +450,9 @@ class Component(metaclass=_ComponentMeta):
         return self.execution_context.allocate(tuple(shape), dtype, zero=zero)
 
     def _add_parameter(self, name: str, array: Any, *, with_gradient: bool | None = None) -> Any:
-        """Register a parameter (and, on TRAINING builds, a zeroed gradient of the same shape).
+        """Register a parameter (and, on TRAINING builds, a zeroed gradient of the same shape,
+        in :attr:`Precision.compute_dtype` of the component's precision: FP32 for 16-bit
+        parameters).
 
         Raises:
             ValueError: ``with_gradient=True`` on an INFERENCE build (which has no gradients).
@@ -459,7 +467,9 @@ class Component(metaclass=_ComponentMeta):
         if with_gradient is None:
             with_gradient = training
         if with_gradient:
-            self._gradients[name] = self.execution_context.allocate(array.shape, array.dtype)
+            self._gradients[name] = self.execution_context.allocate(
+                array.shape, self._precision.compute_dtype
+            )
         return array
 
     def _add_gradient(self, name: str, array: Any) -> Any:

@@ -2,15 +2,19 @@
 
 Bytes are counted from the arrays components own (``nbytes``), never from allocator pools. An
 array reachable from several components (the shared RoPE table) is counted once in an aggregate.
+Each count is also split by the arrays' dtypes (``MemoryStats.by_dtype``): a BF16 network's
+parameters and activations are BF16 bytes, its gradient buffers and norm statistics FP32.
 """
 
 from __future__ import annotations
 
 import enum
 import numbers
-from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 __all__ = ["MemoryCategory", "MemoryLocation", "MemoryStats", "format_bytes"]
 
@@ -26,9 +30,37 @@ class MemoryLocation(enum.Enum):
     HOST = "host"  # host-side buffers a device component keeps (staging, pinned)
 
 
+#: the fields of MemoryStats that count bytes by category and location
+_COUNTS = (
+    "device_parameter_bytes",
+    "device_gradient_bytes",
+    "device_state_bytes",
+    "host_parameter_bytes",
+    "host_gradient_bytes",
+    "host_state_bytes",
+)
+
+
+def dtype_name(dtype: Any) -> str:
+    """The name bytes of ``dtype`` are counted under: the precision's (``"BF16"``, ``"FP32"``,
+    ...) for float dtypes, else NumPy's (``"int64"``)."""
+    from mila_py.precision import Precision
+
+    try:
+        return str(Precision.from_dtype(dtype))
+    except TypeError:
+        return np.dtype(dtype).name
+
+
 @dataclass(frozen=True)
 class MemoryStats:
-    """Bytes by category on the compute device and on the host."""
+    """Bytes by category on the compute device and on the host, and the same bytes by dtype.
+
+    ``dtype_bytes``: ``(dtype name, bytes)`` pairs over every category and location (see
+    :func:`dtype_name`; a mapping is accepted too), kept sorted by name; :attr:`by_dtype` reads
+    them as a dict. They describe the same arrays as the six counts and take no part in
+    ``==`` (stats made from counts alone have none).
+    """
 
     device_parameter_bytes: int = 0
     device_gradient_bytes: int = 0
@@ -36,15 +68,37 @@ class MemoryStats:
     host_parameter_bytes: int = 0
     host_gradient_bytes: int = 0
     host_state_bytes: int = 0
+    dtype_bytes: tuple[tuple[str, int], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
+        for name in _COUNTS:
+            value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise TypeError(f"MemoryStats.{f.name} must be an int, got {value!r}")
+                raise TypeError(f"MemoryStats.{name} must be an int, got {value!r}")
             if value < 0:
-                raise ValueError(f"MemoryStats.{f.name} must be >= 0, got {value}")
-            object.__setattr__(self, f.name, int(value))
+                raise ValueError(f"MemoryStats.{name} must be >= 0, got {value}")
+            object.__setattr__(self, name, int(value))
+        pairs = self.dtype_bytes
+        items = pairs.items() if isinstance(pairs, Mapping) else pairs
+        merged: dict[str, int] = {}
+        for pair in items:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
+                raise TypeError(
+                    f"MemoryStats.dtype_bytes must hold (dtype name, bytes) pairs, got {pair!r}"
+                )
+            key, value = pair
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise ValueError(
+                    f"MemoryStats.dtype_bytes[{key!r}] must be an int >= 0, got {value!r}"
+                )
+            merged[key] = merged.get(key, 0) + int(value)
+        object.__setattr__(self, "dtype_bytes", tuple(sorted(merged.items())))
+
+    @property
+    def by_dtype(self) -> dict[str, int]:
+        """``{dtype name: bytes}`` over every category and location (empty for stats made from
+        counts alone)."""
+        return dict(self.dtype_bytes)
 
     @classmethod
     def from_arrays(
@@ -53,19 +107,23 @@ class MemoryStats:
         """Count ``(category, location, array)`` entries, each distinct array object once."""
         seen: dict[int, Any] = {}  # holds each array, so a freed one's id cannot come back
         totals: dict[str, int] = {}
+        by_dtype: dict[str, int] = {}
         for category, location, array in entries:
             if array is None or id(array) in seen:
                 continue
             seen[id(array)] = array
             key = f"{location.value}_{category.value}_bytes"
             totals[key] = totals.get(key, 0) + int(array.nbytes)
-        return cls(**totals)
+            name = dtype_name(array.dtype)
+            by_dtype[name] = by_dtype.get(name, 0) + int(array.nbytes)
+        return cls(**totals, dtype_bytes=tuple(by_dtype.items()))
 
     def __add__(self, other: MemoryStats) -> MemoryStats:
         if not isinstance(other, MemoryStats):
             return NotImplemented
         return MemoryStats(
-            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+            **{name: getattr(self, name) + getattr(other, name) for name in _COUNTS},
+            dtype_bytes=self.dtype_bytes + other.dtype_bytes,
         )
 
     def __radd__(self, other: object) -> MemoryStats:
@@ -117,6 +175,11 @@ class MemoryStats:
             )
             if i == 0 or i == len(rows) - 1:
                 lines.append("-" * (sum(widths) + 4))
+        if self.dtype_bytes:  # largest first
+            ordered = sorted(self.dtype_bytes, key=lambda pair: (-pair[1], pair[0]))
+            lines.append(
+                "by dtype: " + ", ".join(f"{name} {format_bytes(n)}" for name, n in ordered)
+            )
         return "\n".join(lines)
 
 

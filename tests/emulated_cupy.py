@@ -202,6 +202,14 @@ class DeviceArray(np.ndarray):
     """A NumPy array standing for device memory (see the module docstring): outside a capture
     it is a NumPy array; during one, its work is recorded or refused."""
 
+    @staticmethod
+    def library_call(what: str) -> None:
+        """Where mila_py stands in for a CUDA library on these arrays (cuBLAS's 16-bit
+        products): CuPy refuses its library calls while a stream captures, with
+        NotImplementedError, and so does this."""
+        if _capturing is not None:
+            raise NotImplementedError(f"calling {what} during stream capture is unsupported")
+
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
         stream = _capturing
         out = kwargs.get("out")

@@ -66,7 +66,7 @@ _KERNEL = re.compile(
     re.S,
 )
 _BF16 = np.dtype(ml_dtypes.bfloat16)
-#: dtypes an array may have for a pointer parameter (the raw 16-bit types of ops/cuda/rope.py:
+#: dtypes an array may have for a pointer parameter (the raw 16-bit types of ops/cuda/common.cuh:
 #: ``mila_bf16`` arrays are bfloat16, or their uint16 bits as CuPy < 14 carries them)
 _POINTERS: dict[str, tuple[np.dtype, ...]] = {
     "float": (np.dtype(np.float32),),
@@ -681,8 +681,23 @@ def rope_name_expressions() -> list[str]:
     return [name for precision in precisions for name in rope.kernel_names(precision)]
 
 
+def layer_name_expressions() -> list[str]:
+    """Every template instantiation the other CUDA ops launch (:class:`_kernels.KernelOp`'s
+    templates, for each precision the op is registered for)."""
+    from mila_py.ops import registry
+
+    names: list[str] = []
+    for entry in registry.registered_ops():
+        cls = entry.cls
+        if entry.device_type is DeviceType.CUDA and issubclass(cls, _kernels.KernelOp):
+            for precision in sorted(entry.precisions, key=lambda p: p.value):
+                names += _kernels.kernel_names(cls.TEMPLATES, precision)
+    return names
+
+
 #: every CUDA op's kernel source (the files' text), and the template instantiations the ops launch
-SOURCES, NAME_EXPRESSIONS = [_kernels.source(f) for f in FILES], rope_name_expressions()
+SOURCES = [_kernels.source(f) for f in FILES]
+NAME_EXPRESSIONS = rope_name_expressions() + layer_name_expressions()
 
 
 def names_in(source: str) -> list[str]:

@@ -537,14 +537,21 @@ def test_zero_gradients() -> None:
 
 @pytest.mark.parametrize("precision", list(Precision))
 def test_parameters_use_the_component_precision(precision: Precision) -> None:
+    """Parameters in the component's precision; their gradients in its compute dtype (FP32
+    for 16-bit parameters, the parameter's own dtype otherwise), counted by dtype too."""
     lin = Linear("lin", 4, 3, device="CPU", precision=precision)
     lin.build(train_ctx())
     assert all(p.dtype == precision.numpy_dtype for p in lin.get_parameters())
-    assert all(g.dtype == precision.numpy_dtype for g in lin.get_gradients())
+    wide = np.float32 if precision in (Precision.FP16, Precision.BF16) else precision.numpy_dtype
+    assert all(g.dtype == wide for g in lin.get_gradients())
     itemsize = np.dtype(precision.numpy_dtype).itemsize
     stats = lin.get_memory_stats()
     assert stats.device_parameter_bytes == 15 * itemsize
-    assert stats.device_gradient_bytes == 15 * itemsize
+    assert stats.device_gradient_bytes == 15 * np.dtype(wide).itemsize
+    by_dtype = {str(precision): 15 * itemsize}
+    by_dtype[str(Precision.from_dtype(wide))] = by_dtype.get(str(Precision.from_dtype(wide)), 0)
+    by_dtype[str(Precision.from_dtype(wide))] += 15 * np.dtype(wide).itemsize
+    assert stats.by_dtype == by_dtype
 
 
 def test_add_parameter_outside_build_raises() -> None:
@@ -623,11 +630,23 @@ def test_final_methods_cannot_be_overridden_directly_or_through_a_mixin(method: 
 
 
 def test_a_missing_op_names_the_precisions_its_device_has_or_says_there_is_none() -> None:
-    from mila_py.components import Linear, LinearConfig
     from mila_py.ops.registry import OpNotFoundError
 
-    with pytest.raises(OpNotFoundError, match=r"a precision that device supports \(.*FP32.*\)"):
-        Linear("half", LinearConfig(4, 4), device="CPU", precision=Precision.FP16)
+    @register_op("TestOnlyOp_fp32_layer", DeviceType.CPU, precisions=[Precision.FP32])
+    class Fp32Only(Operation):
+        pass
+
+    class Narrow(Component):
+        def _on_execution_context_set(self) -> None:
+            self.op = create_op(
+                "TestOnlyOp_fp32_layer", self.execution_context, None, self.precision
+            )
+
+        def _on_building(self, build_context: BuildContext) -> None:
+            pass
+
+    with pytest.raises(OpNotFoundError, match=r"a precision that device supports \(FP32\)"):
+        Narrow("half", device="CPU", precision=Precision.FP16)
 
     class Unknown(Component):
         def _on_execution_context_set(self) -> None:

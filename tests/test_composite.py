@@ -730,15 +730,27 @@ def test_repr_of_an_unbuilt_composite() -> None:
 def test_a_child_whose_op_is_missing_is_named_when_it_joins() -> None:
     """A precision its device lacks is found when the child gets the context: the error names
     the child, its precision and the device, and the network is left as it was."""
-    from mila_py.components import Linear, LinearConfig
-    from mila_py.ops.registry import OpNotFoundError
+    from mila_py.components._layer import Layer
+    from mila_py.devices import DeviceType
+    from mila_py.ops.operation import Operation
+    from mila_py.ops.registry import OpNotFoundError, register_op
 
-    child = Linear("half", LinearConfig(4, 4), precision=Precision.FP16)
+    @register_op("TestOnlyOp_composite_fp32", DeviceType.CPU, precisions=[Precision.FP32])
+    class Fp32OnlyOp(Operation):
+        pass
+
+    class Narrow(Layer):  # a layer whose op the CPU has in FP32 alone
+        _OP_NAME = "TestOnlyOp_composite_fp32"
+        _CONFIG_TYPE = LinearConfig
+
+    child = Narrow("half", LinearConfig(4, 4), precision=Precision.FP16)
     net = Network("net", device="CPU")
-    with pytest.raises(OpNotFoundError, match=r"Linear 'half' \(FP16 on CPU:0\): no op 'LinearOp'"):
+    with pytest.raises(
+        OpNotFoundError, match=r"Narrow 'half' \(FP16 on CPU:0\): no op 'TestOnlyOp_composite_fp32'"
+    ):
         net.add_component(child)
     assert len(net) == 0 and not child.has_execution_context
-    block_of_it = CompositeComponent("blk").add_component(Linear("deep", LinearConfig(4, 4),
+    block_of_it = CompositeComponent("blk").add_component(Narrow("deep", LinearConfig(4, 4),
                                                                  precision=Precision.FP16))  # fmt: skip
-    with pytest.raises(OpNotFoundError, match=r"^Linear 'deep' \(FP16 on CPU:0\)"):
+    with pytest.raises(OpNotFoundError, match=r"^Narrow 'deep' \(FP16 on CPU:0\)"):
         net.add_component(block_of_it)  # named once, by the leaf, not again by its parent

@@ -161,7 +161,11 @@ def test_rms_norm_matches_cpu(ctx: EmulatedContext, rng, n_rows: int, dim: int) 
     rms_norm_backward(x, w, r_ref, dy, dw_ref, dx_ref)
     close(dx, dx_ref, atol=1e-6)
     close(dw, dw_ref, rtol=1e-5, atol=1e-5)  # column sums of n_rows terms of size ~1
-    assert ctx.launches == ["rms_norm_forward", "rms_norm_backward_dx", "rms_norm_backward_dw"]
+    assert ctx.launches == [
+        "rms_norm_forward<float>",
+        "rms_norm_backward_dx<float>",
+        "rms_norm_backward_dw<float>",
+    ]
 
 
 @pytest.mark.parametrize("magnitude", [1e20, 1e-25])
@@ -424,7 +428,7 @@ def test_attention_decode_kernel_matches_a_float64_reference(
         pos = np.array(step)
         positions.set(pos, int(pos.min()), int(pos.max()))
         attend()
-        assert ctx.launches[-1] == "attention_decode"
+        assert ctx.launches[-1] == "attention_decode<float>"
         close(out, _decode_reference(q, k_cache, v_cache, hq, hk, scale, pos), 1e-5, 1e-5)
     np.testing.assert_array_equal(q, q_before)
     assert not out_buf[n_b:].any()
@@ -464,7 +468,7 @@ def test_attention_decode_at_its_key_limit_fits_shared_memory(
     attend = op.bind_decode(q, k_cache[:, :n], v_cache[:, :n], hq, hk, 0.5, out, positions)
     positions.set(n - 1, n - 1, n - 1)
     attend()
-    assert ctx.launches[-1] == "attention_decode"
+    assert ctx.launches[-1] == "attention_decode<float>"
     close(out, _decode_reference(q, k_cache, v_cache, hq, hk, 0.5, [n - 1]), 1e-5, 1e-5)
     monkeypatch.setattr(cuda_attention, "_DECODE_MAX_KEYS", n + 1100)
     attend = op.bind_decode(q, k_cache, v_cache, hq, hk, 0.5, out, positions)
@@ -542,7 +546,7 @@ def test_kv_cache_write_matches_the_array_assignments(
         positions.set(pos, int(pos.min()), int(pos.max()))
         cuda_write()
         cpu_write()
-        assert ctx.launches[-1] == "kv_cache_write"
+        assert ctx.launches[-1] == "kv_cache_write<float>"
         np.testing.assert_array_equal(caches[0], caches[2])
         np.testing.assert_array_equal(caches[1], caches[3])
         for b, p in enumerate(pos):
@@ -615,15 +619,25 @@ def test_launches_check_argument_types(ctx: EmulatedContext, rng) -> None:
     x = f32(rng, 2, 8)
     good = (x, x.copy(), x.copy(), np.empty(2, np.float32), np.int32(8), np.float32(1e-5))
     file = "rms_norm.cu"
-    _kernels.launch(ctx, file, "rms_norm_forward", (2,), 32, good)
+    name = "rms_norm_forward<float>"
+    names = (name, "rms_norm_forward<mila_bf16>")
+
+    def launch(args: tuple, kernel_file: str = file, kernel: str = name) -> None:
+        _kernels.launch(ctx, kernel_file, kernel, (2,), 32, args, name_expressions=names)
+
+    launch(good)
     with pytest.raises(TypeError, match="int given int"):
-        _kernels.launch(ctx, file, "rms_norm_forward", (2,), 32, (*good[:4], 8, good[5]))
+        launch((*good[:4], 8, good[5]))
     with pytest.raises(TypeError, match="float64 array"):
-        _kernels.launch(ctx, file, "rms_norm_forward", (2,), 32, (x.astype(np.float64), *good[1:]))
+        launch((x.astype(np.float64), *good[1:]))
     with pytest.raises(ValueError, match="not C-contiguous"):
-        _kernels.launch(ctx, file, "rms_norm_forward", (2,), 32, (x.T.copy().T, *good[1:]))
+        launch((x.T.copy().T, *good[1:]))
     with pytest.raises(ValueError, match="no kernel 'rms_norm_forward' in the kernel file"):
-        _kernels.launch(ctx, "swiglu.cu", "rms_norm_forward", (2,), 32, good)
+        launch(good, "swiglu.cu")
+    with pytest.raises(TypeError, match=r"mila_bf16\* given a float32 array"):
+        launch(good, kernel="rms_norm_forward<mila_bf16>")  # the storage type is checked too
+    with pytest.raises(ValueError, match="must be among the launch's name_expressions"):
+        _kernels.launch(ctx, file, name, (2,), 32, good)
 
 
 FENCE_SOURCE = r"""

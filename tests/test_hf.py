@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from mila_py import BuildContext, RuntimeMode  # noqa: E402
+from mila_py import BuildContext, Precision, RuntimeMode  # noqa: E402
 from mila_py.interop.hf import (  # noqa: E402
     eos_token_ids,
     hf_to_mila,
@@ -331,7 +331,9 @@ def test_bf16_checkpoint(tmp_path: Path) -> None:
         path, dtype=torch.float32, attn_implementation="eager"
     ).eval()
     assert reference.model.embed_tokens.weight.dtype == torch.float32
-    model = Llama.from_pretrained(path, runtime_mode=RuntimeMode.INFERENCE, batch_size=B, seq_len=T)
+    model = Llama.from_pretrained(
+        path, runtime_mode=RuntimeMode.INFERENCE, batch_size=B, seq_len=T, precision=Precision.FP32
+    )
     toks = tokens(7)
     assert rel_err(model.forward(toks), hf_logits(reference, toks)) < TOL
 
@@ -601,13 +603,20 @@ def test_a_window_covering_the_requested_context_loads(tmp_path: Path) -> None:
     assert rel_err(model.forward(toks), hf_logits(hf_model, toks)) < TOL
 
 
-def test_from_pretrained_refuses_a_precision_a_llama_does_not_run_in(tmp_path: Path) -> None:
-    from mila_py import Precision
-
+def test_from_pretrained_takes_every_precision_a_llama_runs_in(tmp_path: Path) -> None:
+    """An FP32 checkpoint loads as FP32 by default and in any CPU precision on request (its
+    weights rounded to it); a precision that is not a Precision is a TypeError."""
     path = save(make_hf(), tmp_path / "llama")
-    for precision in (Precision.BF16, Precision.FP16):
-        with pytest.raises(ValueError, match="FP32, or FP64 on the CPU"):
-            Llama.from_pretrained(path, batch_size=B, seq_len=T, precision=precision)
+    wide = Llama.from_pretrained(path, batch_size=B, seq_len=T)
+    assert wide.precision is Precision.FP32
+    for precision in (Precision.BF16, Precision.FP16, Precision.FP64):
+        model = Llama.from_pretrained(path, batch_size=B, seq_len=T, precision=precision)
+        assert model.precision is precision
+        for (name, p), (_, q) in zip(
+            model.named_parameters(), wide.named_parameters(), strict=True
+        ):
+            assert p.dtype == precision.numpy_dtype, name
+            np.testing.assert_array_equal(p, q.astype(precision.numpy_dtype), err_msg=name)
     with pytest.raises(TypeError, match="must be a Precision"):
         Llama.from_pretrained(path, batch_size=B, seq_len=T, precision="FP32")  # type: ignore[arg-type]
 

@@ -21,7 +21,6 @@ from mila_py import BuildContext, Network, Precision, RuntimeMode, TrainingMode
 from mila_py.components import Linear, LinearConfig
 from mila_py.init import manual_seed
 from mila_py.ops.cpu.linear import linear_backward, linear_forward
-from mila_py.ops.registry import OpNotFoundError
 
 B, T, IN, OUT = 3, 5, 7, 4
 
@@ -65,13 +64,14 @@ def test_config_is_frozen_and_needs_the_right_type() -> None:
         Linear("proj", {"in_features": 2, "out_features": 3})
 
 
-def test_construction_allocates_nothing_and_refuses_unsupported_precision() -> None:
+def test_construction_allocates_nothing_in_every_cpu_precision() -> None:
     lin = Linear("proj", LinearConfig(IN, OUT), device="CPU")
     assert (
         not lin.is_built and lin.get_parameters() == [] and lin.get_memory_stats().total_bytes == 0
     )
-    with pytest.raises(OpNotFoundError, match="LinearOp"):
-        Linear("proj", LinearConfig(IN, OUT), device="CPU", precision=Precision.FP16)
+    for precision in Precision:  # every one the CPU stores, 16-bit storage included
+        lin = Linear("proj", LinearConfig(IN, OUT), device="CPU", precision=precision)
+        assert lin.precision is precision and lin.get_memory_stats().total_bytes == 0
 
 
 # ------------------------------------------------------------------------------- forward

@@ -27,8 +27,9 @@ def _stats(*values: int) -> MemoryStats:
 
 
 def test_fields_are_the_six_int_categories_defaulting_to_zero() -> None:
-    assert [f.name for f in dataclasses.fields(MemoryStats)] == FIELDS
+    assert [f.name for f in dataclasses.fields(MemoryStats)] == [*FIELDS, "dtype_bytes"]
     empty = MemoryStats()
+    assert empty.by_dtype == {}
     for name in FIELDS:
         assert getattr(empty, name) == 0
         assert type(getattr(empty, name)) is int

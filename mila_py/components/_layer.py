@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
+import ml_dtypes
 import numpy as np
 
 from mila_py.build_context import BuildContext
@@ -62,12 +63,18 @@ def check_device_array(owner: Any, x: Any, name: str) -> None:
         )
 
 
+#: storage dtypes whose components take an upstream gradient in float32 too
+_REDUCED = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
 def check_grad(owner: Any, dy: Any, name: str, shape: tuple[int, ...], dtype: Any) -> None:
-    """Raise unless ``dy`` is an array of ``owner``'s device, of ``dtype`` and exactly
-    ``shape`` (the last forward's output): TypeError / ValueError naming ``owner``."""
+    """Raise unless ``dy`` is an array of ``owner``'s device, of ``dtype`` (or float32 when
+    ``dtype`` is 16-bit storage: a gradient kept in float32 upstream) and exactly ``shape``
+    (the last forward's output): TypeError / ValueError naming ``owner``."""
     check_device_array(owner, dy, name)
-    if dy.dtype != dtype:
-        raise TypeError(f"{owner._describe()}: {name} has dtype {dy.dtype}; expected {dtype}")
+    if dy.dtype != dtype and not (dtype in _REDUCED and dy.dtype == np.float32):
+        also = " or float32" if dtype in _REDUCED else ""
+        raise TypeError(f"{owner._describe()}: {name} has dtype {dy.dtype}; expected {dtype}{also}")
     if tuple(dy.shape) != tuple(shape):
         raise ValueError(
             f"{owner._describe()}: {name} must have the shape of the last forward output "
@@ -263,5 +270,6 @@ class Layer(Component):
         return shape
 
     def _check_grad(self, dy: Any, name: str, shape: tuple[int, ...]) -> None:
-        """Validate an upstream gradient: this device, this dtype, exactly ``shape``."""
+        """Validate an upstream gradient: this device, this dtype (or float32 for 16-bit
+        storage), exactly ``shape``."""
         check_grad(self, dy, name, shape, self._dtype)

@@ -289,7 +289,9 @@ class GroupedQueryAttention(CompositeComponent):
         self._cached = CachedLengths(n_b) if build_context.is_inference else None
         if build_context.is_training:
             groups = cfg.n_heads // cfg.n_kv_heads
-            self._add_state("probs", self._allocate((n_b, cfg.n_kv_heads, groups, n_t, n_t)))
+            # the softmax's probabilities in its compute dtype (float32 for 16-bit storage)
+            probs = (n_b, cfg.n_kv_heads, groups, n_t, n_t)
+            self._add_state("probs", self._allocate(probs, self.precision.compute_dtype))
             self._add_state("dqkv", self._allocate((n_b, n_t, cfg.q_width + 2 * cfg.kv_width)))
         self._saved = None
 

@@ -7,8 +7,17 @@ from typing import Any
 
 from mila_py.build_context import BuildContext
 from mila_py.components._layer import Layer, check_sizes, is_bool
+from mila_py.devices import DeviceType
 
-__all__ = ["Linear", "LinearConfig"]
+__all__ = ["Linear", "LinearConfig", "transposes"]
+
+
+def transposes(layer: Any, in_features: int, out_features: int) -> bool:
+    """Whether an INFERENCE build of ``layer`` (a component with its execution context) stores
+    an ``[out, in]`` weight as ``[in, out]`` storage: for widening products
+    (``in_features <= out_features``), except 16-bit storage on the CPU (see :class:`Linear`)."""
+    cpu16 = layer.precision.is_reduced and layer.device_id.device_type is DeviceType.CPU
+    return in_features <= out_features and not cpu16
 
 
 @dataclass(frozen=True)
@@ -47,7 +56,9 @@ class Linear(Layer):
     INFERENCE builds of a layer that widens (``in_features <= out_features``) store the weight
     as ``[in_features, out_features]`` and expose ``weight`` as its transposed view (same shape
     and values, Fortran order): a decode step's matrix-vector product then streams it up to 15%
-    faster on the CPU; narrowing layers keep ``[out, in]`` rows, faster for them. A parent may
+    faster on the CPU; narrowing layers keep ``[out, in]`` rows, faster for them. 16-bit
+    (FP16, BF16) CPU builds keep ``[out, in]`` rows in every case: the decode kernel that reads
+    16-bit weights (:mod:`mila_py.ops.cpu._fused_linear`) streams rows faster. A parent may
     instead hand the layer its weight as a view of a buffer it packs with others (see
     :class:`~mila_py.components.swiglu.SwiGLU`): ``weight`` is then that view, whatever its
     strides.
@@ -81,7 +92,7 @@ class Linear(Layer):
                     f"{cfg.in_features}], got {list(packed.shape)}"
                 )
             weight = self._add_parameter("weight", packed)
-        elif build_context.is_inference and cfg.in_features <= cfg.out_features:
+        elif build_context.is_inference and transposes(self, cfg.in_features, cfg.out_features):
             # Decode multiplies one row by W^T. CPU BLAS streams a wide W^T faster from [in, out]
             # rows (the output head gains most), a tall one from [out, in] rows (down_proj; see
             # docs/performance.md); CUDA builds share the rule (cuBLAS takes either through the

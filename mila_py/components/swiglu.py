@@ -11,7 +11,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from mila_py.build_context import BuildContext
 from mila_py.components._layer import Layer, check_sizes, is_bool, leading_view
-from mila_py.components.linear import Linear, LinearConfig
+from mila_py.components.linear import Linear, LinearConfig, transposes
 from mila_py.composite import CompositeComponent
 from mila_py.devices import DeviceLike, DeviceType
 from mila_py.init import init_name, set_init_name
@@ -62,7 +62,8 @@ class SwiGLU(Layer, CompositeComponent):
 
     INFERENCE builds on the CPU without biases *pack* the two input projections: ``gate_proj``'s
     and ``up_proj``'s weights are the two halves of one ``[2 hidden_dim, dim]`` matrix (stored
-    as ``[dim, 2 hidden_dim]`` rows when ``dim <= 2 hidden_dim``, the :class:`Linear` rule), and
+    as ``[dim, 2 hidden_dim]`` rows when ``dim <= 2 hidden_dim``, the :class:`Linear` rule, and as
+    ``[2 hidden_dim, dim]`` rows in 16-bit storage), and
     a decode step computes both with one matrix product into ``gate_up [B, 2 hidden_dim]`` (a
     state buffer of ``B`` rows, the build's first dimension). Names, shapes, values and the
     component calls are those of unpacked builds; one product instead of two is ~20% of a
@@ -105,7 +106,7 @@ class SwiGLU(Layer, CompositeComponent):
         packs = self._packs(build_context)
         if packs:
             # the Linear layout rule for the packed [2 hidden, dim] matrix
-            if dim <= 2 * hidden:
+            if transposes(self, dim, 2 * hidden):
                 packed = self._allocate((dim, 2 * hidden)).T
             else:
                 packed = self._allocate((2 * hidden, dim))

@@ -27,7 +27,10 @@ Hugging Face Llama stores Q and K already in the ``rotate_half`` layout (mila_py
 ``layout="half"``), so no permutation is applied.
 
 Neither transformers nor torch is needed: the files are read with ``safetensors.numpy``
-(``ml_dtypes`` gives NumPy its ``bfloat16``), and BF16/FP16 tensors are widened to float32.
+(``ml_dtypes`` gives NumPy its ``bfloat16``). A load casts each tensor to the model's precision
+(a BF16 checkpoint into a BF16 model is copied as it is); :func:`checkpoint_precision` reads
+the precision a checkpoint is stored in, which ``Llama.from_pretrained`` defaults to.
+:func:`read_hf_checkpoint` widens BF16/FP16 tensors to float32.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from mila_py.interop.hf_rope import (
 from mila_py.interop.tokenizer import TOKENIZER_NAME, Tokenizer
 from mila_py.models.llama.config import LlamaConfig
 from mila_py.models.llama.network import Llama
+from mila_py.precision import Precision
 from mila_py.rope.config import RopeConfig
 from mila_py.rope.scaling import rope_type_name
 from mila_py.serialization import (
@@ -65,6 +69,7 @@ from mila_py.serialization import (
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
+    "checkpoint_precision",
     "eos_token_ids",
     "hf_to_mila",
     "hf_weight_files",
@@ -663,6 +668,55 @@ def read_text_files(
     return tokenizer, GenerationDefaults.from_pretrained(root)
 
 
+#: ``torch_dtype`` / ``dtype`` values of ``config.json`` and safetensors dtypes -> precisions
+_CONFIG_DTYPES = {
+    "float32": Precision.FP32,
+    "float": Precision.FP32,
+    "float16": Precision.FP16,
+    "half": Precision.FP16,
+    "bfloat16": Precision.BF16,
+    "float64": Precision.FP64,
+    "double": Precision.FP64,
+}
+_FILE_DTYPES = {
+    "F32": Precision.FP32,
+    "F16": Precision.FP16,
+    "BF16": Precision.BF16,
+    "F64": Precision.FP64,
+}
+
+
+def checkpoint_precision(
+    config: Mapping[str, Any], files: list[tuple[Path, list[str] | None]]
+) -> Precision:
+    """The precision a checkpoint is stored in: ``config.json``'s ``dtype`` (transformers 5)
+    or ``torch_dtype`` (4.x), as ``"bfloat16"``, ``"float16"``, ``"float32"`` or
+    ``"torch.bfloat16"``; where neither names a float type (absent, ``"auto"``), the dtype of
+    the first float tensor in the weight files' headers (nothing is read beyond them); FP32
+    when there is none.
+
+    Args:
+        config: the ``config.json`` dict (a ``text_config`` inside it is looked at too).
+        files: :func:`hf_weight_files`' list.
+    """
+    for where in (config, config.get("text_config")):
+        if not isinstance(where, Mapping):
+            continue
+        for key in ("dtype", "torch_dtype"):
+            value = where.get(key)
+            if isinstance(value, str):
+                found = _CONFIG_DTYPES.get(value.strip().lower().removeprefix("torch."))
+                if found is not None:
+                    return found
+    for file, names in files:
+        with open_safetensors(file, "checkpoint_precision") as f:
+            for name in f.keys() if names is None else names:
+                found = _FILE_DTYPES.get(f.get_slice(name).get_dtype())
+                if found is not None:
+                    return found
+    return Precision.FP32
+
+
 def _read_json(file: Path, who: str) -> dict[str, Any]:
     try:
         value = json.loads(file.read_text())
@@ -824,7 +878,9 @@ def read_hf_checkpoint(
 
 
 def save_hf_checkpoint(model: Llama, path: str | os.PathLike[str]) -> None:
-    """Write a built :class:`Llama` as a Hugging Face checkpoint directory (float32 weights).
+    """Write a built :class:`Llama` as a Hugging Face checkpoint directory: float32 weights
+    for FP32 and FP64 models, BF16 / FP16 weights for models of those precisions (their
+    ``config.json`` names the dtype, which ``from_pretrained`` then defaults to).
 
     ``path`` gets ``config.json`` (see :func:`llama_config_to_hf`) and ``model.safetensors``
     that ``AutoModelForCausalLM.from_pretrained`` loads. All or nothing: both files are
@@ -847,12 +903,13 @@ def save_hf_checkpoint(model: Llama, path: str | os.PathLike[str]) -> None:
     if not model.is_built:
         raise RuntimeError(f"{model._describe()}: build it before save_hf_checkpoint()")
     config = llama_config_to_hf(model.config)  # refused before anything is written
+    dtype = model.precision.numpy_dtype if model.precision.is_reduced else np.dtype(np.float32)
+    config["torch_dtype"] = config["dtype"] = _TORCH_NAMES[np.dtype(dtype)]
     config_text = json.dumps(config, indent=2, sort_keys=True) + "\n"
     ctx = model.execution_context
     params = {name: readable_on_host(ctx, p) for name, p in model.named_parameters()}
     tensors = {
-        k: np.ascontiguousarray(v, dtype=np.float32)
-        for k, v in mila_to_hf(params, model.config).items()
+        k: np.ascontiguousarray(v, dtype=dtype) for k, v in mila_to_hf(params, model.config).items()
     }
     root = Path(path)
     try:
@@ -869,6 +926,14 @@ def save_hf_checkpoint(model: Llama, path: str | os.PathLike[str]) -> None:
         ],
         who=who,
     )
+
+
+#: the dtype names transformers writes in config.json
+_TORCH_NAMES = {
+    np.dtype(np.float32): "float32",
+    np.dtype(np.float16): "float16",
+    np.dtype(ml_dtypes.bfloat16): "bfloat16",
+}
 
 
 def load_hf_weights(model: Llama, tensors: Mapping[str, Any]) -> None:
@@ -1000,6 +1065,7 @@ def _load_entries(model: Llama, entries: Mapping[str, _Entry], what: str) -> Non
             f"{model._describe()}: {what}; nothing was loaded:\n  " + "\n  ".join(problems)
         )
     ctx = model.execution_context
+    dtype = model.precision.numpy_dtype
     params = dict(model.named_parameters())
     for hf_name, mila_name in _name_pairs(cfg):
         param = params[mila_name]
@@ -1007,16 +1073,17 @@ def _load_entries(model: Llama, entries: Mapping[str, _Entry], what: str) -> Non
             start = 0
             for name in hf_name:
                 stop = start + named[name].shape[0]
-                _copy_into(ctx, param[start:stop], named[name].read())
+                _copy_into(ctx, param[start:stop], named[name].read(), dtype)
                 start = stop
         else:
-            _copy_into(ctx, param, named[hf_name].read())
+            _copy_into(ctx, param, named[hf_name].read(), dtype)
 
 
-def _copy_into(ctx: Any, dst: Any, value: Any) -> None:
-    """``dst[...] = value`` cast to ``dst``'s dtype; a host value reaches a GPU's ``dst``
-    through one upload of its own size."""
+def _copy_into(ctx: Any, dst: Any, value: Any, dtype: Any) -> None:
+    """``dst[...] = value`` cast to ``dtype``, the model's precision (``dst`` may carry it in
+    another dtype: bfloat16 as ``uint16`` bits on an older CuPy); a host value reaches a GPU's
+    ``dst`` through one upload of its own size."""
     if ctx.is_device_array(value):  # NumPy on the CPU: cast as it is copied, no temporary
         dst[...] = value
     else:
-        dst[...] = ctx.to_device(np.asarray(value).astype(dst.dtype, copy=False))
+        dst[...] = ctx.to_device(np.asarray(value).astype(dtype, copy=False))

@@ -523,3 +523,48 @@ def test_contexts_of_one_gpu_share_its_stream() -> None:
     a, b = create_execution_context(DEVICE), create_execution_context(DEVICE)
     assert a.stream is b.stream
     assert a.stream is not cupy.cuda.Stream.null
+
+
+# ------------------------------------------------------------------------- 16-bit storage
+#: a 16-bit Llama on the GPU against the CPU one in the same precision: each side rounds its
+#: float32 results once per store, in its own summation order
+REDUCED_TOL = {Precision.BF16: 2e-2, Precision.FP16: 3e-3}
+
+
+@pytest.mark.parametrize("precision", [Precision.BF16, Precision.FP16])
+def test_a_16_bit_llama_equals_cpu(weights: str, rng, precision: Precision) -> None:
+    """BF16/FP16 on the GPU (cuBLAS products with float32 accumulation, the kernels'
+    16-bit instantiations) against the CPU in the same precision: training logits and float32
+    gradients, chunked prefill, the decode plan over the 16-bit KV cache, greedy generation."""
+    tol = REDUCED_TOL[precision]
+    tokens = rng.integers(0, CFG.vocab_size, size=(2, 12))
+    trained = []
+    for device in ("CPU", DEVICE):
+        model = Llama("llama", CFG, device=device, precision=precision)
+        model.build(BuildContext((2, 12), TRAINING))
+        model.load(weights)
+        ctx = model.execution_context
+        logits = model.forward(ctx.to_device(tokens))
+        assert logits.dtype == precision.numpy_dtype
+        model.backward(ctx.to_device(np.full(logits.shape, 0.1, np.float32)))
+        grads = {n: ctx.to_host(g) for n, g in model.named_gradients()}
+        assert all(g.dtype == np.float32 for g in grads.values())
+        trained.append((ctx.to_host(logits), grads))
+    (ref_logits, ref_grads), (logits, grads) = trained
+    assert rel_err(logits, ref_logits) < tol
+    for name, g in ref_grads.items():
+        assert rel_err(grads[name], g) < 2 * tol, name
+    pair = []
+    for device in ("CPU", DEVICE):
+        model = Llama("llama", CFG, device=device, precision=precision)
+        model.build(BuildContext((2, 40), INFERENCE, prefill_size=5))
+        model.load(weights)
+        pair.append(model)
+    cpu, gpu = pair
+    on_host = gpu.execution_context.to_host  # (bfloat16 comes back as ml_dtypes' bfloat16)
+    x = rng.integers(0, CFG.vocab_size, size=(2, 13))
+    assert rel_err(on_host(gpu.prefill(x)), cpu.prefill(x)) < tol
+    for position in range(13, 20):
+        token = rng.integers(0, CFG.vocab_size, size=2)
+        assert rel_err(on_host(gpu.decode(token, position)), cpu.decode(token, position)) < tol
+    assert gpu.generate(x[:, :5], max_new_tokens=4).shape == (2, 9)

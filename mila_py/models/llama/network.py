@@ -36,7 +36,7 @@ from mila_py.components.linear import Linear, LinearConfig
 from mila_py.components.rms_norm import RmsNorm, RmsNormConfig
 from mila_py.components.token_embedding import TokenEmbedding, TokenEmbeddingConfig
 from mila_py.composite import Network
-from mila_py.devices import DeviceLike, DeviceType
+from mila_py.devices import DeviceId, DeviceLike, DeviceType
 from mila_py.devices.sizing import SizingContext
 from mila_py.models import generation, text
 from mila_py.models.generation import DEFAULT, Default
@@ -56,6 +56,12 @@ class Llama(Network):
     ``build(BuildContext((B, T), mode))`` takes the token shape. ``forward(tokens [B, T] int)``
     returns logits ``[B, T, vocab]``; ``backward(dlogits)`` fills every parameter gradient
     (aligned with ``get_parameters()``).
+
+    ``precision`` (FP32, BF16, FP16; FP64 on the CPU; :attr:`precision` reads it) is the storage
+    of the parameters, activations, logits and KV cache. 16-bit networks compute in FP32 where
+    it matters (matrix-product accumulation, norm statistics, softmax, the loss) and round each
+    result once when it is stored; their TRAINING builds keep FP32 gradients, and ``backward``
+    takes ``dlogits`` in the network's precision or in FP32.
 
     Calls on one model from several threads run one at a time: ``forward``, ``backward``,
     ``prefill``, ``decode``, ``reset`` and ``generate`` each hold the model's
@@ -158,7 +164,8 @@ class Llama(Network):
         for block in self.layers:
             block.self_attn._cached = self._cached
         if self._plans is not None and self.device_id.device_type is DeviceType.CPU:
-            self._add_state("decode_scores", self._allocate((self.config.n_heads * n_t,)))
+            scores = (self.config.n_heads * n_t,)  # float32 for 16-bit storage
+            self._add_state("decode_scores", self._allocate(scores, self.precision.compute_dtype))
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -672,7 +679,7 @@ class Llama(Network):
         batch_size: int = 1,
         prefill_size: int | None = None,
         seq_len: int | None = None,
-        precision: Precision = Precision.FP32,
+        precision: Precision | None = None,
         check_memory: bool = True,
     ) -> Llama:
         """Build a Llama from a Hugging Face checkpoint directory and load its weights.
@@ -685,10 +692,17 @@ class Llama(Network):
             batch_size: B of the build shape.
             prefill_size: prefill chunk size of INFERENCE builds (None: 512 tokens, or the
                 whole context when it is shorter; 0: the whole context).
-            seq_len: T of the build shape (the context capacity of INFERENCE builds); default
-                ``max_position_embeddings``.
-            precision: parameter and activation precision, FP32 (FP64 on the CPU); weights
-                are cast to it.
+            seq_len: T of the build shape (the context capacity of INFERENCE builds, whose
+                KV cache grows with it); default ``min(max_position_embeddings, 4096)``, so
+                that a long-context checkpoint does not build a cache for its whole window
+                unasked (pass a larger ``seq_len``, up to ``max_position_embeddings``, for a
+                longer context).
+            precision: parameter, activation and KV-cache precision (FP32, BF16, FP16, or
+                FP64 on the CPU); default the checkpoint's own (``dtype`` / ``torch_dtype``
+                of ``config.json``, else its tensors' dtype, see
+                :func:`~mila_py.interop.hf.checkpoint_precision`; FP64 becomes FP32 on a
+                device without FP64): a BF16 checkpoint gives a BF16 model, its weights
+                copied as they are. Weights are cast to any other precision asked for.
             check_memory: refuse a build the device cannot hold (see :meth:`build`);
                 ``False`` builds without checking.
 
@@ -713,20 +727,24 @@ class Llama(Network):
         from mila_py.interop import hf
 
         mode = RuntimeMode.INFERENCE if runtime_mode is None else runtime_mode
-        if not isinstance(precision, Precision):
+        if precision is not None and not isinstance(precision, Precision):
             raise TypeError(
-                f"Llama.from_pretrained: precision must be a Precision, got {precision!r}"
+                f"Llama.from_pretrained: precision must be a Precision or None, got {precision!r}"
             )
-        if precision not in (Precision.FP32, Precision.FP64):  # before reading anything
-            raise ValueError(
-                f"Llama.from_pretrained: precision {precision} is not one a Llama runs in "
-                "(FP32, or FP64 on the CPU); the checkpoint's fp16/bf16 weights are widened"
-            )
-        context = int(seq_len) if seq_len is not None and is_int(seq_len) and seq_len > 0 else None
-        config = hf.llama_config_from_hf(hf.read_hf_config(path), context=context)
+        raw = hf.read_hf_config(path)
+        longest: Any = raw.get("max_position_embeddings")
+        if seq_len is not None:
+            context = int(seq_len) if is_int(seq_len) and seq_len > 0 else None
+        else:  # the default bound (a malformed max_position_embeddings is reported below)
+            context = min(int(longest), _DEFAULT_CONTEXT) if is_int(longest) else None
+        config = hf.llama_config_from_hf(raw, context=context)
         files = hf.hf_weight_files(path)
         tokenizer, defaults = hf.read_text_files(path)  # checked before any tensor is read
-        n_t = config.max_seq_len if seq_len is None else seq_len
+        n_t = min(config.max_seq_len, _DEFAULT_CONTEXT) if seq_len is None else seq_len
+        if precision is None:
+            precision = hf.checkpoint_precision(raw, files)
+            if not precision.is_supported_on(DeviceId.parse(device)):
+                precision = Precision.FP32
         if prefill_size is None:
             prefill_size = min(n_t, _DEFAULT_PREFILL) if is_int(n_t) else 0
         model = cls("llama", config, device=device, precision=precision)
@@ -743,6 +761,8 @@ class Llama(Network):
 
 #: from_pretrained's prefill chunk: INFERENCE builds hold activations and logits for one chunk
 _DEFAULT_PREFILL = 512
+#: from_pretrained's default context, at most: its KV cache grows with it
+_DEFAULT_CONTEXT = 4096
 
 
 def _on_device(ctx: Any, array: Any) -> Any:

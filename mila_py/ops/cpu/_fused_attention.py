@@ -4,7 +4,9 @@
   never exponentiated: they are set to 0);
 - :func:`softmax_backward_rows`: ``dp = (dp - row) * p`` in one pass;
 - :func:`decode_attention`: attention of one query token per sequence over its cached keys
-  (scores, softmax and the weighted sum of values per head, no matmul calls).
+  (scores, softmax and the weighted sum of values per head, no matmul calls). FP16 and BF16
+  queries, caches and outputs are read as their bits and widened in registers (the scores,
+  softmax and sums in float32), so a 16-bit KV cache is streamed as it is.
 
 :class:`mila_py.ops.cpu.attention.CpuAttentionOp` uses them when Numba is installed and
 ``MILA_PY_CPU_BACKEND`` is not ``numpy``; the NumPy passes of ``attention.py`` are the
@@ -19,6 +21,8 @@ import numpy as np
 
 from mila_py.ops.cpu._fused_math import (
     AVAILABLE,
+    bits,
+    converters,
     jit_exp,
     k_exp_shifted,
     k_row_max,
@@ -33,7 +37,13 @@ from mila_py.ops.cpu._fused_math import (
 #: how many cached rows ahead of the scores the decode kernel asks for K
 AHEAD = 16
 
-__all__ = ["causal_softmax", "decode_attention", "softmax_backward_rows"]
+__all__ = [
+    "causal_softmax",
+    "compute_dtype",
+    "decode_attention",
+    "decode_kernel",
+    "softmax_backward_rows",
+]
 
 
 def _causal_softmax_rows(s, q_offset, causal):
@@ -74,9 +84,11 @@ def _softmax_backward_rows(dp, p, row):
                 d[i] = (d[i] - c) * q[i]
 
 
-def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g):
+def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g, widen, narrow):
     # one sequence: q [Hq*d]; k, v [Tk, Hk*d]; the first n keys are visible; out [Hq*d];
-    # probs [Hq, Tk] (0 past the visible keys); d the head size, g = Hq / Hk, both compile-time
+    # probs [Hq, Tk] (0 past the visible keys) in the compute dtype; q, k, v and out stored as
+    # widen reads and narrow writes them (16-bit bits, or floats of probs' dtype as they are);
+    # d the head size, g = Hq / Hk, both compile-time
     # constants (literal types: one compilation per pair), so the inner loops unroll into
     # registers (1.6x over runtime sizes at d = 64). Keys outer: K, then V, are read once, front
     # to back, four whole rows (every kv head) at a time: one sequential stream the prefetcher
@@ -84,11 +96,11 @@ def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g):
     # query element.
     literally(d)
     literally(g)
-    zero = q.dtype.type(0.0)
-    one = q.dtype.type(1.0)
-    qs = np.empty(n_heads * d, q.dtype)
+    zero = probs.dtype.type(0.0)
+    one = probs.dtype.type(1.0)
+    qs = np.empty(n_heads * d, probs.dtype)
     for i in range(n_heads * d):
-        qs[i] = q[i] * scale
+        qs[i] = widen(q[i]) * scale
     width = k.shape[1]
     line = 64 // k.itemsize  # elements of a 64-byte cache line
     t = 0
@@ -107,10 +119,10 @@ def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g):
                 a0 = a1 = a2 = a3 = zero
                 for i in range(d):
                     x = qs[qh + i]
-                    a0 += x * k0[lo + i]
-                    a1 += x * k1[lo + i]
-                    a2 += x * k2[lo + i]
-                    a3 += x * k3[lo + i]
+                    a0 += x * widen(k0[lo + i])
+                    a1 += x * widen(k1[lo + i])
+                    a2 += x * widen(k2[lo + i])
+                    a3 += x * widen(k3[lo + i])
                 probs[h, t] = a0
                 probs[h, t + 1] = a1
                 probs[h, t + 2] = a2
@@ -125,7 +137,7 @@ def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g):
                 qh = h * d
                 acc = zero
                 for i in range(d):
-                    acc += qs[qh + i] * kr[lo + i]
+                    acc += qs[qh + i] * widen(kr[lo + i])
                 probs[h, r] = acc
     for h in range(n_heads):
         live = probs[h, :n]
@@ -136,7 +148,7 @@ def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g):
             live[t] *= inv
         for t in range(n, probs.shape[1]):
             probs[h, t] = zero
-    total = np.zeros(n_heads * d, q.dtype)  # local: its loops vectorize without alias checks
+    total = np.zeros(n_heads * d, probs.dtype)  # local: vectorizes without alias checks
     t = 0
     while t + 4 <= n:
         for r in range(t + AHEAD, t + AHEAD + 4):  # V likewise
@@ -151,8 +163,9 @@ def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g):
                 oh = h * d
                 for i in range(d):
                     total[oh + i] += (
-                        w0 * v0[lo + i] + w1 * v1[lo + i] + w2 * v2[lo + i] + w3 * v3[lo + i]
-                    )
+                        w0 * widen(v0[lo + i]) + w1 * widen(v1[lo + i])
+                        + w2 * widen(v2[lo + i]) + w3 * widen(v3[lo + i])
+                    )  # fmt: skip
         t += 4
     for r in range(t, n):
         vr = v[r]
@@ -163,9 +176,9 @@ def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g):
                 w = probs[h, r]
                 oh = h * d
                 for i in range(d):
-                    total[oh + i] += w * vr[lo + i]
+                    total[oh + i] += w * widen(vr[lo + i])
     for i in range(n_heads * d):
-        out[i] = total[i]
+        out[i] = narrow(total[i])
 
 
 #: the decode kernel compiled per argument types and (head size, group), see :func:`decode_kernel`
@@ -180,30 +193,35 @@ def _array_key(a: np.ndarray) -> tuple[Any, ...]:
 
 def decode_kernel(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, n_heads: int, n_kv_heads: int, out: np.ndarray,
-    probs: np.ndarray,
+    probs: np.ndarray, dtype: Any = None,
 ) -> Any:  # fmt: skip
     """The decode kernel compiled for one sequence's arrays of these types (``q [Hq*d]``,
-    ``k``, ``v [Tk, Hk*d]``, ``out [Hq*d]``, ``probs [Hq, Tk]``) and this head geometry, as a
-    plain function ``f(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g)``.
+    ``k``, ``v [Tk, Hk*d]``, ``out [Hq*d]``, as the kernel takes them: 16-bit storage as its
+    bits, see :func:`~._fused_math.bits`; ``probs [Hq, Tk]`` in the compute dtype) and this head
+    geometry, as a plain function ``f(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g,
+    widen, narrow)`` (``widen``, ``narrow``: :func:`~._fused_math.converters` of the storage
+    dtype, which the caller passes; ``dtype`` names it, ``q``'s own when None).
 
     Kept per types and geometry; calling the returned function skips Numba's dispatch, which
     for the literal head size costs ~60-90 ms a call. Its arguments must have exactly the types
     given here (a decode plan binds the same arrays every step; :func:`decode_attention` asks
-    for each call's arrays), ``scale`` a scalar of ``q``'s dtype: the compiled function checks
+    for each call's arrays), ``scale`` a scalar of ``probs``' dtype: the compiled function checks
     little more than the arrays' item size, so an array of another dtype, dimension count or
     layout is read wrongly or crashes the process.
 
     Head counts may be NumPy integers; ``d`` and ``g`` are Python ints (literal types)."""
     n_heads, n_kv_heads = int(n_heads), int(n_kv_heads)
     d, g = q.size // n_heads, n_heads // n_kv_heads
+    dtype = q.dtype if dtype is None else dtype
     # what Numba's array type depends on, read without numba.typeof (~7 us an array)
-    key = (tuple(_array_key(a) for a in (q, k, v, out, probs)), d, g)
+    key = (tuple(_array_key(a) for a in (q, k, v, out, probs)), d, g, np.dtype(dtype))
     kernel = _DECODE_KERNELS.get(key)
     if kernel is None:
         arrays = tuple(numba.typeof(a) for a in (q, k, v, out, probs))
-        item = numba.from_dtype(q.dtype)
+        item = numba.from_dtype(probs.dtype)
         sig = (*arrays[:3], types.intp, types.intp, types.intp, item, *arrays[3:])
-        sig = (*sig, types.literal(d), types.literal(g))
+        functions = tuple(numba.typeof(f) for f in converters(dtype))
+        sig = (*sig, types.literal(d), types.literal(g), *functions)
         _decode_attention_kernel.compile(sig)
         kernel = _DECODE_KERNELS[key] = _decode_attention_kernel.get_overload(sig)
     return kernel
@@ -232,15 +250,24 @@ def decode_attention(
     """
     n_b, n_tk = q.shape[0], k.shape[1]
     n_heads, n_kv_heads = int(n_heads), int(n_kv_heads)
-    probs = np.empty((n_b, n_heads, n_tk), dtype=q.dtype)
-    scale = q.dtype.type(scale)
+    dtype = q.dtype
+    probs = np.empty((n_b, n_heads, n_tk), dtype=compute_dtype(dtype))
+    scale = probs.dtype.type(scale)
     d, g = q.shape[2] // n_heads, n_heads // n_kv_heads
+    q, k, v, out = bits(q), bits(k), bits(v), bits(out)
+    widen, narrow = converters(dtype)
     if n_b:  # every sequence's rows have the first one's types: one lookup
-        kernel = decode_kernel(q[0, 0], k[0], v[0], n_heads, n_kv_heads, out[0, 0], probs[0])
+        kernel = decode_kernel(q[0, 0], k[0], v[0], n_heads, n_kv_heads, out[0, 0], probs[0], dtype)
     for b in range(n_b):
         kernel(q[b, 0], k[b], v[b], int(visible[b]), n_heads, n_kv_heads, scale, out[b, 0],
-               probs[b], d, g)  # fmt: skip
+               probs[b], d, g, widen, narrow)  # fmt: skip
     return probs.reshape(n_b, n_kv_heads, n_heads // n_kv_heads, 1, n_tk)
+
+
+def compute_dtype(dtype: Any) -> np.dtype:
+    """The dtype the decode kernel computes in for storage ``dtype``: float64 for float64,
+    else float32 (the probabilities and a decode plan's scratch have it)."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
 if AVAILABLE:

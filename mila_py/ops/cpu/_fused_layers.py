@@ -17,7 +17,10 @@ backward):
 
 The ops use them when Numba is installed and ``MILA_PY_CPU_BACKEND`` is not ``numpy``
 (:func:`enabled`); the NumPy functions stay the readable references the tests compare them with.
-Importing this module never fails: ``AVAILABLE`` says whether Numba is installed.
+The forward kernels take 16-bit storage too: they read and write its ``uint16`` bits through the
+``(widen, narrow)`` pair of :func:`~._fused_math.converters` (the identity pair for float32 and
+float64), computing in float32. Importing this module never fails: ``AVAILABLE`` says whether
+Numba is installed.
 """
 
 from __future__ import annotations
@@ -40,21 +43,22 @@ __all__ = [
 ]
 
 
-def _rms_norm_rows(x, w, eps, out, rstd):
-    # x, out [N, D]; w [D]; rstd [N]
+def _rms_norm_rows(x, w, eps, out, rstd, widen, narrow):
+    # x, out [N, D]; w [D] (stored as widen reads and narrow writes them); rstd [N], of the
+    # compute dtype (float32, or float64 for float64 storage)
     n_rows, dim = x.shape
     for r in range(n_rows):
         row = x[r]
         acc = 0.0  # float64
         for i in range(dim):
-            v = np.float64(row[i])
+            v = np.float64(widen(row[i]))
             acc += v * v
         inv = 1.0 / math.sqrt(acc / dim + eps)
         rstd[r] = inv
-        scale = row.dtype.type(inv)
+        scale = rstd.dtype.type(inv)
         dst = out[r]
         for i in range(dim):
-            dst[i] = row[i] * scale * w[i]
+            dst[i] = narrow(widen(row[i]) * scale * widen(w[i]))
 
 
 def _rms_norm_backward_rows(x, w, rstd, dy, dw, dx):
@@ -81,29 +85,28 @@ def _rms_norm_backward_rows(x, w, rstd, dy, dw, dx):
         dw[i] += acc[i]
 
 
-def _swiglu_rows(g, u, out):
-    # g, u, out [N, H]
-    one = g.dtype.type(1.0)
+def _swiglu_rows(g, u, out, one, widen, narrow):
+    # g, u, out [N, H] (stored as widen reads and narrow writes them); one: 1 in the compute
+    # dtype
     for r in range(g.shape[0]):
         gr = g[r]
         ur = u[r]
         dst = out[r]
         for i in range(g.shape[1]):
-            a = gr[i]
-            dst[i] = a / (one + kernel_exp(-a)) * ur[i]
+            a = widen(gr[i])
+            dst[i] = narrow(a / (one + kernel_exp(-a)) * widen(ur[i]))
 
 
-def _swiglu_packed_rows(both, out):
+def _swiglu_packed_rows(both, out, one, widen, narrow):
     # both [N, 2H]: g then u in each row (the rows are dense, so the loop vectorizes where two
-    # strided [N, H] halves would not); out [N, H]
-    one = both.dtype.type(1.0)
+    # strided [N, H] halves would not); out [N, H]; stored and computed as _swiglu_rows
     h = out.shape[1]
     for r in range(both.shape[0]):
         row = both[r]
         dst = out[r]
         for i in range(h):
-            a = row[i]
-            dst[i] = a / (one + kernel_exp(-a)) * row[h + i]
+            a = widen(row[i])
+            dst[i] = narrow(a / (one + kernel_exp(-a)) * widen(row[h + i]))
 
 
 def _swiglu_backward_rows(g, u, dh, du):

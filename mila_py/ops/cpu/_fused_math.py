@@ -15,6 +15,13 @@ Numba's on-disk cache of a kernel is keyed on its own source file, not on the fi
 inlines: after editing this module, delete the ``*.nbi`` / ``*.nbc`` files in
 ``mila_py/ops/cpu/__pycache__`` (installed copies are rewritten whole, so they are not affected).
 
+16-bit storage: Numba has no float16 or bfloat16 type, so kernels take FP16 and BF16 arrays as
+their ``uint16`` bits (:func:`bits`) and convert each element in registers with a pair of
+functions (:func:`converters`): BF16 widens by shifting its bits into the top half of a float32
+and narrows with round-to-nearest-even (as ``ml_dtypes`` and PyTorch round; NaN stays a quiet
+NaN), FP16 with LLVM's ``fpext`` / ``fptrunc`` (F16C instructions on x86). A kernel passes the
+pair as arguments: Numba compiles it once per pair, with the conversions inlined.
+
 Also: :func:`cpu_backend`, the one reader of ``MILA_PY_CPU_BACKEND``, and :func:`backend_allows` /
 :func:`enabled`, the switch of the fused ops (see :class:`mila_py.ops.cpu._fused_op.FusedCpuOp`).
 Importing this module never fails:
@@ -26,13 +33,18 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 __all__ = [
     "AVAILABLE",
     "BACKENDS",
     "FUSED_DTYPES",
+    "REDUCED_DTYPES",
     "backend_allows",
+    "bits",
+    "compiled",
+    "converters",
     "cpu_backend",
     "enabled",
     "exp_rows",
@@ -64,6 +76,45 @@ AVAILABLE = numba is not None
 
 #: the dtypes the fused kernels take
 FUSED_DTYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
+
+#: the 16-bit storage dtypes, which the kernels that take them read as ``uint16`` bits
+REDUCED_DTYPES = frozenset({np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)})
+
+
+def bits(x: np.ndarray) -> np.ndarray:
+    """``x`` as a kernel takes it: a 16-bit float array as a ``uint16`` view of its bits, any
+    other array as it is."""
+    return x.view(np.uint16) if x.dtype in REDUCED_DTYPES else x
+
+
+#: compiled kernels by (kernel, argument types), see :func:`compiled`
+_COMPILED: dict[tuple[Any, ...], Any] = {}
+
+
+def compiled(kernel: Any, args: tuple[Any, ...]) -> Any:
+    """The jitted ``kernel`` compiled for ``args``' types, as a plain function: no per-call
+    dispatch (which costs ~10 us for the converter functions' types), so a decode plan binds
+    it. The function checks little: it must be called with arguments of exactly these types."""
+    sig = tuple(numba.typeof(a) for a in args)
+    key = (id(kernel), sig)
+    found = _COMPILED.get(key)
+    if found is None:
+        kernel.compile(sig)
+        found = _COMPILED[key] = kernel.get_overload(sig)
+    return found
+
+
+def converters(dtype: Any) -> tuple[Any, Any]:
+    """``(widen, narrow)``: the jitted functions that turn one stored element of ``dtype`` (its
+    bits, for FP16 and BF16) into the float the kernels compute in, and one such float back
+    into a stored element, rounded to nearest even; the identity pair for float32 and
+    float64."""
+    dt = np.dtype(dtype)
+    if dt == np.float16:
+        return k_widen_f16, k_narrow_f16
+    if dt == ml_dtypes.bfloat16:
+        return k_widen_bf16, k_narrow_bf16
+    return k_identity, k_identity
 
 
 #: the values of ``MILA_PY_CPU_BACKEND``: ``auto`` (the fused kernels when Numba is installed),
@@ -185,6 +236,70 @@ def _row_sum(x):
 if AVAILABLE:
 
     @intrinsic
+    def _f32_bits(typingctx, value):
+        """The bit pattern of the float32 ``value`` as a uint32."""
+        if value != types.float32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+
+        return types.uint32(value), codegen
+
+    @intrinsic
+    def _f16_to_f32(typingctx, bits):
+        """The float32 value of the FP16 bit pattern in the low 16 bits of ``bits``."""
+        if not isinstance(bits, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            value = args[0]
+            if bits.bitwidth != 16:
+                value = builder.trunc(value, ir.IntType(16))
+            return builder.fpext(builder.bitcast(value, ir.HalfType()), ir.FloatType())
+
+        return types.float32(bits), codegen
+
+    @intrinsic
+    def _f32_to_f16(typingctx, value):
+        """The FP16 bits of the float32 ``value`` rounded to nearest even (inf past the range,
+        NaN kept)."""
+        if value != types.float32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            half = builder.fptrunc(args[0], ir.HalfType())
+            return builder.bitcast(half, ir.IntType(16))
+
+        return types.uint16(value), codegen
+
+    def _identity(x):
+        return x
+
+    def _widen_bf16(b):
+        return _f32_from_bits(np.uint32(b) << np.uint32(16))
+
+    def _narrow_bf16(v):
+        u = _f32_bits(np.float32(v))
+        if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN: keep it, quiet
+            return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
+        u += np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+        return np.uint16(u >> np.uint32(16))
+
+    def _widen_f16(b):
+        return _f16_to_f32(np.uint16(b))
+
+    def _narrow_f16(v):
+        return _f32_to_f16(np.float32(v))
+
+    _inline = numba.njit(inline="always", cache=True)
+    k_identity: Any = _inline(_identity)
+    k_widen_bf16: Any = _inline(_widen_bf16)
+    k_narrow_bf16: Any = _inline(_narrow_bf16)
+    k_widen_f16: Any = _inline(_widen_f16)
+    k_narrow_f16: Any = _inline(_narrow_f16)
+
+    @intrinsic
     def _f32_from_bits(typingctx, bits):
         """The float32 whose bit pattern is the low 32 bits of the integer ``bits``."""
         if not isinstance(bits, types.Integer):
@@ -251,3 +366,4 @@ if AVAILABLE:
     k_row_sum: Any = _jit_reduce(_row_sum)
 else:
     jit_exp = exp_rows = k_exp_shifted = k_row_max = k_row_sum = None
+    k_identity = k_widen_bf16 = k_narrow_bf16 = k_widen_f16 = k_narrow_f16 = None

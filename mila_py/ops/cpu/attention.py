@@ -8,6 +8,11 @@ Shapes (g = n_heads / n_kv_heads query heads share one key/value head):
 
 Queries may start at a position offset into the keys (``q_offset``): query ``t`` sees keys
 ``0 .. q_offset + t``, which is what chunked prefill against a KV cache needs.
+
+FP16 and BF16 storage (q, k, v, the output, the KV cache and the gradients): the scores,
+softmax and products run in float32 on widened copies, the probabilities are float32 buffers
+and each output is rounded once (:mod:`._wide`); decode reads the 16-bit cache in the fused
+kernel of :mod:`._fused_attention` instead.
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ import numpy as np
 
 from mila_py.devices import DeviceType
 from mila_py.ops.cpu import _fused_attention
+from mila_py.ops.cpu._fused_math import bits, converters
 from mila_py.ops.cpu._fused_op import FusedCpuOp
+from mila_py.ops.cpu._wide import CPU_PRECISIONS, is_reduced, store, wide, wide_like
 from mila_py.ops.operation import DecodePositions, bind_attention_decode, bind_cache_write
 from mila_py.ops.registry import register_op
-from mila_py.precision import Precision
 
 __all__ = ["CpuAttentionOp", "attention_backward", "attention_forward", "attention_prefill"]
 
@@ -217,18 +223,42 @@ def attention_backward(
     dv[...] = dv_h.transpose(0, 2, 1, 3).reshape(dv.shape)
 
 
-@register_op("AttentionOp", DeviceType.CPU, precisions=(Precision.FP32, Precision.FP64))
+@register_op("AttentionOp", DeviceType.CPU, precisions=CPU_PRECISIONS)
 class CpuAttentionOp(FusedCpuOp):
     """NumPy causal GQA attention (see :func:`attention_forward` / :func:`attention_backward`);
-    the softmax and its backward run as fused Numba kernels when they are available."""
+    the softmax and its backward run as fused Numba kernels when they are available (for
+    16-bit storage too, which computes in float32)."""
 
-    def forward(self, q: Any, *args: Any, **kwargs: Any) -> np.ndarray:
+    def fuses(self, dtype: Any) -> bool:
+        """Whether calls on arrays of ``dtype`` run the fused kernels (those of its compute
+        dtype: float32 for FP16 and BF16)."""
+        return super().fuses(_fused_attention.compute_dtype(dtype))
+
+    def forward(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        n_heads: int,
+        n_kv_heads: int,
+        scale: float,
+        out: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> np.ndarray:
+        """See :func:`attention_forward` (16-bit storage: a float32 ``probs`` buffer)."""
+        head = (n_heads, n_kv_heads, scale)
         if self.fuses(q.dtype):
-            probs = _decode(q, *args, **kwargs)
+            probs = _decode(q, k, v, *head, out, *args, **kwargs)
             if probs is not None:
                 return probs
             kwargs.setdefault("softmax", _fused_attention.causal_softmax)
-        return attention_forward(q, *args, **kwargs)
+        if not is_reduced(q.dtype):
+            return attention_forward(q, k, v, *head, out, *args, **kwargs)
+        result = wide_like(out)
+        probs = attention_forward(wide(q), wide(k), wide(v), *head, result, *args, **kwargs)
+        store(out, result)
+        return probs
 
     def prefill(
         self,
@@ -247,7 +277,11 @@ class CpuAttentionOp(FusedCpuOp):
             self.forward(q, k, v, n_heads, n_kv_heads, scale, out=out, q_offset=q_offset)
             return
         softmax = _fused_attention.causal_softmax if self.fuses(q.dtype) else None
-        attention_prefill(q, k, v, n_heads, n_kv_heads, scale, out, q_offset, softmax)
+        result = wide_like(out)
+        attention_prefill(
+            wide(q), wide(k), wide(v), n_heads, n_kv_heads, scale, result, q_offset, softmax
+        )
+        store(out, result)
 
     def bind_cache_write(
         self, k_new: Any, v_new: Any, k_cache: Any, v_cache: Any, positions: DecodePositions
@@ -275,37 +309,41 @@ class CpuAttentionOp(FusedCpuOp):
 
         ``k_cache``, ``v_cache``: ``[B, T_max, Hk*d]``. The fused kernel runs once per
         sequence on bound rows, with the probabilities in ``scratch`` (1-D, ``>= Hq * T_max``
-        elements of q's dtype, which plans that run one after another may share; allocated
-        here when None); otherwise :meth:`forward`.
+        elements of the compute dtype, float32 for 16-bit storage, which plans that run one
+        after another may share; allocated here when None); otherwise :meth:`forward`.
         """
         n_b, n_tk = q.shape[0], k_cache.shape[1]
         each = positions.each
         dense = all(_dense_rows(a) for a in (k_cache, v_cache, out))
         if self.fuses(q.dtype) and dense:
-            s = q.dtype.type(scale)
+            compute = _fused_attention.compute_dtype(q.dtype)
+            s = compute.type(scale)
             if scratch is None:
-                scratch = np.empty(n_heads * n_tk, dtype=q.dtype)
-            if scratch.dtype != q.dtype or scratch.size < n_heads * n_tk:
+                scratch = np.empty(n_heads * n_tk, dtype=compute)
+            if scratch.dtype != compute or scratch.size < n_heads * n_tk:
                 raise ValueError(
-                    f"decode scratch must hold {n_heads * n_tk} {q.dtype} values, got "
+                    f"decode scratch must hold {n_heads * n_tk} {compute} values, got "
                     f"{scratch.size} {scratch.dtype}"
                 )
             scores = scratch.reshape(-1)
             n_heads, n_kv_heads = int(n_heads), int(n_kv_heads)  # NumPy ints too
             d, g = q.shape[2] // n_heads, n_heads // n_kv_heads
-            rows = [(b, q[b, 0], k_cache[b], v_cache[b], out[b, 0]) for b in range(n_b)]
+            widen, narrow = converters(q.dtype)
+            qb, kb, vb, ob = bits(q), bits(k_cache), bits(v_cache), bits(out)
+            rows = [(b, qb[b, 0], kb[b], vb[b], ob[b, 0]) for b in range(n_b)]
             if not rows:  # an empty batch: nothing to attend
                 return lambda: None
             # every call's probabilities are a [Hq, n] view of the scratch: one array type
             kernel = _fused_attention.decode_kernel(
-                *rows[0][1:4], n_heads, n_kv_heads, rows[0][4], scores[:n_heads].reshape(n_heads, 1)
-            )
+                *rows[0][1:4], n_heads, n_kv_heads, rows[0][4],
+                scores[:n_heads].reshape(n_heads, 1), q.dtype,
+            )  # fmt: skip
 
             def attend() -> None:
-                for b, qb, kb, vb, ob in rows:
+                for b, qr, kr, vr, orow in rows:
                     n = int(each[b]) + 1
                     probs = scores[: n_heads * n].reshape(n_heads, n)
-                    kernel(qb, kb, vb, n, n_heads, n_kv_heads, s, ob, probs, d, g)
+                    kernel(qr, kr, vr, n, n_heads, n_kv_heads, s, orow, probs, d, g, widen, narrow)
 
             return attend
 
@@ -313,10 +351,37 @@ class CpuAttentionOp(FusedCpuOp):
             self.forward, q, k_cache, v_cache, n_heads, n_kv_heads, scale, out, positions
         )
 
-    def backward(self, dout: Any, *args: Any, **kwargs: Any) -> None:
+    def backward(
+        self,
+        dout: Any,
+        q: Any,
+        k: Any,
+        v: Any,
+        probs: Any,
+        n_heads: int,
+        n_kv_heads: int,
+        scale: float,
+        dq: Any,
+        dk: Any,
+        dv: Any,
+        out: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """See :func:`attention_backward` (16-bit storage: float32 ``probs``; ``dq``, ``dk``,
+        ``dv`` rounded once)."""
         if self.fuses(dout.dtype):
             kwargs.setdefault("softmax_backward", _fused_attention.softmax_backward_rows)
-        attention_backward(dout, *args, **kwargs)
+        head = (n_heads, n_kv_heads, scale)
+        if not is_reduced(dout.dtype):
+            attention_backward(dout, q, k, v, probs, *head, dq, dk, dv, out, **kwargs)
+            return
+        dq32, dk32, dv32 = (np.empty(a.shape, np.float32) for a in (dq, dk, dv))
+        attention_backward(
+            wide(dout), wide(q), wide(k), wide(v), probs, *head, dq32, dk32, dv32, wide(out),
+            **kwargs,
+        )  # fmt: skip
+        for target, grad in zip((dq, dk, dv), (dq32, dk32, dv32), strict=True):
+            store(target, grad)
 
 
 def _decode(

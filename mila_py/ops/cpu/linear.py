@@ -9,6 +9,12 @@ With ``N`` the product of the leading dimensions of ``x``::
 
 Parameter gradients accumulate (``+=``) so micro-batches add up; ``dx`` is overwritten. The math
 is dtype-generic (the tests run it in float64); the op trusts its caller to have validated shapes.
+
+FP16 and BF16 (16-bit ``x``, ``W``, ``b``, ``y``, ``dx``; float32 ``dW``, ``db``): the products
+run in float32 on widened copies and each output is rounded once (:mod:`._wide`), except a
+decode plan's few-row product, which a Numba kernel computes from the 16-bit weight itself
+(:mod:`._fused_linear`): a widened copy of every weight per token would cost more than the
+product.
 """
 
 from __future__ import annotations
@@ -20,10 +26,12 @@ from typing import Any
 import numpy as np
 
 from mila_py.devices.device import DeviceType
+from mila_py.ops.cpu import _fused_linear
+from mila_py.ops.cpu._fused_op import FusedCpuOp
 from mila_py.ops.cpu._rows import as_rows, out_rows
+from mila_py.ops.cpu._wide import CPU_PRECISIONS, is_reduced, store, wide, wide_like
 from mila_py.ops.operation import Operation
 from mila_py.ops.registry import register_op
-from mila_py.precision import Precision
 
 __all__ = ["CpuLinearOp", "bind_linear_forward", "linear_backward", "linear_forward"]
 
@@ -41,6 +49,12 @@ def linear_forward(
         xp: the array module of the arrays (NumPy here; the CUDA op passes CuPy).
     """
     y = out_rows(out)  # [N, out]
+    if xp is np and is_reduced(out.dtype):  # float32 products of widened copies, one rounding
+        acc = np.matmul(wide(as_rows(x)), wide(weight).T)
+        if bias is not None:
+            acc += wide(bias)
+        store(y, acc)
+        return
     xp.matmul(as_rows(x), weight.T, out=y)  # BLAS reads W^T through strides: no copy
     if bias is not None:
         y += bias
@@ -72,29 +86,38 @@ def linear_backward(
         x: ``[..., in]`` the forward input.
         weight: ``[out, in]``.
         dy: ``[..., out]`` upstream gradient (not modified).
-        dweight: ``[out, in]``, ``+= dy^T x``.
+        dweight: ``[out, in]``, ``+= dy^T x`` (float32 for 16-bit storage).
         dbias: ``[out]``, ``+= sum(dy)``, or None when the layer has no bias.
         dx: ``[..., in]``, C-contiguous, overwritten with ``dy W``.
     """
-    x2 = as_rows(x)  # [N, in]
-    dy2 = as_rows(dy)  # [N, out]
+    x2 = wide(as_rows(x))  # [N, in]
+    dy2 = wide(as_rows(dy))  # [N, out]
     # NumPy cannot accumulate into the output of a matmul (BLAS beta = 1): one temporary the
     # size of the weight per call.
     dweight += dy2.T @ x2  # [out, in]
     if dbias is not None:
         dbias += dy2.sum(axis=0)  # [out]
-    np.matmul(dy2, weight, out=out_rows(dx))  # [N, in]
+    dx2 = out_rows(dx)
+    acc = wide_like(dx2)
+    np.matmul(dy2, wide(weight), out=acc)  # [N, in]
+    store(dx2, acc)
 
 
-@register_op("LinearOp", DeviceType.CPU, precisions=(Precision.FP32, Precision.FP64))
-class CpuLinearOp(Operation):
+@register_op("LinearOp", DeviceType.CPU, precisions=CPU_PRECISIONS)
+class CpuLinearOp(FusedCpuOp):
     """NumPy ``y = x W^T + b`` (see :func:`linear_forward`, :func:`linear_backward`)."""
 
     def forward(self, x: Any, weight: Any, bias: Any, out: Any) -> None:
         linear_forward(x, weight, bias, out)
 
     def bind_forward(self, x: Any, weight: Any, bias: Any, out: Any) -> Callable[[], Any]:
-        """One BLAS call on 2-D views of ``x`` and ``out`` (see :func:`bind_linear_forward`)."""
+        """One BLAS call on 2-D views of ``x`` and ``out`` (see :func:`bind_linear_forward`);
+        for 16-bit storage of at most :data:`~._fused_linear.MAX_ROWS` rows (a decode step),
+        the Numba kernel that reads the 16-bit weight in place."""
+        if is_reduced(x.dtype):
+            if self.fused and _fused_linear.applies(x, weight, bias, out):
+                return _fused_linear.bind(x, weight, bias, out)
+            return Operation.bind_forward(self, x, weight, bias, out)
         return bind_linear_forward(self, x, weight, bias, out)
 
     def backward(self, x: Any, weight: Any, dy: Any, dweight: Any, dbias: Any, dx: Any) -> None:

@@ -2,7 +2,9 @@
 
 With ``scale == 1`` (the transformer residual) the forward is one ``add`` and the backward
 hands ``dy`` on unchanged to both inputs: no arithmetic and no buffer. The code is written once
-for the context's array module (``ctx.xp``): the CUDA op runs it with CuPy.
+for the context's array module (``ctx.xp``): the CUDA op runs it with CuPy (its 16-bit storage
+through kernels of its own). FP16 and BF16 sums are computed in float32 and rounded once
+(NumPy's 16-bit ``add`` does that already; a scaled branch is widened first).
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from mila_py.devices import DeviceType
+from mila_py.ops.cpu._wide import CPU_PRECISIONS, is_reduced, wide
 from mila_py.ops.operation import Operation
 from mila_py.ops.registry import register_op
-from mila_py.precision import Precision
 
 __all__ = ["CpuResidualOp", "ResidualOpBase"]
 
@@ -28,6 +32,8 @@ class ResidualOpBase(Operation):
         scale = self.config.scale
         if scale == 1:
             xp.add(x, f, out=out)
+        elif xp is np and is_reduced(out.dtype):  # x + scale * f in float32, one rounding
+            out[...] = wide(x) + wide(f) * np.float32(scale)
         else:  # one temporary: out may be x or f
             xp.add(x, f * out.dtype.type(scale), out=out)
 
@@ -43,10 +49,13 @@ class ResidualOpBase(Operation):
         scale = self.config.scale
         if scale == 1:
             return dy
+        if self.context.xp is np and is_reduced(df.dtype):  # the exact scale, one rounding
+            df[...] = wide(dy) * np.float32(scale)
+            return df
         self.context.xp.multiply(dy, dy.dtype.type(scale), out=df)
         return df
 
 
-@register_op("ResidualOp", DeviceType.CPU, precisions=(Precision.FP32, Precision.FP64))
+@register_op("ResidualOp", DeviceType.CPU, precisions=CPU_PRECISIONS)
 class CpuResidualOp(ResidualOpBase):
     """NumPy residual (see :class:`ResidualOpBase`)."""

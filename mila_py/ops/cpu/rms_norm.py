@@ -10,6 +10,9 @@ Per row ``x [D]`` with weight ``w [D]``::
 
 Rows are processed in cache-sized blocks, so temporaries stay small however large the batch.
 The math is dtype-generic (the tests run it in float64); the op trusts its caller's shapes.
+FP16 and BF16 storage computes in float32, ``y`` and ``dx`` rounded once (``r`` and ``dw`` are
+float32 buffers): the fused forward reads and writes the 16-bit bits, the other paths run the
+float32 code on widened copies (see :mod:`._wide`).
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ import numpy as np
 from mila_py.devices.device import DeviceType
 from mila_py.devices.overlap import same_view
 from mila_py.ops.cpu import _fused_layers
+from mila_py.ops.cpu._fused_math import bits, compiled, converters
 from mila_py.ops.cpu._fused_op import FusedCpuOp
 from mila_py.ops.cpu._rows import apart_from, as_rows, out_flat, out_rows, row_blocks
+from mila_py.ops.cpu._wide import CPU_PRECISIONS, is_reduced, store, wide, wide_like
 from mila_py.ops.registry import register_op
-from mila_py.precision import Precision
 
 __all__ = ["CpuRmsNormOp", "rms_norm_backward", "rms_norm_forward"]
 
@@ -91,39 +95,59 @@ def rms_norm_backward(
         g *= rb
 
 
-@register_op("RmsNormOp", DeviceType.CPU, precisions=(Precision.FP32, Precision.FP64))
+@register_op("RmsNormOp", DeviceType.CPU, precisions=CPU_PRECISIONS)
 class CpuRmsNormOp(FusedCpuOp):
     """RMS normalization (see :func:`rms_norm_forward`, :func:`rms_norm_backward`); forward and
     backward run the fused Numba kernels of :mod:`._fused_layers` when they are available."""
 
+    def fuses(self, dtype: Any) -> bool:
+        """Whether calls on ``dtype`` run the fused kernels (16-bit storage: as float32)."""
+        return super().fuses(np.dtype(np.float32) if is_reduced(dtype) else dtype)
+
     def forward(self, x: Any, weight: Any, out: Any, rstd: Any) -> None:
         x, weight = apart_from((out, rstd), x, weight)
         if self.fuses(x.dtype):  # one pass (Numba), see _fused_layers
-            _fused_layers.rms_norm_rows(
-                as_rows(x), weight, self.config.eps, out_rows(out), out_flat(rstd)
-            )
+            self._fused_call(x, weight, out, rstd)()
+        elif is_reduced(out.dtype):  # float32 copies, y rounded once
+            y = wide_like(out)
+            rms_norm_forward(wide(x), wide(weight), self.config.eps, y, rstd)
+            store(out, y)
         else:
             rms_norm_forward(x, weight, self.config.eps, out, rstd)
+
+    def _fused_call(self, x: Any, weight: Any, out: Any, rstd: Any) -> Callable[[], Any]:
+        """The fused kernel on 2-D views (16-bit storage as its bits), as a call of its
+        compiled function (no dispatch: decode plans bind it)."""
+        args = (
+            bits(as_rows(x)),
+            bits(weight),
+            float(self.config.eps),
+            bits(out_rows(out)),
+            out_flat(rstd),
+            *converters(x.dtype),
+        )
+        return functools.partial(compiled(_fused_layers.rms_norm_rows, args), *args)
 
     def bind_forward(self, x: Any, weight: Any, out: Any, rstd: Any) -> Callable[[], Any]:
         """The fused kernel on 2-D views (C-contiguous ``x``), else :meth:`forward`."""
         if self.fuses(x.dtype) and x.flags.c_contiguous:
-            return functools.partial(
-                _fused_layers.rms_norm_rows,
-                as_rows(x),
-                weight,
-                self.config.eps,
-                out_rows(out),
-                out_flat(rstd),
-            )
+            return self._fused_call(x, weight, out, rstd)
         return super().bind_forward(x, weight, out, rstd)
 
     def backward(self, x: Any, weight: Any, rstd: Any, dy: Any, dweight: Any, dx: Any) -> None:
         # Both paths read a row (a block of rows) of x and dy before writing that part of dx:
         # dx may be dy itself (the same elements in the same order); any other overlap with x
         # or dy is copied first, as rows written early would be read later.
+        if is_reduced(dx.dtype):  # float32 copies, dx rounded once
+            grad = wide_like(dx)
+            self._backward(wide(x), wide(weight), rstd, wide(dy), dweight, grad)
+            store(dx, grad)
+            return
         x, weight, rstd = apart_from((dx, dweight), x, weight, rstd)
         (dy,) = apart_from((dweight,) if same_view(dx, dy) else (dx, dweight), dy)
+        self._backward(x, weight, rstd, dy, dweight, dx)
+
+    def _backward(self, x: Any, weight: Any, rstd: Any, dy: Any, dweight: Any, dx: Any) -> None:
         if self.fuses(x.dtype):  # two passes a row (Numba)
             _fused_layers.rms_norm_backward_rows(
                 as_rows(x), weight, rstd.reshape(-1), as_rows(dy), dweight, out_rows(dx)

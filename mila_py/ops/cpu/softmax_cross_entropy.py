@@ -10,7 +10,9 @@ Per row ``z [V]`` with target ``t`` (rows whose target is ``ignore_index`` are s
 ``scale`` is ``dloss / count`` for the mean. Subtracting the row maximum keeps ``exp`` finite;
 rows are processed in cache-sized blocks, so temporaries stay small however large ``V`` is.
 The math is dtype-generic (the tests run it in float64); the op trusts its caller to have checked
-that every target is in ``[0, V)`` or equal to ``ignore_index``.
+that every target is in ``[0, V)`` or equal to ``ignore_index``. FP16 and BF16 logits are
+widened to float32 a block of rows at a time (the softmax, ``lse`` and the loss in float32 and
+float64); ``dlogits`` is rounded once per element.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ import numpy as np
 
 from mila_py.devices.device import DeviceType
 from mila_py.ops.cpu._rows import as_rows, out_flat, out_rows, row_blocks
+from mila_py.ops.cpu._wide import CPU_PRECISIONS, store, wide, wide_like
 from mila_py.ops.operation import Operation
 from mila_py.ops.registry import register_op
-from mila_py.precision import Precision
 
 __all__ = [
     "CpuSoftmaxCrossEntropyOp",
@@ -55,7 +57,7 @@ def softmax_cross_entropy_forward(
     row_max = np.empty(z2.shape[0], np.float64)
     log_sum = np.empty(z2.shape[0], np.float64)
     for s in row_blocks(z2.shape[0], z2.shape[1]):
-        zb = z2[s]
+        zb = wide(z2[s])
         m = zb.max(axis=1)  # [n]
         e = zb - m[:, None]  # [n, V]
         np.exp(e, out=e)
@@ -90,16 +92,19 @@ def softmax_cross_entropy_backward(
     """
     z2, d2 = as_rows(logits), out_rows(dlogits)  # [N, V]
     lse1 = lse.reshape(-1)  # [N]
+    t = targets.reshape(-1)  # [N]
     for s in row_blocks(z2.shape[0], z2.shape[1]):
-        db = d2[s]
-        np.subtract(z2[s], lse1[s, None], out=db)
+        block = d2[s]
+        db = wide_like(block)  # the block itself, or its float32 stand-in (16-bit storage)
+        np.subtract(wide(z2[s]), lse1[s, None], out=db)
         np.exp(db, out=db)  # softmax: z - lse <= 0, so exp <= 1
         # divided by its sum: lse rounded next to a large max puts one factor on the whole
         # row (logits of 1e4: 1e-5 relative), which the sum takes out
         db *= scale / db.sum(axis=1, keepdims=True)
-    rows, cols = _counted(targets, ignore_index)
-    d2[rows, cols] -= scale
-    d2[targets.reshape(-1) == ignore_index] = 0
+        rows, cols = _counted(t[s], ignore_index)
+        db[rows, cols] -= scale
+        db[t[s] == ignore_index] = 0
+        store(block, db)
 
 
 def _counted(targets: np.ndarray, ignore_index: int) -> tuple[np.ndarray, np.ndarray]:
@@ -109,7 +114,7 @@ def _counted(targets: np.ndarray, ignore_index: int) -> tuple[np.ndarray, np.nda
     return rows, t[rows]
 
 
-@register_op("SoftmaxCrossEntropyOp", DeviceType.CPU, precisions=(Precision.FP32, Precision.FP64))
+@register_op("SoftmaxCrossEntropyOp", DeviceType.CPU, precisions=CPU_PRECISIONS)
 class CpuSoftmaxCrossEntropyOp(Operation):
     """NumPy softmax cross-entropy (see :func:`softmax_cross_entropy_forward`)."""
 

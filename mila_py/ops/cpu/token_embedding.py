@@ -7,6 +7,8 @@
 
 The lookup has no input gradient (token ids are integers). The math is dtype-generic (the tests
 run it in float64); the op trusts its caller to have checked that every id is in ``[0, V)``.
+FP16 and BF16 tables are looked up as they are (a copy); their float32 gradient sums the
+widened rows of ``dy``.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ import numpy as np
 
 from mila_py.devices.device import DeviceType
 from mila_py.ops.cpu._rows import as_rows
+from mila_py.ops.cpu._wide import CPU_PRECISIONS
 from mila_py.ops.operation import Operation
 from mila_py.ops.registry import register_op
-from mila_py.precision import Precision
 
 __all__ = ["CpuTokenEmbeddingOp", "token_embedding_backward", "token_embedding_forward"]
 
@@ -46,7 +48,7 @@ def token_embedding_backward(tokens: np.ndarray, dy: np.ndarray, dweight: np.nda
     Args:
         tokens: integers ``[...]`` of the forward call.
         dy: ``[..., D]`` upstream gradient (not modified).
-        dweight: ``[V, D]``, accumulated.
+        dweight: ``[V, D]``, accumulated (its dtype is the sums'; a 16-bit ``dy`` is widened).
     """
     ids = tokens.reshape(-1)  # [N]
     if ids.size == 0:
@@ -54,10 +56,11 @@ def token_embedding_backward(tokens: np.ndarray, dy: np.ndarray, dweight: np.nda
     order = np.argsort(ids, kind="stable")  # [N] positions grouped by id
     grouped = ids[order]
     starts = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])  # [U] first of each id
-    dweight[grouped[starts]] += np.add.reduceat(as_rows(dy)[order], starts, axis=0)  # [U, D]
+    rows = as_rows(dy)[order].astype(dweight.dtype, copy=False)  # [N, D] grouped by id
+    dweight[grouped[starts]] += np.add.reduceat(rows, starts, axis=0)  # [U, D]
 
 
-@register_op("TokenEmbeddingOp", DeviceType.CPU, precisions=(Precision.FP32, Precision.FP64))
+@register_op("TokenEmbeddingOp", DeviceType.CPU, precisions=CPU_PRECISIONS)
 class CpuTokenEmbeddingOp(Operation):
     """NumPy embedding lookup (see :func:`token_embedding_forward`)."""
 

@@ -15,6 +15,14 @@ The arithmetic that the CPU ops do in float32 is written with ``__fmul_rn``/``__
 into FMAs and the elementwise results follow NumPy's roundings; reductions (sums over a row)
 differ from NumPy's pairwise order by a few ulps.
 
+Storage precisions: a kernel file's templates over the storage type ``T`` (``float``,
+``mila_half``, ``mila_bf16``: the 16-bit types of ``common.cuh``, carried as raw bits) are
+instantiated per precision (:func:`kernel_names`); :class:`KernelOp` launches an op's
+instantiations by template name. FP16 and BF16 layer ops need CuPy arrays of those dtypes
+(``ml_dtypes.bfloat16`` from CuPy 14 on) for their 2-D matrix products (cuBLAS with float32
+accumulation) and elementwise sums; a CuPy that carries bfloat16 as ``uint16`` is refused when
+the op is made (:func:`refuse_carried_bfloat16`).
+
 This module never imports CuPy at import time. The helpers take the execution context and use
 ``ctx.xp``, so that the ops' host-side logic also runs with NumPy arrays (the kernel emulator
 of the CPU test suite swaps :func:`launch` and compiles the same files, read by
@@ -26,23 +34,35 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+import ml_dtypes
 import numpy as np
 
+from mila_py.ops.operation import Operation
+from mila_py.ops.registry import OpNotFoundError
+from mila_py.precision import Precision
+
 __all__ = [
+    "CTYPES",
+    "CUDA_PRECISIONS",
     "HEADER",
     "NULL",
     "NVRTC_OPTIONS",
     "ROW_THREADS",
     "THREADS",
+    "KernelOp",
     "address",
+    "as_dtype",
     "contiguous_rows",
     "gemm_accumulate",
     "grid_1d",
     "kernel",
+    "kernel_names",
     "launch",
+    "matmul",
     "module",
+    "refuse_carried_bfloat16",
     "source",
 ]
 
@@ -59,6 +79,11 @@ NULL = np.uint64(0)
 NVRTC_OPTIONS = ("--std=c++17",)
 #: the header every kernel file is compiled after
 HEADER = "common.cuh"
+
+#: the C++ type of each storage precision in the kernels (``common.cuh``)
+CTYPES = {Precision.FP32: "float", Precision.FP16: "mila_half", Precision.BF16: "mila_bf16"}
+#: the precisions of the CUDA layer ops
+CUDA_PRECISIONS = tuple(CTYPES)
 
 _HERE = Path(__file__).parent
 _MODULES: dict[tuple[str, tuple[str, ...], int], Any] = {}
@@ -172,3 +197,87 @@ def gemm_accumulate(xp: Any, a: Any, b: Any, out: Any) -> None:
     import cupy.cublas
 
     cupy.cublas.gemm("T", "N", a, b, out=out, alpha=1.0, beta=1.0)
+
+
+def kernel_names(templates: tuple[str, ...], precision: Precision) -> tuple[str, ...]:
+    """The instantiations ``name<T>`` of the template kernels ``templates`` for ``precision``'s
+    storage type (NVRTC name expressions)."""
+    return tuple(f"{name}<{CTYPES[precision]}>" for name in templates)
+
+
+def refuse_carried_bfloat16(ctx: Any, precision: Precision, who: str) -> None:
+    """Raise :class:`OpNotFoundError` for BF16 on a context whose CuPy carries bfloat16 as
+    ``uint16`` bits (CuPy < 14): its matrix products and elementwise arithmetic would treat
+    the bits as integers.
+
+    Raises:
+        OpNotFoundError: naming the op, with FP32 and FP16 as the precisions that work.
+    """
+    if precision is Precision.BF16 and not getattr(ctx, "bfloat16_native", True):
+        error = OpNotFoundError(
+            f"{who}: BF16 needs CuPy arrays of ml_dtypes.bfloat16 (CuPy >= 14); this CuPy "
+            "carries bfloat16 as uint16 bits"
+        )
+        error.other_precisions = frozenset({Precision.FP32, Precision.FP16})
+        raise error
+
+
+class KernelOp(Operation):
+    """A CUDA op whose kernel file ``FILE`` holds templates over the storage type: ``TEMPLATES``
+    are launched as their instantiation for the op's precision (:meth:`_launch`); other kernels
+    of the file (``extern "C"``) by their own names.
+
+    Raises:
+        OpNotFoundError: BF16 on a CuPy without bfloat16 (see
+            :func:`refuse_carried_bfloat16`).
+    """
+
+    FILE: ClassVar[str]
+    TEMPLATES: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, context: Any, config: Any, precision: Precision) -> None:
+        refuse_carried_bfloat16(context, precision, type(self).__name__)
+        super().__init__(context, config, precision)
+        self._names = kernel_names(self.TEMPLATES, precision)
+        self._instance = dict(zip(self.TEMPLATES, self._names, strict=True))
+        self.dtype = np.dtype(precision.numpy_dtype)
+
+    def _launch(
+        self, name: str, grid: tuple[int, ...], block: int, args: tuple[Any, ...], **kw: Any
+    ) -> None:
+        """:func:`launch` of kernel ``name`` of ``FILE`` (a template's instantiation for this
+        op's precision) on the op's context."""
+        name = self._instance.get(name, name)
+        launch(self.context, self.FILE, name, grid, block, args, name_expressions=self._names, **kw)
+
+    def _storage(self, x: Any) -> Any:
+        """``x`` in the op's storage dtype: itself, or a converted copy (a float32 gradient
+        handed to a 16-bit op)."""
+        return as_dtype(self.context.xp, x, self.dtype)
+
+
+def as_dtype(xp: Any, x: Any, dtype: Any) -> Any:
+    """``x`` itself when it has ``dtype``, else ``x.astype(dtype)`` (rounded to nearest)."""
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+_REDUCED = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+def matmul(xp: Any, a: Any, b: Any, out: Any) -> None:
+    """``out = a @ b`` for 2-D ``a``, ``b`` of one float dtype and a C-contiguous ``out`` of
+    theirs or a 16-bit one.
+
+    float32 and CuPy's FP16/BF16: one ``xp.matmul`` (cuBLAS; 16-bit operands accumulate in
+    float32 and the result is rounded once). With NumPy (the emulated GPU of the tests), 16-bit
+    operands are multiplied as float32 copies and the product rounded once, as cuBLAS does.
+    """
+    if xp is np and out.dtype in _REDUCED:
+        # the tests' emulated device stands in for cuBLAS here, and refuses as CuPy does
+        # where its arrays say so (a stream capturing a graph)
+        refuse = getattr(out, "library_call", None)
+        if refuse is not None:
+            refuse("cuBLAS")
+        out[...] = np.matmul(a.astype(np.float32), b.astype(np.float32))
+        return
+    xp.matmul(a, b, out=out)  # (float32 operands into a 16-bit out: cast once, by CuPy)

@@ -32,9 +32,12 @@ extern "C" __global__ void attention_softmax(
 // - the block's softmax over them;
 // - the weighted sum of the values: the threads as groups of `cols` channels, each group
 //   summing p_j v_j over every groups-th key, the groups' sums added through shared memory.
-extern "C" __global__ void __launch_bounds__(256) attention_decode(
-    const float* __restrict__ q MILA_STRIDED, const float* __restrict__ k_cache,
-    const float* __restrict__ v_cache, float* __restrict__ out,
+// T is the storage type of q, the caches and out (float, mila_half, mila_bf16; see common.cuh):
+// scores, softmax and sums are float32, each output rounded once.
+template <typename T>
+__global__ void __launch_bounds__(256) attention_decode(
+    const T* __restrict__ q MILA_STRIDED, const T* __restrict__ k_cache,
+    const T* __restrict__ v_cache, T* __restrict__ out,
     const int* __restrict__ positions, long long q_sb, int t_max, int n_heads, int n_kv_heads,
     int head_dim, float scale)
 {
@@ -46,9 +49,9 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
     const int kv_head = h / (n_heads / n_kv_heads);
     const int len = positions[b] + 1;
     const long long kv_width = (long long)n_kv_heads * head_dim;
-    const float* qh = q + b * q_sb + (long long)h * head_dim;
-    const float* kb = k_cache + b * t_max * kv_width + (long long)kv_head * head_dim;
-    const float* vb = v_cache + b * t_max * kv_width + (long long)kv_head * head_dim;
+    const T* qh = q + b * q_sb + (long long)h * head_dim;
+    const T* kb = k_cache + b * t_max * kv_width + (long long)kv_head * head_dim;
+    const T* vb = v_cache + b * t_max * kv_width + (long long)kv_head * head_dim;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int n_warps = blockDim.x >> 5;
@@ -56,9 +59,9 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
         const int j = first + warp;
         float dot = 0.0f;
         if (j < len) {
-            const float* kj = kb + (long long)j * kv_width;
+            const T* kj = kb + (long long)j * kv_width;
             for (int c = lane; c < head_dim; c += 32) {
-                dot = fmaf(__fmul_rn(qh[c], scale), kj[c], dot);
+                dot = fmaf(__fmul_rn(to_f32(qh[c]), scale), to_f32(kj[c]), dot);
             }
         }
         dot = mila_warp_sum(dot);
@@ -72,14 +75,14 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
     const int groups = blockDim.x / cols;
     const int group = threadIdx.x / cols;
     const int col = threadIdx.x - group * cols;
-    float* oh = out + b * (long long)n_heads * head_dim + (long long)h * head_dim;
+    T* oh = out + b * (long long)n_heads * head_dim + (long long)h * head_dim;
     for (int base = 0; base < head_dim; base += cols) {  // the same trip count in every thread
         const int c = base + col;
         const bool active = group < groups && c < head_dim;
         float acc = 0.0f;
         if (active) {
             for (int j = group; j < len; j += groups) {
-                acc = fmaf(scores[j], vb[(long long)j * kv_width + c], acc);
+                acc = fmaf(scores[j], to_f32(vb[(long long)j * kv_width + c]), acc);
             }
         }
         __syncthreads();  // the previous pass has read partial
@@ -92,7 +95,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
             for (int other = 1; other < groups; ++other) {
                 total = __fadd_rn(total, partial[other * cols + col]);
             }
-            oh[c] = __fdiv_rn(total, sum);
+            oh[c] = from_f32<T>(__fdiv_rn(total, sum));
         }
     }
 }
@@ -100,10 +103,11 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode(
 // The new token's keys and values into the caches: k_new, v_new [B, 1, Hk*d] (rows at strides
 // k_sb, v_sb: views of the QKV buffer) to row positions[b] (int32 [B] in device memory, the
 // decode step's) of sequence b of k_cache, v_cache [B, t_max, Hk*d] C-contiguous (grid-stride
-// over B * width).
-extern "C" __global__ void kv_cache_write(
-    const float* __restrict__ k_new MILA_STRIDED, const float* __restrict__ v_new MILA_STRIDED,
-    float* __restrict__ k_cache, float* __restrict__ v_cache,
+// over B * width); T is their storage type (the values are copied).
+template <typename T>
+__global__ void kv_cache_write(
+    const T* __restrict__ k_new MILA_STRIDED, const T* __restrict__ v_new MILA_STRIDED,
+    T* __restrict__ k_cache, T* __restrict__ v_cache,
     const int* __restrict__ positions, long long k_sb, long long v_sb, int t_max, int width,
     int n_b)
 {

@@ -13,7 +13,11 @@ product is a strided-batched GEMM over ``B * Hk`` matrices with no broadcast ope
               dQ = dS @ K * scale;  dK = dS^T @ Q * scale
 
 ``[B, Hk, g, Tq, Tk]`` and ``[B, Hk, g*Tq, Tk]`` are the same memory, so ``P`` lives in the
-component's buffer. The host-side functions take the array module and the two kernels as
+component's buffer (float32 for every storage precision). FP16 and BF16 storage runs these
+products and softmaxes on float32 copies of Q, K and V (CuPy's batched matmul has no 16-bit
+path with float32 accumulation) and rounds each output once; decode's own kernels
+(``attention_decode``, ``kv_cache_write``) are templates over the storage type that read the
+16-bit KV cache as it is. The host-side functions take the array module and the two kernels as
 arguments (:func:`attention_forward`, :func:`attention_backward`), so the CPU test suite runs
 this exact orchestration with NumPy and reference kernels.
 """
@@ -30,17 +34,12 @@ from mila_py.ops.cpu.attention import values_product
 from mila_py.ops.cuda import _kernels
 from mila_py.ops.operation import (
     DecodePositions,
-    Operation,
     bind_attention_decode,
     bind_cache_write,
 )
 from mila_py.ops.registry import register_op
-from mila_py.precision import Precision
 
 __all__ = ["CudaAttentionOp", "attention_backward", "attention_forward"]
-
-#: the kernel file
-_FILE = "attention.cu"
 
 #: ``softmax(scores [R, Tk], n_tq, q_offset, causal)``: the in-place masked row softmax
 SoftmaxKernel = Callable[[Any, int, int, bool], None]
@@ -184,9 +183,16 @@ _DECODE_THREADS = 256
 _DECODE_MAX_KEYS = 11_000
 
 
-@register_op("AttentionOp", DeviceType.CUDA, precisions=(Precision.FP32,))
-class CudaAttentionOp(Operation):
+@register_op("AttentionOp", DeviceType.CUDA, precisions=_kernels.CUDA_PRECISIONS)
+class CudaAttentionOp(_kernels.KernelOp):
     """cuBLAS + fused-softmax causal GQA attention (same contract as the CPU op)."""
+
+    FILE = "attention.cu"
+    TEMPLATES = ("attention_decode", "kv_cache_write")
+
+    def _wide(self, x: Any) -> Any:
+        """``x`` as float32: itself, or a float32 copy of 16-bit storage."""
+        return None if x is None else _kernels.as_dtype(self.context.xp, x, np.float32)
 
     def forward(
         self,
@@ -207,11 +213,16 @@ class CudaAttentionOp(Operation):
         ctx: Any = self.context
         with ctx.activate():
             if visible is not None:  # host ints [B]: the -inf bias of the keys not seen
-                bias = _visible_bias(visible, k.shape[1], q.dtype, ctx.xp)
-            return attention_forward(
-                q, k, v, n_heads, n_kv_heads, scale, out, probs, q_offset, bias, causal,
-                xp=ctx.xp, softmax=self._softmax, visible=visible,
+                bias = _visible_bias(visible, k.shape[1], np.float32, ctx.xp)
+            result = out if out.dtype == np.float32 else ctx.xp.empty(out.shape, np.float32)
+            probs = attention_forward(
+                self._wide(q), self._wide(k), self._wide(v), n_heads, n_kv_heads, scale, result,
+                probs, q_offset, bias, causal, xp=ctx.xp, softmax=self._softmax,
+                visible=visible,
             )  # fmt: skip
+            if result is not out:  # rounded once to the storage type
+                out[...] = result
+            return probs
 
     def prefill(
         self, q: Any, k: Any, v: Any, heads: int, kv_heads: int, scale: float, out: Any, offset: int
@@ -236,7 +247,6 @@ class CudaAttentionOp(Operation):
             or positions.device is None
         ):
             return bind_cache_write(self.context.xp, k_new, v_new, k_cache, v_cache, positions)
-        ctx: Any = self.context
         n_b, t_max, width = k_cache.shape
         args = (
             k_new, v_new, k_cache, v_cache, positions.device,
@@ -246,7 +256,7 @@ class CudaAttentionOp(Operation):
         grid = _kernels.grid_1d(n_b * width)
 
         def write() -> None:
-            _kernels.launch(ctx, _FILE, "kv_cache_write", grid, _kernels.THREADS, args)
+            self._launch("kv_cache_write", grid, _kernels.THREADS, args)
 
         return write
 
@@ -288,7 +298,6 @@ class CudaAttentionOp(Operation):
         n_b, t_max = k_cache.shape[0], k_cache.shape[1]
         if t_max > _DECODE_MAX_KEYS:
             return general
-        ctx: Any = self.context
         head_dim = q.shape[2] // n_heads
         args = (
             q, k_cache, v_cache, out, positions.device, np.int64(q.strides[0] // item),
@@ -298,9 +307,7 @@ class CudaAttentionOp(Operation):
         grid = (n_heads, n_b)
 
         def attend() -> None:
-            _kernels.launch(
-                ctx, _FILE, "attention_decode", grid, _DECODE_THREADS, args, shared_mem=t_max * 4
-            )
+            self._launch("attention_decode", grid, _DECODE_THREADS, args, shared_mem=t_max * 4)
 
         return attend
 
@@ -321,11 +328,19 @@ class CudaAttentionOp(Operation):
     ) -> None:
         """See :func:`mila_py.ops.cpu.attention.attention_backward`."""
         ctx: Any = self.context
+        xp = ctx.xp
         with ctx.activate():
+            dq32, dk32, dv32 = (
+                g if g.dtype == np.float32 else xp.empty(g.shape, np.float32) for g in (dq, dk, dv)
+            )
             attention_backward(
-                dout, q, k, v, probs, n_heads, n_kv_heads, scale, dq, dk, dv, out,
-                xp=ctx.xp, softmax_backward=self._softmax_backward,
+                self._wide(dout), self._wide(q), self._wide(k), self._wide(v), probs, n_heads,
+                n_kv_heads, scale, dq32, dk32, dv32, self._wide(out), xp=xp,
+                softmax_backward=self._softmax_backward,
             )  # fmt: skip
+            for target, grad in zip((dq, dk, dv), (dq32, dk32, dv32), strict=True):
+                if grad is not target:  # rounded once to the storage type
+                    target[...] = grad
 
     def _softmax(self, scores: Any, n_tq: int, q_offset: int, causal: bool) -> None:
         n_rows, n_tk = scores.shape
@@ -335,9 +350,7 @@ class CudaAttentionOp(Operation):
             scores, np.int64(n_rows), np.int32(n_tq), np.int32(n_tk), np.int64(q_offset),
             np.int32(causal),
         )  # fmt: skip
-        _kernels.launch(
-            self.context,
-            _FILE,
+        self._launch(
             "attention_softmax",
             _kernels.grid_1d(n_rows, 1),
             _kernels.ROW_THREADS,
@@ -348,9 +361,7 @@ class CudaAttentionOp(Operation):
         n = int(dp.size)
         if n == 0:
             return
-        _kernels.launch(
-            self.context,
-            _FILE,
+        self._launch(
             "attention_softmax_backward",
             _kernels.grid_1d(n),
             _kernels.THREADS,

@@ -7,6 +7,43 @@
 // emulator of the tests accepts such views for these parameters only.
 #define MILA_STRIDED
 
+// 16-bit floats as raw bits: no CUDA header needed (NVRTC's header discovery differs between
+// CuPy installs). Kernels templated on a storage type T (float, mila_half, mila_bf16) read each
+// element with to_f32 and store each float32 result with from_f32<T>: arithmetic in float32,
+// one rounding per stored value.
+struct __align__(2) mila_half { unsigned short bits; };
+struct __align__(2) mila_bf16 { unsigned short bits; };
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(mila_half v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+    return f;
+}
+__device__ __forceinline__ float to_f32(mila_bf16 v) {
+    return __uint_as_float(((unsigned int)v.bits) << 16);
+}
+
+template <typename T> __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ mila_half from_f32<mila_half>(float v) {
+    mila_half h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(v));
+    return h;
+}
+template <> __device__ __forceinline__ mila_bf16 from_f32<mila_bf16>(float v) {
+    // round to nearest even, as ml_dtypes and PyTorch do; NaN stays a (quiet) NaN
+    unsigned int u = __float_as_uint(v);
+    mila_bf16 r;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        r.bits = (unsigned short)((u >> 16) | 0x0040u);
+    } else {
+        u += 0x7fffu + ((u >> 16) & 1u);
+        r.bits = (unsigned short)(u >> 16);
+    }
+    return r;
+}
+
 template <typename T>  // float, or double where a sum must not overflow (RMSNorm's squares)
 __device__ __forceinline__ T mila_warp_sum(T v) {
 #pragma unroll

@@ -1,19 +1,23 @@
-// The CUDA RmsNormOp's kernels, launched by rms_norm.py (compiled after common.cuh).
+// The CUDA RmsNormOp's kernels, launched by rms_norm.py (compiled after common.cuh). Each is a
+// template over the storage type T (float, mila_half, mila_bf16; see common.cuh): elements are
+// read as float32, the statistics and the weight gradient stay float32 (double for the sum of
+// squares), and each stored y or dx is rounded once.
 
 // x, y [n_rows, dim] C-contiguous; one block per row.
-extern "C" __global__ void rms_norm_forward(
-    const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
+template <typename T>
+__global__ void rms_norm_forward(
+    const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
     float* __restrict__ rstd, int dim, float eps)
 {
     __shared__ double scratch[32];
     const long long row = blockIdx.x;
-    const float* xr = x + row * dim;
-    float* yr = y + row * dim;
+    const T* xr = x + row * dim;
+    T* yr = y + row * dim;
     // the squares summed in double, as the CPU ops: in float32 a row of |x| ~ 1e19 overflows
     // (y = 0) and one of 1e-23 underflows
     double ss = 0.0;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        const double v = xr[i];
+        const double v = to_f32(xr[i]);
         ss += v * v;
     }
     ss = mila_block_sum(ss, scratch);
@@ -23,14 +27,15 @@ extern "C" __global__ void rms_norm_forward(
         rstd[row] = r;
     }
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        yr[i] = __fmul_rn(__fmul_rn(xr[i], r), w[i]);
+        yr[i] = from_f32<T>(__fmul_rn(__fmul_rn(to_f32(xr[i]), r), to_f32(w[i])));
     }
 }
 
 // dx = r * (g - n * mean(g * n)) with n = x * r, g = dy * w; one block per row.
-extern "C" __global__ void rms_norm_backward_dx(
-    const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ rstd,
-    const float* __restrict__ dy, float* __restrict__ dx, int dim)
+template <typename T>
+__global__ void rms_norm_backward_dx(
+    const T* __restrict__ x, const T* __restrict__ w, const float* __restrict__ rstd,
+    const T* __restrict__ dy, T* __restrict__ dx, int dim)
 {
     __shared__ float scratch[32];
     const long long row = blockIdx.x;
@@ -38,22 +43,23 @@ extern "C" __global__ void rms_norm_backward_dx(
     const float r = rstd[row];
     float acc = 0.0f;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        const float n = __fmul_rn(x[base + i], r);
-        const float g = __fmul_rn(dy[base + i], w[i]);
+        const float n = __fmul_rn(to_f32(x[base + i]), r);
+        const float g = __fmul_rn(to_f32(dy[base + i]), to_f32(w[i]));
         acc = __fadd_rn(acc, __fmul_rn(g, n));
     }
     const float c = __fdiv_rn(mila_block_sum(acc, scratch), (float)dim);
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        const float n = __fmul_rn(x[base + i], r);
-        const float g = __fmul_rn(dy[base + i], w[i]);
-        dx[base + i] = __fmul_rn(__fsub_rn(g, __fmul_rn(n, c)), r);
+        const float n = __fmul_rn(to_f32(x[base + i]), r);
+        const float g = __fmul_rn(to_f32(dy[base + i]), to_f32(w[i]));
+        dx[base + i] = from_f32<T>(__fmul_rn(__fsub_rn(g, __fmul_rn(n, c)), r));
     }
 }
 
-// partial[chunk, j] = sum over the chunk's rows i of dy[i, j] * (x[i, j] * r[i]).
+// partial[chunk, j] = sum over the chunk's rows i of dy[i, j] * (x[i, j] * r[i]), in float32.
 // grid (ceil(dim / blockDim.x), chunks); chunk c holds rows [c * rows_per_chunk, ...).
-extern "C" __global__ void rms_norm_backward_dw(
-    const float* __restrict__ x, const float* __restrict__ rstd, const float* __restrict__ dy,
+template <typename T>
+__global__ void rms_norm_backward_dw(
+    const T* __restrict__ x, const float* __restrict__ rstd, const T* __restrict__ dy,
     float* __restrict__ partial, int n_rows, int dim, int rows_per_chunk)
 {
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
@@ -65,7 +71,7 @@ extern "C" __global__ void rms_norm_backward_dw(
     float acc = 0.0f;
     for (int i = start; i < stop; ++i) {
         const long long o = (long long)i * dim + j;
-        acc = __fadd_rn(acc, __fmul_rn(dy[o], __fmul_rn(x[o], rstd[i])));
+        acc = __fadd_rn(acc, __fmul_rn(to_f32(dy[o]), __fmul_rn(to_f32(x[o]), rstd[i])));
     }
     partial[(long long)blockIdx.y * dim + j] = acc;
 }

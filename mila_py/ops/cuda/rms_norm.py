@@ -9,7 +9,10 @@ Same math and order of operations as :mod:`mila_py.ops.cpu.rms_norm`, per row ``
               dw += sum_N dy * n                        column partial sums over row chunks,
                                                         then one CuPy sum over the chunks
 
-The weight gradient is deterministic: no atomics, a fixed split of the rows into chunks.
+The weight gradient is deterministic: no atomics, a fixed split of the rows into chunks. The
+kernels are templates over the storage type (FP32, FP16, BF16): 16-bit ``x``, ``w``, ``y``,
+``dy`` and ``dx``, float32 ``r`` and weight gradient (a float32 ``dy`` is rounded to the
+storage type first).
 """
 
 from __future__ import annotations
@@ -23,14 +26,9 @@ import numpy as np
 from mila_py.devices.device import DeviceType
 from mila_py.ops.cpu._rows import out_flat, out_rows
 from mila_py.ops.cuda import _kernels
-from mila_py.ops.operation import Operation
 from mila_py.ops.registry import register_op
-from mila_py.precision import Precision
 
 __all__ = ["CudaRmsNormOp"]
-
-#: the kernel file
-_FILE = "rms_norm.cu"
 
 #: rows each column thread of the weight-gradient kernel sums at least (then chunks <= 512)
 _MIN_ROWS_PER_CHUNK = 8
@@ -43,9 +41,12 @@ def dweight_chunks(n_rows: int) -> tuple[int, int]:
     return per, max(1, math.ceil(n_rows / per))
 
 
-@register_op("RmsNormOp", DeviceType.CUDA, precisions=(Precision.FP32,))
-class CudaRmsNormOp(Operation):
+@register_op("RmsNormOp", DeviceType.CUDA, precisions=_kernels.CUDA_PRECISIONS)
+class CudaRmsNormOp(_kernels.KernelOp):
     """Fused RMS normalization kernels (same contract as the CPU op)."""
+
+    FILE = "rms_norm.cu"
+    TEMPLATES = ("rms_norm_forward", "rms_norm_backward_dx", "rms_norm_backward_dw")
 
     def forward(self, x: Any, weight: Any, out: Any, rstd: Any) -> None:
         """``out = x / sqrt(mean(x^2, -1) + eps) * weight``; ``rstd [...]`` gets ``r`` per row."""
@@ -58,7 +59,7 @@ class CudaRmsNormOp(Operation):
                 return
             w = ctx.xp.ascontiguousarray(weight)
             args = (x2, w, y2, r, np.int32(dim), np.float32(self.config.eps))
-            _kernels.launch(ctx, _FILE, "rms_norm_forward", (n_rows,), _kernels.ROW_THREADS, args)
+            self._launch("rms_norm_forward", (n_rows,), _kernels.ROW_THREADS, args)
 
     def bind_forward(self, x: Any, weight: Any, out: Any, rstd: Any) -> Callable[[], Any]:
         """:meth:`forward` of fixed buffers as one kernel launch with its arguments made here
@@ -86,7 +87,7 @@ class CudaRmsNormOp(Operation):
         def run() -> None:
             if staged is not None:
                 copyto(out, staged)
-            _kernels.launch(ctx, _FILE, "rms_norm_forward", (n_rows,), _kernels.ROW_THREADS, args)
+            self._launch("rms_norm_forward", (n_rows,), _kernels.ROW_THREADS, args)
 
         return run
 
@@ -96,16 +97,14 @@ class CudaRmsNormOp(Operation):
         xp = ctx.xp
         with ctx.activate():
             x2 = _kernels.contiguous_rows(xp, x)  # [N, D]
-            dy2 = _kernels.contiguous_rows(xp, dy)
+            dy2 = _kernels.contiguous_rows(xp, self._storage(dy))
             dx2 = out_rows(dx)
             r = xp.ascontiguousarray(rstd.reshape(-1))  # [N]
             n_rows, dim = x2.shape
             if n_rows == 0:
                 return
             w = xp.ascontiguousarray(weight)
-            _kernels.launch(
-                ctx,
-                _FILE,
+            self._launch(
                 "rms_norm_backward_dx",
                 (n_rows,),
                 _kernels.ROW_THREADS,
@@ -113,9 +112,7 @@ class CudaRmsNormOp(Operation):
             )
             per, chunks = dweight_chunks(n_rows)
             partial = xp.empty((chunks, dim), dtype=np.float32)
-            _kernels.launch(
-                ctx,
-                _FILE,
+            self._launch(
                 "rms_norm_backward_dw",
                 (math.ceil(dim / _kernels.THREADS), chunks),
                 _kernels.THREADS,

@@ -6,40 +6,6 @@
 // streaming cache hints (load_pack, store_pack).
 #define ROPE_BATCH 4
 
-// 16-bit floats as raw bits: no CUDA header needed.
-struct __align__(2) mila_half { unsigned short bits; };
-struct __align__(2) mila_bf16 { unsigned short bits; };
-
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(mila_half v) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
-    return f;
-}
-__device__ __forceinline__ float to_f32(mila_bf16 v) {
-    return __uint_as_float(((unsigned int)v.bits) << 16);
-}
-
-template <typename T> __device__ __forceinline__ T from_f32(float v);
-template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
-template <> __device__ __forceinline__ mila_half from_f32<mila_half>(float v) {
-    mila_half h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(v));
-    return h;
-}
-template <> __device__ __forceinline__ mila_bf16 from_f32<mila_bf16>(float v) {
-    // round to nearest even, as ml_dtypes and PyTorch do; NaN stays a (quiet) NaN
-    unsigned int u = __float_as_uint(v);
-    mila_bf16 r;
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        r.bits = (unsigned short)((u >> 16) | 0x0040u);
-    } else {
-        u += 0x7fffu + ((u >> 16) & 1u);
-        r.bits = (unsigned short)(u >> 16);
-    }
-    return r;
-}
-
 // The rotation of one pair, in the CPU kernels' order; _rn intrinsics are never fused into FMAs.
 __device__ __forceinline__ void rotate_pair(
     float a, float b, float c, float s, float& x, float& y)

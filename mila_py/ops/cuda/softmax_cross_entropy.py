@@ -11,6 +11,9 @@ Same math as :mod:`mila_py.ops.cpu.softmax_cross_entropy`, per row ``z [V]`` wit
                                                             rounded next to a large max puts
                                                             one factor on the whole row); 0 on
                                                             rows whose target is ignore_index
+
+The kernels are templates over the logits' storage type (FP32, FP16, BF16); the softmax, ``lse``
+and loss are float32 (float64 for the loss), ``dlogits`` is rounded once per element.
 """
 
 from __future__ import annotations
@@ -23,19 +26,17 @@ import numpy as np
 from mila_py.devices.device import DeviceType
 from mila_py.ops.cpu._rows import out_flat, out_rows
 from mila_py.ops.cuda import _kernels
-from mila_py.ops.operation import Operation
 from mila_py.ops.registry import register_op
-from mila_py.precision import Precision
 
 __all__ = ["CudaSoftmaxCrossEntropyOp"]
 
-#: the kernel file
-_FILE = "softmax_cross_entropy.cu"
 
-
-@register_op("SoftmaxCrossEntropyOp", DeviceType.CUDA, precisions=(Precision.FP32,))
-class CudaSoftmaxCrossEntropyOp(Operation):
+@register_op("SoftmaxCrossEntropyOp", DeviceType.CUDA, precisions=_kernels.CUDA_PRECISIONS)
+class CudaSoftmaxCrossEntropyOp(_kernels.KernelOp):
     """Fused softmax cross-entropy kernels (same contract as the CPU op)."""
+
+    FILE = "softmax_cross_entropy.cu"
+    TEMPLATES = ("softmax_cross_entropy_forward", "softmax_cross_entropy_backward")
 
     def forward(self, logits: Any, targets: Any, lse: Any) -> tuple[float, int]:
         """``(mean loss, count)`` over rows whose target is not ``ignore_index``; writes ``lse``.
@@ -53,9 +54,7 @@ class CudaSoftmaxCrossEntropyOp(Operation):
             t = xp.ascontiguousarray(targets.reshape(-1), dtype=np.int64)  # [N]
             stats = xp.empty((n_rows, 2), dtype=np.float64)
             args = (z2, t, lse1, stats, np.int32(vocab), np.int64(self.config.ignore_index))
-            _kernels.launch(
-                ctx,
-                _FILE,
+            self._launch(
                 "softmax_cross_entropy_forward",
                 (n_rows,),
                 _kernels.ROW_THREADS,
@@ -82,9 +81,7 @@ class CudaSoftmaxCrossEntropyOp(Operation):
                 z2, t, lse1, d2, np.int32(z2.shape[1]), np.int64(self.config.ignore_index),
                 np.float32(scale),
             )  # fmt: skip
-            _kernels.launch(
-                ctx,
-                _FILE,
+            self._launch(
                 "softmax_cross_entropy_backward",
                 (z2.shape[0],),
                 _kernels.ROW_THREADS,

@@ -9,7 +9,8 @@ Same formulas and order of operations as :mod:`mila_py.ops.cpu.swiglu`, with
 
 Where ``exp`` overflows to inf, ``1 / (1 + inf) = 0`` is the right limit (the GPU raises
 nothing). The backward reads ``dh`` before writing ``dgate`` at each element, so ``dgate`` may be
-``dh`` itself (the SwiGLU component relies on it).
+``dh`` itself (the SwiGLU component relies on it). The kernels are templates over the storage
+type (FP32, FP16, BF16): float32 arithmetic, each output rounded once.
 """
 
 from __future__ import annotations
@@ -22,19 +23,17 @@ import numpy as np
 from mila_py.devices.device import DeviceType
 from mila_py.ops.cpu._rows import out_rows
 from mila_py.ops.cuda import _kernels
-from mila_py.ops.operation import Operation
 from mila_py.ops.registry import register_op
-from mila_py.precision import Precision
 
 __all__ = ["CudaSwiGLUOp"]
 
-#: the kernel file
-_FILE = "swiglu.cu"
 
-
-@register_op("SwiGLUOp", DeviceType.CUDA, precisions=(Precision.FP32,))
-class CudaSwiGLUOp(Operation):
+@register_op("SwiGLUOp", DeviceType.CUDA, precisions=_kernels.CUDA_PRECISIONS)
+class CudaSwiGLUOp(_kernels.KernelOp):
     """Fused ``silu(g) * u`` kernels (same contract as the CPU op)."""
+
+    FILE = "swiglu.cu"
+    TEMPLATES = ("swiglu_forward", "swiglu_backward")
 
     def forward(self, gate: Any, up: Any, out: Any) -> None:
         """``out = silu(gate) * up`` (``out`` C-contiguous, not aliasing the inputs)."""
@@ -47,9 +46,7 @@ class CudaSwiGLUOp(Operation):
             n = int(h2.size)
             if n == 0:
                 return
-            _kernels.launch(
-                ctx,
-                _FILE,
+            self._launch(
                 "swiglu_forward",
                 _kernels.grid_1d(n),
                 _kernels.THREADS,
@@ -62,12 +59,11 @@ class CudaSwiGLUOp(Operation):
         n = int(out.size)
         if not (gate.flags.c_contiguous and up.flags.c_contiguous) or n == 0:
             return super().bind_forward(gate, up, out)
-        ctx: Any = self.context
         args = (gate, up, out_rows(out), np.int64(n))
         grid = _kernels.grid_1d(n)
 
         def run() -> None:
-            _kernels.launch(ctx, _FILE, "swiglu_forward", grid, _kernels.THREADS, args)
+            self._launch("swiglu_forward", grid, _kernels.THREADS, args)
 
         return run
 
@@ -79,14 +75,13 @@ class CudaSwiGLUOp(Operation):
             g2 = _kernels.contiguous_rows(xp, gate)
             u2 = _kernels.contiguous_rows(xp, up)
             dg2, du2 = out_rows(dgate), out_rows(dup)
-            # dh is dgate itself (C-contiguous) or read as its own contiguous rows
-            dh2 = dg2 if dh is dgate else _kernels.contiguous_rows(xp, dh)
+            # dh is dgate itself (C-contiguous) or read as its own contiguous rows (a float32
+            # dh as the storage type)
+            dh2 = dg2 if dh is dgate else _kernels.contiguous_rows(xp, self._storage(dh))
             n = int(dg2.size)
             if n == 0:
                 return
-            _kernels.launch(
-                ctx,
-                _FILE,
+            self._launch(
                 "swiglu_backward",
                 _kernels.grid_1d(n),
                 _kernels.THREADS,

@@ -7,7 +7,9 @@
     backward  dW [tokens[i]] += dy [i]               one block per token, atomicAdd per element
 
 Repeated ids are added with float atomics, so their order (and the last bits of a row that many
-tokens share) may vary from run to run; the CPU op sums each id's rows in a fixed order.
+tokens share) may vary from run to run; the CPU op sums each id's rows in a fixed order. FP16
+and BF16 tables are looked up as they are; their gradient is float32 (the kernel is a template
+over the storage type of ``dy``).
 """
 
 from __future__ import annotations
@@ -19,19 +21,17 @@ import numpy as np
 
 from mila_py.devices.device import DeviceType
 from mila_py.ops.cuda import _kernels
-from mila_py.ops.operation import Operation
 from mila_py.ops.registry import register_op
-from mila_py.precision import Precision
 
 __all__ = ["CudaTokenEmbeddingOp"]
 
-#: the kernel file
-_FILE = "token_embedding.cu"
 
-
-@register_op("TokenEmbeddingOp", DeviceType.CUDA, precisions=(Precision.FP32,))
-class CudaTokenEmbeddingOp(Operation):
+@register_op("TokenEmbeddingOp", DeviceType.CUDA, precisions=_kernels.CUDA_PRECISIONS)
+class CudaTokenEmbeddingOp(_kernels.KernelOp):
     """Embedding lookup and scatter-add gradient (same contract as the CPU op)."""
+
+    FILE = "token_embedding.cu"
+    TEMPLATES = ("token_embedding_backward", "token_embedding_lookup")
 
     def forward(self, tokens: Any, weight: Any, out: Any) -> None:
         """``out[...] = weight[tokens]`` (ids already validated to be in ``[0, V)``)."""
@@ -47,13 +47,12 @@ class CudaTokenEmbeddingOp(Operation):
         n_rows = int(tokens.size)
         if not dense or tokens.dtype != np.int32 or n_rows == 0:
             return super().bind_forward(tokens, weight, out)
-        ctx: Any = self.context
         vocab, dim = int(weight.shape[0]), int(weight.shape[1])
         args = (tokens, weight, out, np.int64(n_rows), np.int32(dim), np.int32(vocab))
         grid = _kernels.grid_1d(n_rows, 1)
 
         def lookup() -> None:
-            _kernels.launch(ctx, _FILE, "token_embedding_lookup", grid, _kernels.ROW_THREADS, args)
+            self._launch("token_embedding_lookup", grid, _kernels.ROW_THREADS, args)
 
         return lookup
 
@@ -66,15 +65,13 @@ class CudaTokenEmbeddingOp(Operation):
             n_rows = int(ids.shape[0])
             if n_rows == 0:
                 return
-            dy2 = _kernels.contiguous_rows(xp, dy)  # [N, D]
+            dy2 = _kernels.contiguous_rows(xp, self._storage(dy))  # [N, D]
             if not dweight.flags.c_contiguous:
                 raise ValueError(
                     f"CUDA TokenEmbeddingOp: dweight must be C-contiguous, got {dweight.strides}"
                 )
             dim = int(dy2.shape[1])
-            _kernels.launch(
-                ctx,
-                _FILE,
+            self._launch(
                 "token_embedding_backward",
                 _kernels.grid_1d(n_rows, 1),
                 _kernels.ROW_THREADS,

@@ -177,9 +177,7 @@ def test_linear_bind_forward_of_few_rows_is_a_kernel_matching_float64(
         assert np.isnan(out_big[0, 1]).all()  # rows outside the views untouched
 
 
-def test_linear_bind_forward_of_many_rows_stays_a_matrix_product(
-    ctx: EmulatedContext, rng
-) -> None:
+def test_linear_bind_forward_of_many_rows_stays_a_matrix_product(ctx: EmulatedContext, rng) -> None:
     """Past 16 rows the bound product is a ``matmul`` again (no kernel launch); the few-row
     kernels take float4 loads only where the rows and the weight are aligned for them."""
     n_in, n_out = 8, 5

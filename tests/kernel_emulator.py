@@ -660,7 +660,6 @@ FILES = (
     "attention.cu",
     "adamw.cu",
     "rope.cu",
-    "linear.cu",
 )
 
 
@@ -697,15 +696,8 @@ def layer_name_expressions() -> list[str]:
 
 
 #: every CUDA op's kernel source (the files' text), and the template instantiations the ops launch
-def linear_name_expressions() -> list[str]:
-    """Every template instantiation the Linear op launches (its few-row kernels)."""
-    from mila_py.ops.cuda import linear
-
-    return linear.kernel_names()
-
-
 SOURCES = [_kernels.source(f) for f in FILES]
-NAME_EXPRESSIONS = rope_name_expressions() + layer_name_expressions() + linear_name_expressions()
+NAME_EXPRESSIONS = rope_name_expressions() + layer_name_expressions()
 
 
 def names_in(source: str) -> list[str]:

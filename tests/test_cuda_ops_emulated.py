@@ -140,65 +140,6 @@ def test_linear_bind_forward_equals_the_forward(
         np.testing.assert_allclose(out, want + (0 if bias is None else bias), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("n_in", [13, 36], ids=["K%4", "K/4"])
-@pytest.mark.parametrize("transposed", [False, True], ids=["out-in", "in-out storage"])
-@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_linear_bind_forward_of_few_rows_is_a_kernel_matching_float64(
-    ctx: EmulatedContext, rng, n_in: int, transposed: bool, bias: bool
-) -> None:
-    """A decode plan's product of 1..16 rows is one launch of a ``linear.cu`` kernel (no
-    ``matmul``: CuPy refuses cuBLAS while a stream captures a graph), equal to a float64
-    reference for either weight layout, with and without a bias, on the views the plans pass:
-    ``[B, 1, K]`` rows of a larger buffer, a row slice at an offset (misaligned for float4),
-    a column slice of a fused buffer, into rows of a larger output."""
-    n_out = 70  # more than one block of either kernel, not a multiple of their tiles
-    w = f32(rng, n_in, n_out).T if transposed else f32(rng, n_out, n_in)  # [out, in]
-    b = f32(rng, n_out) if bias else None
-    op = CudaLinearOp(ctx, LinearConfig(n_in, n_out, bias=bias), FP32)
-    for m in range(1, 17):
-        big = f32(rng, m + 1, 2, n_in + 5)
-        out_big = np.full((m + 1, 2, n_out), np.nan, np.float32)
-        views = [
-            (np.ascontiguousarray(big[:m, :1, :n_in]), out_big[:m, :1]),
-            (big[1:, 1:, :n_in], out_big[1:, 1:]),  # rows n_in + 5 apart, at an offset
-            (big[:m, 0, 3 : 3 + n_in], out_big[:m, 0]),  # a column slice: misaligned
-        ]
-        for x, out in views:
-            out[...] = np.nan
-            before = len(ctx.launches)
-            op.bind_forward(x, w, b, out)()
-            launched = ctx.launches[before:]
-            kernel = "linear_gemv_kn" if transposed else "linear_gemv_nk"
-            assert len(launched) == 1 and launched[0].startswith(kernel), launched
-            want = x.astype(np.float64) @ w.T.astype(np.float64)
-            if b is not None:
-                want += b
-            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
-        assert np.isnan(out_big[0, 1]).all()  # rows outside the views untouched
-
-
-def test_linear_bind_forward_of_many_rows_stays_a_matrix_product(ctx: EmulatedContext, rng) -> None:
-    """Past 16 rows the bound product is a ``matmul`` again (no kernel launch); the few-row
-    kernels take float4 loads only where the rows and the weight are aligned for them."""
-    n_in, n_out = 8, 5
-    w = f32(rng, n_out, n_in)
-    op = CudaLinearOp(ctx, LinearConfig(n_in, n_out, bias=False), FP32)
-    x, out = f32(rng, 17, n_in), np.empty((17, n_out), np.float32)
-    before = len(ctx.launches)
-    op.bind_forward(x, w, None, out)()
-    assert ctx.launches[before:] == []
-    close(out, x @ w.T)
-    op.bind_forward(x[:4], w, None, out[:4])()
-    op.bind_forward(x[:5], w, None, out[:5])()
-    op.bind_forward(x[:4, 1:5], w[:, :4], None, out[:4])()  # x's rows 4 bytes past alignment
-    assert ctx.launches[before:] == [
-        "linear_gemv_nk<4, true>",
-        "linear_gemv_nk<16, true>",
-        "linear_gemv_nk<4, false>",
-    ]
-    close(out[:4], x[:4, 1:5] @ w[:, :4].T)
-
-
 # ------------------------------------------------------------------------------------ rmsnorm
 @pytest.mark.parametrize(("n_rows", "dim"), [(1, 5), (7, 40), (37, 300), (2, 1000)])
 def test_rms_norm_matches_cpu(ctx: EmulatedContext, rng, n_rows: int, dim: int) -> None:

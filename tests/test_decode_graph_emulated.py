@@ -94,11 +94,6 @@ def test_graph_replays_equal_the_eager_step_and_the_components(
         assert plan.step.captures == 1 and plan.step.graph.launches == runs - 1
         assert eager._plans[n_b].step.eager and eager._plans[n_b].step.graph is None
     assert graphed.cached_lengths == eager.cached_lengths == components.cached_lengths
-    # the plans' products are the few-row kernels' launches (the emulated stream, like CuPy,
-    # refuses a matrix product while it captures): every projection and the head, per layer
-    launches: list[str] = graphed.execution_context.launches  # type: ignore[attr-defined]
-    products = [name for name in launches if name.startswith("linear_gemv")]
-    assert len(products) >= len(program) * (1 + 5 * cfg.n_layers)
 
 
 def test_each_batch_size_captures_its_own_graph_once(cuda: None, tmp_path: Any) -> None:

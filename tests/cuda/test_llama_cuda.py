@@ -453,8 +453,10 @@ def test_decode_plan_equals_the_component_path(tmp_path, rng, tie: bool, extras:
         want = components._decode_components(dev(x[:n_b, position, None]), where)
         close(got, host(want), rtol=1e-5, atol=1e-5)
     assert sorted(planned._plans) == [1, 2] and components._plans == {}
-    for plan in planned._plans.values():  # each batch size's step replays its CUDA graph
-        assert plan.step.captures == 1 and plan.step.graph is not None
+    # each batch size's step tried one capture; it replays a graph where every call can be
+    # captured, and stays eager where a library refuses (CuPy 14's cuBLAS calls do)
+    for plan in planned._plans.values():
+        assert plan.step.captures == 1 and (plan.step.graph is None) == plan.step.eager
     last = planned._plans[2].positions.device  # the last step's positions, on the device
     assert isinstance(last, cupy.ndarray) and last.dtype == np.int32
     np.testing.assert_array_equal(host(last), [35 - 4, 35 - 1])

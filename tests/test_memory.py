@@ -172,3 +172,28 @@ def test_format_bytes_never_prints_1024_of_a_unit() -> None:
     for n in (1024**2 - 1, 1024**3 - 1, 1024**4 - 1, 1024**2 - 3):
         value = float(format_bytes(n).split()[0])
         assert value < 1024, format_bytes(n)
+
+
+def test_bytes_are_counted_by_dtype_too() -> None:
+    """``from_arrays`` splits the same bytes by dtype (precision names for floats); sums merge
+    them; ``str()`` lists them largest first; they take no part in ``==``."""
+    import ml_dtypes
+
+    stats = MemoryStats.from_arrays(
+        [
+            (P, DEV, np.zeros(10, ml_dtypes.bfloat16)),  # 20 B
+            (G, DEV, np.zeros(10, np.float32)),  # 40 B
+            (S, HOST, np.zeros(3, np.int64)),  # 24 B
+            (S, DEV, np.zeros(2, np.float32)),  # 8 B
+        ]
+    )
+    assert stats.by_dtype == {"BF16": 20, "FP32": 48, "int64": 24}
+    assert sum(stats.by_dtype.values()) == stats.total_bytes
+    assert (stats + stats).by_dtype == {"BF16": 40, "FP32": 96, "int64": 48}
+    assert str(stats).splitlines()[-1] == "by dtype: FP32 48 B, int64 24 B, BF16 20 B"
+    assert stats == dataclasses.replace(stats, dtype_bytes=())
+    assert MemoryStats(dtype_bytes={"FP32": 4}).by_dtype == {"FP32": 4}
+    with pytest.raises(ValueError, match="dtype_bytes"):
+        MemoryStats(dtype_bytes={"FP32": -1})
+    with pytest.raises(TypeError, match="dtype_bytes"):
+        MemoryStats(dtype_bytes=[("FP32",)])  # type: ignore[list-item]

@@ -114,3 +114,29 @@ def test_is_supported_on_takes_device_ids() -> None:
 
     assert Precision.FP64.is_supported_on(DeviceId(DeviceType.CPU))
     assert not Precision.FP64.is_supported_on(DeviceId(DeviceType.CUDA, 1))
+
+
+def test_parse_names_case_insensitively_and_refuses_the_unknown() -> None:
+    for name, precision in (
+        ("bf16", Precision.BF16),
+        ("BFloat16", Precision.BF16),
+        (" fp16 ", Precision.FP16),
+        ("half", Precision.FP16),
+        ("float32", Precision.FP32),
+        ("FP64", Precision.FP64),
+    ):
+        assert Precision.parse(name) is precision
+    assert Precision.parse(Precision.FP16) is Precision.FP16
+    with pytest.raises(ValueError, match=r"'int8'.*bf16"):
+        Precision.parse("int8")
+    with pytest.raises(TypeError, match="expected a str"):
+        Precision.parse(16)  # type: ignore[arg-type]
+
+
+def test_reduced_precisions_compute_in_float32() -> None:
+    """FP16 and BF16 are the 16-bit storage precisions; ops compute, and gradients of their
+    parameters are kept, in float32 (float64 for FP64)."""
+    assert {p for p in Precision if p.is_reduced} == {Precision.FP16, Precision.BF16}
+    for precision in Precision:
+        wide = np.float64 if precision is Precision.FP64 else np.float32
+        assert precision.compute_dtype == np.dtype(wide)

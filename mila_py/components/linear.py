@@ -71,7 +71,7 @@ class Linear(Layer):
         name: component name.
         config: a :class:`LinearConfig`.
         device: ``"CPU"``, ... for a standalone component; None inside a Network.
-        precision: FP32.
+        precision: FP32, BF16 or FP16 (FP64 on the CPU); products accumulate in FP32.
     """
 
     _OP_NAME = "LinearOp"

@@ -47,7 +47,7 @@ class Residual(Layer):
         name: component name.
         config: a :class:`ResidualConfig`.
         device: ``"CPU"``, ... for a standalone component; None inside a Network.
-        precision: FP32 (FP64 on the CPU).
+        precision: FP32, BF16 or FP16 (FP64 on the CPU).
     """
 
     _OP_NAME = "ResidualOp"

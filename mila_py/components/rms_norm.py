@@ -52,7 +52,7 @@ class RmsNorm(Layer):
         name: component name.
         config: an :class:`RmsNormConfig`.
         device: ``"CPU"``, ... for a standalone component; None inside a Network.
-        precision: FP32.
+        precision: FP32, BF16 or FP16 (FP64 on the CPU); the statistics are FP32.
     """
 
     _OP_NAME = "RmsNormOp"

@@ -58,7 +58,8 @@ class SoftmaxCrossEntropy(Layer):
         name: component name.
         config: a :class:`SoftmaxCrossEntropyConfig`.
         device: ``"CPU"``, ... for a standalone component; None inside a Network.
-        precision: FP32 (of the logits).
+        precision: of the logits and their gradient: FP32, BF16 or FP16 (FP64 on the CPU);
+            the softmax, ``lse`` and the loss are computed in FP32 (float64 for the loss).
     """
 
     _OP_NAME = "SoftmaxCrossEntropyOp"

@@ -73,7 +73,7 @@ class SwiGLU(Layer, CompositeComponent):
         name: component name.
         config: a :class:`SwiGLUConfig`.
         device: ``"CPU"``, ... for a standalone component; None inside a Network.
-        precision: FP32.
+        precision: FP32, BF16 or FP16 (FP64 on the CPU).
     """
 
     _OP_NAME = "SwiGLUOp"

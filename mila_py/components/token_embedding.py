@@ -51,7 +51,8 @@ class TokenEmbedding(Layer):
         name: component name.
         config: a :class:`TokenEmbeddingConfig`.
         device: ``"CPU"``, ... for a standalone component; None inside a Network.
-        precision: FP32 (of the table and the output).
+        precision: of the table and the output: FP32, BF16 or FP16 (FP64 on the CPU); the
+            table's gradient is FP32 for the 16-bit ones.
     """
 
     _OP_NAME = "TokenEmbeddingOp"

@@ -26,7 +26,7 @@ def test_rms_norm_rows_equals_the_numpy_forward(dtype, shape) -> None:  # type: 
     ref, ref_r = np.empty_like(x), np.empty(shape[0], dtype)
     rms_norm_forward(x, w, 1e-5, ref, ref_r)
     got, got_r = np.full_like(x, np.nan), np.full(shape[0], np.nan, dtype)
-    _fused_layers.rms_norm_rows(x, w, 1e-5, got, got_r, *_fused_math.converters(dtype))
+    _fused_layers.rms_norm_rows(x, w, 1e-5, got, got_r, _fused_math.storage(dtype))
     np.testing.assert_allclose(got_r, ref_r, rtol=TOL[dtype])
     np.testing.assert_allclose(got, ref, rtol=TOL[dtype], atol=TOL[dtype] * np.abs(ref).max())
     # and against the formula in float64
@@ -44,7 +44,7 @@ def test_swiglu_rows_equals_the_numpy_forward_including_saturation(dtype) -> Non
     ref = np.empty_like(g)
     swiglu_forward(g, u, ref)
     got = np.full_like(g, np.nan)
-    _fused_layers.swiglu_rows(g, u, got, dtype(1.0), *_fused_math.converters(dtype))
+    _fused_layers.swiglu_rows(g, u, got, dtype(1.0), _fused_math.storage(dtype))
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, ref, rtol=4 * TOL[dtype], atol=4 * TOL[dtype])
 
@@ -57,7 +57,7 @@ def test_swiglu_packed_rows_reads_gate_then_up_from_each_row(dtype) -> None:  # 
     ref = np.empty((7, 130), dtype)
     swiglu_forward(both[:, :130], both[:, 130:], ref)
     got = np.full_like(ref, np.nan)
-    _fused_layers.swiglu_packed_rows(both, got, dtype(1.0), *_fused_math.converters(dtype))
+    _fused_layers.swiglu_packed_rows(both, got, dtype(1.0), _fused_math.storage(dtype))
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, ref, rtol=4 * TOL[dtype], atol=4 * TOL[dtype])
 

@@ -22,16 +22,18 @@ import numpy as np
 from mila_py.ops.cpu._fused_math import (
     AVAILABLE,
     bits,
-    converters,
     jit_exp,
     k_exp_shifted,
     k_row_max,
     k_row_sum,
     kernel_exp,
     literally,
+    narrow,
     numba,
     prefetch,
+    storage,
     types,
+    widen,
 )
 
 #: how many cached rows ahead of the scores the decode kernel asks for K
@@ -84,11 +86,11 @@ def _softmax_backward_rows(dp, p, row):
                 d[i] = (d[i] - c) * q[i]
 
 
-def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g, widen, narrow):
+def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g, fmt):
     # one sequence: q [Hq*d]; k, v [Tk, Hk*d]; the first n keys are visible; out [Hq*d];
     # probs [Hq, Tk] (0 past the visible keys) in the compute dtype; q, k, v and out stored as
-    # widen reads and narrow writes them (16-bit bits, or floats of probs' dtype as they are);
-    # d the head size, g = Hq / Hk, both compile-time
+    # the storage code fmt says (16-bit bits, or floats of probs' dtype); fmt, d the head size
+    # and g = Hq / Hk are compile-time
     # constants (literal types: one compilation per pair), so the inner loops unroll into
     # registers (1.6x over runtime sizes at d = 64). Keys outer: K, then V, are read once, front
     # to back, four whole rows (every kv head) at a time: one sequential stream the prefetcher
@@ -96,11 +98,12 @@ def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g, 
     # query element.
     literally(d)
     literally(g)
+    literally(fmt)
     zero = probs.dtype.type(0.0)
     one = probs.dtype.type(1.0)
     qs = np.empty(n_heads * d, probs.dtype)
     for i in range(n_heads * d):
-        qs[i] = widen(q[i]) * scale
+        qs[i] = widen(q[i], fmt) * scale
     width = k.shape[1]
     line = 64 // k.itemsize  # elements of a 64-byte cache line
     t = 0
@@ -119,10 +122,10 @@ def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g, 
                 a0 = a1 = a2 = a3 = zero
                 for i in range(d):
                     x = qs[qh + i]
-                    a0 += x * widen(k0[lo + i])
-                    a1 += x * widen(k1[lo + i])
-                    a2 += x * widen(k2[lo + i])
-                    a3 += x * widen(k3[lo + i])
+                    a0 += x * widen(k0[lo + i], fmt)
+                    a1 += x * widen(k1[lo + i], fmt)
+                    a2 += x * widen(k2[lo + i], fmt)
+                    a3 += x * widen(k3[lo + i], fmt)
                 probs[h, t] = a0
                 probs[h, t + 1] = a1
                 probs[h, t + 2] = a2
@@ -137,7 +140,7 @@ def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g, 
                 qh = h * d
                 acc = zero
                 for i in range(d):
-                    acc += qs[qh + i] * widen(kr[lo + i])
+                    acc += qs[qh + i] * widen(kr[lo + i], fmt)
                 probs[h, r] = acc
     for h in range(n_heads):
         live = probs[h, :n]
@@ -163,8 +166,8 @@ def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g, 
                 oh = h * d
                 for i in range(d):
                     total[oh + i] += (
-                        w0 * widen(v0[lo + i]) + w1 * widen(v1[lo + i])
-                        + w2 * widen(v2[lo + i]) + w3 * widen(v3[lo + i])
+                        w0 * widen(v0[lo + i], fmt) + w1 * widen(v1[lo + i], fmt)
+                        + w2 * widen(v2[lo + i], fmt) + w3 * widen(v3[lo + i], fmt)
                     )  # fmt: skip
         t += 4
     for r in range(t, n):
@@ -176,9 +179,9 @@ def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g, 
                 w = probs[h, r]
                 oh = h * d
                 for i in range(d):
-                    total[oh + i] += w * widen(vr[lo + i])
+                    total[oh + i] += w * widen(vr[lo + i], fmt)
     for i in range(n_heads * d):
-        out[i] = narrow(total[i])
+        out[i] = narrow(total[i], fmt)
 
 
 #: the decode kernel compiled per argument types and (head size, group), see :func:`decode_kernel`
@@ -199,8 +202,8 @@ def decode_kernel(
     ``k``, ``v [Tk, Hk*d]``, ``out [Hq*d]``, as the kernel takes them: 16-bit storage as its
     bits, see :func:`~._fused_math.bits`; ``probs [Hq, Tk]`` in the compute dtype) and this head
     geometry, as a plain function ``f(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g,
-    widen, narrow)`` (``widen``, ``narrow``: :func:`~._fused_math.converters` of the storage
-    dtype, which the caller passes; ``dtype`` names it, ``q``'s own when None).
+    fmt)`` (``fmt``: :func:`~._fused_math.storage` of the storage ``dtype``, ``q``'s own when
+    None, which the caller passes).
 
     Kept per types and geometry; calling the returned function skips Numba's dispatch, which
     for the literal head size costs ~60-90 ms a call. Its arguments must have exactly the types
@@ -220,8 +223,7 @@ def decode_kernel(
         arrays = tuple(numba.typeof(a) for a in (q, k, v, out, probs))
         item = numba.from_dtype(probs.dtype)
         sig = (*arrays[:3], types.intp, types.intp, types.intp, item, *arrays[3:])
-        functions = tuple(numba.typeof(f) for f in converters(dtype))
-        sig = (*sig, types.literal(d), types.literal(g), *functions)
+        sig = (*sig, types.literal(d), types.literal(g), types.literal(storage(dtype)))
         _decode_attention_kernel.compile(sig)
         kernel = _DECODE_KERNELS[key] = _decode_attention_kernel.get_overload(sig)
     return kernel
@@ -255,12 +257,12 @@ def decode_attention(
     scale = probs.dtype.type(scale)
     d, g = q.shape[2] // n_heads, n_heads // n_kv_heads
     q, k, v, out = bits(q), bits(k), bits(v), bits(out)
-    widen, narrow = converters(dtype)
+    fmt = storage(dtype)
     if n_b:  # every sequence's rows have the first one's types: one lookup
         kernel = decode_kernel(q[0, 0], k[0], v[0], n_heads, n_kv_heads, out[0, 0], probs[0], dtype)
     for b in range(n_b):
         kernel(q[b, 0], k[b], v[b], int(visible[b]), n_heads, n_kv_heads, scale, out[b, 0],
-               probs[b], d, g, widen, narrow)  # fmt: skip
+               probs[b], d, g, fmt)  # fmt: skip
     return probs.reshape(n_b, n_kv_heads, n_heads // n_kv_heads, 1, n_tk)
 
 

@@ -17,9 +17,9 @@ backward):
 
 The ops use them when Numba is installed and ``MILA_PY_CPU_BACKEND`` is not ``numpy``
 (:func:`enabled`); the NumPy functions stay the readable references the tests compare them with.
-The forward kernels take 16-bit storage too: they read and write its ``uint16`` bits through the
-``(widen, narrow)`` pair of :func:`~._fused_math.converters` (the identity pair for float32 and
-float64), computing in float32. Importing this module never fails: ``AVAILABLE`` says whether
+The forward kernels take 16-bit storage too: they read and write its ``uint16`` bits, given its
+storage code ``fmt`` (:func:`~._fused_math.storage`; float32 and float64 pass through),
+computing in float32. Importing this module never fails: ``AVAILABLE`` says whether
 Numba is installed.
 """
 
@@ -30,7 +30,16 @@ from typing import Any
 
 import numpy as np
 
-from mila_py.ops.cpu._fused_math import AVAILABLE, enabled, jit_exp, kernel_exp, numba
+from mila_py.ops.cpu._fused_math import (
+    AVAILABLE,
+    enabled,
+    jit_exp,
+    kernel_exp,
+    literally,
+    narrow,
+    numba,
+    widen,
+)
 
 __all__ = [
     "AVAILABLE",
@@ -43,22 +52,23 @@ __all__ = [
 ]
 
 
-def _rms_norm_rows(x, w, eps, out, rstd, widen, narrow):
-    # x, out [N, D]; w [D] (stored as widen reads and narrow writes them); rstd [N], of the
-    # compute dtype (float32, or float64 for float64 storage)
+def _rms_norm_rows(x, w, eps, out, rstd, fmt):
+    # x, out [N, D]; w [D] (stored as storage code fmt says); rstd [N], of the compute dtype
+    # (float32, or float64 for float64 storage)
+    literally(fmt)
     n_rows, dim = x.shape
     for r in range(n_rows):
         row = x[r]
         acc = 0.0  # float64
         for i in range(dim):
-            v = np.float64(widen(row[i]))
+            v = np.float64(widen(row[i], fmt))
             acc += v * v
         inv = 1.0 / math.sqrt(acc / dim + eps)
         rstd[r] = inv
         scale = rstd.dtype.type(inv)
         dst = out[r]
         for i in range(dim):
-            dst[i] = narrow(widen(row[i]) * scale * widen(w[i]))
+            dst[i] = narrow(widen(row[i], fmt) * scale * widen(w[i], fmt), fmt)
 
 
 def _rms_norm_backward_rows(x, w, rstd, dy, dw, dx):
@@ -85,28 +95,29 @@ def _rms_norm_backward_rows(x, w, rstd, dy, dw, dx):
         dw[i] += acc[i]
 
 
-def _swiglu_rows(g, u, out, one, widen, narrow):
-    # g, u, out [N, H] (stored as widen reads and narrow writes them); one: 1 in the compute
-    # dtype
+def _swiglu_rows(g, u, out, one, fmt):
+    # g, u, out [N, H] (stored as storage code fmt says); one: 1 in the compute dtype
+    literally(fmt)
     for r in range(g.shape[0]):
         gr = g[r]
         ur = u[r]
         dst = out[r]
         for i in range(g.shape[1]):
-            a = widen(gr[i])
-            dst[i] = narrow(a / (one + kernel_exp(-a)) * widen(ur[i]))
+            a = widen(gr[i], fmt)
+            dst[i] = narrow(a / (one + kernel_exp(-a)) * widen(ur[i], fmt), fmt)
 
 
-def _swiglu_packed_rows(both, out, one, widen, narrow):
+def _swiglu_packed_rows(both, out, one, fmt):
     # both [N, 2H]: g then u in each row (the rows are dense, so the loop vectorizes where two
     # strided [N, H] halves would not); out [N, H]; stored and computed as _swiglu_rows
+    literally(fmt)
     h = out.shape[1]
     for r in range(both.shape[0]):
         row = both[r]
         dst = out[r]
         for i in range(h):
-            a = widen(row[i])
-            dst[i] = narrow(a / (one + kernel_exp(-a)) * widen(row[h + i]))
+            a = widen(row[i], fmt)
+            dst[i] = narrow(a / (one + kernel_exp(-a)) * widen(row[h + i], fmt), fmt)
 
 
 def _swiglu_backward_rows(g, u, dh, du):

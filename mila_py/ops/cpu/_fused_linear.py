@@ -4,7 +4,7 @@
 ``x``, ``W``, ``b`` and ``y`` in FP16 or BF16: a CPU decode step reads every weight once per
 token, so its time is the weights' bytes, and 16-bit weights read as they are halve it. The
 kernels read the weight's bits (``uint16``), widen each element in registers (see
-:func:`~._fused_math.converters`), accumulate in float32 and round each output once. Two
+:func:`~._fused_math.widen`), accumulate in float32 and round each output once. Two
 layouts, as :class:`~mila_py.components.Linear` stores its weight:
 
 - :func:`_rows_product`: ``W [out, in]`` C-contiguous: one dot product per output, along a
@@ -36,8 +36,11 @@ from mila_py.ops.cpu._fused_math import (
     REDUCED_DTYPES,
     bits,
     compiled,
-    converters,
+    literally,
+    narrow,
     numba,
+    storage,
+    widen,
 )
 
 __all__ = ["MAX_ROWS", "applies", "bind"]
@@ -53,19 +56,14 @@ _COLUMN_BLOCK = 512
 prange = numba.prange if AVAILABLE else range
 
 
-def _widened(x, widen):
-    # x [N, K] storage -> float32 [N, K]
-    xs = np.empty(x.shape, np.float32)
-    for r in range(x.shape[0]):
-        for i in range(x.shape[1]):
-            xs[r, i] = widen(x[r, i])
-    return xs
-
-
-def _rows_product(x, w, bias, out, widen, narrow, block):
-    # x [N, K], w [M, K] C-contiguous, bias [M] or None, out [N, M]: all 16-bit bits
-    xs = k_widened(x, widen)
-    n_rows, k = xs.shape
+def _rows_product(x, w, bias, out, fmt, block):
+    # x [N, K], w [M, K] C-contiguous, bias [M] or None, out [N, M]: 16-bit bits of storage fmt
+    literally(fmt)
+    n_rows, k = x.shape
+    xs = np.empty((n_rows, k), np.float32)
+    for r in range(n_rows):
+        for i in range(k):
+            xs[r, i] = widen(x[r, i], fmt)
     m = w.shape[0]
     n_blocks = (m + block - 1) // block
     for blk in prange(n_blocks):
@@ -75,16 +73,20 @@ def _rows_product(x, w, bias, out, widen, narrow, block):
                 xr = xs[r]
                 acc = np.float32(0.0)
                 for i in range(k):
-                    acc += xr[i] * widen(row[i])
+                    acc += xr[i] * widen(row[i], fmt)
                 if bias is not None:
-                    acc += widen(bias[o])
-                out[r, o] = narrow(acc)
+                    acc += widen(bias[o], fmt)
+                out[r, o] = narrow(acc, fmt)
 
 
-def _columns_product(x, wt, bias, out, widen, narrow, block):
-    # x [N, K], wt [K, M] C-contiguous (W^T), bias [M] or None, out [N, M]: all 16-bit bits
-    xs = k_widened(x, widen)
-    n_rows, k = xs.shape
+def _columns_product(x, wt, bias, out, fmt, block):
+    # x [N, K], wt [K, M] C-contiguous (W^T), bias [M] or None, out [N, M]: as _rows_product
+    literally(fmt)
+    n_rows, k = x.shape
+    xs = np.empty((n_rows, k), np.float32)
+    for r in range(n_rows):
+        for i in range(k):
+            xs[r, i] = widen(x[r, i], fmt)
     m = wt.shape[1]
     n_blocks = (m + block - 1) // block
     for blk in prange(n_blocks):
@@ -102,8 +104,8 @@ def _columns_product(x, wt, bias, out, widen, narrow, block):
                 ar = acc[r]
                 for j in range(width):
                     ar[j] += (
-                        a0 * widen(w0[j]) + a1 * widen(w1[j]) + a2 * widen(w2[j])
-                        + a3 * widen(w3[j])
+                        a0 * widen(w0[j], fmt) + a1 * widen(w1[j], fmt)
+                        + a2 * widen(w2[j], fmt) + a3 * widen(w3[j], fmt)
                     )  # fmt: skip
             i += 4
         for ii in range(i, k):
@@ -112,14 +114,14 @@ def _columns_product(x, wt, bias, out, widen, narrow, block):
                 a = xs[r, ii]
                 ar = acc[r]
                 for j in range(width):
-                    ar[j] += a * widen(wi[j])
+                    ar[j] += a * widen(wi[j], fmt)
         for r in range(n_rows):
             ar = acc[r]
             for j in range(width):
                 v = ar[j]
                 if bias is not None:
-                    v += widen(bias[c0 + j])
-                out[r, c0 + j] = narrow(v)
+                    v += widen(bias[c0 + j], fmt)
+                out[r, c0 + j] = narrow(v, fmt)
 
 
 def applies(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, out: np.ndarray) -> bool:
@@ -150,7 +152,6 @@ def bind(
     """
     x2 = bits(x.reshape(-1, x.shape[-1]))
     y2 = bits(out.reshape(-1, out.shape[-1]))
-    widen, narrow = converters(x.dtype)
     b = None if bias is None else bits(bias)
     n_threads = numba.get_num_threads()
     if weight.flags.c_contiguous:
@@ -159,8 +160,8 @@ def bind(
         kernel, w = _columns_kernel, bits(weight.T)
         per_thread = -(-weight.shape[0] // (4 * n_threads))  # ~4 blocks a thread
         block = min(_COLUMN_BLOCK, max(16, -(-per_thread // 16) * 16))
-    args = (x2, w, b, y2, widen, narrow, block)
-    return functools.partial(compiled(kernel, args), *args)
+    args = (x2, w, b, y2, storage(x.dtype), block)
+    return functools.partial(compiled(kernel, args, literals=(4,)), *args)
 
 
 if AVAILABLE:
@@ -168,8 +169,7 @@ if AVAILABLE:
     _jit = numba.njit(
         cache=True, parallel=True, fastmath={"reassoc", "contract"}, error_model="numpy"
     )
-    k_widened: Any = numba.njit(cache=True)(_widened)
     _rows_kernel: Any = _jit(_rows_product)
     _columns_kernel: Any = _jit(_columns_product)
 else:
-    k_widened = _rows_kernel = _columns_kernel = None
+    _rows_kernel = _columns_kernel = None

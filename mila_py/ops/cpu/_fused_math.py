@@ -16,11 +16,13 @@ inlines: after editing this module, delete the ``*.nbi`` / ``*.nbc`` files in
 ``mila_py/ops/cpu/__pycache__`` (installed copies are rewritten whole, so they are not affected).
 
 16-bit storage: Numba has no float16 or bfloat16 type, so kernels take FP16 and BF16 arrays as
-their ``uint16`` bits (:func:`bits`) and convert each element in registers with a pair of
-functions (:func:`converters`): BF16 widens by shifting its bits into the top half of a float32
-and narrows with round-to-nearest-even (as ``ml_dtypes`` and PyTorch round; NaN stays a quiet
-NaN), FP16 with LLVM's ``fpext`` / ``fptrunc`` (F16C instructions on x86). A kernel passes the
-pair as arguments: Numba compiles it once per pair, with the conversions inlined.
+their ``uint16`` bits (:func:`bits`) and a storage code ``fmt`` (:func:`storage`, a compile-time
+literal: one compilation per code), and convert each element in registers with
+:func:`widen` and :func:`narrow`: BF16 widens by shifting its bits into the top half of a
+float32 and narrows with round-to-nearest-even (as ``ml_dtypes`` and PyTorch round; NaN stays
+a quiet NaN), FP16 with LLVM's ``fpext`` / ``fptrunc`` (F16C instructions on x86), and float32
+or float64 storage passes through. (A literal rather than the conversion functions as
+arguments: Numba's on-disk cache cannot keep kernels typed on function arguments.)
 
 Also: :func:`cpu_backend`, the one reader of ``MILA_PY_CPU_BACKEND``, and :func:`backend_allows` /
 :func:`enabled`, the switch of the fused ops (see :class:`mila_py.ops.cpu._fused_op.FusedCpuOp`).
@@ -39,16 +41,21 @@ import numpy as np
 __all__ = [
     "AVAILABLE",
     "BACKENDS",
+    "BF16_STORAGE",
+    "F16_STORAGE",
+    "FLOAT_STORAGE",
     "FUSED_DTYPES",
     "REDUCED_DTYPES",
     "backend_allows",
     "bits",
     "compiled",
-    "converters",
     "cpu_backend",
     "enabled",
     "exp_rows",
     "kernel_exp",
+    "narrow",
+    "storage",
+    "widen",
 ]
 
 numba: Any
@@ -87,34 +94,50 @@ def bits(x: np.ndarray) -> np.ndarray:
     return x.view(np.uint16) if x.dtype in REDUCED_DTYPES else x
 
 
+#: the storage codes of the kernels' ``fmt`` argument, see :func:`storage`
+FLOAT_STORAGE, BF16_STORAGE, F16_STORAGE = 0, 1, 2
+
+
+def storage(dtype: Any) -> int:
+    """The storage code a kernel takes for arrays of ``dtype``: :data:`BF16_STORAGE` and
+    :data:`F16_STORAGE` for the 16-bit floats (given as their bits, :func:`bits`),
+    :data:`FLOAT_STORAGE` for float32 and float64."""
+    dt = np.dtype(dtype)
+    if dt == np.float16:
+        return F16_STORAGE
+    if dt == ml_dtypes.bfloat16:
+        return BF16_STORAGE
+    return FLOAT_STORAGE
+
+
+def widen(x: Any, fmt: int) -> Any:
+    """Inside the kernels: the stored element ``x`` (storage code ``fmt``, a literal) as the
+    float the kernels compute in (float32 for 16-bit storage)."""
+    return x
+
+
+def narrow(v: Any, fmt: int) -> Any:
+    """Inside the kernels: the computed float ``v`` as an element of storage ``fmt`` (a
+    literal), rounded to nearest even."""
+    return v
+
+
 #: compiled kernels by (kernel, argument types), see :func:`compiled`
 _COMPILED: dict[tuple[Any, ...], Any] = {}
 
 
-def compiled(kernel: Any, args: tuple[Any, ...]) -> Any:
-    """The jitted ``kernel`` compiled for ``args``' types, as a plain function: no per-call
-    dispatch (which costs ~10 us for the converter functions' types), so a decode plan binds
-    it. The function checks little: it must be called with arguments of exactly these types."""
-    sig = tuple(numba.typeof(a) for a in args)
+def compiled(kernel: Any, args: tuple[Any, ...], literals: tuple[int, ...] = ()) -> Any:
+    """The jitted ``kernel`` compiled for ``args``' types (the arguments at the positions
+    ``literals`` as compile-time literals, a storage code), as a plain function: no per-call
+    dispatch, so a decode plan binds it. The function checks little: it must be called with
+    arguments of exactly these types and the same literal values."""
+    sig = tuple(types.literal(a) if i in literals else numba.typeof(a) for i, a in enumerate(args))
     key = (id(kernel), sig)
     found = _COMPILED.get(key)
     if found is None:
         kernel.compile(sig)
         found = _COMPILED[key] = kernel.get_overload(sig)
     return found
-
-
-def converters(dtype: Any) -> tuple[Any, Any]:
-    """``(widen, narrow)``: the jitted functions that turn one stored element of ``dtype`` (its
-    bits, for FP16 and BF16) into the float the kernels compute in, and one such float back
-    into a stored element, rounded to nearest even; the identity pair for float32 and
-    float64."""
-    dt = np.dtype(dtype)
-    if dt == np.float16:
-        return k_widen_f16, k_narrow_f16
-    if dt == ml_dtypes.bfloat16:
-        return k_widen_bf16, k_narrow_bf16
-    return k_identity, k_identity
 
 
 #: the values of ``MILA_PY_CPU_BACKEND``: ``auto`` (the fused kernels when Numba is installed),
@@ -273,9 +296,6 @@ if AVAILABLE:
 
         return types.uint16(value), codegen
 
-    def _identity(x):
-        return x
-
     def _widen_bf16(b):
         return _f32_from_bits(np.uint32(b) << np.uint32(16))
 
@@ -286,18 +306,28 @@ if AVAILABLE:
         u += np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
         return np.uint16(u >> np.uint32(16))
 
-    def _widen_f16(b):
-        return _f16_to_f32(np.uint16(b))
+    _k_widen_bf16 = numba.njit(inline="always", cache=True)(_widen_bf16)
+    _k_narrow_bf16 = numba.njit(inline="always", cache=True)(_narrow_bf16)
 
-    def _narrow_f16(v):
-        return _f32_to_f16(np.float32(v))
+    @overload(widen, inline="always")
+    def _widen_overload(x, fmt):
+        if not isinstance(fmt, types.IntegerLiteral):
+            return None
+        if fmt.literal_value == BF16_STORAGE:
+            return lambda x, fmt: _k_widen_bf16(x)
+        if fmt.literal_value == F16_STORAGE:
+            return lambda x, fmt: _f16_to_f32(np.uint16(x))
+        return lambda x, fmt: x
 
-    _inline = numba.njit(inline="always", cache=True)
-    k_identity: Any = _inline(_identity)
-    k_widen_bf16: Any = _inline(_widen_bf16)
-    k_narrow_bf16: Any = _inline(_narrow_bf16)
-    k_widen_f16: Any = _inline(_widen_f16)
-    k_narrow_f16: Any = _inline(_narrow_f16)
+    @overload(narrow, inline="always")
+    def _narrow_overload(v, fmt):
+        if not isinstance(fmt, types.IntegerLiteral):
+            return None
+        if fmt.literal_value == BF16_STORAGE:
+            return lambda v, fmt: _k_narrow_bf16(v)
+        if fmt.literal_value == F16_STORAGE:
+            return lambda v, fmt: _f32_to_f16(np.float32(v))
+        return lambda v, fmt: v
 
     @intrinsic
     def _f32_from_bits(typingctx, bits):
@@ -366,4 +396,3 @@ if AVAILABLE:
     k_row_sum: Any = _jit_reduce(_row_sum)
 else:
     jit_exp = exp_rows = k_exp_shifted = k_row_max = k_row_sum = None
-    k_identity = k_widen_bf16 = k_narrow_bf16 = k_widen_f16 = k_narrow_f16 = None

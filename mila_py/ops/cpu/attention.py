@@ -24,7 +24,7 @@ import numpy as np
 
 from mila_py.devices import DeviceType
 from mila_py.ops.cpu import _fused_attention
-from mila_py.ops.cpu._fused_math import bits, converters
+from mila_py.ops.cpu._fused_math import bits, storage
 from mila_py.ops.cpu._fused_op import FusedCpuOp
 from mila_py.ops.cpu._wide import CPU_PRECISIONS, is_reduced, store, wide, wide_like
 from mila_py.ops.operation import DecodePositions, bind_attention_decode, bind_cache_write
@@ -328,7 +328,7 @@ class CpuAttentionOp(FusedCpuOp):
             scores = scratch.reshape(-1)
             n_heads, n_kv_heads = int(n_heads), int(n_kv_heads)  # NumPy ints too
             d, g = q.shape[2] // n_heads, n_heads // n_kv_heads
-            widen, narrow = converters(q.dtype)
+            fmt = storage(q.dtype)
             qb, kb, vb, ob = bits(q), bits(k_cache), bits(v_cache), bits(out)
             rows = [(b, qb[b, 0], kb[b], vb[b], ob[b, 0]) for b in range(n_b)]
             if not rows:  # an empty batch: nothing to attend
@@ -343,7 +343,7 @@ class CpuAttentionOp(FusedCpuOp):
                 for b, qr, kr, vr, orow in rows:
                     n = int(each[b]) + 1
                     probs = scores[: n_heads * n].reshape(n_heads, n)
-                    kernel(qr, kr, vr, n, n_heads, n_kv_heads, s, orow, probs, d, g, widen, narrow)
+                    kernel(qr, kr, vr, n, n_heads, n_kv_heads, s, orow, probs, d, g, fmt)
 
             return attend
 

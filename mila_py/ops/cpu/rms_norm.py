@@ -26,7 +26,7 @@ import numpy as np
 from mila_py.devices.device import DeviceType
 from mila_py.devices.overlap import same_view
 from mila_py.ops.cpu import _fused_layers
-from mila_py.ops.cpu._fused_math import bits, compiled, converters
+from mila_py.ops.cpu._fused_math import bits, compiled, storage
 from mila_py.ops.cpu._fused_op import FusedCpuOp
 from mila_py.ops.cpu._rows import apart_from, as_rows, out_flat, out_rows, row_blocks
 from mila_py.ops.cpu._wide import CPU_PRECISIONS, is_reduced, store, wide, wide_like
@@ -124,9 +124,9 @@ class CpuRmsNormOp(FusedCpuOp):
             float(self.config.eps),
             bits(out_rows(out)),
             out_flat(rstd),
-            *converters(x.dtype),
+            storage(x.dtype),
         )
-        return functools.partial(compiled(_fused_layers.rms_norm_rows, args), *args)
+        return functools.partial(compiled(_fused_layers.rms_norm_rows, args, (5,)), *args)
 
     def bind_forward(self, x: Any, weight: Any, out: Any, rstd: Any) -> Callable[[], Any]:
         """The fused kernel on 2-D views (C-contiguous ``x``), else :meth:`forward`."""

@@ -26,7 +26,7 @@ import numpy as np
 from mila_py.devices.device import DeviceType
 from mila_py.devices.overlap import same_view
 from mila_py.ops.cpu import _fused_layers
-from mila_py.ops.cpu._fused_math import bits, compiled, converters
+from mila_py.ops.cpu._fused_math import bits, compiled, storage
 from mila_py.ops.cpu._fused_op import FusedCpuOp
 from mila_py.ops.cpu._rows import apart_from, as_rows, out_rows, row_blocks
 from mila_py.ops.cpu._wide import CPU_PRECISIONS, is_reduced, store, wide, wide_like
@@ -122,8 +122,8 @@ class CpuSwiGLUOp(FusedCpuOp):
         call of its compiled function (no dispatch: decode plans bind it)."""
         one = _compute_dtype(out.dtype).type(1.0)
         rows = [bits(as_rows(a)) for a in inputs]
-        args = (*rows, bits(out_rows(out)), one, *converters(out.dtype))
-        return functools.partial(compiled(kernel, args), *args)
+        args = (*rows, bits(out_rows(out)), one, storage(out.dtype))
+        return functools.partial(compiled(kernel, args, (len(args) - 1,)), *args)
 
     def bind_forward(self, gate: Any, up: Any, out: Any) -> Callable[[], Any]:
         """The fused kernel on 2-D views (C-contiguous ``gate`` and ``up``), else :meth:`forward`."""

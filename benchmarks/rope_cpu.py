@@ -34,7 +34,7 @@ def _interleaved_seconds(
 ) -> dict[str, list[float]]:
     """Seconds per call of every candidate, measured in rounds that run each candidate once.
 
-    Interleaving puts every candidate under the same background load (a shared VM's neighbours
+    Interleaving puts every candidate under the same background load (other processes on a shared machine
     come and go over seconds), so ratios taken round by round are steadier than ratios of
     medians measured one candidate after another.
     """

@@ -31,7 +31,7 @@ CFG = LlamaConfig(
 def _interleaved(candidates: dict[str, Callable[[], object]], steps: int) -> dict[str, list[float]]:
     """Seconds per step of every candidate, in rounds that run each candidate's step once.
 
-    Alternating keeps both under the same background load (a shared VM drifts by 10-20% over a
+    Alternating keeps both under the same background load (a shared machine drifts by 10-20% over a
     minute), so the per-round ratios are steadier than a ratio of two separate medians.
     """
     for fn in candidates.values():

@@ -307,15 +307,7 @@ class TextStream:
 def complete_detailed(
     model: Llama,
     prompt: str | Sequence[str],
-    *,
-    max_new_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    seed: int | None = None,
-    stop: str | Sequence[str] | None = None,
-    stop_token_ids: Sequence[int] | None = None,
-    **processors: Any,
+    **options: Any,
 ) -> list[Completion]:
     """The :class:`Completion` of each prompt (see :meth:`Llama.complete
     <mila_py.models.Llama.complete>` for the arguments), in the prompts' order."""
@@ -328,68 +320,28 @@ def complete_detailed(
         if not isinstance(p, str):
             raise TypeError(f"{who}: prompt must be a str or a list of strs, got {p!r}")
     ids = [tokenizer.encode(p) for p in prompts]
-    options = _options(
-        model,
-        tokenizer,
-        who,
-        max_new_tokens,
-        temperature,
-        top_p,
-        top_k,
-        seed,
-        stop,
-        stop_token_ids,
-        processors,
-    )
-    return _run_waves(model, tokenizer, ids, options, who)
+    checked = _options(model, tokenizer, who, **options)
+    return _run_waves(model, tokenizer, ids, checked, who)
 
 
 def chat_detailed(
     model: Llama,
     messages: Sequence[Mapping[str, Any]],
-    *,
-    max_new_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    seed: int | None = None,
-    stop: str | Sequence[str] | None = None,
-    stop_token_ids: Sequence[int] | None = None,
-    **processors: Any,
+    **options: Any,
 ) -> Completion:
     """The assistant's reply to ``messages`` as a :class:`Completion` (see :meth:`Llama.chat
     <mila_py.models.Llama.chat>`)."""
     who = f"{model._describe()}: chat()"
     tokenizer = _tokenizer(model, who, "chat()")
     ids = [_chat_ids(tokenizer, messages, who)]
-    options = _options(
-        model,
-        tokenizer,
-        who,
-        max_new_tokens,
-        temperature,
-        top_p,
-        top_k,
-        seed,
-        stop,
-        stop_token_ids,
-        processors,
-    )
-    return _run_waves(model, tokenizer, ids, options, who)[0]
+    checked = _options(model, tokenizer, who, **options)
+    return _run_waves(model, tokenizer, ids, checked, who)[0]
 
 
 def stream_text(
     model: Llama,
     prompt: str | Sequence[Mapping[str, Any]],
-    *,
-    max_new_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    seed: int | None = None,
-    stop: str | Sequence[str] | None = None,
-    stop_token_ids: Sequence[int] | None = None,
-    **processors: Any,
+    **options: Any,
 ) -> TextStream:
     """A :class:`TextStream` of one prompt (a str) or conversation (a list of messages),
     every argument checked before it is returned (see :meth:`Llama.stream_text
@@ -404,21 +356,9 @@ def stream_text(
         raise TypeError(
             f"{who}: prompt must be a str or a list of chat messages (dicts), got {prompt!r}"
         )
-    options = _options(
-        model,
-        tokenizer,
-        who,
-        max_new_tokens,
-        temperature,
-        top_p,
-        top_k,
-        seed,
-        stop,
-        stop_token_ids,
-        processors,
-    )
+    checked = _options(model, tokenizer, who, **options)
     _check_lengths(model, [ids], who)
-    return TextStream(_Wave(model, tokenizer, [ids], options, options.seed))
+    return TextStream(_Wave(model, tokenizer, [ids], checked, checked.seed))
 
 
 # ------------------------------------------------------------------------------ internals
@@ -448,16 +388,18 @@ def _options(
     model: Llama,
     tokenizer: TextTokenizer,
     who: str,
-    max_new_tokens: Any,
-    temperature: Any,
-    top_p: Any,
-    top_k: Any,
-    seed: Any,
-    stop: Any,
-    stop_token_ids: Any,
-    processors: dict[str, Any],
+    *,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    **processors: Any,
 ) -> _Options:
-    """The call's options checked (the sampling ones again by ``model.stream``)."""
+    """The call's options (the keyword arguments of :meth:`Llama.complete
+    <mila_py.models.Llama.complete>`) checked; the sampling ones again by ``model.stream``."""
     if max_new_tokens is None:
         defaults = getattr(model, "generation_defaults", None)
         given = getattr(defaults, "max_new_tokens", None)

@@ -37,23 +37,12 @@ import time
 from typing import Any
 
 import numpy as np
+from generate import CPU_SIZES, SIZES, decode_weights  # the sibling script: the same models
 
 from mila_py import Precision, RuntimeMode
-from mila_py.components import Linear, SwiGLU
 from mila_py.devices import DeviceId, DeviceType
 from mila_py.models import Llama
 from mila_py.ops.cpu import _fused_linear
-
-SIZES = {
-    "~10M": dict(
-        vocab_size=4096, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
-        num_attention_heads=6, num_key_value_heads=2,
-    ),
-    "~100M": dict(
-        vocab_size=8192, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-        num_attention_heads=12, num_key_value_heads=4,
-    ),
-}  # fmt: skip
 
 
 def run_mila(model: Llama, prompt: np.ndarray, new: int) -> tuple[float, float, list[int]]:
@@ -74,24 +63,6 @@ def run_mila(model: Llama, prompt: np.ndarray, new: int) -> tuple[float, float, 
         logits = model.decode(token, prompt.shape[1] + i)
     model.synchronize()
     return prefill, (time.perf_counter() - start) / new, tokens
-
-
-def decode_weights(model: Llama) -> list[Any]:
-    """The weight matrices of one decode step, as its plan multiplies by them: every Linear's,
-    a packed SwiGLU's gate and up as one ``[2 hidden, dim]`` matrix, the (tied) output head."""
-    weights: list[Any] = []
-    packed_halves: set[int] = set()
-    for component in model._walk():
-        if isinstance(component, SwiGLU):
-            packed = component._packed_weight()
-            if packed is not None:
-                weights.append(packed)
-                packed_halves |= {id(component.gate_proj), id(component.up_proj)}
-        elif isinstance(component, Linear) and id(component) not in packed_halves:
-            weights.append(component.weight)
-    if model.lm_head is None:
-        weights.append(model.embed_tokens.weight)
-    return weights
 
 
 def gemv_floor(model: Llama, repeat: int) -> float:
@@ -159,7 +130,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3, help="runs of each; the best is kept")
-    parser.add_argument("--sizes", nargs="*", default=list(SIZES))
+    parser.add_argument("--sizes", nargs="*", default=list(CPU_SIZES))
     parser.add_argument("--device", default="CPU", help="CPU or CUDA:N (mila_py and HF both)")
     parser.add_argument(
         "--precision",
@@ -195,10 +166,7 @@ def main() -> None:
     rows = []
     for name in args.sizes:
         hf_cfg = transformers.LlamaConfig(
-            **SIZES[name],
-            max_position_embeddings=1024,
-            rope_theta=10000.0,
-            tie_word_embeddings=False,
+            **{"rope_theta": 10000.0, **SIZES[name]}, max_position_embeddings=1024
         )
         hf_fp32 = transformers.LlamaForCausalLM(hf_cfg).eval()
         params = sum(p.numel() for p in hf_fp32.parameters())

@@ -16,7 +16,9 @@ Both split the outputs into blocks over Numba's threads (``prange``, ``NUMBA_NUM
 one thread streams a row block at ~half the bandwidth two do, which would leave a 16-bit decode
 no faster than float32's two-thread BLAS. (RoPE's kernels avoid ``parallel=True`` because its
 OpenMP threads keep spinning into the BLAS work that follows them; a 16-bit decode step has no
-BLAS work, and prefill does not use these kernels.) The ops bind them to a decode plan's
+BLAS work, and prefill does not use these kernels; BLAS's own threads, though, spin for ~0.1 s
+after a prefill's products, and the first decode steps after it share the cores with them.)
+The ops bind them to a decode plan's
 buffers once (:func:`bind`: the compiled function, without Numba's per-call dispatch); wider
 calls (prefill, training) use the float32 BLAS path of :mod:`.linear`. Of the two layouts,
 rows stream faster (~25-28 GB/s against ~20 on 2 EPYC cores), so 16-bit CPU builds store every
@@ -36,7 +38,6 @@ from mila_py.ops.cpu._fused_math import (
     REDUCED_DTYPES,
     bits,
     compiled,
-    literally,
     narrow,
     numba,
     storage,
@@ -58,7 +59,6 @@ prange = numba.prange if AVAILABLE else range
 
 def _rows_product(x, w, bias, out, fmt, block):
     # x [N, K], w [M, K] C-contiguous, bias [M] or None, out [N, M]: 16-bit bits of storage fmt
-    literally(fmt)
     n_rows, k = x.shape
     xs = np.empty((n_rows, k), np.float32)
     for r in range(n_rows):
@@ -81,7 +81,6 @@ def _rows_product(x, w, bias, out, fmt, block):
 
 def _columns_product(x, wt, bias, out, fmt, block):
     # x [N, K], wt [K, M] C-contiguous (W^T), bias [M] or None, out [N, M]: as _rows_product
-    literally(fmt)
     n_rows, k = x.shape
     xs = np.empty((n_rows, k), np.float32)
     for r in range(n_rows):
@@ -161,7 +160,7 @@ def bind(
         per_thread = -(-weight.shape[0] // (4 * n_threads))  # ~4 blocks a thread
         block = min(_COLUMN_BLOCK, max(16, -(-per_thread // 16) * 16))
     args = (x2, w, b, y2, storage(x.dtype), block)
-    return functools.partial(compiled(kernel, args, literals=(4,)), *args)
+    return functools.partial(compiled(kernel, args), *args)
 
 
 if AVAILABLE:

@@ -308,7 +308,9 @@ if AVAILABLE:
         return np.uint16(u >> np.uint32(16))
 
     _k_widen_bf16 = numba.njit(inline="always", cache=True)(_widen_bf16)
-    _k_narrow_bf16 = numba.njit(inline="always", cache=True)(_narrow_bf16)
+    # not inlined at the IR level (LLVM inlines it): Numba's IR inlining of its branch into
+    # the overloads below trips an internal SSA check that warns on every compilation
+    _k_narrow_bf16 = numba.njit(cache=True)(_narrow_bf16)
 
     @overload(widen, inline="always")
     def _widen_overload(x, fmt):

@@ -89,8 +89,8 @@ def _softmax_backward_rows(dp, p, row):
 def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g, fmt):
     # one sequence: q [Hq*d]; k, v [Tk, Hk*d]; the first n keys are visible; out [Hq*d];
     # probs [Hq, Tk] (0 past the visible keys) in the compute dtype; q, k, v and out stored as
-    # the storage code fmt says (16-bit bits, or floats of probs' dtype); fmt, d the head size
-    # and g = Hq / Hk are compile-time
+    # the storage marker fmt says (16-bit bits, or floats of probs' dtype); d the head size and
+    # g = Hq / Hk are compile-time
     # constants (literal types: one compilation per pair), so the inner loops unroll into
     # registers (1.6x over runtime sizes at d = 64). Keys outer: K, then V, are read once, front
     # to back, four whole rows (every kv head) at a time: one sequential stream the prefetcher
@@ -98,7 +98,6 @@ def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g, 
     # query element.
     literally(d)
     literally(g)
-    literally(fmt)
     zero = probs.dtype.type(0.0)
     one = probs.dtype.type(1.0)
     qs = np.empty(n_heads * d, probs.dtype)
@@ -223,7 +222,7 @@ def decode_kernel(
         arrays = tuple(numba.typeof(a) for a in (q, k, v, out, probs))
         item = numba.from_dtype(probs.dtype)
         sig = (*arrays[:3], types.intp, types.intp, types.intp, item, *arrays[3:])
-        sig = (*sig, types.literal(d), types.literal(g), types.literal(storage(dtype)))
+        sig = (*sig, types.literal(d), types.literal(g), numba.typeof(storage(dtype)))
         _decode_attention_kernel.compile(sig)
         kernel = _DECODE_KERNELS[key] = _decode_attention_kernel.get_overload(sig)
     return kernel

@@ -18,7 +18,7 @@ backward):
 The ops use them when Numba is installed and ``MILA_PY_CPU_BACKEND`` is not ``numpy``
 (:func:`enabled`); the NumPy functions stay the readable references the tests compare them with.
 The forward kernels take 16-bit storage too: they read and write its ``uint16`` bits, given its
-storage code ``fmt`` (:func:`~._fused_math.storage`; float32 and float64 pass through),
+storage marker ``fmt`` (:func:`~._fused_math.storage`; float32 and float64 pass through),
 computing in float32. Importing this module never fails: ``AVAILABLE`` says whether
 Numba is installed.
 """
@@ -35,7 +35,6 @@ from mila_py.ops.cpu._fused_math import (
     enabled,
     jit_exp,
     kernel_exp,
-    literally,
     narrow,
     numba,
     widen,
@@ -53,9 +52,8 @@ __all__ = [
 
 
 def _rms_norm_rows(x, w, eps, out, rstd, fmt):
-    # x, out [N, D]; w [D] (stored as storage code fmt says); rstd [N], of the compute dtype
+    # x, out [N, D]; w [D] (stored as the storage marker fmt says); rstd [N], of the compute dtype
     # (float32, or float64 for float64 storage)
-    literally(fmt)
     n_rows, dim = x.shape
     for r in range(n_rows):
         row = x[r]
@@ -96,8 +94,7 @@ def _rms_norm_backward_rows(x, w, rstd, dy, dw, dx):
 
 
 def _swiglu_rows(g, u, out, one, fmt):
-    # g, u, out [N, H] (stored as storage code fmt says); one: 1 in the compute dtype
-    literally(fmt)
+    # g, u, out [N, H] (stored as the storage marker fmt says); one: 1 in the compute dtype
     for r in range(g.shape[0]):
         gr = g[r]
         ur = u[r]
@@ -110,7 +107,6 @@ def _swiglu_rows(g, u, out, one, fmt):
 def _swiglu_packed_rows(both, out, one, fmt):
     # both [N, 2H]: g then u in each row (the rows are dense, so the loop vectorizes where two
     # strided [N, H] halves would not); out [N, H]; stored and computed as _swiglu_rows
-    literally(fmt)
     h = out.shape[1]
     for r in range(both.shape[0]):
         row = both[r]

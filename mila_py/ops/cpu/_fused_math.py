@@ -16,13 +16,14 @@ inlines: after editing this module, delete the ``*.nbi`` / ``*.nbc`` files in
 ``mila_py/ops/cpu/__pycache__`` (installed copies are rewritten whole, so they are not affected).
 
 16-bit storage: Numba has no float16 or bfloat16 type, so kernels take FP16 and BF16 arrays as
-their ``uint16`` bits (:func:`bits`) and a storage code ``fmt`` (:func:`storage`, a compile-time
-literal: one compilation per code), and convert each element in registers with
-:func:`widen` and :func:`narrow`: BF16 widens by shifting its bits into the top half of a
-float32 and narrows with round-to-nearest-even (as ``ml_dtypes`` and PyTorch round; NaN stays
-a quiet NaN), FP16 with LLVM's ``fpext`` / ``fptrunc`` (F16C instructions on x86), and float32
-or float64 storage passes through. (A literal rather than the conversion functions as
-arguments: Numba's on-disk cache cannot keep kernels typed on function arguments.)
+their ``uint16`` bits (:func:`bits`) and a storage marker ``fmt`` (:func:`storage`: a scalar
+whose integer type says the storage, so a kernel compiles once per storage), and convert each
+element in registers with :func:`widen` and :func:`narrow`: BF16 widens by shifting its bits
+into the top half of a float32 and narrows with round-to-nearest-even (as ``ml_dtypes`` and
+PyTorch round; NaN stays a quiet NaN), FP16 with LLVM's ``fpext`` / ``fptrunc`` (F16C
+instructions on x86), and float32 or float64 storage passes through. (A marker typed by its
+integer width, not the conversion functions as arguments, which Numba's on-disk cache cannot
+keep, nor a literal value, whose on-request literal typing failed intermittently.)
 
 Also: :func:`cpu_backend`, the one reader of ``MILA_PY_CPU_BACKEND``, and :func:`backend_allows` /
 :func:`enabled`, the switch of the fused ops (see :class:`mila_py.ops.cpu._fused_op.FusedCpuOp`).
@@ -94,12 +95,13 @@ def bits(x: np.ndarray) -> np.ndarray:
     return x.view(np.uint16) if x.dtype in REDUCED_DTYPES else x
 
 
-#: the storage codes of the kernels' ``fmt`` argument, see :func:`storage`
-FLOAT_STORAGE, BF16_STORAGE, F16_STORAGE = 0, 1, 2
+#: the storage markers of the kernels' ``fmt`` argument, told apart by their integer types
+#: (int64, int8, int16), see :func:`storage`; a Python int is the float marker's type
+FLOAT_STORAGE, BF16_STORAGE, F16_STORAGE = np.int64(0), np.int8(1), np.int16(2)
 
 
-def storage(dtype: Any) -> int:
-    """The storage code a kernel takes for arrays of ``dtype``: :data:`BF16_STORAGE` and
+def storage(dtype: Any) -> Any:
+    """The storage marker a kernel takes for arrays of ``dtype``: :data:`BF16_STORAGE` and
     :data:`F16_STORAGE` for the 16-bit floats (given as their bits, :func:`bits`),
     :data:`FLOAT_STORAGE` for float32 and float64."""
     dt = np.dtype(dtype)
@@ -110,15 +112,15 @@ def storage(dtype: Any) -> int:
     return FLOAT_STORAGE
 
 
-def widen(x: Any, fmt: int) -> Any:
-    """Inside the kernels: the stored element ``x`` (storage code ``fmt``, a literal) as the
-    float the kernels compute in (float32 for 16-bit storage)."""
+def widen(x: Any, fmt: Any) -> Any:
+    """Inside the kernels: the stored element ``x`` (storage marker ``fmt``) as the float the
+    kernels compute in (float32 for 16-bit storage)."""
     return x
 
 
-def narrow(v: Any, fmt: int) -> Any:
+def narrow(v: Any, fmt: Any) -> Any:
     """Inside the kernels: the computed float ``v`` as an element of storage ``fmt`` (a
-    literal), rounded to nearest even."""
+    marker), rounded to nearest even."""
     return v
 
 
@@ -126,12 +128,11 @@ def narrow(v: Any, fmt: int) -> Any:
 _COMPILED: dict[tuple[Any, ...], Any] = {}
 
 
-def compiled(kernel: Any, args: tuple[Any, ...], literals: tuple[int, ...] = ()) -> Any:
-    """The jitted ``kernel`` compiled for ``args``' types (the arguments at the positions
-    ``literals`` as compile-time literals, a storage code), as a plain function: no per-call
+def compiled(kernel: Any, args: tuple[Any, ...]) -> Any:
+    """The jitted ``kernel`` compiled for ``args``' types, as a plain function: no per-call
     dispatch, so a decode plan binds it. The function checks little: it must be called with
-    arguments of exactly these types and the same literal values."""
-    sig = tuple(types.literal(a) if i in literals else numba.typeof(a) for i, a in enumerate(args))
+    arguments of exactly these types."""
+    sig = tuple(numba.typeof(a) for a in args)
     key = (id(kernel), sig)
     found = _COMPILED.get(key)
     if found is None:
@@ -307,25 +308,23 @@ if AVAILABLE:
         return np.uint16(u >> np.uint32(16))
 
     _k_widen_bf16 = numba.njit(inline="always", cache=True)(_widen_bf16)
-    _k_narrow_bf16 = numba.njit(inline="always", cache=True)(_narrow_bf16)
+    # not inlined at the IR level (LLVM inlines it): Numba's IR inlining of its branch into
+    # the overloads below trips an internal SSA check that warns on every compilation
+    _k_narrow_bf16 = numba.njit(cache=True)(_narrow_bf16)
 
     @overload(widen, inline="always")
     def _widen_overload(x, fmt):
-        if not isinstance(fmt, types.IntegerLiteral):
-            return None
-        if fmt.literal_value == BF16_STORAGE:
+        if fmt == types.int8:  # BF16_STORAGE
             return lambda x, fmt: _k_widen_bf16(x)
-        if fmt.literal_value == F16_STORAGE:
+        if fmt == types.int16:  # F16_STORAGE
             return lambda x, fmt: _f16_to_f32(np.uint16(x))
         return lambda x, fmt: x
 
     @overload(narrow, inline="always")
     def _narrow_overload(v, fmt):
-        if not isinstance(fmt, types.IntegerLiteral):
-            return None
-        if fmt.literal_value == BF16_STORAGE:
+        if fmt == types.int8:  # BF16_STORAGE
             return lambda v, fmt: _k_narrow_bf16(v)
-        if fmt.literal_value == F16_STORAGE:
+        if fmt == types.int16:  # F16_STORAGE
             return lambda v, fmt: _f32_to_f16(np.float32(v))
         return lambda v, fmt: v
 

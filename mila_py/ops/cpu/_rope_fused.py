@@ -1,7 +1,10 @@
 """Fused single-pass RoPE kernels for the CPU, compiled by Numba (the ``jit`` extra).
 
 One pass over Q and K together: each token's cos/sin row is read once and reused across all
-heads of both tensors. Arithmetic is float32 on float32 data (float64 on float64).
+heads of both tensors. Arithmetic is float32 on float32 data (float64 on float64). FP16 and BF16
+data are rotated as their ``uint16`` bits, given the storage marker ``fmt`` (see
+:func:`~._fused_math.storage`): each element widened to float32 in registers and
+rounded once on store.
 
 ``rope_rows_mrope_inplace`` is the same for M-RoPE positions ``[3, B, T]``: it gathers each
 token's row from the table column by column (frequency ``i`` at its axis' position) into a
@@ -38,6 +41,8 @@ __all__ = [
     "rope_rows_mrope_inplace",
 ]
 
+from mila_py.ops.cpu._fused_math import narrow, widen
+
 numba: Any
 try:
     import numba
@@ -48,34 +53,34 @@ AVAILABLE = numba is not None
 NO_POSITIONS = np.zeros((1, 1), dtype=np.int64)
 
 
-def _rotate_inplace(x1, x2, c, s, n, sign):
+def _rotate_inplace(x1, x2, c, s, n, sign, fmt):
     for i in range(n):
-        a = x1[i]
-        b = x2[i]
+        a = widen(x1[i], fmt)
+        b = widen(x2[i], fmt)
         si = s[i] * sign
-        x1[i] = a * c[i] - b * si
-        x2[i] = b * c[i] + a * si
+        x1[i] = narrow(a * c[i] - b * si, fmt)
+        x2[i] = narrow(b * c[i] + a * si, fmt)
 
 
-def _rotate_pairs_inplace(x, c, s, n, sign):
+def _rotate_pairs_inplace(x, c, s, n, sign, fmt):
     # Interleaved pairs (2i, 2i + 1) of one contiguous head; unsigned indices skip wraparound.
     for i in range(n):
         j = np.uint64(2 * i)
-        a = x[j]
-        b = x[j + np.uint64(1)]
+        a = widen(x[j], fmt)
+        b = widen(x[j + np.uint64(1)], fmt)
         si = s[i] * sign
-        x[j] = a * c[i] - b * si
-        x[j + np.uint64(1)] = b * c[i] + a * si
+        x[j] = narrow(a * c[i] - b * si, fmt)
+        x[j + np.uint64(1)] = narrow(b * c[i] + a * si, fmt)
 
 
-def _row_inplace(x, c, s, n_heads, head_dim, n, interleaved, sign):
+def _row_inplace(x, c, s, n_heads, head_dim, n, interleaved, sign, fmt):
     for h in range(n_heads):
         lo = h * head_dim
         hi = lo + 2 * n
         if interleaved:
-            _k_pairs_inplace(x[lo:hi], c, s, n, sign)
+            _k_pairs_inplace(x[lo:hi], c, s, n, sign, fmt)
         else:
-            _k_rotate_inplace(x[lo : lo + n], x[lo + n : hi], c, s, n, sign)
+            _k_rotate_inplace(x[lo : lo + n], x[lo + n : hi], c, s, n, sign, fmt)
 
 
 def _qk_rows_inplace(
@@ -94,6 +99,7 @@ def _qk_rows_inplace(
     n,
     interleaved,
     inverse,
+    fmt,
 ):
     # rows r0 .. r1 - 1 of the flattened [B * T] token axis
     n_t = q.shape[1]
@@ -102,8 +108,8 @@ def _qk_rows_inplace(
         b = r // n_t
         t = r - b * n_t
         p = pos[b, t] if use_pos else offset + t
-        _k_row_inplace(q[b, t], cos[p], sin[p], n_heads, head_dim, n, interleaved, sign)
-        _k_row_inplace(k[b, t], cos[p], sin[p], n_kv_heads, head_dim, n, interleaved, sign)
+        _k_row_inplace(q[b, t], cos[p], sin[p], n_heads, head_dim, n, interleaved, sign, fmt)
+        _k_row_inplace(k[b, t], cos[p], sin[p], n_kv_heads, head_dim, n, interleaved, sign, fmt)
 
 
 def _qk_rows_mrope_inplace(
@@ -121,6 +127,7 @@ def _qk_rows_mrope_inplace(
     n,
     interleaved,
     inverse,
+    fmt,
 ):
     # M-RoPE: pos [3, B, T]; frequency i of token (b, t) at row pos[axes[i], b, t] of its column
     n_t = q.shape[1]
@@ -134,8 +141,8 @@ def _qk_rows_mrope_inplace(
             p = pos[axes[i], b, t]
             c[i] = cos[p, i]
             s[i] = sin[p, i]
-        _k_row_inplace(q[b, t], c, s, n_heads, head_dim, n, interleaved, sign)
-        _k_row_inplace(k[b, t], c, s, n_kv_heads, head_dim, n, interleaved, sign)
+        _k_row_inplace(q[b, t], c, s, n_heads, head_dim, n, interleaved, sign, fmt)
+        _k_row_inplace(k[b, t], c, s, n_kv_heads, head_dim, n, interleaved, sign, fmt)
 
 
 if AVAILABLE:

@@ -126,7 +126,7 @@ class CpuRmsNormOp(FusedCpuOp):
             out_flat(rstd),
             storage(x.dtype),
         )
-        return functools.partial(compiled(_fused_layers.rms_norm_rows, args, (5,)), *args)
+        return functools.partial(compiled(_fused_layers.rms_norm_rows, args), *args)
 
     def bind_forward(self, x: Any, weight: Any, out: Any, rstd: Any) -> Callable[[], Any]:
         """The fused kernel on 2-D views (C-contiguous ``x``), else :meth:`forward`."""

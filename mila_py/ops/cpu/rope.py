@@ -33,7 +33,8 @@ from numpy.lib.stride_tricks import as_strided
 from mila_py.build_context import BuildContext
 from mila_py.devices import DeviceType
 from mila_py.ops.cpu import _rope_fused
-from mila_py.ops.cpu._fused_math import BACKENDS, cpu_backend
+from mila_py.ops.cpu._fused_math import BACKENDS, bits, cpu_backend, storage
+from mila_py.ops.cpu._wide import is_reduced
 from mila_py.ops.operation import DecodePositions, Operation, bind_rope_decode
 from mila_py.ops.registry import register_op
 from mila_py.precision import Precision
@@ -44,8 +45,6 @@ __all__ = ["BACKENDS", "CpuRopeOp"]
 
 _Array = np.ndarray
 
-#: bytes of one tensor the fused path widens at a time (16-bit storage)
-_BLOCK_BYTES = 256 * 1024
 #: bytes of one tensor a NumPy block covers: big enough that the Python work per block is
 #: small, small enough that the block and its scratch stay in L2/L3 across NumPy's passes
 #: (1-2 MiB is best where L2 holds 1 MiB per core; far larger blocks spill and run 2x slower)
@@ -139,12 +138,16 @@ class CpuRopeOp(Operation):
         assert table is not None, "CpuRopeOp used before build"
         cfg = self.config
         n_rows = q.shape[0]
-        args = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, table.n_freq, self._interleaved, False)
+        fmt = storage(q.dtype)
+        args = (
+            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, table.n_freq, self._interleaved, False, fmt
+        )  # fmt: skip
         kernel = _rope_fused.rope_rows_inplace
         no_positions = _rope_fused.NO_POSITIONS
         each = positions.each.reshape(n_rows, 1)  # a view: the values of the step
-        direct = q.shape[1] == 1 and q.dtype in (np.float32, np.float64)
+        direct = q.shape[1] == 1 and (q.dtype in (np.float32, np.float64) or is_reduced(q.dtype))
         general = bind_rope_decode(self.apply, q, k, positions)
+        q, k = bits(q), bits(k)  # 16-bit storage: the kernel rotates the bits
 
         def rotate() -> None:
             top = positions.highest
@@ -225,16 +228,14 @@ class CpuRopeOp(Operation):
         cfg = self.config
         n_freq = self.table.n_freq  # type: ignore[union-attr]
         n_b, n_t = q.shape[0], q.shape[1]
-        args = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, n_freq, self._interleaved, inverse)
+        fmt = storage(q.dtype)  # 16-bit storage: the kernels rotate the bits
+        args = (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, n_freq, self._interleaved, inverse, fmt)
         # run(q, k, position of token 0, positions of these tokens, first row, end row)
         if positions is None:
             pos = _rope_fused.NO_POSITIONS
 
             def run(qx: _Array, kx: _Array, first: int, sub: _Array, r0: int, r1: int) -> None:
                 _rope_fused.rope_rows_inplace(qx, kx, cos, sin, first, sub, False, r0, r1, *args)
-
-            def tokens(b: int, t0: int, t1: int) -> _Array:
-                return pos
 
         elif positions.ndim == 3:  # M-RoPE [3, B, T]: each frequency at its axis' position
             pos = np.ascontiguousarray(np.broadcast_to(positions, (3, n_b, n_t)), dtype=np.int64)
@@ -243,17 +244,11 @@ class CpuRopeOp(Operation):
             def run(qx: _Array, kx: _Array, first: int, sub: _Array, r0: int, r1: int) -> None:
                 _rope_fused.rope_rows_mrope_inplace(qx, kx, cos, sin, sub, axes, r0, r1, *args)
 
-            def tokens(b: int, t0: int, t1: int) -> _Array:
-                return pos[:, b : b + 1, t0:t1]
-
         else:
             pos = np.ascontiguousarray(np.broadcast_to(positions, (n_b, n_t)), dtype=np.int64)
 
             def run(qx: _Array, kx: _Array, first: int, sub: _Array, r0: int, r1: int) -> None:
                 _rope_fused.rope_rows_inplace(qx, kx, cos, sin, first, sub, True, r0, r1, *args)
-
-            def tokens(b: int, t0: int, t1: int) -> _Array:
-                return pos[b : b + 1, t0:t1]
 
         out_of_place = q_out is not q or k_out is not k
         parallel = n_b * n_t * (q.shape[2] + k.shape[2]) >= _PARALLEL_ELEMENTS
@@ -261,29 +256,13 @@ class CpuRopeOp(Operation):
             np.copyto(q_out, q)
             np.copyto(k_out, k)
             q, k = q_out, k_out
-        if q.dtype in (np.float32, np.float64):  # FP64: same fp32 tables, float64 arithmetic
-            if not parallel:
-                run(q, k, offset, pos, 0, n_b * n_t)
-                return
-            _in_parallel(lambda rows: run(q, k, offset, pos, *rows), _row_ranges(n_b * n_t))
+        # FP64: the same fp32 tables, float64 arithmetic; FP16/BF16: their bits, widened to
+        # fp32 in registers and rounded once on store
+        q, k = bits(q), bits(k)
+        if not parallel:
+            run(q, k, offset, pos, 0, n_b * n_t)
             return
-
-        # 16-bit storage: widen a cache-sized block of tokens to fp32, rotate it, round once back.
-        def widen_rotate_round(block: tuple[int, int, int]) -> None:
-            b, t0, t1 = block
-            qf = q[b : b + 1, t0:t1].astype(np.float32)
-            kf = k[b : b + 1, t0:t1].astype(np.float32)
-            run(qf, kf, offset + t0, tokens(b, t0, t1), 0, t1 - t0)
-            q_out[b : b + 1, t0:t1] = qf
-            k_out[b : b + 1, t0:t1] = kf
-
-        step = max(1, _BLOCK_BYTES // (4 * (q.shape[2] + k.shape[2])))
-        blocks = [(b, t0, min(n_t, t0 + step)) for b in range(n_b) for t0 in range(0, n_t, step)]
-        if parallel:
-            _in_parallel(widen_rotate_round, blocks)
-        else:
-            for block in blocks:
-                widen_rotate_round(block)
+        _in_parallel(lambda rows: run(q, k, offset, pos, *rows), _row_ranges(n_b * n_t))
 
     # ------------------------------------------------------------------ NumPy path
     def _numpy_blocks(

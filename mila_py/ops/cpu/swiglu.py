@@ -123,7 +123,7 @@ class CpuSwiGLUOp(FusedCpuOp):
         one = _compute_dtype(out.dtype).type(1.0)
         rows = [bits(as_rows(a)) for a in inputs]
         args = (*rows, bits(out_rows(out)), one, storage(out.dtype))
-        return functools.partial(compiled(kernel, args, (len(args) - 1,)), *args)
+        return functools.partial(compiled(kernel, args), *args)
 
     def bind_forward(self, gate: Any, up: Any, out: Any) -> Callable[[], Any]:
         """The fused kernel on 2-D views (C-contiguous ``gate`` and ``up``), else :meth:`forward`."""

@@ -594,12 +594,13 @@ class Component(metaclass=_ComponentMeta):
         return MemoryStats.from_arrays(self._memory_entries())
 
     # ------------------------------------------------------------------ weights
-    def save(self, path: Any) -> None:
+    def save(self, path: Any, *, precision: Any = None) -> None:
         """Save every parameter to a safetensors file, named by dotted tree path, atomically,
-        with this component's class and config in its metadata."""
+        with this component's class and config in its metadata; ``precision`` (default: this
+        component's) is the precision the tensors are written in."""
         from mila_py.serialization import save
 
-        save(self, path)
+        save(self, path, precision)
 
     def load(self, path: Any, *, check_config: bool = True) -> None:
         """Load parameters from a safetensors file; every mismatch (the config it was saved

@@ -1,4 +1,5 @@
-"""Optimizers over a component's parameters and gradients, and gradient clipping."""
+"""Optimizers over a component's parameters and gradients, gradient clipping, and dynamic loss
+scaling for FP16 training (:class:`GradScaler`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from mila_py.component import Component
@@ -16,6 +18,7 @@ __all__ = [
     "AdamW",
     "ConstantSchedule",
     "CosineSchedule",
+    "GradScaler",
     "LinearSchedule",
     "clip_grad_norm",
 ]
@@ -110,7 +113,22 @@ class AdamW:
             or a training loop that found the gradients' norm not finite).
 
     :meth:`state_dict` and :meth:`load_state_dict` save and restore the moments, the step
-    counts and the hyper-parameters, so that a resumed run continues bit for bit.
+    counts and the hyper-parameters (and the master weights), so that a resumed run continues
+    bit for bit.
+
+    Mixed precision: for each 16-bit parameter (a BF16 or FP16 model) the optimizer keeps an
+    FP32 master copy and FP32 moments. A step updates the master in FP32 from the FP32
+    gradients (the same arithmetic as for an FP32 parameter) and writes it, rounded to nearest
+    even, into the 16-bit parameter: updates far below the parameter's last bit add up in the
+    master instead of rounding away. That is 12 bytes of state per parameter (master, m, v),
+    counted by :meth:`get_memory_stats`. FP32 and FP64 parameters have no master copy and
+    their moments have their dtype.
+
+    The masters are copied from the parameters when the optimizer is made, as a torch
+    optimizer takes its parameters then: weights loaded into the model later (``load``) are
+    overwritten by the next step's masters. Make the optimizer after loading the weights, or
+    call :meth:`sync_master_weights` (or :meth:`load_state_dict` of a saved state, which
+    restores the masters).
     """
 
     def __init__(
@@ -131,8 +149,15 @@ class AdamW:
         self._pairs = _pairs(model)
         xp = model.execution_context.xp
         with model.execution_context.activate():  # on the parameters' device
-            self._m = [xp.zeros_like(p) for _, p, _ in self._pairs]
-            self._v = [xp.zeros_like(p) for _, p, _ in self._pairs]
+            # None for a parameter updated in its own dtype (FP32, FP64)
+            self._master: list[Any] = [
+                p.astype(np.float32) if _is_16_bit(p) else None for _, p, _ in self._pairs
+            ]
+            self._m = [
+                xp.zeros_like(p if w is None else w)
+                for (_, p, _), w in zip(self._pairs, self._master, strict=True)
+            ]
+            self._v = [xp.zeros_like(m) for m in self._m]
         self._decays = [decay(name, p) for name, p, _ in self._pairs]
         self.step_count = 0
         self.skip_nonfinite = skip_nonfinite
@@ -192,18 +217,20 @@ class AdamW:
     ) -> None:
         step_size = lr / correction1
         fused = self._fused
-        for (_, p, g), m, v, decays in zip(
-            self._pairs, self._m, self._v, self._decays, strict=True
+        for (_, p, g), master, m, v, decays in zip(
+            self._pairs, self._master, self._m, self._v, self._decays, strict=True
         ):
-            if fused is not None and fused.accepts(p, g, m, v):
+            if fused is not None and fused.accepts(p, g, m, v, master):
                 factor = 1.0 - lr * weight_decay if decays and weight_decay else None
                 fused.step(
                     p, g, m, v, decay=factor, betas=(beta1, beta2), correction2=correction2,
-                    eps=eps, step_size=step_size,
+                    eps=eps, step_size=step_size, master=master,
                 )  # fmt: skip
                 continue
+            # the weights updated: the parameter itself, or its FP32 master copy
+            w = p if master is None else master
             if decays and weight_decay:
-                p *= 1.0 - lr * weight_decay
+                w *= 1.0 - lr * weight_decay
             m *= beta1
             m += (1.0 - beta1) * g
             v *= beta2
@@ -211,16 +238,31 @@ class AdamW:
             denom = xp.sqrt(v)  # sqrt first, then the correction, as torch: v / c2 overflows first
             denom /= math.sqrt(correction2)
             denom += eps
-            p -= step_size * (m / denom)
+            w -= step_size * (m / denom)
+            if master is not None:
+                p[...] = master.astype(p.dtype)  # rounded to nearest even
 
     def zero_grad(self) -> None:
         self.model.zero_gradients()
 
+    def sync_master_weights(self) -> None:
+        """Copy the model's 16-bit parameters into their FP32 master copies (exact: every
+        16-bit value is a float32), after weights were loaded into the model behind the
+        optimizer's back. The moments and step counts are left as they are. Nothing to do for
+        FP32 parameters, which have no master copy."""
+        ctx = self.model.execution_context
+        with ctx.activate():
+            for (_, p, _), master in zip(self._pairs, self._master, strict=True):
+                if master is not None:
+                    master[...] = p.astype(np.float32)
+
     def get_memory_stats(self) -> MemoryStats:
-        """The optimizer's own state (the two moments) as host/device state bytes."""
+        """The optimizer's own state (the two moments, and the FP32 master copies of 16-bit
+        parameters) as host/device state bytes."""
         loc = self.model._location_of
+        masters = [w for w in self._master if w is not None]
         return MemoryStats.from_arrays(
-            (MemoryCategory.STATE, loc(a), a) for a in (*self._m, *self._v)
+            (MemoryCategory.STATE, loc(a), a) for a in (*masters, *self._m, *self._v)
         )
 
     def _describe(self) -> str:
@@ -243,9 +285,10 @@ class AdamW:
         Returns:
             ``{"step_count": int, "skipped_steps": int, "hyperparameters": {"lr", "betas",
             "eps", "weight_decay", "skip_nonfinite"}, "decay": {name: bool},
-            "exp_avg": {name: np.ndarray}, "exp_avg_sq": {name: np.ndarray}}``; each moment
-            has its parameter's shape and the moments' dtype, and is a NumPy copy that later
-            steps do not change.
+            "exp_avg": {name: np.ndarray}, "exp_avg_sq": {name: np.ndarray}}``, and
+            ``"master": {name: np.ndarray}`` (float32) for the 16-bit parameters where there
+            are any; each array has its parameter's shape and the moments' (or masters')
+            dtype, and is a NumPy copy that later steps do not change.
 
         Raises:
             ValueError: two parameters share a dotted name.
@@ -255,7 +298,11 @@ class AdamW:
         with ctx.activate():
             exp_avg = {n: ctx.to_host(m) for n, m in zip(names, self._m, strict=True)}
             exp_avg_sq = {n: ctx.to_host(v) for n, v in zip(names, self._v, strict=True)}
+            master = {
+                n: ctx.to_host(w) for n, w in zip(names, self._master, strict=True) if w is not None
+            }
         beta1, beta2 = self.betas
+        masters = {"master": master} if master else {}
         return {
             "step_count": self.step_count,
             "skipped_steps": self.skipped_steps,
@@ -269,11 +316,14 @@ class AdamW:
             "decay": {n: bool(d) for n, d in zip(names, self._decays, strict=True)},
             "exp_avg": exp_avg,
             "exp_avg_sq": exp_avg_sq,
+            **masters,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a :meth:`state_dict`: the moments, step counts and hyper-parameters (the
-        saved ones replace those given at construction, as torch's optimizers do).
+        """Restore a :meth:`state_dict`: the moments, master weights, step counts and
+        hyper-parameters (the saved ones replace those given at construction, as torch's
+        optimizers do). The model's parameters are not touched: load them from the same
+        checkpoint.
 
         Every problem is listed in one error and then nothing has changed: a missing or
         unexpected parameter name, a moment of another shape or dtype or that is not a NumPy
@@ -294,7 +344,11 @@ class AdamW:
         if not isinstance(state, Mapping):
             raise TypeError(f"{who}: load_state_dict expects a mapping, got {type(state).__name__}")
         problems: list[str] = []
-        keys = ("step_count", "skipped_steps", "hyperparameters", "decay", "exp_avg", "exp_avg_sq")
+        keys: tuple[str, ...] = (
+            "step_count", "skipped_steps", "hyperparameters", "decay", "exp_avg", "exp_avg_sq",
+        )  # fmt: skip
+        if self._has_masters():
+            keys += ("master",)
         problems += [f"missing entry: {key}" for key in keys if key not in state]
         problems += [f"unexpected entry: {key}" for key in state if key not in keys]
         counts = {}
@@ -338,15 +392,15 @@ class AdamW:
                             "(its decay rule differs)"
                         )
         moments = {}
-        for key, live in (("exp_avg", self._m), ("exp_avg_sq", self._v)):
+        for key, live_names, live in self._state_arrays(names):
             arrays = state.get(key)
             if key not in state:
                 continue
             if not isinstance(arrays, Mapping):
                 problems.append(f"{key}: expected a mapping of names to arrays, got {arrays!r}")
                 continue
-            problems += _name_problems(key, arrays, names)
-            for name, mine in zip(names, live, strict=True):
+            problems += _name_problems(key, arrays, live_names)
+            for name, mine in zip(live_names, live, strict=True):
                 array = arrays.get(name)
                 if name not in arrays:
                     continue
@@ -368,14 +422,26 @@ class AdamW:
         assert hyper is not None
         return {"counts": counts, "hyper": hyper, "skip": skip, "moments": moments}
 
+    def _has_masters(self) -> bool:
+        return any(w is not None for w in self._master)
+
+    def _state_arrays(self, names: list[str]) -> list[tuple[str, list[str], list[Any]]]:
+        """``(key, names, arrays)`` of each saved family of arrays: the moments of every
+        parameter, the masters of the 16-bit ones (where there are any)."""
+        families = [("exp_avg", names, self._m), ("exp_avg_sq", names, self._v)]
+        if self._has_masters():
+            kept = [(n, w) for n, w in zip(names, self._master, strict=True) if w is not None]
+            families.append(("master", [n for n, _ in kept], [w for _, w in kept]))
+        return families
+
     def _apply_state(self, parsed: dict[str, Any]) -> None:
         """Set what :meth:`_parse_state` checked (nothing here can fail on valid input)."""
         names = self._names()
         ctx = self.model.execution_context
         moments = parsed["moments"]
         with ctx.activate():
-            for key, live in (("exp_avg", self._m), ("exp_avg_sq", self._v)):
-                for name, mine in zip(names, live, strict=True):
+            for key, live_names, live in self._state_arrays(names):
+                for name, mine in zip(live_names, live, strict=True):
                     array = moments[key][name]
                     mine[...] = array if isinstance(mine, np.ndarray) else ctx.to_device(array)
         lr, beta1, beta2, eps, weight_decay = parsed["hyper"]
@@ -395,6 +461,14 @@ def _name_problems(what: str, found: Mapping[str, Any], names: list[str]) -> lis
     problems = [f"{what}: missing parameter {n}" for n in names if n not in found]
     problems += [f"{what}: unexpected parameter {n}" for n in found if n not in known]
     return problems
+
+
+#: the parameter dtypes that get an FP32 master copy in AdamW
+_16_BIT = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+def _is_16_bit(array: Any) -> bool:
+    return np.dtype(array.dtype) in _16_BIT
 
 
 def _finite(xp: Any, array: Any) -> Any:
@@ -444,6 +518,229 @@ def clip_grad_norm(model: Component, max_norm: float, *, error_if_nonfinite: boo
             for g in grads:
                 g *= scale
     return total
+
+
+class GradScaler:
+    """Dynamic loss scaling for FP16 training, as ``torch.amp.GradScaler``.
+
+    FP16's smallest normal value is ``6.1e-5``: small activation gradients of an FP16 network
+    underflow to zero. The scaler multiplies the loss gradient by ``scale`` before backward,
+    so every gradient of the network is ``scale`` times larger, then divides the FP32
+    parameter gradients by ``scale`` before the optimizer step. A step whose gradients
+    overflowed (inf or NaN) is skipped and the scale halved; after ``growth_interval`` good
+    steps in a row the scale doubles. One step::
+
+        dlogits = loss_fn.backward(scaler.scale(1.0))
+        model.backward(dlogits)
+        scaler.unscale_(optimizer)        # optional: only to clip the true gradients
+        clip_grad_norm(model, 1.0)
+        scaler.step(optimizer)            # skipped on inf/NaN
+        scaler.update()
+        model.zero_gradients()
+
+    BF16 has FP32's range and needs no scaling; :func:`mila_py.train.train` makes a scaler for
+    FP16 models only.
+
+    Args:
+        init_scale: the first scale (> 0, finite).
+        growth_factor: the factor applied after ``growth_interval`` good steps (> 1).
+        backoff_factor: the factor applied after a step with inf/NaN gradients (in (0, 1)).
+        growth_interval: good steps in a row before the scale grows (int >= 1).
+        enabled: False makes every method a pass-through (``scale`` returns its argument,
+            ``step`` calls ``optimizer.step()``), so one loop serves every precision.
+
+    Raises:
+        ValueError: an argument out of range, naming it.
+
+    The scale is a float32 value (as torch keeps it); :meth:`state_dict` and
+    :meth:`load_state_dict` save and restore it with the count of good steps.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"GradScaler: enabled must be a bool, got {enabled!r}")
+        _check_scaler(
+            init_scale, growth_factor, backoff_factor, growth_interval, "GradScaler:", "init_scale"
+        )
+        self.enabled = enabled
+        self._scale = float(np.float32(init_scale))
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self._growth_tracker = 0
+        # this step's inf/NaN finding: None until unscale_ (or step) looked at the gradients
+        self._found_inf: bool | None = None
+        self._stepped = False
+
+    def get_scale(self) -> float:
+        """The current scale (1.0 when disabled)."""
+        return self._scale if self.enabled else 1.0
+
+    def scale(self, value: Any) -> Any:
+        """``value * scale``: the loss gradient handed to the loss's backward (a number), or
+        ``dlogits`` (an array, keeping its dtype). ``value`` itself when disabled."""
+        if not self.enabled:
+            return value
+        return value * self._scale
+
+    def unscale_(self, optimizer: AdamW) -> None:
+        """Divide the model's gradients by the scale in place (multiplied by the float32
+        ``1 / scale``, as torch does) and record whether any is inf or NaN. Call it before
+        clipping; :meth:`step` calls it where it was not called.
+
+        Raises:
+            RuntimeError: called twice in one step (before :meth:`update`).
+        """
+        if not self.enabled:
+            return
+        if self._found_inf is not None:
+            raise RuntimeError(
+                "GradScaler.unscale_: already called since the last update(); call it once "
+                "per optimizer step"
+            )
+        ctx = optimizer.model.execution_context
+        inverse = float(np.float32(1.0 / self._scale))
+        with ctx.activate():
+            grads = [g for _, _, g in optimizer._pairs]
+            # checked before the division, as torch does (a finite value stays finite)
+            finite = bool(ctx.xp.stack([_finite(ctx.xp, g) for g in grads]).all())
+            for g in grads:
+                g *= inverse
+        self._found_inf = not finite
+
+    def step(self, optimizer: AdamW) -> bool:
+        """Unscale the gradients (unless :meth:`unscale_` did) and step the optimizer, unless
+        they hold inf or NaN: then the step is skipped (the parameters, masters, moments and
+        ``optimizer.step_count`` stay as they are) and counted in ``optimizer.skipped_steps``.
+
+        Returns:
+            True when the optimizer stepped.
+
+        Raises:
+            RuntimeError: called twice in one step (before :meth:`update`).
+        """
+        if not self.enabled:
+            return optimizer.step()
+        if self._stepped:
+            raise RuntimeError(
+                "GradScaler.step: already called since the last update(); call update() "
+                "after each step"
+            )
+        if self._found_inf is None:
+            self.unscale_(optimizer)
+        self._stepped = True
+        if self._found_inf:
+            optimizer.skipped_steps += 1
+            return False
+        return optimizer.step()
+
+    def update(self) -> None:
+        """End the step: back off after inf/NaN gradients, else count a good step and grow the
+        scale after ``growth_interval`` of them (a growth that would overflow float32 is
+        dropped, as torch does).
+
+        Raises:
+            RuntimeError: no :meth:`unscale_` or :meth:`step` since the last update.
+        """
+        if not self.enabled:
+            return
+        if self._found_inf is None:
+            raise RuntimeError(
+                "GradScaler.update: no step since the last update(); call step(optimizer) first"
+            )
+        if self._found_inf:
+            self._scale = float(np.float32(self._scale * self.backoff_factor))
+            self._growth_tracker = 0
+        else:
+            self._growth_tracker += 1
+            if self._growth_tracker == self.growth_interval:
+                grown = self._scale * self.growth_factor
+                if math.isfinite(grown) and math.isfinite(np.float32(grown)):
+                    self._scale = float(np.float32(grown))
+                self._growth_tracker = 0
+        self._found_inf = None
+        self._stepped = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"scale", "growth_factor", "backoff_factor", "growth_interval",
+        "growth_tracker"}`` (JSON-able; torch's keys, its ``_growth_tracker`` without the
+        underscore); empty when disabled, as torch's."""
+        if not self.enabled:
+            return {}
+        return {
+            "scale": self._scale,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "growth_tracker": self._growth_tracker,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (its values replace those given at construction).
+
+        Raises:
+            TypeError: ``state`` is not a mapping.
+            ValueError: an empty state (saved disabled) into an enabled scaler, other entries,
+                or a value out of range; nothing has changed then.
+        """
+        self._apply_state(self._parse_state(state))
+
+    def _parse_state(self, state: Any) -> dict[str, Any]:
+        who = "GradScaler"
+        if not isinstance(state, Mapping):
+            raise TypeError(f"{who}: load_state_dict expects a mapping, got {type(state).__name__}")
+        keys = {"scale", "growth_factor", "backoff_factor", "growth_interval", "growth_tracker"}
+        if set(state) != keys:
+            raise ValueError(
+                f"{who}: cannot load the state: expected the entries {sorted(keys)}, got "
+                f"{sorted(state)}" + (" (saved from a disabled scaler)" if not state else "")
+            )
+        _check_scaler(
+            state["scale"], state["growth_factor"], state["backoff_factor"],
+            state["growth_interval"], f"{who}: cannot load the state:", "scale",
+        )  # fmt: skip
+        tracker = state["growth_tracker"]
+        if not _is_count(tracker) or tracker >= state["growth_interval"]:
+            raise ValueError(
+                f"{who}: cannot load the state: growth_tracker must be an int in [0, "
+                f"growth_interval), got {tracker!r}"
+            )
+        return dict(state)
+
+    def _apply_state(self, state: dict[str, Any]) -> None:
+        self._scale = float(np.float32(state["scale"]))
+        self.growth_factor = float(state["growth_factor"])
+        self.backoff_factor = float(state["backoff_factor"])
+        self.growth_interval = int(state["growth_interval"])
+        self._growth_tracker = int(state["growth_tracker"])
+
+    def __repr__(self) -> str:
+        return (
+            f"GradScaler(scale={self.get_scale()}, growth_tracker={self._growth_tracker}, "
+            f"enabled={self.enabled})"
+        )
+
+
+def _check_scaler(
+    scale: Any, growth: Any, backoff: Any, interval: Any, who: str, scale_name: str
+) -> None:
+    """Raise ValueError for a GradScaler argument out of range, naming it."""
+    checks = (
+        (scale_name, scale, _is_real(scale) and 0 < float(scale) < math.inf, "finite and > 0"),
+        ("growth_factor", growth, _is_real(growth) and 1 < float(growth) < math.inf, "> 1"),
+        ("backoff_factor", backoff, _is_real(backoff) and 0 < float(backoff) < 1, "in (0, 1)"),
+        ("growth_interval", interval, _is_count(interval) and interval >= 1, "an int >= 1"),
+    )
+    for name, value, ok, expected in checks:
+        if not ok:
+            raise ValueError(f"{who} {name} must be {expected}, got {value!r}")
 
 
 class _Schedule:

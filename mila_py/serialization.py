@@ -2,8 +2,10 @@
 
 A file saved here records what it was saved from in its (string to string) metadata: the
 component's class (``mila_py.class``), its config as JSON (``mila_py.config``, see
-:func:`config_to_json`) and the mila_py version (``mila_py.version``). :func:`load` refuses a
-file whose config differs from the component's, even where every shape agrees.
+:func:`config_to_json`), the mila_py version (``mila_py.version``) and the precision its
+tensors were written in (``mila_py.precision``). :func:`load` refuses a file whose config
+differs from the component's, even where every shape agrees, and converts tensors of another
+float dtype to the component's (as Hugging Face's ``from_pretrained(torch_dtype=...)`` does).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import ml_dtypes
 import numpy as np
 
 from mila_py.files import atomic_write
+from mila_py.precision import Precision
 
 __all__ = [
     "assign_parameters",
@@ -39,17 +42,29 @@ __all__ = [
 CLASS_KEY = "mila_py.class"
 CONFIG_KEY = "mila_py.config"
 VERSION_KEY = "mila_py.version"
+PRECISION_KEY = "mila_py.precision"
 
 
-def save(component: Any, path: str | os.PathLike[str]) -> None:
-    """Write every parameter of ``component`` to ``path`` (safetensors, float arrays as stored),
-    atomically: a reader (or a crash) sees the file ``path`` held before or the new one, whole.
+def save(
+    component: Any, path: str | os.PathLike[str], precision: Precision | str | None = None
+) -> None:
+    """Write every parameter of ``component`` to ``path`` (safetensors), atomically: a reader
+    (or a crash) sees the file ``path`` held before or the new one, whole.
 
-    The metadata records the component's class, config and the mila_py version (see
-    :func:`checkpoint_metadata`).
+    Args:
+        component: a built component.
+        path: the file.
+        precision: the precision the tensors are written in (a Precision or a name such as
+            ``"bf16"``); None: as stored (the model's precision). A BF16 model saved as FP32
+            is exact; an FP32 model saved as BF16 or FP16 rounds each value to nearest even
+            (as torch's ``.to(torch.bfloat16)``).
+
+    The metadata records the component's class, config, the mila_py version and the
+    precision written (see :func:`checkpoint_metadata`).
 
     Raises:
         RuntimeError: before build (there are no parameters yet).
+        TypeError, ValueError: ``precision`` is not a precision (nothing is written).
         OSError: the file cannot be written (no such folder, ``path`` is a folder, a full
             disk, ...); ``path`` is then as it was.
     """
@@ -57,12 +72,18 @@ def save(component: Any, path: str | os.PathLike[str]) -> None:
 
     if not component.is_built:
         raise RuntimeError(f"{component._describe()}: build it before save()")
+    try:
+        written = Precision.parse(component.precision if precision is None else precision)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{component._describe()}: save(precision=...): {exc}") from None
+    dtype = written.numpy_dtype
     ctx = component.execution_context
     tensors = {
-        name: np.ascontiguousarray(readable_on_host(ctx, p))
+        name: np.ascontiguousarray(readable_on_host(ctx, p).astype(dtype, copy=False))
         for name, p in _named(component, "save")
     }
     metadata = checkpoint_metadata(component)
+    metadata[PRECISION_KEY] = str(written)
     atomic_write(
         path,
         lambda temporary: save_file(tensors, os.fspath(temporary), metadata=metadata),
@@ -170,6 +191,9 @@ def _named(component: Any, what: str) -> list[tuple[str, Any]]:
 
 def load(component: Any, path: str | os.PathLike[str], *, check_config: bool = True) -> None:
     """Load parameters saved by :func:`save` (or any safetensors file with the same names).
+
+    Tensors of another float dtype than the component's are converted to its dtype (a BF16
+    file into an FP32 model exactly; an FP32 file into a BF16 model rounded to nearest even).
 
     The config the file records must equal the component's (every differing field is listed,
     with the tensors that do not fit); a file that records none (saved by an older mila_py, or

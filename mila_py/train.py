@@ -8,9 +8,15 @@ everything a run needs to go on bit for bit into one folder, atomically;
 A checkpoint folder holds::
 
     model.safetensors      the parameters (mila_py.serialization.save: class, config, version)
-    optimizer.safetensors  the AdamW moments: exp_avg.<name>, exp_avg_sq.<name>
-    state.json             step counts, hyper-parameters, schedule, data position, RNG states,
-                           mila_py version and the caller's ``extra``
+    optimizer.safetensors  the AdamW moments: exp_avg.<name>, exp_avg_sq.<name>, and the FP32
+                           master weights of a 16-bit model: master.<name>
+    state.json             step counts, hyper-parameters, schedule, loss scaler, data
+                           position, RNG states, mila_py version and the caller's ``extra``
+
+Precision: a BF16 or FP16 model trains with FP32 gradient buffers, FP32 master weights and
+FP32 moments in :class:`~mila_py.optim.AdamW`; :func:`train` adds dynamic loss scaling
+(:class:`~mila_py.optim.GradScaler`) for FP16 models by default (BF16 has FP32's range and
+needs none; FP32 and BF16 train without a scaler unless one is given).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 import numpy as np
 from tqdm import tqdm
@@ -33,7 +39,7 @@ from mila_py.build_context import BuildContext, RuntimeMode, TrainingMode
 from mila_py.data import TokenDataset
 from mila_py.distributed import World, is_main
 from mila_py.files import _sync_folder, atomic_write, atomic_write_text
-from mila_py.optim import AdamW, _Schedule, clip_grad_norm
+from mila_py.optim import AdamW, GradScaler, _Schedule, clip_grad_norm
 from mila_py.precision import Precision
 from mila_py.serialization import load, mila_py_version, read_safetensors, save
 
@@ -55,6 +61,8 @@ STATE_FILE = "state.json"
 _FORMAT = "mila_py.checkpoint"
 _VERSION = 1
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+#: the optimizer's arrays saved in optimizer.safetensors (masters: 16-bit models only)
+_ARRAYS = (*_MOMENTS, "master")
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -69,6 +77,7 @@ def save_checkpoint(
     extra: Any = None,
     *,
     rngs: Mapping[str, np.random.Generator] | None = None,
+    scaler: GradScaler | None = None,
 ) -> Path:
     """Write a resumable checkpoint folder at ``path``, atomically.
 
@@ -88,6 +97,7 @@ def save_checkpoint(
         extra: any JSON-able value of the caller's (returned by :func:`load_checkpoint`).
         rngs: NumPy generators the loop draws from, by name (their bit generators' states
             are saved).
+        scaler: the loss scaler of an FP16 run, or None.
 
     Returns:
         ``path`` as a Path.
@@ -102,8 +112,8 @@ def save_checkpoint(
     optimizer_state = optimizer.state_dict()
     moments = {
         f"{key}.{name}": np.ascontiguousarray(array)
-        for key in _MOMENTS
-        for name, array in optimizer_state.pop(key).items()
+        for key in _ARRAYS
+        for name, array in optimizer_state.pop(key, {}).items()
     }
     state = {
         "format": _FORMAT,
@@ -112,6 +122,7 @@ def save_checkpoint(
         "model": type(model).__name__,
         "optimizer": optimizer_state,
         "schedule": None if schedule is None else schedule.state_dict(),
+        "scaler": None if scaler is None else scaler.state_dict(),
         "data": None if data is None else data.state_dict(),
         "rng": {name: gen.bit_generator.state for name, gen in (rngs or {}).items()},
         "extra": extra,
@@ -212,6 +223,7 @@ def load_checkpoint(
     *,
     rngs: Mapping[str, np.random.Generator] | None = None,
     check_config: bool = True,
+    scaler: GradScaler | None = None,
 ) -> Any:
     """Restore a :func:`save_checkpoint` folder into ``model``, ``optimizer``, ``schedule``,
     ``data`` and ``rngs`` (those given; the saved hyper-parameters and schedule replace the
@@ -224,7 +236,7 @@ def load_checkpoint(
 
     Args:
         path: the checkpoint folder.
-        model, optimizer, schedule, data, rngs: as given to :func:`save_checkpoint`.
+        model, optimizer, schedule, data, rngs, scaler: as given to :func:`save_checkpoint`.
         check_config: as in :func:`mila_py.serialization.load`.
 
     Returns:
@@ -241,12 +253,14 @@ def load_checkpoint(
     who = f"load_checkpoint {folder}"
     saved = dict(state["optimizer"])
     tensors = read_safetensors(folder / OPTIMIZER_FILE, who)
-    for key in _MOMENTS:
-        saved[key] = {
+    for key in _ARRAYS:
+        arrays = {
             name[len(key) + 1 :]: array
             for name, array in tensors.items()
             if name.startswith(key + ".")
         }
+        if key in _MOMENTS or arrays:
+            saved[key] = arrays
     try:
         parsed_optimizer = optimizer._parse_state(saved)
     except ValueError as exc:
@@ -256,6 +270,11 @@ def load_checkpoint(
         if state["schedule"] is None:
             raise ValueError(f"{who}: the checkpoint has no schedule, one was given")
         parsed_schedule = schedule._parse_state(state["schedule"])
+    parsed_scaler = None
+    if scaler is not None:
+        if not state.get("scaler"):
+            raise ValueError(f"{who}: the checkpoint has no loss scaler state, a scaler was given")
+        parsed_scaler = scaler._parse_state(state["scaler"])
     parsed_data = None
     if data is not None:
         if state["data"] is None:
@@ -280,6 +299,9 @@ def load_checkpoint(
     if schedule is not None:
         assert parsed_schedule is not None
         schedule._apply_state(parsed_schedule)
+    if parsed_scaler is not None:
+        assert scaler is not None
+        scaler._apply_state(parsed_scaler)
     for name, gen in (rngs or {}).items():
         gen.bit_generator.state = saved_rngs[name]
     if data is not None:
@@ -410,6 +432,7 @@ def train(
     loss_fn: Any = None,
     allreduce: Callable[[Any], None] | None = None,
     rngs: Mapping[str, np.random.Generator] | None = None,
+    scaler: GradScaler | Literal["auto"] | None = "auto",
 ) -> list[dict[str, Any]]:
     """Train ``model`` until ``steps`` optimizer steps are done (a resumed run does those left).
 
@@ -457,6 +480,12 @@ def train(
             and ``no_sync()``, where it has them, are used as said above.
         rngs: generators saved with each checkpoint (see :func:`save_checkpoint`; rank 0's,
             in data parallelism).
+        scaler: dynamic loss scaling (:class:`~mila_py.optim.GradScaler`): the loss gradient
+            is scaled before backward, the gradients unscaled before clipping, and a step
+            whose gradients overflowed is skipped (``skipped`` in the log). ``"auto"``: a
+            new ``GradScaler()`` for an FP16 model, none for FP32 and BF16. None: no
+            scaling. A resumed FP16 run continues bit for bit with a scaler of its own,
+            passed here and to :func:`load_checkpoint` (checkpoints save its state).
 
     Returns:
         The log records of the steps this call ran.
@@ -469,6 +498,10 @@ def train(
             checkpoint (on the other ranks).
     """
     _check_train_arguments(steps, grad_accum, clip, eval_every, eval_batches, checkpoint_every)
+    if isinstance(scaler, str) and scaler == "auto":
+        scaler = GradScaler() if getattr(model, "precision", None) is Precision.FP16 else None
+    if scaler is not None and not isinstance(scaler, GradScaler):
+        raise TypeError(f"train: scaler must be a GradScaler, 'auto' or None, got {scaler!r}")
     world = getattr(allreduce, "world", None)
     if world is not None and not isinstance(world, World):
         raise TypeError(
@@ -519,7 +552,8 @@ def train(
             for micro in range(grad_accum):
                 x, y = dataset.next_batch()
                 loss += loss_fn.forward(model.forward(x), y) / grad_accum
-                dlogits = loss_fn.backward(1.0 / grad_accum)
+                dloss = 1.0 / grad_accum
+                dlogits = loss_fn.backward(dloss if scaler is None else scaler.scale(dloss))
                 # the earlier micro-batches' gradients are not final: send nothing for them
                 last = micro == grad_accum - 1
                 with contextlib.nullcontext() if last or no_sync is None else no_sync():
@@ -529,10 +563,15 @@ def train(
                 allreduce(model)
             if world is not None and world.is_distributed:
                 loss = world.comm.allreduce(loss) / world.size  # the global batch's mean
-            # 3. clipping; a non-finite norm leaves the gradients as they are
+            # 3. clipping (of the unscaled gradients); a non-finite norm leaves them as they are
+            if scaler is not None:
+                scaler.unscale_(optimizer)
             norm = clip_grad_norm(model, clip) if clip is not None else None
             # 4. the update, unless the gradients hold inf or NaN (it would poison the weights)
-            if norm is not None and not math.isfinite(norm):
+            if scaler is not None:
+                applied = scaler.step(optimizer)  # skipped and counted on inf or NaN
+                scaler.update()
+            elif norm is not None and not math.isfinite(norm):
                 optimizer.skipped_steps += 1
                 applied = False
             else:
@@ -566,7 +605,13 @@ def train(
                 _save_on_main(
                     world,
                     lambda: save_checkpoint(
-                        checkpoint_dir, model, optimizer, schedule, dataset, rngs=rngs
+                        checkpoint_dir,
+                        model,
+                        optimizer,
+                        schedule,
+                        dataset,
+                        rngs=rngs,
+                        scaler=scaler,
                     ),
                 )
             if log is not None:

@@ -221,14 +221,24 @@ class FusedAdamW(Operation):
         v = v * beta2 + (1 - beta2) * g * g
         p = p - step_size * (m / (sqrt(v) / sqrt(correction2) + eps))
 
+    A 16-bit parameter ``p`` comes with its FP32 master copy ``master`` (and FP32 ``g``, ``m``,
+    ``v``): the update above runs on ``master`` and ``p`` receives the result rounded to its
+    dtype (to nearest even), as :class:`mila_py.optim.AdamW`'s array code does.
+
     Subclasses implement :meth:`_update` and may narrow :meth:`accepts`.
     """
 
     #: what :meth:`accepts` asks for, in the error message
     requirement = "dense arrays of one shape and one layout"
 
-    def accepts(self, p: Any, g: Any, m: Any, v: Any) -> bool:
-        """True if the kernel can update these arrays: dense, one shape, one layout."""
+    def accepts(self, p: Any, g: Any, m: Any, v: Any, master: Any = None) -> bool:
+        """True if the kernel can update these arrays: dense, one shape, one layout (with a
+        ``master``: all C-contiguous, ``g``, ``m``, ``v`` and ``master`` float32)."""
+        if master is not None:
+            arrays = (p, master, g, m, v)
+            return all(a.shape == p.shape and a.flags.c_contiguous for a in arrays) and all(
+                a.dtype == np.float32 for a in arrays[1:]
+            )
         dense = bool(p.flags.c_contiguous or p.flags.f_contiguous)
         return dense and all(a.shape == p.shape and a.strides == p.strides for a in (g, m, v))
 
@@ -244,10 +254,13 @@ class FusedAdamW(Operation):
         correction2: float,
         eps: float,
         step_size: float,
+        master: Any = None,
     ) -> None:
         """Update ``p``, ``m``, ``v`` in place from ``g`` (all C- or all F-contiguous, one shape).
 
         Args:
+            master: the FP32 master copy of a 16-bit ``p`` (updated in place; ``p`` receives
+                it rounded), or None (``p`` is updated itself).
             decay: the factor ``1 - lr * weight_decay`` for a decaying parameter, else None.
             betas: ``(beta1, beta2)``.
             correction2: ``1 - beta2 ** step``.
@@ -257,26 +270,36 @@ class FusedAdamW(Operation):
         Raises:
             ValueError: the arrays are not ones :meth:`accepts` (nothing is updated).
         """
-        if not self.accepts(p, g, m, v):
+        if not self.accepts(p, g, m, v, master):
+            arrays = (p, g, m, v) if master is None else (p, master, g, m, v)
+            names = "p, g, m and v" if master is None else "p, master, g, m and v"
             raise ValueError(
-                f"{type(self).__name__}: p, g, m and v must be {self.requirement}, got dtypes "
-                f"{p.dtype}, {g.dtype}, {m.dtype}, {v.dtype}, shapes {p.shape}, {g.shape}, "
-                f"{m.shape}, {v.shape} and strides {p.strides}, {g.strides}, {m.strides}, "
-                f"{v.strides}"
+                f"{type(self).__name__}: {names} must be {self.requirement}, got dtypes "
+                f"{[str(a.dtype) for a in arrays]}, shapes {[a.shape for a in arrays]} and "
+                f"strides {[a.strides for a in arrays]}"
             )
         if int(p.size) == 0:
             return
         beta1, beta2 = betas
-        t = p.dtype.type  # NumPy rounds each Python float to the parameter's dtype
+        # NumPy rounds each Python float to the dtype of the weights it updates
+        t = (p if master is None else master).dtype.type
         scalars = (
             t(1.0 if decay is None else decay), t(beta1), t(1.0 - beta1), t(beta2), t(1.0 - beta2),
             t(math.sqrt(correction2)), t(eps), t(step_size),
         )  # fmt: skip
-        self._update(p, g, m, v, decay is not None, scalars)
+        self._update(p, g, m, v, decay is not None, scalars, master)
 
     def _update(
-        self, p: Any, g: Any, m: Any, v: Any, decays: bool, scalars: tuple[Any, ...]
+        self,
+        p: Any,
+        g: Any,
+        m: Any,
+        v: Any,
+        decays: bool,
+        scalars: tuple[Any, ...],
+        master: Any = None,
     ) -> None:
         """Run the kernel: ``scalars`` are ``(decay, beta1, 1 - beta1, beta2, 1 - beta2,
-        sqrt(correction2), eps, step_size)`` in the parameter's dtype."""
+        sqrt(correction2), eps, step_size)`` in the dtype of the weights updated (``master``'s
+        where there is one)."""
         raise NotImplementedError

@@ -69,14 +69,24 @@ class CpuAdamWOp(FusedCpuOp, FusedAdamW):
 
     requirement = "dense float32/float64 arrays of one shape and one layout, with Numba enabled"
 
-    def accepts(self, p: Any, g: Any, m: Any, v: Any) -> bool:
-        """True if Numba is on, the arrays are float32/64 of one dtype, dense, one layout."""
+    def accepts(self, p: Any, g: Any, m: Any, v: Any, master: Any = None) -> bool:
+        """True if Numba is on, the arrays are float32/64 of one dtype, dense, one layout
+        (and no master copy: 16-bit parameters take the array code on the CPU)."""
+        if master is not None:
+            return False
         if not self.fuses(p.dtype) or any(a.dtype != p.dtype for a in (g, m, v)):
             return False
         return super().accepts(p, g, m, v)
 
     def _update(
-        self, p: Any, g: Any, m: Any, v: Any, decays: bool, scalars: tuple[Any, ...]
+        self,
+        p: Any,
+        g: Any,
+        m: Any,
+        v: Any,
+        decays: bool,
+        scalars: tuple[Any, ...],
+        master: Any = None,
     ) -> None:
         flat = [a.ravel(order="K") for a in (p, g, m, v)]  # views: dense, one layout
         _adamw_kernel(*flat, decays, *scalars)

@@ -9,6 +9,10 @@ with NumPy's float32 roundings in the same order::
     v = v * beta2 + (1 - beta2) * g * g        (scaled, then squared, as torch)
     p = p - step_size * (m / (sqrt(v) / sqrt(correction2) + eps))   (as torch orders them)
 
+A 16-bit parameter has an FP32 master copy in the optimizer: ``adamw_master_step<T>`` runs the
+same update on the master (FP32 ``g``, ``m``, ``v``) and stores the new master rounded to ``T``
+into the parameter, in the same pass (``T``: the op's precision, FP16 or BF16).
+
 Every scalar arrives as the float32 that NumPy would round the Python float to.
 """
 
@@ -30,15 +34,51 @@ __all__ = ["CudaAdamWOp"]
 _FILE = "adamw.cu"
 
 
-@register_op("AdamWOp", DeviceType.CUDA, precisions=(Precision.FP32,))
+@register_op("AdamWOp", DeviceType.CUDA, precisions=_kernels.CUDA_PRECISIONS)
 class CudaAdamWOp(FusedAdamW):
-    """The fused AdamW update of one parameter: one kernel launch (see :class:`FusedAdamW`)."""
+    """The fused AdamW update of one parameter: one kernel launch (see :class:`FusedAdamW`).
+
+    An FP32 op updates FP32 parameters in place; an FP16 or BF16 op updates parameters of its
+    precision through their FP32 master copies (``master=`` of :meth:`step`).
+    """
+
+    requirement = (
+        "dense float32 arrays of one shape and one layout (a 16-bit p: of the op's precision, "
+        "with a float32 master, all C-contiguous)"
+    )
+
+    def __init__(self, context: Any, config: Any, precision: Precision) -> None:
+        super().__init__(context, config, precision)
+        self._dtype = np.dtype(precision.numpy_dtype)
+        self._names = _kernels.kernel_names(("adamw_master_step",), precision)
+
+    def accepts(self, p: Any, g: Any, m: Any, v: Any, master: Any = None) -> bool:
+        """True for float32 ``p`` (no master) or ``p`` of the op's 16-bit precision with a
+        float32 ``master``, dense as :class:`FusedAdamW` asks."""
+        if (master is None) != (self._dtype == np.float32) or p.dtype != self._dtype:
+            return False
+        return super().accepts(p, g, m, v, master)
 
     def _update(
-        self, p: Any, g: Any, m: Any, v: Any, decays: bool, scalars: tuple[Any, ...]
+        self,
+        p: Any,
+        g: Any,
+        m: Any,
+        v: Any,
+        decays: bool,
+        scalars: tuple[Any, ...],
+        master: Any = None,
     ) -> None:
         n = int(p.size)
-        args = (p, g, m, v, np.int64(n), np.int32(decays), *scalars)
         ctx: Any = self.context
+        grid = _kernels.grid_1d(n)
         with ctx.activate():
-            _kernels.launch(ctx, _FILE, "adamw_step", _kernels.grid_1d(n), _kernels.THREADS, args)
+            if master is None:
+                args = (p, g, m, v, np.int64(n), np.int32(decays), *scalars)
+                _kernels.launch(ctx, _FILE, "adamw_step", grid, _kernels.THREADS, args)
+                return
+            args = (p, master, g, m, v, np.int64(n), np.int32(decays), *scalars)
+            _kernels.launch(
+                ctx, _FILE, self._names[0], grid, _kernels.THREADS, args,
+                name_expressions=self._names,
+            )  # fmt: skip

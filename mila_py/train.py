@@ -348,11 +348,13 @@ def _read_state(folder: Path) -> dict[str, Any]:
 
 
 def _loss_for(model: Any, batch: int, seq: int, mode: RuntimeMode) -> Any:
-    """A SoftmaxCrossEntropy for ``model``'s logits ``[batch, seq, vocab]`` on its device."""
+    """A SoftmaxCrossEntropy for ``model``'s logits ``[batch, seq, vocab]`` on its device, in
+    the model's precision: it reads 16-bit logits as they are (no FP32 copy), computes the
+    softmax and the loss in FP32 and hands back ``dlogits`` in the logits' dtype."""
     from mila_py.components import SoftmaxCrossEntropy, SoftmaxCrossEntropyConfig
 
     vocab = model.config.vocab_size
-    precision = Precision.FP64 if model.precision is Precision.FP64 else Precision.FP32
+    precision = model.precision
     loss_fn = SoftmaxCrossEntropy(
         "loss", SoftmaxCrossEntropyConfig(vocab), device=model.device_id, precision=precision
     )

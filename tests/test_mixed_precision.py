@@ -448,3 +448,35 @@ def test_train_skips_an_overflowing_step_and_checkpoints_the_scaler(
     restored = GradScaler(init_scale=1.0)
     load_checkpoint(tmp_path / "ckpt", other, AdamW(other), scaler=restored)
     assert restored.state_dict() == scaler.state_dict()
+
+
+# ----------------------------------------------------------------- the CUDA kernel, emulated
+
+
+@pytest.mark.parametrize("precision", [BF16, FP16])
+def test_the_cuda_master_kernel_is_the_array_code_bit_for_bit(
+    cuda: None, precision: Precision
+) -> None:
+    """CUDA AdamW over a 16-bit layer runs ``adamw_master_step<T>`` (one launch per
+    parameter): masters, moments and 16-bit weights equal the CPU's array code bit for bit."""
+    layers = []
+    for device in ("CPU", "CUDA:0"):
+        manual_seed(0)
+        layer = Linear("lin", LinearConfig(9, 5, bias=True), device=device, precision=precision)
+        layer.build(BuildContext((2, 9), RuntimeMode.TRAINING))
+        layers.append(layer)
+    host, device = layers
+    for (_, p), (_, q) in zip(host.named_parameters(), device.named_parameters(), strict=True):
+        q[...] = p
+    host_opt, device_opt = AdamW(host, lr=3e-3), AdamW(device, lr=3e-3)
+    assert host_opt._fused is None and device_opt._fused is not None
+    for step in range(3):
+        fill_gradients(host, step)
+        fill_gradients(device, step)
+        host_opt.step()
+        device_opt.step()
+    ctx = device.execution_context
+    for mine, ref in zip(snapshot(device, device_opt), snapshot(host, host_opt), strict=True):
+        assert mine == ref
+    name = f"adamw_master_step<{'mila_bf16' if precision is BF16 else 'mila_half'}>"
+    assert ctx.launches == [name] * 6

@@ -26,7 +26,6 @@ from mila_py.devices.device import DeviceType
 from mila_py.ops.cuda import _kernels
 from mila_py.ops.operation import FusedAdamW
 from mila_py.ops.registry import register_op
-from mila_py.precision import Precision
 
 __all__ = ["CudaAdamWOp"]
 
@@ -35,27 +34,24 @@ _FILE = "adamw.cu"
 
 
 @register_op("AdamWOp", DeviceType.CUDA, precisions=_kernels.CUDA_PRECISIONS)
-class CudaAdamWOp(FusedAdamW):
+class CudaAdamWOp(_kernels.KernelOp, FusedAdamW):
     """The fused AdamW update of one parameter: one kernel launch (see :class:`FusedAdamW`).
 
     An FP32 op updates FP32 parameters in place; an FP16 or BF16 op updates parameters of its
     precision through their FP32 master copies (``master=`` of :meth:`step`).
     """
 
+    FILE = _FILE
+    TEMPLATES = ("adamw_master_step",)
     requirement = (
         "dense float32 arrays of one shape and one layout (a 16-bit p: of the op's precision, "
         "with a float32 master, all C-contiguous)"
     )
 
-    def __init__(self, context: Any, config: Any, precision: Precision) -> None:
-        super().__init__(context, config, precision)
-        self._dtype = np.dtype(precision.numpy_dtype)
-        self._names = _kernels.kernel_names(("adamw_master_step",), precision)
-
     def accepts(self, p: Any, g: Any, m: Any, v: Any, master: Any = None) -> bool:
         """True for float32 ``p`` (no master) or ``p`` of the op's 16-bit precision with a
         float32 ``master``, dense as :class:`FusedAdamW` asks."""
-        if (master is None) != (self._dtype == np.float32) or p.dtype != self._dtype:
+        if (master is None) != (self.dtype == np.float32) or p.dtype != self.dtype:
             return False
         return super().accepts(p, g, m, v, master)
 
@@ -70,15 +66,10 @@ class CudaAdamWOp(FusedAdamW):
         master: Any = None,
     ) -> None:
         n = int(p.size)
-        ctx: Any = self.context
         grid = _kernels.grid_1d(n)
-        with ctx.activate():
-            if master is None:
-                args = (p, g, m, v, np.int64(n), np.int32(decays), *scalars)
-                _kernels.launch(ctx, _FILE, "adamw_step", grid, _kernels.THREADS, args)
-                return
+        if master is None:
+            args = (p, g, m, v, np.int64(n), np.int32(decays), *scalars)
+            self._launch("adamw_step", grid, _kernels.THREADS, args)
+        else:
             args = (p, master, g, m, v, np.int64(n), np.int32(decays), *scalars)
-            _kernels.launch(
-                ctx, _FILE, self._names[0], grid, _kernels.THREADS, args,
-                name_expressions=self._names,
-            )  # fmt: skip
+            self._launch("adamw_master_step", grid, _kernels.THREADS, args)

@@ -480,3 +480,22 @@ def test_the_cuda_master_kernel_is_the_array_code_bit_for_bit(
         assert mine == ref
     name = f"adamw_master_step<{'mila_bf16' if precision is BF16 else 'mila_half'}>"
     assert ctx.launches == [name] * 6
+
+
+def test_save_hf_checkpoint_writes_the_precision_asked_for(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    from mila_py.interop.hf import save_hf_checkpoint
+
+    model = llama(FP32)
+    save_hf_checkpoint(model, tmp_path / "hf", precision="bf16")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16"
+    with safe_open(tmp_path / "hf" / "model.safetensors", "numpy") as f:
+        head = f.get_tensor("model.norm.weight")
+    assert head.dtype == ml_dtypes.bfloat16
+    norm = dict(model.named_parameters())["norm.weight"]
+    np.testing.assert_array_equal(head.view(np.uint16), norm.astype(head.dtype).view(np.uint16))
+    with pytest.raises(ValueError, match="save_hf_checkpoint: precision"):
+        save_hf_checkpoint(model, tmp_path / "other", precision="int4")
+    assert not (tmp_path / "other").exists()

@@ -877,10 +877,14 @@ def read_hf_checkpoint(
     return config, read_hf_tensors(hf_weight_files(path))
 
 
-def save_hf_checkpoint(model: Llama, path: str | os.PathLike[str]) -> None:
+def save_hf_checkpoint(
+    model: Llama, path: str | os.PathLike[str], *, precision: Precision | str | None = None
+) -> None:
     """Write a built :class:`Llama` as a Hugging Face checkpoint directory: float32 weights
     for FP32 and FP64 models, BF16 / FP16 weights for models of those precisions (their
-    ``config.json`` names the dtype, which ``from_pretrained`` then defaults to).
+    ``config.json`` names the dtype, which ``from_pretrained`` then defaults to), or the
+    weights in ``precision`` where given (``"bf16"``, ``Precision.FP32``, ...; FP64 writes
+    float32; rounded to nearest even where narrower).
 
     ``path`` gets ``config.json`` (see :func:`llama_config_to_hf`) and ``model.safetensors``
     that ``AutoModelForCausalLM.from_pretrained`` loads. All or nothing: both files are
@@ -891,7 +895,8 @@ def save_hf_checkpoint(model: Llama, path: str | os.PathLike[str]) -> None:
     Raises:
         TypeError: ``model`` is not a Llama.
         RuntimeError: ``model`` is not built.
-        ValueError: a config no Hugging Face model has (nothing is written).
+        ValueError: a config no Hugging Face model has, or an unknown ``precision`` (nothing
+            is written).
         OSError: ``"save_hf_checkpoint: cannot write <file> (...)"``: the folder or a file
             cannot be written; the folder's files are then as they were.
     """
@@ -903,7 +908,11 @@ def save_hf_checkpoint(model: Llama, path: str | os.PathLike[str]) -> None:
     if not model.is_built:
         raise RuntimeError(f"{model._describe()}: build it before save_hf_checkpoint()")
     config = llama_config_to_hf(model.config)  # refused before anything is written
-    dtype = model.precision.numpy_dtype if model.precision.is_reduced else np.dtype(np.float32)
+    try:
+        written = Precision.parse(model.precision if precision is None else precision)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{who}: precision: {exc}") from None
+    dtype = written.numpy_dtype if written.is_reduced else np.dtype(np.float32)
     config["torch_dtype"] = config["dtype"] = _TORCH_NAMES[np.dtype(dtype)]
     config_text = json.dumps(config, indent=2, sort_keys=True) + "\n"
     ctx = model.execution_context

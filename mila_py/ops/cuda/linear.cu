@@ -6,23 +6,25 @@
 // mila_half or mila_bf16; the sums are float32 and each output is rounded once. No cuBLAS call,
 // so a CUDA graph captures the launch (CuPy refuses cuBLAS while a stream captures).
 //
-// Such a product is bound by reading W once (x is at most 16 rows; W is 4 to 500 MB per call
-// at the 1B shape), so the kernel is written for HBM bandwidth:
-// - one warp streams NW whole rows of W (NW = 1 for ROWS <= 2, else 2, so that x, read from
-//   L1, is used for two rows), its lanes reading consecutive 16-byte chunks (int4: 4 floats or
-//   8 halves), coalesced into full 512-byte lines per warp load;
-// - each lane issues U = 4 such loads per row before it uses any, so NW * U * 16 B = 64-128 B per
-//   lane, 2-4 KB per warp, are in flight. Blocks of 4 warps and one warp per NW outputs give
-//   N / (4 NW) blocks: 256 to 32000 for the 1B shape's products, several per SM on 132 SMs, so
-//   an SM holds 8-32 warps and 16-128 KB of loads in flight, above the ~20 KB per SM that
-//   4 TB/s at ~600 ns latency asks for (Little's law);
-// - W is read with __ldcs (streamed, evict-first: no step reads it again before L2 has
-//   turned over), x with __ldg (read-only path: every warp of the grid reads all of x, which
-//   stays in L1/L2; at most 16 * 8192 * 4 = 512 KB);
+// Such a product is bound by reading W once (x is at most 16 rows; W is 8 MB to 1 GB per call
+// at the Llama-3.2-1B shape), so the kernel is written for HBM bandwidth:
+// - one warp streams NW whole rows of W, its lanes reading consecutive 16-byte chunks (int4:
+//   4 floats or 8 halves), 512 bytes per warp load. NW = 2 for 4 and 8 rows of x, so that
+//   each chunk of x, read from L1, serves two rows of W (L1 traffic is ROWS / NW times W's);
+//   NW = 1 for 1 and 2 rows (more warps for small N) and for 16 (registers);
+// - each lane issues U chunks per row of W before it uses any (U = 8 for 1-2 rows, else 4):
+//   NW * U * 16 = 64-128 B per lane, 2-4 KB per warp in flight. Blocks of 4 warps, one warp
+//   per NW outputs: N / (4 NW) blocks, 256 to 32000 at the 1B shape, so each of an H200's 132
+//   SMs holds 8-32 warps (<= 128 registers per thread, __launch_bounds__(128, 4)) and
+//   16-128 KB of loads in flight, above the ~20 KB per SM that ~4.2 TB/s at ~600 ns of
+//   latency asks for (Little's law);
+// - W is read with __ldcs (evict-first: no step reads it again before L2 has turned over), x
+//   with __ldg (read-only path: every warp reads all of x, at most 16 * 8192 * 4 = 512 KB,
+//   which stays in L1/L2; staging it in shared memory would not cut the per-SM traffic);
 // - the lanes' partial sums meet by warp shuffles, once per (row of x, row of W).
 // VEC = false is the scalar fallback for operands the 16-byte loads cannot take (K, ldw or ldx
-// not a multiple of the chunk, W or x not 16-byte aligned): the same warp per rows, one
-// element per lane and step.
+// not a multiple of the chunk, W or x not 16-byte aligned): the same warps, one element per
+// lane and step.
 
 // The values of a 16-byte chunk of T storage as floats (E = 16 / sizeof(T) of them).
 __device__ __forceinline__ void mila_unpack16(const int4 v, float* f, float*) {
@@ -60,8 +62,8 @@ __global__ void __launch_bounds__(128, 4) linear_rows(
     int m_rows, int n_out, int k_in, long long ldx, long long ldw, long long ldo)
 {
     constexpr int E = 16 / (int)sizeof(T);  // elements per 16-byte chunk
-    constexpr int NW = ROWS <= 2 || ROWS == 16 ? 1 : 2;  // rows of W per warp
-    constexpr int U = ROWS <= 2 ? 8 : 4;  // chunks per lane and row of W in flight
+    constexpr int NW = ROWS == 4 || ROWS == 8 ? 2 : 1;  // rows of W per warp (linear.py too)
+    constexpr int U = ROWS <= 2 ? 8 : 4;                 // chunks per lane and W row in flight
     T* const tag = nullptr;                 // selects mila_unpack16's storage type
     const int lane = threadIdx.x & 31;
     const long long n0 = ((long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * NW;

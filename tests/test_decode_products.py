@@ -22,7 +22,7 @@ from kernel_emulator import COMPILER, EmulatedContext, KernelLibrary, emulated_c
 from layer_helpers import move_optional_parameters
 
 from mila_py import BuildContext, Precision, RuntimeMode
-from mila_py.components import LinearConfig
+from mila_py.components import Linear, LinearConfig
 from mila_py.models import Llama, LlamaConfig
 from mila_py.ops.cuda import _kernels
 from mila_py.ops.cuda.linear import DECODE_MAX_ROWS, CudaLinearOp
@@ -131,6 +131,23 @@ def test_more_rows_or_transposed_weights_stay_on_the_matrix_product(ctx: Emulate
         op.bind_forward(x, weight, None, out)()
         agree(out, reference(x, w, None), Precision.FP32, n_in)
     assert ctx.launches == []
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=lambda p: p.name)
+def test_cuda_inference_builds_keep_every_weight_as_out_in_rows(
+    cuda: None, precision: Precision
+) -> None:
+    """A widening Linear (stored ``[in, out]`` on an FP32 CPU build) and a narrowing one keep
+    ``[out, in]`` rows on CUDA, the layout ``linear_rows`` reads; so do a Llama's projections."""
+    for n_in, n_out in ((8, 24), (24, 8)):
+        lin = Linear("w", LinearConfig(n_in, n_out), device="CUDA:0", precision=precision)
+        lin.build(BuildContext((2, 1, n_in), RuntimeMode.INFERENCE))
+        assert lin.weight.shape == (n_out, n_in) and lin.weight.flags.c_contiguous
+    model = Llama("llama", CFG, device="CUDA:0", precision=precision)
+    model.build(BuildContext((2, 16), RuntimeMode.INFERENCE, prefill_size=4))
+    weights = [a for name, a in model.named_parameters() if "proj" in name]
+    assert len(weights) == 5 * CFG.n_layers
+    assert all(w.strides[-1] == w.itemsize for w in weights)
 
 
 def inference(cfg: LlamaConfig, path: Any, device: str, precision: Precision) -> Llama:

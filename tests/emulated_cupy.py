@@ -26,7 +26,9 @@ contexts and of this stand-in) that write into given outputs (``matmul(..., out=
 ``add(..., out=)``, ``copyto``, ``take(..., out=)``, an assignment into a view). So a step
 that computes something on the host while it is captured (a position, a length, a branch)
 replays what it computed then, and gives wrong results later, as on a GPU. And what a GPU
-refuses during a capture, or what would break its graph, raises :class:`CaptureError` here:
+refuses during a capture, or what would break its graph, raises :class:`CaptureError` here
+(and a matrix product, which CuPy computes with cuBLAS, raises ``NotImplementedError``, as
+CuPy does during a capture):
 reading a device value on the host (``.get()``, ``asnumpy``, ``float(x)``, ``int(x)``,
 ``.item()``, an element), synchronizing, allocating device memory (a ufunc or function
 without ``out=``, a copy, fancy indexing, ``numpy.empty`` and the other constructors, an
@@ -64,6 +66,11 @@ def _asarray(a: Any, dtype: Any = None) -> np.ndarray:
 def _asnumpy(a: Any) -> np.ndarray:
     refuse("cupy.asnumpy reads device memory back to the host")
     return np.array(a, copy=True)
+
+
+#: what CuPy raises for a cuBLAS call (``cupy.matmul``, ``@``) while a stream captures: its
+#: cuBLAS handle refuses to be set to a capturing stream
+CUBLAS_REFUSED = "calling cuBLAS API during stream capture is currently unsupported"
 
 
 class CaptureError(RuntimeError):
@@ -221,6 +228,8 @@ class DeviceArray(np.ndarray):
             if isinstance(result, tuple):
                 return tuple(_as_device(r) for r in result)
             return _as_device(result)
+        if ufunc is np.matmul:
+            raise NotImplementedError(CUBLAS_REFUSED)
         if out is None:
             raise CaptureError(
                 f"during a CUDA graph capture: numpy.{ufunc.__name__}.{method} without out= "

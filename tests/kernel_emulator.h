@@ -286,6 +286,7 @@ inline unsigned int __float_as_uint(float f) {
 // CUDA's 16-byte vector type and its streaming-hint accesses (the hints change no value)
 struct alignas(16) int4 { int x, y, z, w; };
 inline int4 __ldcs(const int4* p) { return *p; }
+inline int4 __ldg(const int4* p) { return *p; }  // the read-only cache path
 inline void __stcs(int4* p, int4 v) { *p = v; }
 
 inline float atomicAdd(float* address, float v) {

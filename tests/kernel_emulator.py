@@ -660,6 +660,7 @@ FILES = (
     "attention.cu",
     "adamw.cu",
     "rope.cu",
+    "linear.cu",
 )
 
 
@@ -695,9 +696,19 @@ def layer_name_expressions() -> list[str]:
     return names
 
 
+def linear_name_expressions() -> list[str]:
+    """Every template instantiation the Linear op launches (its decode products, for every
+    storage precision)."""
+    from mila_py.ops.cuda import linear
+    from mila_py.precision import Precision
+
+    precisions = (Precision.FP32, Precision.FP16, Precision.BF16)
+    return [name for precision in precisions for name in linear.kernel_names(precision)]
+
+
 #: every CUDA op's kernel source (the files' text), and the template instantiations the ops launch
 SOURCES = [_kernels.source(f) for f in FILES]
-NAME_EXPRESSIONS = rope_name_expressions() + layer_name_expressions()
+NAME_EXPRESSIONS = rope_name_expressions() + layer_name_expressions() + linear_name_expressions()
 
 
 def names_in(source: str) -> list[str]:

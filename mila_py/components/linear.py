@@ -15,9 +15,9 @@ __all__ = ["Linear", "LinearConfig", "transposes"]
 def transposes(layer: Any, in_features: int, out_features: int) -> bool:
     """Whether an INFERENCE build of ``layer`` (a component with its execution context) stores
     an ``[out, in]`` weight as ``[in, out]`` storage: for widening products
-    (``in_features <= out_features``), except 16-bit storage on the CPU (see :class:`Linear`)."""
-    cpu16 = layer.precision.is_reduced and layer.device_id.device_type is DeviceType.CPU
-    return in_features <= out_features and not cpu16
+    (``in_features <= out_features``) of FP32/FP64 CPU builds only (see :class:`Linear`)."""
+    cpu = layer.device_id.device_type is DeviceType.CPU
+    return cpu and in_features <= out_features and not layer.precision.is_reduced
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,9 @@ class Linear(Layer):
     and values, Fortran order): a decode step's matrix-vector product then streams it up to 15%
     faster on the CPU; narrowing layers keep ``[out, in]`` rows, faster for them. 16-bit
     (FP16, BF16) CPU builds keep ``[out, in]`` rows in every case: the decode kernel that reads
-    16-bit weights (:mod:`mila_py.ops.cpu._fused_linear`) streams rows faster. A parent may
+    16-bit weights (:mod:`mila_py.ops.cpu._fused_linear`) streams rows faster. CUDA builds keep
+    ``[out, in]`` rows too: a decode step's products there are one kernel over those rows
+    (:mod:`mila_py.ops.cuda.linear`), and cuBLAS takes either layout for the rest. A parent may
     instead hand the layer its weight as a view of a buffer it packs with others (see
     :class:`~mila_py.components.swiglu.SwiGLU`): ``weight`` is then that view, whatever its
     strides.
@@ -95,8 +97,7 @@ class Linear(Layer):
         elif build_context.is_inference and transposes(self, cfg.in_features, cfg.out_features):
             # Decode multiplies one row by W^T. CPU BLAS streams a wide W^T faster from [in, out]
             # rows (the output head gains most), a tall one from [out, in] rows (down_proj; see
-            # docs/performance.md); CUDA builds share the rule (cuBLAS takes either through the
-            # same matmul). ``weight`` stays [out, in].
+            # docs/performance.md). ``weight`` stays [out, in].
             storage = self._allocate((cfg.in_features, cfg.out_features))
             weight = self._add_parameter("weight", storage.T)
         else:

@@ -3,8 +3,7 @@
 A decode step is a fixed list of calls over fixed buffers (see
 :meth:`mila_py.models.Llama.decode`). :func:`capture` turns such a list into one callable: on
 a device whose stream can capture (CuPy's ``Stream.begin_capture``), its first call runs the
-calls eagerly, which compiles their kernels and creates the cuBLAS handles, then records them
-into a graph (``stream.begin_capture()``, the calls, ``stream.end_capture()``), and every later
+calls eagerly, which compiles their kernels, then records them into a graph (``stream.begin_capture()``, the calls, ``stream.end_capture()``), and every later
 call replays that graph with one ``graph.launch(stream)``. A graph replays what the device did
 during the capture: the same kernels with the same arguments on the same memory. So the
 calls must read every value that changes from step to step (token ids, positions) from device
@@ -14,7 +13,11 @@ calls on the CPU, and on a device whose stream cannot capture.
 
 While the calls are captured, CuPy's allocator refuses every allocation: memory a call takes
 then would go back to the pool after the capture, and a replay would write into whatever the
-pool handed it to next.
+pool handed it to next. And CuPy refuses every cuBLAS call (``NotImplementedError``), which is
+why a decode step's products are a kernel of mila_py's own (``linear.cu``, see
+:meth:`mila_py.ops.cuda.linear.CudaLinearOp.bind_forward`) and not ``cupy.matmul``. A call of
+a library that refuses to be captured in this way leaves its step eager (see
+:meth:`Step._record`).
 """
 
 from __future__ import annotations
@@ -91,8 +94,9 @@ class Step:
                 for call in self._calls:
                     call()
         except NotImplementedError:
-            # a library that refuses to be captured (CuPy's cuBLAS calls, where a step has
-            # them): the warm-up run already gave this step's results, and the step stays eager
+            # a library that refuses to be captured (as CuPy refuses cuBLAS calls; a decode
+            # step's products are no such call): the warm-up run already gave this step's
+            # results, and the step stays eager
             with contextlib.suppress(Exception):
                 stream.end_capture()
             self._stream = None

@@ -149,10 +149,13 @@ class Llama(Network):
         for block in self.layers:
             block.build(build_context.with_shape((n_b, n_t, self.config.dim)))
         self.norm.build(act)
+        # INFERENCE builds return the logits of one position per sequence (prefill, decode):
+        # the head's buffers hold that one row; forward() writes a chunk's into a new array
+        head_rows = chunk if build_context.is_training else 1
         if self.lm_head is not None:
-            self.lm_head.build(act)
+            self.lm_head.build(build_context.with_shape((n_b, head_rows, self.config.dim)))
         else:
-            self._add_state("logits", self._allocate((n_b, chunk, self.config.vocab_size)))
+            self._add_state("logits", self._allocate((n_b, head_rows, self.config.vocab_size)))
             if build_context.is_training:
                 self._add_state("dnorm", self._allocate((n_b, n_t, self.config.dim)))
         self._hidden = None
@@ -206,12 +209,17 @@ class Llama(Network):
     # ------------------------------------------------------------------ run
     @serialized
     def forward(self, tokens: Any, position_offset: int = 0, *, seq_len: int | None = None) -> Any:
-        """``tokens [B, T] -> logits [B, T, vocab]`` (a view of an owned buffer).
+        """``tokens [B, T] -> logits [B, T, vocab]``.
 
-        TRAINING builds: positions ``0 .. T-1``. INFERENCE builds: one prefill chunk
-        (``T <= chunk_size``) at ``position_offset``, its keys and values cached; a prompt cut
-        in chunks by hand passes its end as ``seq_len`` so that a length-dependent RoPE
-        scaling rotates every chunk as one pass would (as :meth:`prefill` does).
+        TRAINING builds: positions ``0 .. T-1``; the logits are a view of the model's own
+        buffer, which the next forward overwrites (and :meth:`backward` reads). INFERENCE
+        builds: one prefill chunk (``T <= chunk_size``) at ``position_offset``, its keys and
+        values cached; a prompt cut in chunks by hand passes its end as ``seq_len`` so that a
+        length-dependent RoPE scaling rotates every chunk as one pass would (as
+        :meth:`prefill` does). The logits are then a new array, allocated for this call, that
+        the caller owns: an INFERENCE build keeps logits for one position per sequence (what
+        :meth:`prefill` and :meth:`decode` return), so ``[B, T, vocab]`` is no part of its
+        memory (:meth:`get_memory_stats`, :meth:`required_memory`).
         """
         if not self.is_built:
             raise RuntimeError(f"{self._describe()}: forward() needs a built network")
@@ -238,15 +246,31 @@ class Llama(Network):
             h = self.embed_tokens._lookup(tokens, shape)
             for block in self.layers:
                 h = block._forward(h, offset, seq_len)
-            return self._head(h)
+            return self._head(h, fresh=self._cached is not None)
 
-    def _head(self, h: Any) -> Any:
-        h = self.norm._forward(h)  # h: a block's output (or a contiguous copy of its last row)
+    def _head(self, h: Any, *, fresh: bool = False) -> Any:
+        """Logits ``[B, T, vocab]`` of the last block's output ``h [B, T, dim]`` (or a
+        contiguous copy of its last row): a view of the head's own buffer, or with ``fresh``
+        (an INFERENCE forward, whose chunk has more rows than that buffer) a new array."""
+        h = self.norm._forward(h)
+        n_b, n_t = h.shape[0], h.shape[1]
+        vocab = self.config.vocab_size
+        if fresh:
+            logits = self.execution_context.allocate(
+                (n_b, n_t, vocab), self.precision.numpy_dtype, zero=False
+            )
+            if self.lm_head is not None:
+                head = self.lm_head
+                weight, bias = head._parameters["weight"], head._parameters.get("bias")
+                head.op.forward(h, weight, bias, logits)
+            else:
+                weight = self.embed_tokens._parameters["weight"]
+                self._head_op.forward(h, weight, None, logits)
+            return logits
         if self.lm_head is not None:
             return self.lm_head._forward(h)
         self._hidden = h
-        n_b, n_t = h.shape[0], h.shape[1]
-        logits = leading_view(self._state["logits"], (n_b, n_t, self.config.vocab_size))
+        logits = leading_view(self._state["logits"], (n_b, n_t, vocab))
         self._head_op.forward(h, self.embed_tokens._parameters["weight"], None, logits)
         return logits
 
@@ -759,7 +783,7 @@ class Llama(Network):
         return model
 
 
-#: from_pretrained's prefill chunk: INFERENCE builds hold activations and logits for one chunk
+#: from_pretrained's prefill chunk: INFERENCE builds hold activations for one chunk
 _DEFAULT_PREFILL = 512
 #: from_pretrained's default context, at most: its KV cache grows with it
 _DEFAULT_CONTEXT = 4096

@@ -17,11 +17,13 @@ Tree (names follow the component tree, dotted in ``named_parameters`` and safete
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from mila_py.build_context import BuildContext
+from mila_py.component import lend_workspace
 from mila_py.components._layer import (
     check_grad,
     is_int,
@@ -127,6 +129,10 @@ class Llama(Network):
         self._cache_writes = 0
         #: the tied head's products (the embedding's weight as a Linear's), on the device
         self._head_op: Any = None
+        #: each block's input in the last forward (TRAINING builds with recompute)
+        self._block_inputs: list[Any] = []
+        #: the block whose activations the shared workspace holds (recompute), else None
+        self._recomputed: int | None = None
 
     def _on_execution_context_set(self) -> None:
         super()._on_execution_context_set()
@@ -146,8 +152,7 @@ class Llama(Network):
         chunk = tokens_per_pass(build_context)
         act = build_context.with_shape((n_b, chunk, self.config.dim))
         self.embed_tokens.build(build_context.with_shape((n_b, chunk)))
-        for block in self.layers:
-            block.build(build_context.with_shape((n_b, n_t, self.config.dim)))
+        self._build_blocks(build_context.with_shape((n_b, n_t, self.config.dim)))
         self.norm.build(act)
         # INFERENCE builds return the logits of one position per sequence (prefill, decode):
         # the head's buffers hold that one row; forward() writes a chunk's into a new array
@@ -169,6 +174,33 @@ class Llama(Network):
         if self._plans is not None and self.device_id.device_type is DeviceType.CPU:
             scores = (self.config.n_heads * n_t,)  # float32 for 16-bit storage
             self._add_state("decode_scores", self._allocate(scores, self.precision.compute_dtype))
+        self._block_inputs = []
+        self._recomputed = None
+
+    def _build_blocks(self, block_context: BuildContext) -> None:
+        """Build the decoder blocks: each with its own parameters (and KV cache), and, on
+        INFERENCE and recomputing TRAINING builds, every block after the first on the first
+        one's workspace (:func:`~mila_py.component.lend_workspace`), since the blocks run one
+        at a time.
+
+        INFERENCE: every buffer of a block's parts is shared, its output too, so the residual
+        stream is updated in place: block ``i + 1`` reads its input from the buffer that
+        block ``i`` wrote its output into, and writes its own output there last (its
+        ``mlp_residual``), after its ``attn_residual`` has read the input for the last time.
+
+        TRAINING with ``recompute``: each block keeps its own output buffer (its
+        ``mlp_residual``'s), the next block's input, which the backward pass needs to run
+        that block's forward again; every other buffer is shared (see :meth:`_backward`).
+        """
+        blocks = self.layers
+        shared = block_context.is_inference or block_context.recompute
+        keep = ("mlp_residual",) if block_context.is_training else ()
+        for block in blocks:
+            if shared and block is not blocks[0]:
+                with lend_workspace(blocks[0], block, keep=keep):
+                    block.build(block_context)
+            else:
+                block.build(block_context)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -196,14 +228,7 @@ class Llama(Network):
         for component in twin._walk():  # unbuilt: its tree takes the sizing context instead
             component._context = None
         twin.set_execution_context(SizingContext(self.execution_context))
-        twin.build(
-            BuildContext(
-                build_context.input_shape,
-                build_context.runtime_mode,
-                initialize_parameters=False,
-                prefill_size=build_context.prefill_size,
-            )
-        )
+        twin.build(replace(build_context, initialize_parameters=False))
         return twin.get_memory_stats()
 
     # ------------------------------------------------------------------ run
@@ -244,8 +269,13 @@ class Llama(Network):
             if self._cached is not None:  # INFERENCE: a prefill chunk that writes the cache
                 self._start_cache_write(offset, shape[0])
             h = self.embed_tokens._lookup(tokens, shape)
+            keep = self.build_context.recompute
+            self._block_inputs = []
             for block in self.layers:
+                if keep:  # the embedding's output or the previous block's own output buffer
+                    self._block_inputs.append(h)
                 h = block._forward(h, offset, seq_len)
+            self._recomputed = len(self.layers) - 1 if keep else None
             return self._head(h, fresh=self._cached is not None)
 
     def _head(self, h: Any, *, fresh: bool = False) -> Any:
@@ -687,7 +717,13 @@ class Llama(Network):
             dh = leading_view(self._state["dnorm"], (n_b, n_t, self.config.dim))  # contiguous
             self._head_op.backward(h, weight, dlogits, grad, None, dh)
         dh = self.norm.backward(dh)
-        for block in reversed(self.layers):
+        for i in reversed(range(len(self.layers))):
+            block = self.layers[i]
+            if self._recomputed is not None and self._recomputed != i:
+                # recompute: the shared workspace holds another block's activations; the same
+                # forward of the same kept input writes this block's again, bit for bit
+                block._forward(self._block_inputs[i], 0)
+                self._recomputed = i
             dh = block.backward(dh)
             for hook in self.block_backward_hooks:
                 hook(block)

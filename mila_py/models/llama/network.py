@@ -71,10 +71,17 @@ class Llama(Network):
     A :meth:`stream` holds it from its first token until it ends, is closed or is
     garbage-collected, so a stream that is started and not consumed blocks the calls of other
     threads on this model until it is closed (``stream.close()``, or ``contextlib.closing``).
-    ``forward`` returns a view of the model's own buffer, which the next call overwrites: a
-    thread that shares the model reads (or copies) it, and runs any sequence of calls that must
-    not be interleaved with another thread's (a training forward and its backward), inside
-    ``with model.run_lock:``.
+    ``forward`` on a TRAINING build returns a view of the model's own buffer, which the next
+    call overwrites: a thread that shares the model reads (or copies) it, and runs any sequence
+    of calls that must not be interleaved with another thread's (a training forward and its
+    backward), inside ``with model.run_lock:``.
+
+    Memory: parameters (and gradients) are per layer, and so is the KV cache of INFERENCE
+    builds; their activations live in one workspace that every block shares (see
+    :meth:`_build_blocks`), and their logits buffer holds one position per sequence. TRAINING
+    builds keep every block's activations for backward, or with ``BuildContext(...,
+    recompute=True)`` only each block's input, running each block's forward again before its
+    backward. :meth:`required_memory` predicts a build's bytes exactly.
 
     Text in, text out (:meth:`complete`, :meth:`chat`, :meth:`stream_text`) needs a
     :attr:`tokenizer`; :meth:`from_pretrained` loads one where the folder has a

@@ -33,16 +33,22 @@ class BuildContext:
         initialize_parameters: initialize parameter values after allocation. ``None`` resolves to
             True for TRAINING and False for INFERENCE (inference builds expect loaded weights).
         prefill_size: tokens per prefill pass for inference builds (0 = the whole input length).
+        recompute: TRAINING builds of a network of blocks (a Llama) keep only each block's
+            input per layer and one workspace for the blocks' internals, which the backward
+            pass refills by running each block's forward again right before that block's
+            backward: less memory for one more forward pass per step, the same gradients.
 
     Raises:
-        ValueError: empty or non-positive shape, negative prefill size.
-        TypeError: a runtime_mode that is not a RuntimeMode.
+        ValueError: empty or non-positive shape, negative prefill size, ``recompute`` on an
+            INFERENCE build (which keeps nothing for a backward pass).
+        TypeError: a runtime_mode that is not a RuntimeMode, a ``recompute`` that is not a bool.
     """
 
     input_shape: tuple[int, ...]
     runtime_mode: RuntimeMode
     initialize_parameters: bool | None = None
     prefill_size: int = 0
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.input_shape, Set | Mapping):  # no order: (4, 2) or (2, 4)?
@@ -84,6 +90,16 @@ class BuildContext:
                 f"BuildContext: initialize_parameters must be True, False or None, got {init!r}"
             )
         object.__setattr__(self, "initialize_parameters", bool(init))
+        if not isinstance(self.recompute, bool | _np_bool()):
+            raise TypeError(
+                f"BuildContext: recompute must be True or False, got {self.recompute!r}"
+            )
+        if self.recompute and self.runtime_mode is not RuntimeMode.TRAINING:
+            raise ValueError(
+                "BuildContext: recompute is for TRAINING builds; an INFERENCE build keeps no "
+                "activations for a backward pass (its blocks share one workspace already)"
+            )
+        object.__setattr__(self, "recompute", bool(self.recompute))
 
     @property
     def is_training(self) -> bool:

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, ClassVar
 
@@ -47,7 +48,7 @@ from mila_py.ops.operation import Operation
 from mila_py.ops.registry import OpNotFoundError
 from mila_py.precision import Precision
 
-__all__ = ["Component"]
+__all__ = ["Component", "lend_workspace"]
 
 _BUILDING = threading.local()  # depth of nested build() calls in this thread
 _NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9._-]{0,127}")
@@ -76,6 +77,9 @@ class Component(metaclass=_ComponentMeta):
     """
 
     _FINAL_METHODS: ClassVar[tuple[str, ...]] = ("build", "set_execution_context")
+    #: the built component whose workspace buffers the next build takes instead of allocating
+    #: its own (see :func:`lend_workspace`); None: the build allocates them
+    _workspace_donor: Component | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -486,6 +490,41 @@ class Component(metaclass=_ComponentMeta):
         self._state[name] = array
         return array
 
+    def _add_workspace(
+        self, name: str, shape: tuple[int, ...], dtype: Any = None, *, gradient: bool = False
+    ) -> Any:
+        """Allocate and register a workspace buffer: activations or scratch that a call
+        overwrites and that no later call needs, except a TRAINING build's backward reading
+        what its own forward wrote. A state buffer (``gradient``: an input-gradient buffer,
+        see :meth:`_add_gradient`) of ``shape`` and ``dtype`` (default: the precision's).
+
+        Within :func:`lend_workspace` the build takes the donor's buffer of the same name
+        instead of allocating one: the two components then run on one buffer, one at a time,
+        and memory stats count it once.
+
+        Raises:
+            ValueError: the donor has no buffer ``name`` of this shape and dtype.
+        """
+        dtype = np.dtype(self._precision.numpy_dtype if dtype is None else dtype)
+        shape = tuple(int(n) for n in shape)
+        donor = self._workspace_donor
+        if donor is None:
+            array = self._allocate(shape, dtype)
+        else:
+            lent = (donor._input_gradients if gradient else donor._state).get(name)
+            stored = getattr(self.execution_context, "storage_dtype", np.dtype)(dtype)
+            if lent is None or tuple(lent.shape) != shape or lent.dtype != stored:
+                has = "none" if lent is None else f"{tuple(lent.shape)} {lent.dtype}"
+                raise ValueError(
+                    f"{self._describe()}: the workspace lent by {donor._describe()} has no "
+                    f"buffer {name!r} of shape {shape} and dtype {stored} (it has {has}); "
+                    "lend the workspace of a component built like this one"
+                )
+            array = lent
+        if gradient:
+            return self._add_gradient(name, array)
+        return self._add_state(name, array)
+
     def _building_context(self) -> BuildContext:
         pending = self.__dict__.get("_pending_build_context")
         return pending if pending is not None else self.build_context
@@ -632,6 +671,64 @@ class Component(metaclass=_ComponentMeta):
         for child in self._children():
             lines.extend(child._repr_lines(indent + "  "))
         return lines
+
+
+@contextmanager
+def lend_workspace(
+    donor: Component, receiver: Component, *, keep: Collection[str] = ()
+) -> Iterator[None]:
+    """Within the ``with`` block, builds of ``receiver``'s subtree take the workspace buffers
+    (:meth:`Component._add_workspace`) of ``donor``'s, component by component, instead of
+    allocating their own: a network of identical blocks that run one after another (an
+    INFERENCE stack of decoder blocks) then holds one set of activation buffers, not one per
+    block, and its memory stats count them once. Buffers registered otherwise (parameters,
+    a KV cache) stay the receiver's own.
+
+    Args:
+        donor: a built component.
+        receiver: an unbuilt component of the same structure (classes and child names).
+        keep: dotted paths, relative to ``receiver``, of parts (and their subtrees) that
+            allocate their own workspace all the same.
+
+    Raises:
+        RuntimeError: ``donor`` is not built.
+        ValueError: the two trees differ, or ``keep`` names no part of ``receiver``.
+    """
+    if not donor.is_built:
+        raise RuntimeError(f"lend_workspace: the donor {donor._describe()} is not built")
+    pairs: list[tuple[Component, Component]] = []
+    kept: set[str] = set()
+
+    def pair(given: Component, taker: Component, path: str) -> None:
+        if type(given) is not type(taker) or (path and given.name != taker.name):
+            raise ValueError(
+                f"lend_workspace: {taker._describe()} ({path or 'the receiver'}) does not match "
+                f"{given._describe()} of the donor; the two trees must have one structure"
+            )
+        if path in keep:
+            kept.add(path)
+            return
+        given_children, taker_children = given._children(), taker._children()
+        if len(given_children) != len(taker_children):
+            raise ValueError(
+                f"lend_workspace: {taker._describe()} has {len(taker_children)} children, the "
+                f"donor's {given._describe()} {len(given_children)}"
+            )
+        pairs.append((given, taker))
+        for a, b in zip(given_children, taker_children, strict=True):
+            pair(a, b, f"{path}.{b.name}" if path else b.name)
+
+    pair(donor, receiver, "")
+    unknown = sorted(set(keep) - kept)
+    if unknown:
+        raise ValueError(f"lend_workspace: keep names no part of {receiver._describe()}: {unknown}")
+    try:
+        for given, taker in pairs:
+            taker._workspace_donor = given
+        yield
+    finally:  # the receivers hold their buffers now; a later build allocates again
+        for _, taker in pairs:
+            taker.__dict__.pop("_workspace_donor", None)
 
 
 def _restore(snapshot: list[tuple[Any, dict[str, Any]]]) -> None:

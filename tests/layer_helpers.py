@@ -140,13 +140,13 @@ def cpu_stats_of_a_cuda_build(stats: Any, model: Any) -> Any:
     """The memory stats a CPU build of the built CUDA Llama ``model`` has, from the CUDA
     build's ``stats``: the same bytes plus, on INFERENCE builds, the CPU decode kernel's
     attention scores (``n_heads * context`` values of the compute dtype), which the CUDA kernel
-    keeps on chip, and (without MLP biases) each layer's packed gate/up product
-    ``[B, 2 hidden_dim]``, which CUDA builds do not pack."""
+    keeps on chip, and (without MLP biases) the packed gate/up product ``[B, 2 hidden_dim]``,
+    which CUDA builds do not pack (one buffer: the layers share their activations)."""
     extra = 0
     cfg, item = model.config, model.precision.numpy_dtype.itemsize
     if model.build_context.is_inference:
         extra = cfg.n_heads * model.context_length * model.precision.compute_dtype.itemsize
         if not cfg.mlp_bias:
             n_b = model.build_context.input_shape[0]
-            extra += cfg.n_layers * n_b * 2 * cfg.hidden_dim * item
+            extra += n_b * 2 * cfg.hidden_dim * item
     return dataclasses.replace(stats, device_state_bytes=stats.device_state_bytes + extra)

@@ -282,7 +282,7 @@ class GroupedQueryAttention(CompositeComponent):
             self.k_norm.build(build_context.with_shape((n_b, chunk, cfg.n_kv_heads, d)))
         self.rope.build(build_context.with_shape((n_b, chunk, cfg.q_width)))
         self.o_proj.build(build_context.with_shape((n_b, chunk, cfg.q_width)))
-        self._add_state("attn_out", self._allocate((n_b, chunk, cfg.q_width)))
+        self._add_workspace("attn_out", (n_b, chunk, cfg.q_width))
         if build_context.is_inference:
             self._add_state("k_cache", self._allocate((n_b, n_t, cfg.kv_width)))
             self._add_state("v_cache", self._allocate((n_b, n_t, cfg.kv_width)))
@@ -291,8 +291,8 @@ class GroupedQueryAttention(CompositeComponent):
             groups = cfg.n_heads // cfg.n_kv_heads
             # the softmax's probabilities in its compute dtype (float32 for 16-bit storage)
             probs = (n_b, cfg.n_kv_heads, groups, n_t, n_t)
-            self._add_state("probs", self._allocate(probs, self.precision.compute_dtype))
-            self._add_state("dqkv", self._allocate((n_b, n_t, cfg.q_width + 2 * cfg.kv_width)))
+            self._add_workspace("probs", probs, self.precision.compute_dtype)
+            self._add_workspace("dqkv", (n_b, n_t, cfg.q_width + 2 * cfg.kv_width))
         self._saved = None
 
     @property

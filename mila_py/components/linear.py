@@ -108,9 +108,9 @@ class Linear(Layer):
             self._add_parameter("bias", self._allocate((cfg.out_features,)))
         if build_context.should_initialize_parameters:
             self._init_normal(weight)  # the bias stays zero
-        self._add_state("output", self._allocate((*lead, cfg.out_features)))
+        self._add_workspace("output", (*lead, cfg.out_features))
         if build_context.is_training:
-            self._add_state("dinput", self._allocate((*lead, cfg.in_features)))
+            self._add_workspace("dinput", (*lead, cfg.in_features))
         self._max_lead = lead
 
     @property

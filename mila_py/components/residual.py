@@ -57,10 +57,10 @@ class Residual(Layer):
     def _on_building(self, build_context: BuildContext) -> None:
         dim = self.config.dim
         lead = self._build_lead(build_context, dim, "[B, T, dim]")
-        self._add_state("output", self._allocate((*lead, dim)))
+        self._add_workspace("output", (*lead, dim))
         self._max_lead = lead
         if build_context.is_training and self.config.scale != 1:
-            self._add_state("dbranch", self._allocate((*lead, dim)))
+            self._add_workspace("dbranch", (*lead, dim))
 
     def forward(self, x: Any, f: Any) -> Any:
         """``x + scale * f``.

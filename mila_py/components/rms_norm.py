@@ -65,11 +65,11 @@ class RmsNorm(Layer):
         weight = self._add_parameter("weight", self._allocate((dim,)))
         if build_context.should_initialize_parameters:
             weight.fill(1)
-        self._add_state("output", self._allocate((*lead, dim)))
+        self._add_workspace("output", (*lead, dim))
         # float32 at least: the statistics are computed in float32 whatever the storage precision
-        self._add_state("rstd", self._allocate(lead, np.promote_types(self._dtype, np.float32)))
+        self._add_workspace("rstd", lead, np.promote_types(self._dtype, np.float32))
         if build_context.is_training:
-            self._add_state("dinput", self._allocate((*lead, dim)))
+            self._add_workspace("dinput", (*lead, dim))
         self._max_lead = lead
 
     @property

@@ -100,8 +100,8 @@ class Rope(Component):
         n_b, n_t = shape[0], shape[1]
         self._op.build(build_context)
         if build_context.is_training:
-            self._add_gradient("dq_in", self._allocate((n_b, n_t, self._q_width)))
-            self._add_gradient("dk_in", self._allocate((n_b, n_t, self._k_width)))
+            self._add_workspace("dq_in", (n_b, n_t, self._q_width), gradient=True)
+            self._add_workspace("dk_in", (n_b, n_t, self._k_width), gradient=True)
         self._max_batch, self._max_tokens = n_b, n_t
 
     # ------------------------------------------------------------------ properties

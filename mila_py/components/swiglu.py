@@ -118,12 +118,12 @@ class SwiGLU(Layer, CompositeComponent):
         finally:  # the children hold their views now; the next build decides again
             self.gate_proj._packed_weight = self.up_proj._packed_weight = None
         self.down_proj.build(build_context.with_shape((*lead, hidden)))
-        self._add_state("hidden", self._allocate((*lead, hidden)))
+        self._add_workspace("hidden", (*lead, hidden))
         if packs:
-            self._add_state("gate_up", self._allocate((lead[0], 2 * hidden)))
+            self._add_workspace("gate_up", (lead[0], 2 * hidden))
         if build_context.is_training:
-            self._add_state("dup", self._allocate((*lead, hidden)))
-            self._add_state("dinput", self._allocate((*lead, dim)))
+            self._add_workspace("dup", (*lead, hidden))
+            self._add_workspace("dinput", (*lead, dim))
         self._max_lead = lead
 
     def _packs(self, build_context: BuildContext) -> bool:

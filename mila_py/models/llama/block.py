@@ -30,7 +30,16 @@ def tokens_per_pass(build_context: BuildContext) -> int:
 
 class LlamaBlock(CompositeComponent):
     """Pre-norm decoder block: ``h = x + attn(norm1(x))``, ``y = h + mlp(norm2(h))``, the two
-    sums its :class:`Residual` children (``attn_residual``, ``mlp_residual``)."""
+    sums its :class:`Residual` children (``attn_residual``, ``mlp_residual``).
+
+    Its parts register their activations and scratch as workspace
+    (:meth:`~mila_py.component.Component._add_workspace`): a network whose blocks run one at a
+    time builds every block after the first on the first one's buffers
+    (:func:`~mila_py.component.lend_workspace`), so only the parameters and the KV cache are
+    per layer (see :meth:`Llama._build_blocks <mila_py.models.llama.network.Llama>`). The
+    block may then write its output into the buffer its input came from: ``x`` is read for
+    the last time by ``attn_residual``, before ``mlp_residual`` writes ``y``.
+    """
 
     def __init__(
         self,
@@ -88,8 +97,8 @@ class LlamaBlock(CompositeComponent):
         self.mlp.build(act)
         self.mlp_residual.build(act)
         if build_context.is_training:
-            self._add_state("dhidden", self._allocate(shape))
-            self._add_state("dinput", self._allocate(shape))
+            self._add_workspace("dhidden", shape)
+            self._add_workspace("dinput", shape)
 
     def forward(self, x: Any, position_offset: int = 0, *, seq_len: int | None = None) -> Any:
         """``x [B, T, dim] -> [B, T, dim]`` (a view of the block's output buffer).

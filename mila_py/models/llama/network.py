@@ -17,11 +17,13 @@ Tree (names follow the component tree, dotted in ``named_parameters`` and safete
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from mila_py.build_context import BuildContext
+from mila_py.component import lend_workspace
 from mila_py.components._layer import (
     check_grad,
     is_int,
@@ -69,10 +71,17 @@ class Llama(Network):
     A :meth:`stream` holds it from its first token until it ends, is closed or is
     garbage-collected, so a stream that is started and not consumed blocks the calls of other
     threads on this model until it is closed (``stream.close()``, or ``contextlib.closing``).
-    ``forward`` returns a view of the model's own buffer, which the next call overwrites: a
-    thread that shares the model reads (or copies) it, and runs any sequence of calls that must
-    not be interleaved with another thread's (a training forward and its backward), inside
-    ``with model.run_lock:``.
+    ``forward`` on a TRAINING build returns a view of the model's own buffer, which the next
+    call overwrites: a thread that shares the model reads (or copies) it, and runs any sequence
+    of calls that must not be interleaved with another thread's (a training forward and its
+    backward), inside ``with model.run_lock:``.
+
+    Memory: parameters (and gradients) are per layer, and so is the KV cache of INFERENCE
+    builds; their activations live in one workspace that every block shares (see
+    :meth:`_build_blocks`), and their logits buffer holds one position per sequence. TRAINING
+    builds keep every block's activations for backward, or with ``BuildContext(...,
+    recompute=True)`` only each block's input, running each block's forward again before its
+    backward. :meth:`required_memory` predicts a build's bytes exactly.
 
     Text in, text out (:meth:`complete`, :meth:`chat`, :meth:`stream_text`) needs a
     :attr:`tokenizer`; :meth:`from_pretrained` loads one where the folder has a
@@ -127,6 +136,10 @@ class Llama(Network):
         self._cache_writes = 0
         #: the tied head's products (the embedding's weight as a Linear's), on the device
         self._head_op: Any = None
+        #: each block's input in the last forward (TRAINING builds with recompute)
+        self._block_inputs: list[Any] = []
+        #: the block whose activations the shared workspace holds (recompute), else None
+        self._recomputed: int | None = None
 
     def _on_execution_context_set(self) -> None:
         super()._on_execution_context_set()
@@ -146,13 +159,15 @@ class Llama(Network):
         chunk = tokens_per_pass(build_context)
         act = build_context.with_shape((n_b, chunk, self.config.dim))
         self.embed_tokens.build(build_context.with_shape((n_b, chunk)))
-        for block in self.layers:
-            block.build(build_context.with_shape((n_b, n_t, self.config.dim)))
+        self._build_blocks(build_context.with_shape((n_b, n_t, self.config.dim)))
         self.norm.build(act)
+        # INFERENCE builds return the logits of one position per sequence (prefill, decode):
+        # the head's buffers hold that one row; forward() writes a chunk's into a new array
+        head_rows = chunk if build_context.is_training else 1
         if self.lm_head is not None:
-            self.lm_head.build(act)
+            self.lm_head.build(build_context.with_shape((n_b, head_rows, self.config.dim)))
         else:
-            self._add_state("logits", self._allocate((n_b, chunk, self.config.vocab_size)))
+            self._add_state("logits", self._allocate((n_b, head_rows, self.config.vocab_size)))
             if build_context.is_training:
                 self._add_state("dnorm", self._allocate((n_b, n_t, self.config.dim)))
         self._hidden = None
@@ -166,6 +181,33 @@ class Llama(Network):
         if self._plans is not None and self.device_id.device_type is DeviceType.CPU:
             scores = (self.config.n_heads * n_t,)  # float32 for 16-bit storage
             self._add_state("decode_scores", self._allocate(scores, self.precision.compute_dtype))
+        self._block_inputs = []
+        self._recomputed = None
+
+    def _build_blocks(self, block_context: BuildContext) -> None:
+        """Build the decoder blocks: each with its own parameters (and KV cache), and, on
+        INFERENCE and recomputing TRAINING builds, every block after the first on the first
+        one's workspace (:func:`~mila_py.component.lend_workspace`), since the blocks run one
+        at a time.
+
+        INFERENCE: every buffer of a block's parts is shared, its output too, so the residual
+        stream is updated in place: block ``i + 1`` reads its input from the buffer that
+        block ``i`` wrote its output into, and writes its own output there last (its
+        ``mlp_residual``), after its ``attn_residual`` has read the input for the last time.
+
+        TRAINING with ``recompute``: each block keeps its own output buffer (its
+        ``mlp_residual``'s), the next block's input, which the backward pass needs to run
+        that block's forward again; every other buffer is shared (see :meth:`_backward`).
+        """
+        blocks = self.layers
+        shared = block_context.is_inference or block_context.recompute
+        keep = ("mlp_residual",) if block_context.is_training else ()
+        for block in blocks:
+            if shared and block is not blocks[0]:
+                with lend_workspace(blocks[0], block, keep=keep):
+                    block.build(block_context)
+            else:
+                block.build(block_context)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -193,25 +235,23 @@ class Llama(Network):
         for component in twin._walk():  # unbuilt: its tree takes the sizing context instead
             component._context = None
         twin.set_execution_context(SizingContext(self.execution_context))
-        twin.build(
-            BuildContext(
-                build_context.input_shape,
-                build_context.runtime_mode,
-                initialize_parameters=False,
-                prefill_size=build_context.prefill_size,
-            )
-        )
+        twin.build(replace(build_context, initialize_parameters=False))
         return twin.get_memory_stats()
 
     # ------------------------------------------------------------------ run
     @serialized
     def forward(self, tokens: Any, position_offset: int = 0, *, seq_len: int | None = None) -> Any:
-        """``tokens [B, T] -> logits [B, T, vocab]`` (a view of an owned buffer).
+        """``tokens [B, T] -> logits [B, T, vocab]``.
 
-        TRAINING builds: positions ``0 .. T-1``. INFERENCE builds: one prefill chunk
-        (``T <= chunk_size``) at ``position_offset``, its keys and values cached; a prompt cut
-        in chunks by hand passes its end as ``seq_len`` so that a length-dependent RoPE
-        scaling rotates every chunk as one pass would (as :meth:`prefill` does).
+        TRAINING builds: positions ``0 .. T-1``; the logits are a view of the model's own
+        buffer, which the next forward overwrites (and :meth:`backward` reads). INFERENCE
+        builds: one prefill chunk (``T <= chunk_size``) at ``position_offset``, its keys and
+        values cached; a prompt cut in chunks by hand passes its end as ``seq_len`` so that a
+        length-dependent RoPE scaling rotates every chunk as one pass would (as
+        :meth:`prefill` does). The logits are then a new array, allocated for this call, that
+        the caller owns: an INFERENCE build keeps logits for one position per sequence (what
+        :meth:`prefill` and :meth:`decode` return), so ``[B, T, vocab]`` is no part of its
+        memory (:meth:`get_memory_stats`, :meth:`required_memory`).
         """
         if not self.is_built:
             raise RuntimeError(f"{self._describe()}: forward() needs a built network")
@@ -236,17 +276,38 @@ class Llama(Network):
             if self._cached is not None:  # INFERENCE: a prefill chunk that writes the cache
                 self._start_cache_write(offset, shape[0])
             h = self.embed_tokens._lookup(tokens, shape)
+            keep = self.build_context.recompute
+            self._block_inputs = []
             for block in self.layers:
+                if keep:  # the embedding's output or the previous block's own output buffer
+                    self._block_inputs.append(h)
                 h = block._forward(h, offset, seq_len)
-            return self._head(h)
+            self._recomputed = len(self.layers) - 1 if keep else None
+            return self._head(h, fresh=self._cached is not None)
 
-    def _head(self, h: Any) -> Any:
-        h = self.norm._forward(h)  # h: a block's output (or a contiguous copy of its last row)
+    def _head(self, h: Any, *, fresh: bool = False) -> Any:
+        """Logits ``[B, T, vocab]`` of the last block's output ``h [B, T, dim]`` (or a
+        contiguous copy of its last row): a view of the head's own buffer, or with ``fresh``
+        (an INFERENCE forward, whose chunk has more rows than that buffer) a new array."""
+        h = self.norm._forward(h)
+        n_b, n_t = h.shape[0], h.shape[1]
+        vocab = self.config.vocab_size
+        if fresh:
+            logits = self.execution_context.allocate(
+                (n_b, n_t, vocab), self.precision.numpy_dtype, zero=False
+            )
+            if self.lm_head is not None:
+                head = self.lm_head
+                weight, bias = head._parameters["weight"], head._parameters.get("bias")
+                head.op.forward(h, weight, bias, logits)
+            else:
+                weight = self.embed_tokens._parameters["weight"]
+                self._head_op.forward(h, weight, None, logits)
+            return logits
         if self.lm_head is not None:
             return self.lm_head._forward(h)
         self._hidden = h
-        n_b, n_t = h.shape[0], h.shape[1]
-        logits = leading_view(self._state["logits"], (n_b, n_t, self.config.vocab_size))
+        logits = leading_view(self._state["logits"], (n_b, n_t, vocab))
         self._head_op.forward(h, self.embed_tokens._parameters["weight"], None, logits)
         return logits
 
@@ -663,7 +724,13 @@ class Llama(Network):
             dh = leading_view(self._state["dnorm"], (n_b, n_t, self.config.dim))  # contiguous
             self._head_op.backward(h, weight, dlogits, grad, None, dh)
         dh = self.norm.backward(dh)
-        for block in reversed(self.layers):
+        for i in reversed(range(len(self.layers))):
+            block = self.layers[i]
+            if self._recomputed is not None and self._recomputed != i:
+                # recompute: the shared workspace holds another block's activations; the same
+                # forward of the same kept input writes this block's again, bit for bit
+                block._forward(self._block_inputs[i], 0)
+                self._recomputed = i
             dh = block.backward(dh)
             for hook in self.block_backward_hooks:
                 hook(block)
@@ -759,7 +826,7 @@ class Llama(Network):
         return model
 
 
-#: from_pretrained's prefill chunk: INFERENCE builds hold activations and logits for one chunk
+#: from_pretrained's prefill chunk: INFERENCE builds hold activations for one chunk
 _DEFAULT_PREFILL = 512
 #: from_pretrained's default context, at most: its KV cache grows with it
 _DEFAULT_CONTEXT = 4096

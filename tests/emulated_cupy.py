@@ -46,7 +46,7 @@ import numpy as np
 VERSION = "emulated (tests/emulated_cupy.py)"
 
 _SAME = (
-    "matmul", "add", "multiply", "isnan", "asfortranarray", "ascontiguousarray", "copyto",
+    "matmul", "add", "multiply", "isnan", "where", "asfortranarray", "ascontiguousarray", "copyto",
     "float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
     "uint32", "uint64", "bool_",
 )  # fmt: skip

@@ -8,7 +8,7 @@ both sides do the same IEEE operations in the same order (AdamW) they agree bit 
 
 The CUDA sources are also compiled for sm_90 by ``nvcc`` where it is installed, and by NVRTC
 through CuPy where CuPy and NVRTC load (no GPU needed). The same ops on
-a real GPU are compared in ``tests/cuda/test_llama_cuda.py``. RoPE's op, whose template kernel
+a real GPU are compared in the ops' test files (``cuda_device``). RoPE's op, whose template kernel
 is in :data:`SOURCES` too, is checked in ``test_rope_cuda_emulated.py``.
 """
 

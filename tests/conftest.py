@@ -1,13 +1,12 @@
-"""Shared fixtures: the ``device`` every device-generic case runs on, and the kernel emulator's
-library and emulated ``CUDA:0`` for the ``*_emulated`` modules."""
+"""Shared fixtures: the ``device`` every device-generic case runs on (the CPU, and ``CUDA:0`` on a
+GPU or on the kernel emulator), ``cuda_device`` / ``cuda_ctx`` for the checks of CUDA against
+the CPU, and the kernel emulator's library."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
+import shutil
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,83 +24,68 @@ NO_CUDA_REASON = "no CUDA GPU / CuPy"
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA_REASON)
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(
-        "--emulate-gpu",
-        action="store_true",
-        help="on a machine without a GPU, run tests/cuda (only) on the kernel emulator's "
-        "CUDA:0 with a NumPy stand-in for cupy (tests/emulated_cupy.py); tests marked "
-        "real_gpu are skipped",
-    )
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    if config.getoption("--emulate-gpu"):
-        _start_gpu_emulation(config)
-
-
-def _start_gpu_emulation(config: pytest.Config) -> None:
-    """``--emulate-gpu``: before the GPU test files are imported, ``cupy`` is the stand-in,
-    ``cuda_device_count()`` is 1 and ``CUDA:0`` is the kernel emulator's (until the run ends)."""
+def _emulator_skip_reason() -> str | None:
+    """Why the emulated ``CUDA:0`` does not run here, or None where it does."""
     if HAS_CUDA:
-        raise pytest.UsageError("--emulate-gpu is for machines without a GPU: run tests/cuda as is")
-    cuda_tests = Path(__file__).parent / "cuda"
-    paths = [Path(str(arg).split("::")[0]).resolve() for arg in config.args]
-    if not paths or not all(p == cuda_tests or cuda_tests in p.parents for p in paths):
-        raise pytest.UsageError(
-            f"--emulate-gpu runs {cuda_tests} only (it replaces cupy for the whole process); "
-            f"got {config.args}"
-        )
-    here = str(Path(__file__).parent)  # the helpers' folder (--import-mode=importlib omits it)
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    import emulated_cupy
-    from kernel_emulator import COMPILER, emulated_cuda_devices, ops_library
-
-    from mila_py.devices import cuda as cuda_module
-
-    if COMPILER is None:
-        raise pytest.UsageError("--emulate-gpu needs g++ (the kernel emulator compiles with it)")
-    stack = contextlib.ExitStack()
-    saved_cupy, saved_count = sys.modules.get("cupy"), cuda_module.cuda_device_count
-
-    def restore() -> None:  # the process as it was, once the run ends
-        cuda_module.cuda_device_count = saved_count  # type: ignore[assignment]
-        if saved_cupy is None:
-            sys.modules.pop("cupy", None)
-        else:
-            sys.modules["cupy"] = saved_cupy
-
-    stack.callback(restore)
-    sys.modules["cupy"] = emulated_cupy.standin()
-    cuda_module.cuda_device_count = lambda: 1  # type: ignore[assignment]
-    stack.enter_context(emulated_cuda_devices(ops_library()))
-    config.add_cleanup(stack.close)
-    config.stash[_EMULATING] = True
+        return "a real GPU is present: CUDA:0 runs on it instead of the kernel emulator"
+    if shutil.which("g++") is None:
+        return "the kernel emulator's CUDA:0 needs g++"
+    return None
 
 
-_EMULATING = pytest.StashKey[bool]()
+EMULATOR_SKIP_REASON = _emulator_skip_reason()
+
+#: the ``CUDA:0`` s a test can run on: CuPy's on a GPU, or the kernel emulator's (its CUDA ops'
+#: own kernels compiled with g++, NumPy arrays) on a machine without one; at most one is present
+CUDA_PARAMS = [
+    pytest.param("CUDA:0", id="CUDA:0", marks=[pytest.mark.cuda, requires_cuda]),
+    pytest.param(
+        "emulated-CUDA:0",
+        id="emulated-CUDA:0",
+        marks=pytest.mark.skipif(
+            EMULATOR_SKIP_REASON is not None, reason=str(EMULATOR_SKIP_REASON)
+        ),
+    ),
+]
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.stash.get(_EMULATING, False):
+def _on_device(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The device string of ``request.param``, with the kernel emulator's ``CUDA:0`` active for
+    the test where the param is the emulated one (a test marked ``real_gpu`` skips there)."""
+    if request.param != "emulated-CUDA:0":
+        yield request.param
         return
-    for item in items:
-        marker = item.get_closest_marker("real_gpu")
-        if marker is not None:
-            why = marker.args[0] if marker.args else "CuPy on a GPU"
-            item.add_marker(pytest.mark.skip(reason=f"--emulate-gpu: needs a real GPU ({why})"))
+    marker = request.node.get_closest_marker("real_gpu")
+    if marker is not None:
+        why = marker.args[0] if marker.args else "CuPy on a GPU"
+        pytest.skip(f"needs a real GPU: {why}")
+    from kernel_emulator import emulated_cuda_devices
+
+    with emulated_cuda_devices(request.getfixturevalue("library")):
+        yield "CUDA:0"
 
 
-@pytest.fixture(
-    params=[
-        "CPU",
-        pytest.param("CUDA:0", marks=[pytest.mark.cuda, requires_cuda]),
-    ]
-)
-def device(request: pytest.FixtureRequest) -> str:
-    """``"CPU"`` always, ``"CUDA:0"`` when CuPy sees a GPU (otherwise skipped with the reason)."""
-    return request.param
+@pytest.fixture(params=["CPU", *CUDA_PARAMS])
+def device(request: pytest.FixtureRequest) -> Iterator[str]:
+    """``"CPU"`` always, and ``"CUDA:0"``: CuPy's when it sees a GPU, else the kernel
+    emulator's where g++ exists (param id ``emulated-CUDA:0``); the absent ones skip with the
+    reason."""
+    yield from _on_device(request)
+
+
+@pytest.fixture(params=CUDA_PARAMS)
+def cuda_device(request: pytest.FixtureRequest) -> Iterator[str]:
+    """``"CUDA:0"``, on a GPU or on the kernel emulator (see :func:`device`), for the checks
+    that compare a CUDA component or op with the CPU one."""
+    yield from _on_device(request)
+
+
+@pytest.fixture
+def cuda_ctx(cuda_device: str) -> Any:
+    """An execution context of the ``CUDA:0`` under test (an emulated one on the emulator)."""
+    from mila_py import devices
+
+    return devices.create_execution_context(cuda_device)
 
 
 def to_numpy(array: Any) -> np.ndarray:

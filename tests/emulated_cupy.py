@@ -1,9 +1,9 @@
-"""A stand-in ``cupy`` module for running ``tests/cuda`` on the kernel emulator.
+"""A stand-in ``cupy`` module for the tests' own device arrays on the kernel emulator's ``CUDA:0``.
 
-``python -m pytest tests/cuda --emulate-gpu`` (on a machine without a GPU) puts
-:func:`standin` in ``sys.modules["cupy"]`` and runs the GPU test files against an emulated
-``CUDA:0`` (``tests/kernel_emulator.py``: the CUDA ops' own kernels compiled for the CPU, their
-device arrays NumPy arrays). So a GPU test is checked for what it can be without a GPU (its
+On a machine without a GPU, :func:`standin` is the array module of ``tests/cuda_arrays.py``
+while the emulated ``CUDA:0`` runs the device-generic tests (``tests/kernel_emulator.py``: the
+CUDA ops' own kernels compiled for the CPU, their device arrays NumPy arrays); ``sys.modules``
+keeps whatever ``cupy`` there is. So a GPU test is checked for what it can be without a GPU (its
 shapes, configs, helpers and assertions, the ops' host logic and kernels) before a GPU runs
 it, so a wrong test shows up on any machine.
 
@@ -13,8 +13,8 @@ creation (``asarray`` copies, as moving host data to a device does), ``asnumpy``
 ``deviceSynchronize`` returns at once (emulated launches finish before they return) and whose
 ``getDevice`` is 0 (the emulated ``CUDA:0``). What only
 CuPy on a GPU has (NVRTC modules, the memory pool, streams, DLPack from torch, foreign device
-arrays) is not there: tests of it carry ``@pytest.mark.real_gpu(reason)`` and are skipped under
-emulation, with the reason. A run under emulation is no GPU run: the GPU check still runs them.
+arrays) is not there: tests of it carry ``@pytest.mark.real_gpu(reason)`` and are skipped on the
+emulated ``CUDA:0``, with the reason. A run under emulation is no GPU run: the GPU check still runs them.
 
 CUDA graphs are emulated as a GPU runs them (:class:`Stream`, :class:`Graph`, also the
 streams of the kernel emulator's contexts): between ``stream.begin_capture()`` and
@@ -48,7 +48,7 @@ import numpy as np
 VERSION = "emulated (tests/emulated_cupy.py)"
 
 _SAME = (
-    "matmul", "add", "multiply", "isnan", "asfortranarray", "ascontiguousarray", "copyto",
+    "matmul", "add", "multiply", "isnan", "where", "asfortranarray", "ascontiguousarray", "copyto",
     "float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
     "uint32", "uint64", "bool_",
 )  # fmt: skip

@@ -150,3 +150,8 @@ def cpu_stats_of_a_cuda_build(stats: Any, model: Any) -> Any:
             n_b = model.build_context.input_shape[0]
             extra += n_b * 2 * cfg.hidden_dim * item
     return dataclasses.replace(stats, device_state_bytes=stats.device_state_bytes + extra)
+
+
+def f32(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
+    """Standard normal float32 values of ``shape``, times ``scale``."""
+    return (rng.standard_normal(shape) * scale).astype(np.float32)

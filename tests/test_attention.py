@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
+from cuda_arrays import close, cupy, dev, host
+from layer_helpers import f32
 
+from mila_py import Precision
 from mila_py.ops.cpu import _fused_attention, _fused_layers
 from mila_py.ops.cpu import attention as attention_mod
 from mila_py.ops.cpu.attention import (
@@ -16,6 +20,7 @@ from mila_py.ops.cpu.attention import (
     attention_prefill,
 )
 from mila_py.ops.operation import DecodePositions
+from mila_py.ops.registry import create_op
 
 needs_numba = pytest.mark.skipif(
     not _fused_layers.enabled(np.float32),
@@ -486,3 +491,71 @@ def test_deepseek_softmax_multiplier_is_opt_in() -> None:
     mscale = 0.1 * 0.8 * math.log(8.0) + 1.0  # DeepSeek: softmax scale * mscale(factor, all_dim)^2
     assert scales[False] == pytest.approx(1 / math.sqrt(8))
     assert scales[True] == pytest.approx(mscale**2 / math.sqrt(8))
+
+
+# ------------------------------------------------------------------ CUDA op against the CPU op
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(20260601)
+
+
+@pytest.mark.parametrize(("hq", "hk", "d"), [(4, 2, 8), (6, 1, 16), (3, 3, 64)])
+def test_cuda_op_training_matches_the_cpu_op(cuda_ctx, rng, hq: int, hk: int, d: int) -> None:
+    op = create_op("AttentionOp", cuda_ctx, None, Precision.FP32)
+    n_b, n_t, scale = 2, 33, 0.3
+    qkv = f32(rng, n_b, n_t, (hq + 2 * hk) * d)
+    q, k, v = qkv[..., : hq * d], qkv[..., hq * d : (hq + hk) * d], qkv[..., (hq + hk) * d :]
+    g_qkv = dev(qkv)
+    gq, gk, gv = (
+        g_qkv[..., : hq * d],
+        g_qkv[..., hq * d : (hq + hk) * d],
+        g_qkv[..., (hq + hk) * d :],
+    )
+    probs = cupy.empty((n_b, hk, hq // hk, n_t, n_t), cupy.float32)
+    out = cupy.empty((n_b, n_t, hq * d), cupy.float32)
+    p = op.forward(gq, gk, gv, hq, hk, scale, out=out, probs=probs)
+    out_ref = np.empty((n_b, n_t, hq * d), np.float32)
+    p_ref = attention_forward(q, k, v, hq, hk, scale, out_ref)
+    close(p, p_ref)
+    close(out, out_ref)
+    np.testing.assert_array_equal(host(g_qkv), qkv)  # Q, K, V untouched
+    dout = f32(rng, n_b, n_t, hq * d)
+    dqkv = cupy.zeros(qkv.shape, cupy.float32)
+    dq, dk, dv = dqkv[..., : hq * d], dqkv[..., hq * d : (hq + hk) * d], dqkv[..., (hq + hk) * d :]
+    op.backward(dev(dout), gq, gk, gv, p, hq, hk, scale, dq, dk, dv, out=out)
+    dqkv_ref = np.zeros_like(qkv)
+    rq, rk, rv = (
+        dqkv_ref[..., : hq * d],
+        dqkv_ref[..., hq * d : (hq + hk) * d],
+        dqkv_ref[..., (hq + hk) * d :],
+    )
+    attention_backward(dout, q, k, v, p_ref, hq, hk, scale, rq, rk, rv, out=out_ref)
+    close(dqkv, dqkv_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_cuda_op_prefill_and_decode_match_the_cpu_op(cuda_ctx, rng, ragged: bool) -> None:
+    op = create_op("AttentionOp", cuda_ctx, None, Precision.FP32)
+    hq, hk, d, scale, n_b = 4, 2, 16, 0.25, 3
+    cache = f32(rng, n_b, 40, 2 * hk * d)
+    q = f32(rng, n_b, 5, hq * d)
+    k, v = cache[:, :30, : hk * d], cache[:, :30, hk * d :]
+    gk, gv = dev(cache)[:, :30, : hk * d], dev(cache)[:, :30, hk * d :]
+    out = cupy.empty((n_b, 5, hq * d), cupy.float32)  # prefill of 5 queries at offset 25
+    op.forward(dev(q), gk, gv, hq, hk, scale, out=out, q_offset=25)
+    out_ref = np.empty((n_b, 5, hq * d), np.float32)
+    attention_forward(q, k, v, hq, hk, scale, out_ref, q_offset=25)
+    close(out, out_ref)
+    pos = np.array([7, 29, 18]) if ragged else np.full(n_b, 29)
+    kwargs_ref: dict[str, Any] = {"causal": False}
+    kwargs: dict[str, Any] = {"causal": False}
+    if ragged:
+        visible = np.arange(30)[None, :] <= pos[:, None]
+        bias = np.where(visible, 0.0, -np.inf).astype(np.float32)[:, None, None, None, :]
+        kwargs_ref["bias"], kwargs["bias"] = bias, dev(bias)
+    q1 = q[:, :1]
+    out1 = cupy.empty((n_b, 1, hq * d), cupy.float32)
+    op.forward(dev(np.ascontiguousarray(q1)), gk, gv, hq, hk, scale, out=out1, **kwargs)
+    ref1 = np.empty((n_b, 1, hq * d), np.float32)
+    attention_forward(q1, k, v, hq, hk, scale, ref1, **kwargs_ref)
+    close(out1, ref1)

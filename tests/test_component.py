@@ -365,6 +365,7 @@ def test_rejected_build_context_leaves_the_component_unbuilt() -> None:
     assert lin.is_built
 
 
+@pytest.mark.real_gpu("device memory statistics (the emulator keeps its arrays on the host)")
 def test_failed_build_rolls_back_everything_and_can_be_retried(device: str) -> None:
     leaf = FailingLeaf("leaf", device=device)
     before = dict(leaf.__dict__)
@@ -582,6 +583,7 @@ def test_shared_state_is_counted_once_within_a_component() -> None:
     assert comp.get_memory_stats().device_state_bytes == 40
 
 
+@pytest.mark.real_gpu("device memory statistics (the emulator keeps its arrays on the host)")
 def test_host_buffers_of_device_components_are_host_memory(device: str) -> None:
     class Staging(Component):
         def _on_building(self, build_context: BuildContext) -> None:

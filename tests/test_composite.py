@@ -15,6 +15,7 @@ from mila_py import (
     Precision,
     RuntimeMode,
     TrainingMode,
+    devices,
 )
 from mila_py.components import LinearConfig
 from mila_py.devices import create_execution_context
@@ -431,7 +432,7 @@ def test_context_propagates_to_children_added_before_and_after(device: str) -> N
     early = block("early", Recorder("deep"))
     comp = CompositeComponent("comp")
     comp.add_component(early)
-    ctx = create_execution_context(device)
+    ctx = devices.create_execution_context(device)  # looked up now: the emulated CUDA:0's too
     comp.set_execution_context(ctx)
     late = Recorder("late")
     comp.add_component(late)

@@ -8,7 +8,7 @@ both sides do the same IEEE operations in the same order (AdamW) they agree bit 
 
 The CUDA sources are also compiled for sm_90 by ``nvcc`` where it is installed, and by NVRTC
 through CuPy where CuPy and NVRTC load (no GPU needed). The same ops on
-a real GPU are compared in ``tests/cuda/test_llama_cuda.py``. RoPE's op, whose template kernel
+a real GPU are compared in the ops' test files (``cuda_device``). RoPE's op, whose template kernel
 is in :data:`SOURCES` too, is checked in ``test_rope_cuda_emulated.py``.
 """
 
@@ -45,14 +45,12 @@ from mila_py.devices.graph import replayable
 from mila_py.ops.cpu.attention import CpuAttentionOp
 from mila_py.ops.cpu.attention import attention_backward as cpu_attention_backward
 from mila_py.ops.cpu.attention import attention_forward as cpu_attention_forward
-from mila_py.ops.cpu.linear import linear_backward, linear_forward
 from mila_py.ops.cpu.rms_norm import rms_norm_backward, rms_norm_forward
 from mila_py.ops.cpu.softmax_cross_entropy import (
     softmax_cross_entropy_backward,
     softmax_cross_entropy_forward,
 )
 from mila_py.ops.cpu.swiglu import swiglu_backward, swiglu_forward
-from mila_py.ops.cpu.token_embedding import token_embedding_backward, token_embedding_forward
 from mila_py.ops.cuda import (
     _kernels,
     attention,
@@ -60,11 +58,9 @@ from mila_py.ops.cuda import (
 )
 from mila_py.ops.cuda.adamw import CudaAdamWOp
 from mila_py.ops.cuda.attention import CudaAttentionOp
-from mila_py.ops.cuda.linear import CudaLinearOp
 from mila_py.ops.cuda.rms_norm import CudaRmsNormOp
 from mila_py.ops.cuda.softmax_cross_entropy import CudaSoftmaxCrossEntropyOp
 from mila_py.ops.cuda.swiglu import CudaSwiGLUOp
-from mila_py.ops.cuda.token_embedding import CudaTokenEmbeddingOp
 from mila_py.ops.operation import DecodePositions
 from mila_py.optim import AdamW
 
@@ -95,51 +91,6 @@ def close(actual: Any, expected: Any, rtol: float = RTOL, atol: float = ATOL) ->
 
 
 # ------------------------------------------------------------------------------------- linear
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("transposed", [False, True])
-def test_linear_matches_cpu(ctx: EmulatedContext, rng, bias: bool, transposed: bool) -> None:
-    n_in, n_out = 12, 7
-    big = f32(rng, 3, 6, n_in)
-    x = big[:2, :5]  # a batch slice: not contiguous
-    w = np.ascontiguousarray(f32(rng, n_in, n_out).T) if not transposed else f32(rng, n_in, n_out).T
-    b = f32(rng, n_out) if bias else None
-    op = CudaLinearOp(ctx, LinearConfig(n_in, n_out, bias=bias), FP32)
-    out, ref = np.empty((2, 5, n_out), np.float32), np.empty((2, 5, n_out), np.float32)
-    op.forward(x, w, b, out)
-    linear_forward(x, w, b, ref)
-    close(out, ref)
-    dy = f32(rng, 2, 5, n_out)
-    dw0, db0 = f32(rng, n_out, n_in), f32(rng, n_out)  # gradients accumulate
-    dw, dw_ref = dw0.copy(), dw0.copy()
-    db, db_ref = (db0.copy(), db0.copy()) if bias else (None, None)
-    dx, dx_ref = np.empty((2, 5, n_in), np.float32), np.empty((2, 5, n_in), np.float32)
-    op.backward(x, w, dy, dw, db, dx)
-    linear_backward(x, w, dy, dw_ref, db_ref, dx_ref)
-    close(dw, dw_ref)
-    close(dx, dx_ref)
-    if bias:
-        close(db, db_ref)
-
-
-@pytest.mark.parametrize("transposed", [False, True], ids=["out-in", "in-out storage"])
-def test_linear_bind_forward_equals_the_forward(
-    ctx: EmulatedContext, rng, transposed: bool
-) -> None:
-    """The bound forward (a decode plan's product, one ``matmul`` into the output) equals the
-    op's forward for either weight layout; with a bias (the general call) too."""
-    n_in, n_out = 12, 7
-    x = f32(rng, 2, 1, n_in)
-    w = f32(rng, n_in, n_out).T if transposed else f32(rng, n_out, n_in)  # [out, in]
-    b = f32(rng, n_out)
-    op = CudaLinearOp(ctx, LinearConfig(n_in, n_out, bias=False), FP32)
-    want = np.empty((2, 1, n_out), np.float32)
-    op.forward(x, w, None, want)
-    for bias in (None, b):
-        out = np.full((2, 1, n_out), np.nan, np.float32)
-        op.bind_forward(x, w, bias, out)()
-        np.testing.assert_allclose(out, want + (0 if bias is None else bias), rtol=1e-6, atol=1e-6)
-
-
 # ------------------------------------------------------------------------------------ rmsnorm
 @pytest.mark.parametrize(("n_rows", "dim"), [(1, 5), (7, 40), (37, 300), (2, 1000)])
 def test_rms_norm_matches_cpu(ctx: EmulatedContext, rng, n_rows: int, dim: int) -> None:
@@ -215,22 +166,6 @@ def test_swiglu_matches_cpu_in_place_and_at_extremes(ctx: EmulatedContext, rng) 
 
 
 # -------------------------------------------------------------------------------- embedding
-def test_token_embedding_matches_cpu_with_repeated_ids(ctx: EmulatedContext, rng) -> None:
-    op = CudaTokenEmbeddingOp(ctx, None, FP32)
-    weight = f32(rng, 11, 300)
-    tokens = np.array([[3, 3, 0, 10], [3, 7, 7, 0]], dtype=np.int32)
-    out, ref = np.empty((2, 4, 300), np.float32), np.empty((2, 4, 300), np.float32)
-    op.forward(tokens, weight, out)
-    token_embedding_forward(tokens, weight, ref)
-    np.testing.assert_array_equal(out, ref)
-    dy = f32(rng, 2, 4, 300)
-    dw0 = f32(rng, 11, 300)
-    dw, dw_ref = dw0.copy(), dw0.copy()
-    op.backward(tokens, dy, dw)
-    token_embedding_backward(tokens, dy, dw_ref)
-    close(dw, dw_ref)
-
-
 # ------------------------------------------------------------------------------ cross-entropy
 @pytest.mark.parametrize("vocab", [5, 300, 1031])
 def test_softmax_cross_entropy_matches_cpu(ctx: EmulatedContext, rng, vocab: int) -> None:

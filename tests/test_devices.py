@@ -315,7 +315,7 @@ def test_contexts_are_independent_objects() -> None:
 
 # ---------------------------------------------------------------------------- device-generic
 def test_context_round_trip_on_every_device(device: str, host) -> None:
-    ctx = create_execution_context(device)
+    ctx = devices.create_execution_context(device)  # looked up now: the emulated CUDA:0's too
     assert ctx.device_id == DeviceId.parse(device)
     data = np.linspace(-2.0, 3.0, 12, dtype=np.float32).reshape(3, 4)
     on_device = ctx.to_device(data)

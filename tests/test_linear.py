@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cuda_arrays import close, cupy, dev, host
 from layer_helpers import (
     ATOL32,
     INFERENCE,
@@ -13,6 +14,7 @@ from layer_helpers import (
     assert_unchanged,
     built,
     distinct_nbytes,
+    f32,
     owned_arrays,
     snapshot,
 )
@@ -21,6 +23,7 @@ from mila_py import BuildContext, Network, Precision, RuntimeMode, TrainingMode
 from mila_py.components import Linear, LinearConfig
 from mila_py.init import manual_seed
 from mila_py.ops.cpu.linear import linear_backward, linear_forward
+from mila_py.ops.registry import create_op
 
 B, T, IN, OUT = 3, 5, 7, 4
 
@@ -359,3 +362,66 @@ def test_a_packed_weight_of_the_wrong_shape_is_refused_and_the_build_rolls_back(
     layer._packed_weight = view
     layer.build(BuildContext((2, 3), RuntimeMode.INFERENCE, initialize_parameters=False))
     assert layer.weight is view
+
+
+# ------------------------------------------------------------------ CUDA op against the CPU op
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_cuda_op_forward_and_backward_match_the_cpu_op(
+    cuda_ctx, rng, bias: bool, transposed: bool
+) -> None:
+    n_in, n_out = 48, 40
+    op = create_op("LinearOp", cuda_ctx, LinearConfig(n_in, n_out, bias=bias), Precision.FP32)
+    big = f32(rng, 3, 9, n_in)
+    x, gx = big[:2, :7], dev(big)[:2, :7]  # batch slices: not contiguous
+    if transposed:  # the INFERENCE layout: an [out, in] view of [in, out] storage
+        storage = f32(rng, n_in, n_out)
+        w, gw = storage.T, dev(storage).T
+    else:
+        w = f32(rng, n_out, n_in)
+        gw = dev(w)
+    b = f32(rng, n_out) if bias else None
+    out = cupy.empty((2, 7, n_out), cupy.float32)
+    op.forward(gx, gw, None if b is None else dev(b), out)
+    ref = np.empty((2, 7, n_out), np.float32)
+    linear_forward(x, w, b, ref)
+    close(out, ref)
+    dy = f32(rng, 2, 7, n_out)
+    dw0, db0 = f32(rng, n_out, n_in), f32(rng, n_out)
+    dw, db = dev(dw0), dev(db0) if bias else None
+    dx = cupy.empty((2, 7, n_in), cupy.float32)
+    op.backward(gx, gw, dev(dy), dw, db, dx)
+    dx_ref = np.empty((2, 7, n_in), np.float32)
+    db_ref = db0.copy() if bias else None
+    linear_backward(x, w, dy, dw0, db_ref, dx_ref)
+    close(dw, dw0)
+    close(dx, dx_ref)
+    if bias:
+        close(db, db_ref)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["out-in", "in-out storage"])
+@pytest.mark.parametrize("m", [1, 5, 300])
+def test_cuda_bound_forward_equals_the_forward(cuda_ctx, rng, m: int, transposed: bool) -> None:
+    """The bound forward (a decode plan's product, run with the context active: ``linear.cu``'s
+    ``linear_rows`` up to 16 rows over ``[out, in]`` rows, ``cupy.matmul`` past them or for the
+    other layout) against the op's forward and the float64 product, with and without a bias
+    (their summation orders differ: float32 roundings apart)."""
+    n_in, n_out = 96, 40
+    op = create_op("LinearOp", cuda_ctx, LinearConfig(n_in, n_out, bias=False), Precision.FP32)
+    x = f32(rng, m, 1, n_in)
+    w_in_out = f32(rng, n_in, n_out)
+    w = w_in_out.T  # [out, in]
+    gx, gw = dev(x), (dev(w_in_out).T if transposed else dev(np.ascontiguousarray(w)))
+    want = cupy.empty((m, 1, n_out), cupy.float32)
+    op.forward(gx, gw, None, want)
+    close(want, x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
+    for bias in (None, f32(rng, n_out)):
+        out = cupy.full((m, 1, n_out), np.nan, cupy.float32)
+        with cuda_ctx.activate():
+            op.bind_forward(gx, gw, None if bias is None else dev(bias), out)()
+        reference = x.astype(np.float64) @ w.T + (0 if bias is None else bias)
+        close(out, reference, rtol=1e-5, atol=1e-5)
+        close(out, host(want) + (0 if bias is None else bias), rtol=1e-5, atol=1e-5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cuda_arrays import close, cupy, dev, host
 from layer_helpers import (
     ATOL32,
     INFERENCE,
@@ -13,13 +14,16 @@ from layer_helpers import (
     assert_unchanged,
     built,
     distinct_nbytes,
+    f32,
     owned_arrays,
+    rel_err,
     snapshot,
 )
 
 from mila_py import BuildContext, Precision, TrainingMode
 from mila_py.components import RmsNorm, RmsNormConfig
 from mila_py.ops.cpu.rms_norm import rms_norm_backward, rms_norm_forward
+from mila_py.ops.registry import create_op
 
 B, T, D = 3, 5, 8
 EPS = 1e-5
@@ -264,3 +268,27 @@ def test_memory_stats_count_every_owned_array_once(mode) -> None:
     # output [B, T, D] + rstd [B, T] (+ dinput [B, T, D])
     assert stats.state_bytes == (B * T * D + B * T + (B * T * D if mode is TRAINING else 0)) * 4
     assert stats.total_bytes == distinct_nbytes(list(owned_arrays(norm).values()))
+
+
+# ------------------------------------------------------------------ CUDA op against the CPU op
+
+
+@pytest.mark.parametrize(("n_rows", "dim"), [(1, 5), (37, 300), (300, 1000)])
+def test_cuda_op_forward_and_backward_match_the_cpu_op(
+    cuda_ctx, rng, n_rows: int, dim: int
+) -> None:
+    op = create_op("RmsNormOp", cuda_ctx, RmsNormConfig(dim, 1e-5), Precision.FP32)
+    x, w = f32(rng, n_rows, dim, scale=3.0), f32(rng, dim) + 1
+    y, r = cupy.empty((n_rows, dim), cupy.float32), cupy.empty(n_rows, cupy.float32)
+    op.forward(dev(x), dev(w), y, r)
+    y_ref, r_ref = np.empty((n_rows, dim), np.float32), np.empty(n_rows, np.float32)
+    rms_norm_forward(x, w, 1e-5, y_ref, r_ref)
+    close(y, y_ref)
+    close(r, r_ref)
+    dy, dw0 = f32(rng, n_rows, dim), f32(rng, dim)
+    dw, dx = dev(dw0), cupy.empty((n_rows, dim), cupy.float32)
+    op.backward(dev(x), dev(w), r, dev(dy), dw, dx)
+    dx_ref = np.empty_like(y_ref)
+    rms_norm_backward(x, w, r_ref, dy, dw0, dx_ref)
+    close(dx, dx_ref, atol=1e-5)
+    assert rel_err(host(dw), dw0) < 1e-5

@@ -11,7 +11,7 @@ Each case is compared with the CPU component on the same inputs. Both compute in
 same order of operations, so results agree to within one rounding of the storage format
 (:data:`PARITY`); with the CPU's fused (Numba) path they agree bit for bit. Memory next to Q and
 K (V, padding) is checked untouched. What this cannot check (NVRTC, CuPy, streams, the real
-``cvt`` instructions, timing) is left to ``tests/cuda/test_rope_cuda.py`` on a GPU.
+``cvt`` instructions, timing) is left to ``tests/test_rope_cuda.py`` on a GPU.
 """
 
 from __future__ import annotations

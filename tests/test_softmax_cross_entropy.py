@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+from cuda_arrays import close, cupy, dev
 from layer_helpers import (
     INFERENCE,
     TRAINING,
@@ -14,6 +15,7 @@ from layer_helpers import (
     assert_unchanged,
     built,
     distinct_nbytes,
+    f32,
     owned_arrays,
     snapshot,
 )
@@ -24,6 +26,7 @@ from mila_py.ops.cpu.softmax_cross_entropy import (
     softmax_cross_entropy_backward,
     softmax_cross_entropy_forward,
 )
+from mila_py.ops.registry import create_op
 
 B, T, V = 3, 4, 9
 IGNORE = -100
@@ -272,3 +275,28 @@ def test_memory_stats_count_every_owned_array_once(mode) -> None:
     training = mode is TRAINING
     assert stats.state_bytes == B * T * 4 + ((B * T * 8 + B * T * V * 4) if training else 0)
     assert stats.total_bytes == distinct_nbytes(list(owned_arrays(loss).values()))
+
+
+# ------------------------------------------------------------------ CUDA op against the CPU op
+
+
+@pytest.mark.parametrize("vocab", [7, 1031, 32000])
+def test_cuda_op_matches_the_cpu_op(cuda_ctx, rng, vocab: int) -> None:
+    op = create_op(
+        "SoftmaxCrossEntropyOp", cuda_ctx, SoftmaxCrossEntropyConfig(vocab), Precision.FP32
+    )
+    logits = f32(rng, 2, 5, vocab, scale=5.0)
+    targets = rng.integers(0, vocab, size=(2, 5))
+    targets[0, 1] = -100
+    lse = cupy.empty((2, 5), cupy.float32)
+    loss, count = op.forward(dev(logits), dev(targets), lse)
+    lse_ref = np.empty((2, 5), np.float32)
+    loss_ref, count_ref = softmax_cross_entropy_forward(logits, targets, -100, lse_ref)
+    assert count == count_ref == 9
+    assert loss == pytest.approx(loss_ref, rel=1e-6)
+    close(lse, lse_ref)
+    d = cupy.empty(logits.shape, cupy.float32)
+    op.backward(dev(logits), dev(targets), lse, d, 1.0 / count)
+    d_ref = np.empty_like(logits)
+    softmax_cross_entropy_backward(logits, targets, -100, lse_ref, d_ref, 1.0 / count)
+    close(d, d_ref, atol=1e-8)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cuda_arrays import close, cupy, dev
 from layer_helpers import (
     ATOL32,
     INFERENCE,
@@ -14,15 +15,17 @@ from layer_helpers import (
     assert_unchanged,
     built,
     distinct_nbytes,
+    f32,
     owned_arrays,
     snapshot,
 )
 
-from mila_py import BuildContext, Network, TrainingMode
+from mila_py import BuildContext, Network, Precision, TrainingMode
 from mila_py.components import Linear, SwiGLU, SwiGLUConfig
 from mila_py.init import set_init_name
 from mila_py.ops.cpu.linear import linear_backward, linear_forward
 from mila_py.ops.cpu.swiglu import swiglu_backward, swiglu_forward
+from mila_py.ops.registry import create_op
 from mila_py.serialization import assign_parameters
 
 B, T, D, H = 2, 4, 6, 10
@@ -391,3 +394,24 @@ def test_a_failed_packed_build_leaves_no_packed_view() -> None:
         mlp2.build(BuildContext((B, T, D), INFERENCE))
     assert mlp2.gate_proj._packed_weight is None and mlp2.up_proj._packed_weight is None
     assert not mlp2.is_built and mlp2.get_memory_stats().total_bytes == 0
+
+
+# ------------------------------------------------------------------ CUDA op against the CPU op
+
+
+def test_cuda_op_with_an_in_place_backward_matches_the_cpu_op(cuda_ctx, rng) -> None:
+    op = create_op("SwiGLUOp", cuda_ctx, None, Precision.FP32)
+    g, u, dh = f32(rng, 2, 7, 96, scale=4.0), f32(rng, 2, 7, 96), f32(rng, 2, 7, 96)
+    g[0, 0, :2] = [-100.0, 100.0]
+    h = cupy.empty(g.shape, cupy.float32)
+    op.forward(dev(g), dev(u), h)
+    h_ref = np.empty_like(g)
+    swiglu_forward(g, u, h_ref)
+    close(h, h_ref)
+    dg_ref, du_ref = np.empty_like(g), np.empty_like(g)
+    with np.errstate(over="ignore"):
+        swiglu_backward(g, u, dh, dg_ref, du_ref)
+    dgate, dup = dev(dh), cupy.empty(g.shape, cupy.float32)
+    op.backward(dev(g), dev(u), dgate, dgate, dup)  # in place, as the component calls it
+    close(dgate, dg_ref)
+    close(dup, du_ref)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from cuda_arrays import close, cupy, dev, host
 from layer_helpers import (
     INFERENCE,
     TRAINING,
@@ -11,6 +12,7 @@ from layer_helpers import (
     assert_unchanged,
     built,
     distinct_nbytes,
+    f32,
     owned_arrays,
     snapshot,
 )
@@ -18,6 +20,7 @@ from layer_helpers import (
 from mila_py import BuildContext, Precision, TrainingMode
 from mila_py.components import TokenEmbedding, TokenEmbeddingConfig
 from mila_py.ops.cpu.token_embedding import token_embedding_backward, token_embedding_forward
+from mila_py.ops.registry import create_op
 
 B, T, V, D = 3, 5, 11, 6
 
@@ -203,3 +206,24 @@ def test_memory_stats_count_every_owned_array_once(mode) -> None:
     # output [B, T, D] float32 (+ kept token ids [B, T] int64)
     assert stats.state_bytes == B * T * D * 4 + (B * T * 8 if training else 0)
     assert stats.total_bytes == distinct_nbytes(list(owned_arrays(emb).values()))
+
+
+# ------------------------------------------------------------------ CUDA op against the CPU op
+
+
+@pytest.mark.parametrize("dim", [64, 300])
+@pytest.mark.parametrize("id_dtype", [np.int64, np.int32])
+def test_cuda_op_with_repeated_ids_matches_the_cpu_op(cuda_ctx, rng, dim: int, id_dtype) -> None:
+    op = create_op("TokenEmbeddingOp", cuda_ctx, None, Precision.FP32)
+    weight = f32(rng, 11, dim)
+    tokens = np.array([[3, 3, 0, 10], [3, 7, 7, 0]], dtype=id_dtype)
+    out = cupy.empty((2, 4, dim), cupy.float32)
+    op.forward(dev(tokens), dev(weight), out)
+    ref = np.empty((2, 4, dim), np.float32)
+    token_embedding_forward(tokens, weight, ref)
+    np.testing.assert_array_equal(host(out), ref)
+    dy, dw0 = f32(rng, 2, 4, dim), f32(rng, 11, dim)  # the gradient accumulates
+    dw = dev(dw0)
+    op.backward(dev(tokens), dev(dy), dw)
+    token_embedding_backward(tokens, dy, dw0)
+    close(dw, dw0)

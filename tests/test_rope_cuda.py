@@ -1,11 +1,10 @@
-"""Rope on ``CUDA:0``: against the float64 reference and the CPU op, on a machine with a GPU.
+"""Rope on ``CUDA:0``: against the float64 reference and the CPU op, on a GPU and on the kernel
+emulator (``cuda_device``; the checks of CuPy itself carry ``real_gpu`` and skip there).
 
 Every case compares the CUDA component with the independent float64 reference of
 ``rope_reference.py`` (precision-keyed tolerances) and, where it adds something, with the CPU
 component on the same inputs (parity). Arrays go to the device and back through their bits for
 BF16, so no case depends on CuPy compiling bfloat16 kernels of its own.
-
-The whole module is skipped on machines without CuPy or a GPU.
 """
 
 from __future__ import annotations
@@ -16,14 +15,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
-
-from mila_py.devices.cuda import cuda_device_count
-
-if cuda_device_count() == 0:
-    pytest.skip("no CUDA GPU / CuPy", allow_module_level=True)
-
-import cupy
-from emulated_cupy import is_emulated
+from cuda_arrays import EMULATED, cupy
 from rope_helpers import (
     BF16,
     FP16,
@@ -44,11 +36,12 @@ from rope_helpers import (
 from mila_py import BuildContext, Precision, RuntimeMode
 from mila_py.components import Rope, RopeConfig, clear_rope_cache, get_rope
 from mila_py.devices import DeviceId
-from mila_py.devices.cuda import shared_context
+from mila_py.devices import cuda as cuda_module
 from mila_py.ops.cuda import _kernels
 from mila_py.ops.cuda import rope as cuda_rope
 
-pytestmark = pytest.mark.cuda
+#: every test runs on the CUDA:0 under test (the kernel emulator's where no GPU is present)
+pytestmark = pytest.mark.usefixtures("cuda_device")
 
 DEVICE = "CUDA:0"
 BF16_DTYPE = np.dtype(ml_dtypes.bfloat16)
@@ -63,8 +56,6 @@ def _cupy_has_bfloat16() -> bool:
 
 
 CUPY_BF16 = _cupy_has_bfloat16()
-#: run by ``--emulate-gpu``: ``cupy`` is the NumPy stand-in, CUDA:0 the kernel emulator's
-EMULATED = is_emulated(cupy)
 NO_BF16_REASON = (
     "this CuPy has no bfloat16 dtype (CuPy >= 14 has); BF16 is then checked with torch bf16 "
     "tensors in test_torch_tensors_are_rotated_in_place_through_dlpack"
@@ -126,7 +117,7 @@ def bits(x: Any) -> bytes:
 
 
 def device_index(x: Any) -> int:
-    """The GPU holding device array ``x`` (under ``--emulate-gpu``, CUDA:0's NumPy arrays: 0)."""
+    """The GPU holding device array ``x`` (the emulated CUDA:0's NumPy arrays: 0)."""
     return 0 if EMULATED else int(x.device.id)
 
 
@@ -908,7 +899,9 @@ def test_memory_stats_equal_the_pool_delta_of_the_build(precision: Precision) ->
     """
     cfg = rope_config((4, 2), head_dim=64, max_seq_len=1536, base=12345.0)
     clear_rope_cache()
-    shared_context(DeviceId.parse(DEVICE))  # exists before the measurement (it allocates nothing)
+    cuda_module.shared_context(
+        DeviceId.parse(DEVICE)
+    )  # exists before the measurement (it allocates nothing)
     pool = cupy.get_default_memory_pool()
     first = Rope("first", cfg, device=DEVICE, precision=precision)
     second = Rope("second", cfg, device=DEVICE, precision=precision)

@@ -16,10 +16,11 @@ answered in OpenAI's formats. Endpoints:
 
 Sampling parameters a request leaves out take the checkpoint's defaults, as
 :meth:`~mila_py.models.Llama.complete` does. Streams are server-sent events in OpenAI's
-chunk format, ending with ``data: [DONE]``. Errors are OpenAI's
-``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request (a parameter out
-of range, a prompt longer than the context, an unknown parameter), 404 for another model's
-name.
+chunk format, ending with ``data: [DONE]``; each chunk carries the text generated since the
+one before (one token's, or several where the client or the event loop fell behind). Errors
+are OpenAI's ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request (a
+parameter out of range, a prompt longer than the context, an unknown parameter), 404 for
+another model's name.
 
 Requests run one at a time on the model, in the order they arrive, in one worker thread (the
 event loop stays free to take requests and to stream): concurrent requests never share a

@@ -16,10 +16,11 @@ answered in OpenAI's formats. Endpoints:
 
 Sampling parameters a request leaves out take the checkpoint's defaults, as
 :meth:`~mila_py.models.Llama.complete` does. Streams are server-sent events in OpenAI's
-chunk format, ending with ``data: [DONE]``. Errors are OpenAI's
-``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request (a parameter out
-of range, a prompt longer than the context, an unknown parameter), 404 for another model's
-name.
+chunk format, ending with ``data: [DONE]``; each chunk carries the text generated since the
+one before (one token's, or several where the client or the event loop fell behind). Errors
+are OpenAI's ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request (a
+parameter out of range, a prompt longer than the context, an unknown parameter), 404 for
+another model's name.
 
 Requests run one at a time on the model, in the order they arrive, in one worker thread (the
 event loop stays free to take requests and to stream): concurrent requests never share a
@@ -145,20 +146,38 @@ class _Worker:
 
 
 class _Stream:
-    """One streamed generation: the worker thread produces text pieces into an asyncio queue
-    that the response reads. :meth:`cancel` (the client went away) stops the generation at its
-    next piece; the stream is closed in the worker, so the model is free for the next job."""
+    """One streamed generation: the worker thread produces text pieces that the response
+    takes. Whatever pieces are ready when the event loop gets to them go out joined, as one
+    event: a loop or client slower than the generation gets fewer, longer events instead of
+    falling behind by one event per token (OpenAI's clients take any split of the text). The
+    worker wakes the loop once per batch, not once per piece. :meth:`cancel` (the client went
+    away) stops the generation at its next piece; the stream is closed in the worker, so the
+    model is free for the next job."""
 
     def __init__(self, worker: _Worker, start: Callable[[], Any]) -> None:
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._ready = asyncio.Event()
+        self._lock = threading.Lock()  # guards the four fields below, shared with the worker
+        self._pieces: list[str] = []
+        self._ended = False
+        self._error: Exception | None = None
+        self._woken = False  # a wake-up is on its way to the loop and not yet taken
         self._cancelled = threading.Event()
         self.started: concurrent.futures.Future[Any] = concurrent.futures.Future()
         worker.submit(lambda: self._work(start))
 
-    def _put(self, kind: str, value: Any) -> None:
+    def _put(self, piece: str | None = None, error: Exception | None = None) -> None:
+        """Hands over a piece, or the end (``piece`` None), or an error; in the worker."""
+        with self._lock:
+            if piece is not None:
+                self._pieces.append(piece)
+            else:
+                self._ended, self._error = True, error
+            if self._woken:
+                return
+            self._woken = True
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, (kind, value))
+            self._loop.call_soon_threadsafe(self._ready.set)
         except RuntimeError:  # the loop has closed: nobody reads any more
             self._cancelled.set()
 
@@ -176,25 +195,33 @@ class _Stream:
             for piece in stream:
                 if self._cancelled.is_set():
                     break
-                self._put("piece", piece)
-            self._put("end", None)
+                self._put(piece)
+            self._put()
         except Exception as exc:
-            self._put("error", exc)
+            self._put(error=exc)
         finally:
             stream.close()
 
     def cancel(self) -> None:
         self._cancelled.set()
 
-    async def pieces(self) -> AsyncIterator[str]:
-        """The text pieces until the generation ends; raises what the generation raised."""
+    async def texts(self) -> AsyncIterator[str]:
+        """The text until the generation ends, in parts: each the pieces generated since the
+        last part, joined (one piece or several). Raises what the generation raised, after
+        the text before it."""
         while True:
-            kind, value = await self._queue.get()
-            if kind == "piece":
-                yield value
-            elif kind == "error":
-                raise value
-            else:
+            await self._ready.wait()
+            # cleared before the take: a piece put after the take wakes the loop again
+            self._ready.clear()
+            with self._lock:
+                pieces, self._pieces = self._pieces, []
+                ended, error = self._ended, self._error
+                self._woken = False
+            if pieces:
+                yield "".join(pieces)
+            if error is not None:
+                raise error
+            if ended:
                 return
 
 
@@ -329,7 +356,7 @@ def create_app(model: Any, model_name: str) -> Any:
                 if first is not None:
                     yield _event(first)
                 try:
-                    async for piece in stream.pieces():
+                    async for piece in stream.texts():
                         yield _event(chunk(piece, None))
                 except Exception as exc:  # after the headers: reported in the stream
                     yield _event(RequestError(str(exc), type="server_error").body())

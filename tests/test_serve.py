@@ -5,6 +5,7 @@ same model (tests/test_text.py checks those against the tokenizer and ``generate
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import sys
@@ -26,7 +27,7 @@ from serve_helpers import running_server  # noqa: E402
 from text_helpers import make_model_folder  # noqa: E402
 
 from mila_py.models import Llama  # noqa: E402
-from mila_py.serve import create_app  # noqa: E402
+from mila_py.serve import _Stream, _Worker, create_app  # noqa: E402
 
 NAME = "tiny-chat"
 
@@ -310,6 +311,90 @@ def test_a_client_that_leaves_mid_stream_frees_the_model(
     monkeypatch.setattr(model, "stream", real)
     got = client.completions.create(model=NAME, prompt="Hello world", max_tokens=10, temperature=0)
     assert got.choices[0].text == model.complete("Hello world", max_new_tokens=10, temperature=0)
+
+
+# ------------------------------------------------------------------------ the hand-off
+class Pieces:
+    """A stand-in for a TextStream: ``pieces`` in turn, each after its gate (if any) opens,
+    then ``error`` (if any); ``done`` is set once the last piece is handed over."""
+
+    def __init__(
+        self,
+        pieces: list[str],
+        gates: dict[int, threading.Event] | None = None,
+        error: Exception | None = None,
+    ) -> None:
+        self.pieces, self.gates, self.error = pieces, gates or {}, error
+        self.done, self.closed = threading.Event(), threading.Event()
+
+    def __iter__(self) -> Iterator[str]:
+        for i, piece in enumerate(self.pieces):
+            if i in self.gates:
+                assert self.gates[i].wait(timeout=60)
+            yield piece
+        self.done.set()
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+def test_pieces_ready_together_go_out_as_one_text_with_one_wake_up() -> None:
+    """The pieces the worker hands over while the event loop is busy elsewhere come out joined,
+    and the worker wakes the loop once for them, not once per piece."""
+    gate = threading.Event()
+    source = Pieces(["He", "llo", " wor", "ld"], gates={1: gate})
+
+    async def read() -> tuple[list[str], int]:
+        loop = asyncio.get_running_loop()
+        wake_ups = 0
+        real = loop.call_soon_threadsafe
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal wake_ups
+            wake_ups += threading.current_thread().name.startswith("mila-serve")
+            return real(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        worker = _Worker()
+        try:
+            stream = _Stream(worker, lambda: source)
+            await asyncio.wrap_future(stream.started)
+            texts = stream.texts()
+            got = [await anext(texts)]
+            before = wake_ups
+            gate.set()  # the other three pieces and the end, while the loop waits here
+            await asyncio.to_thread(source.closed.wait, 60)
+            got += [text async for text in texts]
+            return got, wake_ups - before
+        finally:
+            worker.shutdown()
+
+    got, wake_ups = asyncio.run(read())
+    assert got == ["He", "llo world"]
+    assert wake_ups == 1
+    assert source.closed.is_set()
+
+
+def test_an_error_comes_after_the_text_before_it() -> None:
+    source = Pieces(["a", "b"], error=RuntimeError("the generation failed"))
+
+    async def read() -> list[str]:
+        worker = _Worker()
+        got: list[str] = []
+        try:
+            stream = _Stream(worker, lambda: source)
+            await asyncio.wrap_future(stream.started)
+            await asyncio.to_thread(source.closed.wait, 60)
+            with pytest.raises(RuntimeError, match="the generation failed"):
+                async for text in stream.texts():
+                    got.append(text)
+            return got
+        finally:
+            worker.shutdown()
+
+    assert asyncio.run(read()) == ["ab"]
 
 
 # ------------------------------------------------------------------------ setup errors

@@ -7,10 +7,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cuda_arrays import close, cupy, dev, host
+from cuda_arrays import EMULATED, close, cupy, dev, host
 from layer_helpers import f32
 
 from mila_py import Precision
+from mila_py.devices import create_execution_context
+from mila_py.devices.graph import replayable
 from mila_py.ops.cpu import _fused_attention, _fused_layers
 from mila_py.ops.cpu import attention as attention_mod
 from mila_py.ops.cpu.attention import (
@@ -19,6 +21,7 @@ from mila_py.ops.cpu.attention import (
     attention_forward,
     attention_prefill,
 )
+from mila_py.ops.cuda import attention as cuda_attention
 from mila_py.ops.operation import DecodePositions
 from mila_py.ops.registry import create_op
 
@@ -559,3 +562,261 @@ def test_cuda_op_prefill_and_decode_match_the_cpu_op(cuda_ctx, rng, ragged: bool
     ref1 = np.empty((n_b, 1, hq * d), np.float32)
     attention_forward(q1, k, v, hq, hk, scale, ref1, **kwargs_ref)
     close(out1, ref1)
+
+
+def _qkv_views(buf: Any, hq: int, hk: int, d: int) -> tuple[Any, Any, Any]:
+    """Q, K, V: views of one fused ``[B, T, (Hq + 2 Hk) d]`` buffer, like the component's."""
+    return buf[..., : hq * d], buf[..., hq * d : (hq + hk) * d], buf[..., (hq + hk) * d :]
+
+
+@pytest.mark.parametrize(("hq", "hk", "d"), [(4, 2, 8), (3, 3, 5)])
+def test_cuda_op_into_a_batch_slice_and_backward_without_the_output(
+    cuda_ctx, rng, hq: int, hk: int, d: int
+) -> None:
+    """The output a batch slice of a larger buffer (the rows past it untouched), and the
+    backward without the forward's output (``rowsum(dP * P)`` in its place)."""
+    op = create_op("AttentionOp", cuda_ctx, None, Precision.FP32)
+    n_b, n_t, scale = 2, 9, 0.41
+    qkv = f32(rng, n_b, n_t, (hq + 2 * hk) * d)
+    q, k, v = _qkv_views(qkv, hq, hk, d)
+    gq, gk, gv = _qkv_views(dev(qkv), hq, hk, d)
+    probs = cupy.empty((n_b, hk, hq // hk, n_t, n_t), cupy.float32)
+    out_buf = cupy.zeros((n_b + 1, n_t, hq * d), cupy.float32)
+    p = op.forward(gq, gk, gv, hq, hk, scale, out=out_buf[:n_b], probs=probs)
+    out_ref = np.empty((n_b, n_t, hq * d), np.float32)
+    p_ref = attention_forward(q, k, v, hq, hk, scale, out_ref)
+    close(p, p_ref, atol=1e-6)
+    close(out_buf[:n_b], out_ref, atol=1e-6)
+    assert not host(out_buf)[n_b:].any()
+    dout = f32(rng, n_b, n_t, hq * d)
+    dqkv = cupy.zeros(qkv.shape, cupy.float32)
+    op.backward(dev(dout), gq, gk, gv, dev(p_ref), hq, hk, scale, *_qkv_views(dqkv, hq, hk, d))
+    dqkv_ref = np.zeros_like(qkv)
+    attention_backward(
+        dout, q, k, v, p_ref, hq, hk, scale, *_qkv_views(dqkv_ref, hq, hk, d), out=out_ref
+    )
+    close(dqkv, dqkv_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_cuda_op_decode_with_a_non_finite_key_only_one_sequence_sees(
+    cuda_ctx, rng, ragged: bool
+) -> None:
+    """Decode through the additive bias (``-inf`` past each sequence's position): a NaN key at
+    row 10 reaches only the sequence that sees it (a NaN V row would reach every row through
+    0 * NaN in the product, as in torch); Q untouched, the output rows of a wider buffer."""
+    op = create_op("AttentionOp", cuda_ctx, None, Precision.FP32)
+    hq, hk, d, scale, n_b = 6, 2, 4, 0.5, 3
+    q = f32(rng, n_b, 1, hq * d)
+    cache = f32(rng, n_b, 30, 2 * hk * d)
+    pos = np.array([4, 17, 9]) if ragged else np.array([12, 12, 12])
+    end = int(pos.max()) + 1
+    kwargs: dict[str, Any] = {"causal": False}
+    kwargs_ref: dict[str, Any] = {"causal": False}
+    if ragged:
+        cache[:, 10, : hk * d] = np.nan
+        visible = np.arange(end)[None, :] <= pos[:, None]
+        bias = np.where(visible, 0.0, -np.inf).astype(np.float32)[:, None, None, None, :]
+        kwargs["bias"], kwargs_ref["bias"] = dev(bias), bias
+    k, v = cache[:, :end, : hk * d], cache[:, :end, hk * d :]
+    g_cache, gq = dev(cache), dev(q)
+    out_buf = cupy.zeros((n_b, 4, hq * d), cupy.float32)
+    out_ref = np.empty((n_b, 1, hq * d), np.float32)
+    with np.errstate(invalid="ignore"):
+        p = op.forward(
+            gq, g_cache[:, :end, : hk * d], g_cache[:, :end, hk * d :], hq, hk, scale,
+            out=out_buf[:, :1], **kwargs,
+        )  # fmt: skip
+        p_ref = attention_forward(q, k, v, hq, hk, scale, out_ref, **kwargs_ref)
+    close(p, p_ref, atol=1e-6)
+    out = host(out_buf)
+    close(out[:, :1], out_ref, atol=1e-6)
+    if ragged:
+        assert np.isfinite(out[[0, 2], :1]).all() and np.isnan(out[1, :1]).all()
+    np.testing.assert_array_equal(host(gq), q)  # a decode Q is contiguous per head: not scaled
+    assert not out[:, 1:].any()
+
+
+def test_cuda_op_decode_keeps_an_unseen_non_finite_value_out(cuda_ctx, rng) -> None:
+    """Ragged decode given ``visible`` (as the component passes it): a NaN in a V row a
+    sequence cannot see stays out of its output, as on the CPU."""
+    op = create_op("AttentionOp", cuda_ctx, None, Precision.FP32)
+    hq, hk, d, scale, n_b = 4, 2, 4, 0.5, 2
+    q = f32(rng, n_b, 1, hq * d)
+    k, v = f32(rng, n_b, 8, hk * d), f32(rng, n_b, 8, hk * d)
+    v[0, 5] = np.nan  # sequence 0 sees rows 0..3; sequence 1 all 8
+    visible = np.array([4, 8])
+    out = cupy.empty((n_b, 1, hq * d), cupy.float32)
+    op.forward(dev(q), dev(k), dev(v), hq, hk, scale, out=out, causal=False, visible=visible)
+    out_ref = np.empty((n_b, 1, hq * d), np.float32)
+    attention_forward(q, k, v, hq, hk, scale, out_ref, causal=False, visible=visible)
+    assert np.isfinite(host(out)).all()
+    close(out, out_ref, atol=1e-6)
+
+
+def _decode_reference(q, k_cache, v_cache, hq: int, hk: int, scale: float, pos) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """Decode attention in float64, from its definition: sequence b, head h attends with
+    softmax(scale q.k_j) over keys 0 .. pos[b] of its key/value head h // (hq // hk)."""
+    n_b, d = q.shape[0], q.shape[2] // hq
+    out = np.zeros((n_b, 1, hq * d))
+    for b in range(n_b):
+        for h in range(hq):
+            g = h // (hq // hk)
+            qh = q[b, 0, h * d : (h + 1) * d].astype(np.float64)
+            keys = k_cache[b, : pos[b] + 1, g * d : (g + 1) * d].astype(np.float64)
+            values = v_cache[b, : pos[b] + 1, g * d : (g + 1) * d].astype(np.float64)
+            s = keys @ qh * scale
+            p = np.exp(s - s.max())
+            out[b, 0, h * d : (h + 1) * d] = p @ values / p.sum()
+    return out
+
+
+@pytest.mark.parametrize("ragged", [False, True], ids=["uniform", "ragged"])
+@pytest.mark.parametrize(
+    ("hq", "hk", "d"), [(6, 2, 4), (4, 4, 40), (8, 1, 12), (2, 1, 128), (2, 1, 320)], ids=str
+)
+def test_cuda_decode_plan_matches_a_float64_reference(
+    cuda_ctx, rng, monkeypatch, ragged: bool, hq: int, hk: int, d: int
+) -> None:
+    """The decode plan's one-launch kernel (``bind_decode``): Q a view of the QKV buffer, the
+    caches ``[B, T_max, Hk*d]``, one length for all or one per sequence (1 key, several warp
+    rounds; heads of 4 to 320 channels: 64 key groups of 4 channels, 6 groups of 40 and 16
+    idle threads, two passes over 320), against float64; for caches of more keys than fit
+    shared memory, the GEMM path (chosen at bind time: every step launches the same). The
+    kernel reads each step's positions from the step's device buffer."""
+    n_b, t_max, scale = 3, 80, 0.37
+    qkv = f32(rng, n_b, 1, (hq + 2 * hk) * d)
+    q, gq = qkv[..., : hq * d], dev(qkv)[..., : hq * d]
+    k_cache, v_cache = f32(rng, n_b, t_max, hk * d), f32(rng, n_b, t_max, hk * d)
+    gk, gv = dev(k_cache), dev(v_cache)
+    out_buf = cupy.zeros((n_b + 1, 1, hq * d), cupy.float32)
+    out = out_buf[:n_b]
+    positions = DecodePositions(n_b, cuda_ctx)
+    op = create_op("AttentionOp", cuda_ctx, None, Precision.FP32)
+    attend = op.bind_decode(gq, gk, gv, hq, hk, scale, out, positions)
+    assert replayable(attend)
+    program = [[0, 0, 0], [70, 3, 41], [5, 5, 5], [79, 79, 79]] if ragged else [[0] * 3, [66] * 3]
+    for step in program:
+        pos = np.array(step)
+        positions.set(pos, int(pos.min()), int(pos.max()))
+        attend()
+        if EMULATED:
+            assert cuda_ctx.launches[-1] == "attention_decode<float>"
+        close(out, _decode_reference(q, k_cache, v_cache, hq, hk, scale, pos), 1e-5, 1e-5)
+    np.testing.assert_array_equal(host(gq), q)
+    assert not host(out_buf)[n_b:].any()
+    monkeypatch.setattr(cuda_attention, "_DECODE_MAX_KEYS", 60)  # a cache of 80 keys: too many
+    attend = op.bind_decode(gq, gk, gv, hq, hk, scale, out, positions)
+    assert not replayable(attend)  # it slices the caches by the positions on the host
+    for step in ([66, 12, 40], [3, 3, 3]) if ragged else ([66] * 3, [3] * 3):
+        pos = np.array(step)
+        positions.set(pos, int(pos.min()), int(pos.max()))
+        if EMULATED:
+            launched = len(cuda_ctx.launches)
+        attend()
+        if EMULATED:
+            assert "attention_decode" not in cuda_ctx.launches[launched:]
+        close(out, _decode_reference(q, k_cache, v_cache, hq, hk, scale, pos), 1e-5, 1e-5)
+
+
+def test_cuda_decode_plan_at_its_key_limit_fits_shared_memory(cuda_ctx, rng, monkeypatch) -> None:
+    """The most keys the decode kernel takes (``_DECODE_MAX_KEYS``): the scores of a cache
+    of that many keys (the shared memory of every step) and the kernel's static shared arrays
+    fit the 48 KiB a launch gets by default. The kernel emulator counts both, as the GPU does,
+    and refuses 1,100 keys more by name (a GPU refuses that launch with a driver error)."""
+    n = cuda_attention._DECODE_MAX_KEYS
+    hq, hk, d = 2, 1, 4
+    q = f32(rng, 1, 1, hq * d)
+    k_cache, v_cache = f32(rng, 1, n + 1100, hk * d), f32(rng, 1, n + 1100, hk * d)
+    gk, gv = dev(k_cache), dev(v_cache)
+    out = cupy.zeros((1, 1, hq * d), cupy.float32)
+    positions = DecodePositions(1, cuda_ctx)
+    op = create_op("AttentionOp", cuda_ctx, None, Precision.FP32)
+    attend = op.bind_decode(dev(q), gk[:, :n], gv[:, :n], hq, hk, 0.5, out, positions)
+    positions.set(n - 1, n - 1, n - 1)
+    attend()
+    close(out, _decode_reference(q, k_cache, v_cache, hq, hk, 0.5, [n - 1]), 1e-5, 1e-5)
+    if not EMULATED:
+        return
+    assert cuda_ctx.launches[-1] == "attention_decode<float>"
+    monkeypatch.setattr(cuda_attention, "_DECODE_MAX_KEYS", n + 1100)
+    attend = op.bind_decode(dev(q), gk, gv, hq, hk, 0.5, out, positions)
+    positions.set(0, 0, 0)
+    with pytest.raises(ValueError, match="static"):
+        attend()
+
+
+@pytest.mark.parametrize("ragged", [False, True], ids=["uniform", "ragged"])
+def test_cuda_kv_cache_write_matches_the_cpu_op(cuda_ctx, rng, ragged: bool) -> None:
+    """The CUDA op's bound cache write (``kv_cache_write``; K a view of the QKV buffer, V of
+    another, with other row strides; the rows from the step's device buffer of positions)
+    against the CPU op's array assignments; other rows and sequences untouched."""
+    hq, hk, d, n_b, t_max = 4, 2, 6, 3, 10
+    qkv = f32(rng, n_b, 1, (hq + 2 * hk) * d)
+    v_wide = f32(rng, n_b, 1, hk * d + 5)  # V's rows at another stride than K's
+    k, v = qkv[:, 0, hq * d : (hq + hk) * d], v_wide[:, 0, 2 : 2 + hk * d]
+    gk, gv = dev(qkv)[:, 0, hq * d : (hq + hk) * d], dev(v_wide)[:, 0, 2 : 2 + hk * d]
+    k_cache, v_cache = f32(rng, n_b, t_max, hk * d), f32(rng, n_b, t_max, hk * d)
+    before = [k_cache.copy(), v_cache.copy()]
+    g_caches = [dev(k_cache), dev(v_cache)]
+    positions = DecodePositions(n_b, cuda_ctx)
+    cuda_write = create_op("AttentionOp", cuda_ctx, None, Precision.FP32).bind_cache_write(
+        gk, gv, g_caches[0], g_caches[1], positions
+    )
+    cpu_positions = DecodePositions(n_b)
+    cpu_op = create_op("AttentionOp", create_execution_context("CPU"), None, Precision.FP32)
+    cpu_write = cpu_op.bind_cache_write(k, v, k_cache, v_cache, cpu_positions)
+    program = [[3, 7, 0], [9, 9, 9], [1, 2, 5]] if ragged else [[4, 4, 4], [9, 9, 9]]
+    for step in program:
+        pos = np.array(step)
+        positions.set(pos, int(pos.min()), int(pos.max()))
+        cpu_positions.set(pos, int(pos.min()), int(pos.max()))
+        cuda_write()
+        cpu_write()
+        if EMULATED:
+            assert cuda_ctx.launches[-1] == "kv_cache_write<float>"
+        np.testing.assert_array_equal(host(g_caches[0]), k_cache)
+        np.testing.assert_array_equal(host(g_caches[1]), v_cache)
+        for b, p in enumerate(pos):
+            np.testing.assert_array_equal(k_cache[b, p], k[b])
+            np.testing.assert_array_equal(v_cache[b, p], v[b])
+    written = np.zeros((n_b, t_max), bool)
+    for step in program:
+        written[np.arange(n_b), step] = True
+    for cache, old in zip((k_cache, v_cache), before, strict=True):
+        np.testing.assert_array_equal(cache[~written], old[~written])
+
+
+def test_cuda_host_orchestration_with_numpy_kernels(rng) -> None:
+    """The CUDA op's host-side functions (CPU only: NumPy stands in for the device) with NumPy
+    kernels written from their documented contracts, against the CPU op."""
+
+    def softmax(scores: Any, n_tq: int, q_offset: int, causal: bool) -> None:
+        rows, n_tk = scores.shape
+        t = (np.arange(rows) % n_tq)[:, None]
+        if causal:
+            scores[np.arange(n_tk)[None, :] > q_offset + t] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+
+    def softmax_backward(dp: Any, p: Any, row: Any) -> None:
+        dp -= row[:, None]
+        dp *= p
+
+    hq, hk, d, scale = 4, 2, 3, 0.7
+    q, k, v = _qkv_views(f32(rng, 2, 5, (hq + 2 * hk) * d), hq, hk, d)
+    out, out_ref = np.empty((2, 5, hq * d), np.float32), np.empty((2, 5, hq * d), np.float32)
+    p = cuda_attention.attention_forward(q, k, v, hq, hk, scale, out, xp=np, softmax=softmax)
+    p_ref = attention_forward(q, k, v, hq, hk, scale, out_ref)
+    close(p, p_ref, atol=1e-6)
+    close(out, out_ref, atol=1e-6)
+    dout = f32(rng, 2, 5, hq * d)
+    grads = [np.empty_like(a) for a in (q, k, v) for _ in range(2)]
+    cuda_attention.attention_backward(
+        dout, q, k, v, p_ref, hq, hk, scale, *grads[0::2], out=out_ref, xp=np,
+        softmax_backward=softmax_backward,
+    )  # fmt: skip
+    attention_backward(dout, q, k, v, p_ref, hq, hk, scale, *grads[1::2], out=out_ref)
+    for ours, ref in zip(grads[0::2], grads[1::2], strict=True):
+        close(ours, ref, rtol=1e-5, atol=1e-6)

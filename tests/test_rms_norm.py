@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_arrays import close, cupy, dev, host
+from cuda_arrays import EMULATED, close, cupy, dev, host
 from layer_helpers import (
     ATOL32,
     INFERENCE,
@@ -23,6 +23,7 @@ from layer_helpers import (
 from mila_py import BuildContext, Precision, TrainingMode
 from mila_py.components import RmsNorm, RmsNormConfig
 from mila_py.ops.cpu.rms_norm import rms_norm_backward, rms_norm_forward
+from mila_py.ops.cuda import rms_norm as cuda_rms_norm
 from mila_py.ops.registry import create_op
 
 B, T, D = 3, 5, 8
@@ -273,22 +274,53 @@ def test_memory_stats_count_every_owned_array_once(mode) -> None:
 # ------------------------------------------------------------------ CUDA op against the CPU op
 
 
-@pytest.mark.parametrize(("n_rows", "dim"), [(1, 5), (37, 300), (300, 1000)])
+@pytest.mark.parametrize(("n_rows", "dim"), [(1, 5), (7, 40), (37, 300), (300, 1000)])
 def test_cuda_op_forward_and_backward_match_the_cpu_op(
     cuda_ctx, rng, n_rows: int, dim: int
 ) -> None:
+    """Rows of a wider buffer (every other row: not contiguous) in; the weight gradient
+    accumulates into the given one (column sums of ``n_rows`` terms, in another order)."""
     op = create_op("RmsNormOp", cuda_ctx, RmsNormConfig(dim, 1e-5), Precision.FP32)
-    x, w = f32(rng, n_rows, dim, scale=3.0), f32(rng, dim) + 1
+    big, w = f32(rng, n_rows, 2, dim, scale=3.0), f32(rng, dim) + 1
+    x = big[:, 0]
+    gx = dev(big)[:, 0]
     y, r = cupy.empty((n_rows, dim), cupy.float32), cupy.empty(n_rows, cupy.float32)
-    op.forward(dev(x), dev(w), y, r)
+    op.forward(gx, dev(w), y, r)
     y_ref, r_ref = np.empty((n_rows, dim), np.float32), np.empty(n_rows, np.float32)
     rms_norm_forward(x, w, 1e-5, y_ref, r_ref)
     close(y, y_ref)
     close(r, r_ref)
     dy, dw0 = f32(rng, n_rows, dim), f32(rng, dim)
     dw, dx = dev(dw0), cupy.empty((n_rows, dim), cupy.float32)
-    op.backward(dev(x), dev(w), r, dev(dy), dw, dx)
+    op.backward(gx, dev(w), r, dev(dy), dw, dx)
     dx_ref = np.empty_like(y_ref)
     rms_norm_backward(x, w, r_ref, dy, dw0, dx_ref)
     close(dx, dx_ref, atol=1e-5)
     assert rel_err(host(dw), dw0) < 1e-5
+    if EMULATED:
+        assert cuda_ctx.launches == [
+            "rms_norm_forward<float>",
+            "rms_norm_backward_dx<float>",
+            "rms_norm_backward_dw<float>",
+        ]
+
+
+@pytest.mark.parametrize("magnitude", [1e20, 1e-25])
+def test_cuda_op_of_rows_whose_float32_squares_overflow(cuda_ctx, rng, magnitude: float) -> None:
+    """The kernel sums the squares in double, as the CPU op: in float32 a row of 1e20 gave
+    y = 0."""
+    eps = 1e-45 if magnitude < 1 else 1e-5
+    op = create_op("RmsNormOp", cuda_ctx, RmsNormConfig(64, eps=eps), Precision.FP32)
+    x = (f32(rng, 3, 64) * magnitude).astype(np.float32)
+    y, r = cupy.empty((3, 64), cupy.float32), cupy.empty(3, cupy.float32)
+    op.forward(dev(x), dev(np.ones(64, np.float32)), y, r)
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt((x64**2).mean(axis=-1, keepdims=True) + np.float32(eps))
+    np.testing.assert_allclose(host(y), want, rtol=1e-5)
+
+
+def test_cuda_weight_gradient_chunks_cover_every_row() -> None:
+    for n_rows in (1, 7, 8, 9, 4095, 4096, 4097, 100_000):
+        per, chunks = cuda_rms_norm.dweight_chunks(n_rows)
+        assert per * chunks >= n_rows > per * (chunks - 1)
+        assert chunks <= 512

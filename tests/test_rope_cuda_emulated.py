@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -26,8 +25,6 @@ from hypothesis import strategies as st
 from kernel_emulator import (
     COMPILER,
     EmulatedContext,
-    KernelLibrary,
-    emulated_context,
     emulated_cuda_devices,
 )
 from rope_helpers import (
@@ -53,7 +50,6 @@ from rope_helpers import (
 
 from mila_py import Precision, RuntimeMode
 from mila_py.components import Rope, RopeConfig
-from mila_py.ops.cuda import _kernels
 from mila_py.ops.cuda import rope as cuda_rope
 from mila_py.ops.cuda.rope import CudaRopeOp
 
@@ -851,152 +847,6 @@ def test_one_op_through_changing_layouts(cuda: None, rng) -> None:
         assert launches(rope)[-1] == name_of(FP32, vec, "half")
         assert_parity(q, cpu_q, FP32)
         assert_parity(k, cpu_k, FP32)
-
-
-# ---------------------------------------------------------------------------------- the emulator
-
-
-def test_the_emulator_traps_what_the_gpu_would(cuda: None, monkeypatch, rng) -> None:
-    """Misaligned vector accesses, too many threads for ``__launch_bounds__``, too little
-    dynamic shared memory, and a template instantiation NVRTC was not asked for all raise."""
-    cfg = rope_config((4, 2), 64)
-    rope = cuda_rope_of(cfg, 2, 3)
-    q0, k0 = random_qk(rng, cfg, 2, 3)
-    buf = aligned_empty(q0.size + 1, np.float32)
-    q, k = buf[1:].reshape(q0.shape), k0.copy()
-    q[...] = q0
-    with monkeypatch.context() as m:  # the widest access whatever the alignment
-        m.setattr(CudaRopeOp, "vector_width", lambda self, *arrays: 4)
-        with pytest.raises(RuntimeError, match="misaligned access"):
-            rope.prefill(q, k, 0)
-    with monkeypatch.context() as m:
-        m.setattr(cuda_rope, "THREADS", 256)
-        with pytest.raises(ValueError, match="256 threads per block, the kernel allows 128"):
-            rope.prefill(q0.copy(), k0.copy(), 0)
-    real_launch = _kernels.launch
-
-    def short_shared(*args: Any, shared_mem: int = 0, **kw: Any) -> None:
-        real_launch(*args, shared_mem=shared_mem // 2, **kw)  # room for cos, not for sin
-
-    with monkeypatch.context() as m:
-        m.setattr(_kernels, "launch", short_shared)
-        with pytest.raises(RuntimeError, match="past the end of dynamic shared memory"):
-            rope.prefill(q0.copy(), k0.copy(), 0)
-    with monkeypatch.context() as m:
-        m.setattr(rope.op, "_names", rope.op._names[-1:])  # rope_qk<float, 1, true> only
-        with pytest.raises(ValueError, match="name_expressions"):
-            rope.prefill(q0.copy(), k0.copy(), 0)
-
-
-def test_strided_parameters_are_declared(library: KernelLibrary) -> None:
-    """Only ``MILA_STRIDED`` pointers take views, a read-only array never meets a non-const
-    pointer, and a null pointer is ``_kernels.NULL``, never ``None``."""
-    kernel = library.kernels[cuda_rope.kernel_name(FP32, 1, False)]
-    strided = {p.name for p in kernel.params if p.strided}
-    assert strided == {"q_in", "q_out", "k_in", "k_out"}
-    const = {p.name for p in kernel.params if p.pointer and p.const}
-    assert const == {"q_in", "k_in", "cos_table", "sin_table", "positions"}
-    x, y = np.zeros((1, 1, 4), np.float32), np.zeros((1, 1, 4), np.float32)
-    table = np.zeros((4, 2), np.float32)
-    shape = (np.int32(1), np.int32(1), np.int32(1), np.int32(4), np.int32(2))  # T, Hq, Hk, d, n
-    args = [x, x, y, y, table, table, _kernels.NULL, np.int32(0), np.int64(0), *shape]
-    args += [np.int64(4)] * 8 + [np.float32(1.0), np.int32(0)] + [np.int32(0)] * 3  # no M-RoPE
-    name = cuda_rope.kernel_name(FP32, 1, False)
-    with emulated_context(library) as ctx:
-        launch = _kernels.launch
-        launch(
-            ctx, "rope.cu", name, (1,), 128, tuple(args), shared_mem=16, name_expressions=(name,)
-        )
-        bad = list(args)
-        bad[4] = np.zeros((4, 4), np.float32)[:, :2]  # the table is not a MILA_STRIDED parameter
-        with pytest.raises(ValueError, match=r"cos_table.*not C-contiguous"):
-            launch(ctx, "rope.cu", name, (1,), 128, tuple(bad), name_expressions=(name,))
-        bad = list(args)
-        bad[1] = np.broadcast_to(x, (1, 1, 4))  # read-only, for the written q_out
-        with pytest.raises(ValueError, match=r"q_out.*read-only"):
-            launch(ctx, "rope.cu", name, (1,), 128, tuple(bad), name_expressions=(name,))
-        bad = list(args)
-        bad[6] = None  # CuPy 13 passes an unspecified value for None (cupy/cupy#9046)
-        with pytest.raises(TypeError, match="None is not NULL"):
-            launch(ctx, "rope.cu", name, (1,), 128, tuple(bad), name_expressions=(name,))
-        bad = list(args)
-        bad[0] = x.astype(np.float16)
-        with pytest.raises(TypeError, match="float\\* given a float16 array"):
-            launch(ctx, "rope.cu", name, (1,), 128, tuple(bad), name_expressions=(name,))
-
-
-CONVERT_SOURCE = r"""
-extern "C" __global__ void convert(
-    const float* x, unsigned short* half_bits, unsigned short* bf16_bits, int n)
-{
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        half_bits[i] = from_f32<mila_half>(x[i]).bits;
-        bf16_bits[i] = from_f32<mila_bf16>(x[i]).bits;
-    }
-}
-
-extern "C" __global__ void widen(
-    const unsigned short* bits, float* from_half, float* from_bf16, int n)
-{
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        mila_half h;
-        mila_bf16 b;
-        h.bits = b.bits = bits[i];
-        from_half[i] = to_f32(h);
-        from_bf16[i] = to_f32(b);
-    }
-}
-"""
-
-
-@pytest.fixture(scope="module")
-def converters() -> KernelLibrary:
-    """The RoPE source's own 16-bit conversions (PTX cvt for FP16, integer code for BF16)."""
-    return KernelLibrary([_kernels.source("rope.cu") + CONVERT_SOURCE])
-
-
-def _floats_to_round(rng: np.random.Generator) -> np.ndarray:
-    """float32 values around every 16-bit value: exact ones, ties, one ulp either side of the
-    ties, overflow and underflow edges, infinities, NaNs, and random bit patterns."""
-    bits = np.arange(1 << 16, dtype=np.uint32)
-    values = [
-        bits.astype(np.uint16).view(np.float16).astype(np.float32),  # every fp16 value
-        (bits << 16).view(np.float32),  # every bf16 value
-    ]
-    for exact in list(values):
-        finite = np.sort(exact[np.isfinite(exact)])
-        ties = ((finite[:-1].astype(np.float64) + finite[1:]) / 2).astype(np.float32)
-        values += [ties, np.nextafter(ties, np.float32(np.inf)), np.nextafter(ties, -np.inf)]
-    edges = [65504, 65519.996, 65520, 65536, 3.4e38, 2.0**-24, 2.0**-25, 2.0**-26, 1e-45, 0.0]
-    values.append(np.array(edges + [-e for e in edges], np.float32))
-    values.append(rng.integers(0, 1 << 32, size=200_000, dtype=np.uint64).astype(np.uint32))
-    values[-1] = values[-1].view(np.float32)
-    return np.concatenate(values).astype(np.float32)
-
-
-def test_fp16_and_bf16_conversions_round_to_nearest_even(converters: KernelLibrary, rng) -> None:
-    """The kernel's storage conversions against NumPy (fp16) and ml_dtypes (bf16), bit for bit
-    on every non-NaN input; NaN stays NaN (PTX gives the canonical fp16 NaN 0x7fff)."""
-    x = _floats_to_round(rng)
-    half, bf16 = np.empty(x.size, np.uint16), np.empty(x.size, np.uint16)
-    ctx = EmulatedContext()
-    converters.launch(ctx, "", "convert", (1,), 256, (x, half, bf16, np.int32(x.size)))
-    nan = np.isnan(x)
-    with np.errstate(over="ignore", invalid="ignore"):  # the infinities and NaNs on purpose
-        want_half = x.astype(np.float16).view(np.uint16)
-        want_bf16 = x.astype(ml_dtypes.bfloat16).view(np.uint16)
-    np.testing.assert_array_equal(half[~nan], want_half[~nan])
-    np.testing.assert_array_equal(bf16[~nan], want_bf16[~nan])
-    assert (half[nan] == 0x7FFF).all()
-    assert np.isnan(bf16[nan].view(ml_dtypes.bfloat16).astype(np.float32)).all()
-    assert ((bf16[nan] & 0x8000) == (x[nan].view(np.uint32) >> 16 & 0x8000)).all()  # sign kept
-    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
-    from_half, from_bf16 = np.empty(every.size, np.float32), np.empty(every.size, np.float32)
-    converters.launch(
-        ctx, "", "widen", (1,), 256, (every, from_half, from_bf16, np.int32(every.size))
-    )
-    np.testing.assert_array_equal(from_half, every.view(np.float16).astype(np.float32))
-    np.testing.assert_array_equal(from_bf16, every.view(ml_dtypes.bfloat16).astype(np.float32))
 
 
 @pytest.mark.parametrize("layout", ["half", "interleaved"])

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from cuda_arrays import close, cupy, dev
+from cuda_arrays import close, cupy, dev, host
 from layer_helpers import (
     INFERENCE,
     TRAINING,
@@ -280,23 +280,59 @@ def test_memory_stats_count_every_owned_array_once(mode) -> None:
 # ------------------------------------------------------------------ CUDA op against the CPU op
 
 
-@pytest.mark.parametrize("vocab", [7, 1031, 32000])
+@pytest.mark.parametrize("vocab", [5, 300, 1031, 32000])
 def test_cuda_op_matches_the_cpu_op(cuda_ctx, rng, vocab: int) -> None:
     op = create_op(
         "SoftmaxCrossEntropyOp", cuda_ctx, SoftmaxCrossEntropyConfig(vocab), Precision.FP32
     )
     logits = f32(rng, 2, 5, vocab, scale=5.0)
     targets = rng.integers(0, vocab, size=(2, 5))
-    targets[0, 1] = -100
+    targets[0, 1] = targets[1, 4] = -100
     lse = cupy.empty((2, 5), cupy.float32)
     loss, count = op.forward(dev(logits), dev(targets), lse)
     lse_ref = np.empty((2, 5), np.float32)
     loss_ref, count_ref = softmax_cross_entropy_forward(logits, targets, -100, lse_ref)
-    assert count == count_ref == 9
+    assert count == count_ref == 8
     assert loss == pytest.approx(loss_ref, rel=1e-6)
     close(lse, lse_ref)
     d = cupy.empty(logits.shape, cupy.float32)
-    op.backward(dev(logits), dev(targets), lse, d, 1.0 / count)
+    op.backward(dev(logits), dev(targets), lse, d, 0.37 / count)
     d_ref = np.empty_like(logits)
-    softmax_cross_entropy_backward(logits, targets, -100, lse_ref, d_ref, 1.0 / count)
+    softmax_cross_entropy_backward(logits, targets, -100, lse_ref, d_ref, 0.37 / count)
     close(d, d_ref, atol=1e-8)
+    assert not host(d)[0, 1].any() and not host(d)[1, 4].any()  # ignored rows: zero
+
+
+@pytest.mark.parametrize("shift", [1e4, 1e7])
+def test_cuda_op_of_large_logits_is_exact(cuda_ctx, rng, shift: float) -> None:
+    """Max and log-sum apart in float64, and a backward that renormalizes each row (as the CPU
+    op): logits around 1e4 lost ~2e-5 of the loss; three equal logits of 1e7 gave 1.0 for
+    log 3."""
+    vocab = 3 if shift == 1e7 else 50
+    op = create_op(
+        "SoftmaxCrossEntropyOp", cuda_ctx, SoftmaxCrossEntropyConfig(vocab), Precision.FP32
+    )
+    logits = np.full((1, 4, vocab), shift, np.float32)
+    if shift == 1e4:
+        logits += f32(rng, 1, 4, vocab, scale=3.0)
+    targets = rng.integers(0, vocab, size=(1, 4))
+    z = logits.astype(np.float64).reshape(4, vocab)
+    m = z.max(axis=1, keepdims=True)
+    log_sum = np.log(np.exp(z - m).sum(axis=1, keepdims=True))
+    want = float(np.mean((m - z[np.arange(4), targets[0]][:, None]) + log_sum))
+    lse = cupy.empty((1, 4), cupy.float32)
+    loss, count = op.forward(dev(logits), dev(targets), lse)
+    assert count == 4 and loss == pytest.approx(want, rel=1e-6, abs=1e-6)
+    d = cupy.empty(logits.shape, cupy.float32)
+    op.backward(dev(logits), dev(targets), lse, d, 1.0 / count)
+    p = np.exp(z - m - log_sum)
+    p[np.arange(4), targets[0]] -= 1.0
+    np.testing.assert_allclose(host(d).reshape(4, vocab), p / count, rtol=0, atol=2e-7)
+
+
+def test_cuda_op_with_every_target_ignored(cuda_ctx, rng) -> None:
+    config = SoftmaxCrossEntropyConfig(6, ignore_index=-1)
+    op = create_op("SoftmaxCrossEntropyOp", cuda_ctx, config, Precision.FP32)
+    lse = cupy.empty((1, 3), cupy.float32)
+    loss, count = op.forward(dev(f32(rng, 1, 3, 6)), dev(np.full((1, 3), -1)), lse)
+    assert np.isnan(loss) and count == 0

@@ -9,8 +9,8 @@ With ``N`` the product of the leading dimensions of ``x``::
 
 The weight may have any strides: cuBLAS reads a C- or F-contiguous ``W`` (or ``W^T``) in place.
 CUDA builds keep every weight as ``[out, in]`` rows (the decode kernel below reads those), and
-the tied head is the embedding's ``[vocab, dim]`` rows. The weight gradient accumulates inside the GEMM (``beta = 1``), with no temporary the size of the
-weight.
+the tied head is the embedding's ``[vocab, dim]`` rows. The weight gradient accumulates inside
+the GEMM (``beta = 1``), with no temporary the size of the weight.
 
 FP16 and BF16: the forward and ``dx`` products take the 16-bit operands as they are (CuPy's
 2-D matmul runs cuBLAS with float32 accumulation and rounds each output once, see
@@ -24,8 +24,8 @@ every CUDA build) is one launch of ``linear.cu``'s ``linear_rows`` kernel instea
 CuPy refuses cuBLAS calls while a stream captures a CUDA graph, so a step with them could not
 be captured; and a product of so few rows is bound by reading ``W`` once, which the kernel
 is written to do at close to the memory's bandwidth for all the rows together (its comment
-gives the reasoning; ``benchmarks/decode_products.py`` measures it against ``cupy.matmul`` and a copy of
-the same bytes). Prefill and training (more rows) stay on cuBLAS.
+gives the reasoning; ``benchmarks/decode_products.py`` measures it against ``cupy.matmul`` and
+a copy of the same bytes). Prefill and training (more rows) stay on cuBLAS.
 """
 
 from __future__ import annotations

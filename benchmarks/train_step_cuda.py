@@ -233,7 +233,7 @@ def main() -> None:
     # both libraries start from mila_py's initial weights (16-bit ones exactly, as FP32)
     weights = {name: ctx.to_host(p) for name, p in model.named_parameters()}
     mila_label = "mila_py (CuPy)" if on_gpu else "mila_py (NumPy + Numba)"
-    # (label, median seconds, losses, loss scale at the end)
+    # (label, median seconds, losses, what reads the loss scale: a GradScaler or the torch step)
     rows = [(mila_label, *_time(step, model.synchronize, args.steps), scaler)]
     if on_gpu:
         gpu_ms, by_label = profile_mila(step, model)

@@ -5,10 +5,13 @@
 #   bash benchmarks/gpu_check.sh tests   # the test suite, CUDA cases included
 #   bash benchmarks/gpu_check.sh rope    # RoPE benchmark (copy ceiling, peers)
 #   bash benchmarks/gpu_check.sh llama   # training step, gradient all-reduce, generation, decode plan
-#   bash benchmarks/gpu_check.sh bench   # rope + llama
+#   bash benchmarks/gpu_check.sh bf16    # the BF16 targets: generation of the 1B shape (prefill
+#                                        # B=8 prompt 512, decode B=1 and B=8 against HF sdpa and
+#                                        # the floor), training steps of medium and large in BF16
+#   bash benchmarks/gpu_check.sh bench   # rope + llama + bf16
 #   bash benchmarks/gpu_check.sh         # everything
 #   bash benchmarks/gpu_check.sh once    # everything, cut to end within ~560 s
-# Each of tests, rope and llama fits in 10 minutes; bench and all may not. `once` runs, in this
+# Each of tests, rope, llama and bf16 fits in 10 minutes; bench and all may not. `once` runs, in this
 # order, each stage under its own timeout, the most important first:
 #   the whole suite (in parallel over the machine's cores); RoPE without the torch.compile peer
 #   in 5 interleaved rounds; the decode plan against the components' calls, at one position and
@@ -39,6 +42,7 @@ if [[ "$what" == once ]]; then
 else
   end=560
   t_tests=480 t_rope=300 t_compile=0 t_train=200 t_ar=120 t_gen=200 t_plan=120
+  t_bf16_gen=240 t_bf16_train=150  # each of the two training sizes
   rope_args=() gen_args=() plan_args=()
 fi
 mark() { echo "== $1 at ${SECONDS}s"; }
@@ -103,6 +107,15 @@ if stage llama && { [[ "$what" != once ]] || (( $(left) > 120 )); }; then
     timeout -k 10 "$t_plan" python3 benchmarks/decode_plan.py --device CUDA:0 ${plan_args[@]+"${plan_args[@]}"} 2>&1 \
       | tee -a "$out/llama.log" || status=1
   fi
+fi
+if [[ "$what" == bf16 || "$what" == bench || "$what" == all ]]; then
+  mark bf16
+  timeout -k 10 "$t_bf16_gen" python3 benchmarks/generate.py --device CUDA:0 --sizes 1B --batch 1 8 \
+    --prompt 512 --precision bf16 2>&1 | grep -v Writing | tee "$out/bf16.log" || status=1
+  for size in medium large; do
+    timeout -k 10 "$t_bf16_train" python3 benchmarks/train_step_cuda.py --device CUDA:0 --size "$size" \
+      --precision bf16 2>&1 | tee -a "$out/bf16.log" || status=1
+  done
 fi
 mark done
 exit $status

@@ -1,24 +1,20 @@
 #!/usr/bin/env bash
-# Everything that needs an NVIDIA GPU, in one go: the CUDA tests, then the GPU benchmarks.
-# The figures these print, with hardware and date: docs/performance.md.
-# Logs go to $OUT (or ./gpu_check_out). Run from the repository root:
-#   bash benchmarks/gpu_check.sh tests   # the test suite, CUDA cases included
-#   bash benchmarks/gpu_check.sh rope    # RoPE benchmark (copy ceiling, peers)
-#   bash benchmarks/gpu_check.sh llama   # training step, gradient all-reduce, generation, decode plan
-#   bash benchmarks/gpu_check.sh bf16    # the BF16 targets: generation of the 1B shape (prefill
-#                                        # B=8 prompt 512, decode B=1 and B=8 against HF sdpa and
-#                                        # the floor), training steps of medium and large in BF16
-#   bash benchmarks/gpu_check.sh bench   # rope + llama + bf16
-#   bash benchmarks/gpu_check.sh         # everything
-#   bash benchmarks/gpu_check.sh once    # everything, cut to end within ~560 s
-# Each of tests, rope, llama and bf16 fits in 10 minutes; bench and all may not. `once` runs, in this
-# order, each stage under its own timeout, the most important first:
-#   the whole suite (in parallel over the machine's cores); RoPE without the torch.compile peer
-#   in 5 interleaved rounds; the decode plan against the components' calls, at one position and
-#   ragged (B=4); RoPE against the torch.compile peer alone; the training, all-reduce and
-#   generation benchmarks on the time left.
-# The whole call ends by ~560 s (GPU_CHECK_END=SECONDS ends it sooner: the later stages get what
-# is left); logs stream to $OUT as they go, so a stage that runs out still leaves what it printed.
+# Everything that needs an NVIDIA GPU: the CUDA tests, then the GPU benchmarks, stage by stage.
+# The figures these print, with hardware and date: docs/performance.md. Run from the repository
+# root; logs go to $OUT (default ./gpu_check_out), a file per stage:
+#   bash benchmarks/gpu_check.sh                 # every stage, in this order
+#   bash benchmarks/gpu_check.sh tests decode    # the stages named
+# Stages:
+#   tests    the suite, CUDA cases included (in parallel where pytest-xdist is installed)
+#   decode   the decode products against cupy.matmul and a copy of the same bytes, then
+#            generation of the ~100M and Llama-3.2-1B shapes in fp32 (decode against the
+#            weight-streaming floor, prefill and decode against Hugging Face)
+#   bf16     the BF16 targets: generation of the 1B shape (prefill B=8 prompt 512, decode B=1
+#            and B=8), training steps of the medium and large models against torch autocast
+#   memory   a 1B-shaped INFERENCE build: the CuPy pool against get_memory_stats, HF's peak
+#   rope     RoPE against the copy ceiling and the peer libraries
+#   train    the fp32 training step and the gradient all-reduce
+#   serve    the server against stream_text on the GPU
 # Without `pip install -e`, the checkout is put on PYTHONPATH. The RoPE peers Liger-Kernel and
 # flash-attention (Triton code) may be missing on a GPU machine that reaches no registry:
 # `python benchmarks/gpu_peers.py` fetches them into .gpu_peers/ beforehand; copy that folder
@@ -31,22 +27,15 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if [[ -d .gpu_peers/site ]]; then
   export PYTHONPATH="$PWD/.gpu_peers/site:$PYTHONPATH"
 fi
-what="${1:-all}"
+stages=("$@")
+(( ${#stages[@]} )) || stages=(tests decode bf16 memory rope train serve)
 status=0
-if [[ "$what" == once ]]; then
-  end="${GPU_CHECK_END:-560}"  # seconds: where the call must end (the variable shortens it)
-  t_tests=170 t_rope=100 t_compile=150 t_train=50 t_ar=30 t_gen=140 t_plan=30
-  rope_args=(--no-compile --rounds 5 --repeats 3)  # ~60 s: 69 figures a round (3 peers)
-  gen_args=(--repeat 1)
-  plan_args=(--steps 100 --rounds 3)
-else
-  end=560
-  t_tests=480 t_rope=300 t_compile=0 t_train=200 t_ar=120 t_gen=200 t_plan=120
-  t_bf16_gen=240 t_bf16_train=150  # each of the two training sizes
-  rope_args=() gen_args=() plan_args=()
-fi
-mark() { echo "== $1 at ${SECONDS}s"; }
-stage() { [[ "$what" == all || "$what" == once || "$what" == "$1" || ( "$what" == bench && "$1" != tests ) ]]; }
+run() {  # run LOG COMMAND...: the command's output to the terminal and to $out/LOG
+  local log="$1"
+  shift
+  echo "+ $*" | tee -a "$out/$log"
+  "$@" 2>&1 | tee -a "$out/$log" || status=1
+}
 
 {
   nvidia-smi -L
@@ -54,68 +43,34 @@ stage() { [[ "$what" == all || "$what" == once || "$what" == "$1" || ( "$what" =
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" || true
 } 2>&1 | tee "$out/env.log"
 
-if stage tests; then
-  mark tests
-  # the whole suite: with a GPU the CUDA cases run instead of skipping (-rs lists any skip)
-  # in parallel where pytest-xdist is installed: serially the suite takes over 270 s with its
-  # CUDA cases, ~85 s on 14 workers
-  workers=()
-  if python3 -c "import xdist" 2>/dev/null; then workers=(-n "$(( $(nproc) > 4 ? $(nproc) - 2 : 2 ))"); fi
-  timeout -k 10 "$t_tests" python3 -m pytest tests -q -rs --tb=short --durations=10 -p no:cacheprovider \
-    ${workers[@]+"${workers[@]}"} 2>&1 \
-    | tee "$out/tests.log" || status=1
-fi
-if stage rope; then
-  mark rope
-  timeout -k 10 "$t_rope" python3 benchmarks/rope_cuda.py ${rope_args[@]+"${rope_args[@]}"} --json "$out/rope_cuda.json" 2>&1 \
-    | tee "$out/rope_cuda.log" || status=1
-fi
-if [[ "$what" == once ]]; then
-  # the decode plan against the components' calls, at one position and ragged (B=4), before
-  # the optional stages
-  mark plan
-  timeout -k 10 "$t_plan" python3 benchmarks/decode_plan.py --device CUDA:0 ${plan_args[@]+"${plan_args[@]}"} 2>&1 \
-    | tee -a "$out/rope_cuda.log" || status=1
-  mark "plan ragged"
-  timeout -k 10 "$t_plan" python3 benchmarks/decode_plan.py --device CUDA:0 --batch 4 --ragged \
-    ${plan_args[@]+"${plan_args[@]}"} 2>&1 | tee -a "$out/rope_cuda.log" || status=1
-fi
-left() { echo $(( end - SECONDS )); }
-if [[ "$what" == once ]] && (( $(left) > 40 )); then
-  # RoPE against the torch.compile peer alone (it compiles a graph per shape and dtype while
-  # the cases are set up, a line each; the table prints after every round); `all` and `rope`
-  # time it with the other peers
-  mark compile
-  (( $(left) < t_compile )) && t_compile=$(left)
-  timeout -k 10 "$t_compile" python3 benchmarks/rope_cuda.py --rounds 3 --repeats 4 --peer "HF compile" 2>&1 \
-    | tee "$out/rope_compile.log" || status=1
-fi
-if stage llama && { [[ "$what" != once ]] || (( $(left) > 120 )); }; then
-  mark llama
-  if [[ "$what" == once ]]; then  # the time left, shared in the proportions of the timeouts
-    share=$(( $(left) - 40 ))  # each stage's kill may add its 10 s
-    t_train=$(( share * t_train / 220 )) t_ar=$(( share * t_ar / 220 )) t_gen=$(( share * t_gen / 220 ))
-  fi
-  timeout -k 10 "$t_train" python3 benchmarks/train_step_cuda.py --device CUDA:0 2>&1 \
-    | tee "$out/llama.log" || status=1
-  # the gradient all-reduce on one GPU: NCCL over a one-rank world (backend="nccl")
-  timeout -k 10 "$t_ar" python3 benchmarks/allreduce.py --device CUDA:0 2>&1 \
-    | tee -a "$out/llama.log" || status=1
-  timeout -k 10 "$t_gen" python3 benchmarks/generate.py --device CUDA:0 ${gen_args[@]+"${gen_args[@]}"} 2>&1 \
-    | grep -v Writing | tee -a "$out/llama.log" || status=1
-  if [[ "$what" != once ]]; then  # `once` ran it after the RoPE benchmark
-    timeout -k 10 "$t_plan" python3 benchmarks/decode_plan.py --device CUDA:0 ${plan_args[@]+"${plan_args[@]}"} 2>&1 \
-      | tee -a "$out/llama.log" || status=1
-  fi
-fi
-if [[ "$what" == bf16 || "$what" == bench || "$what" == all ]]; then
-  mark bf16
-  timeout -k 10 "$t_bf16_gen" python3 benchmarks/generate.py --device CUDA:0 --sizes 1B --batch 1 8 \
-    --prompt 512 --precision bf16 2>&1 | grep -v Writing | tee "$out/bf16.log" || status=1
-  for size in medium large; do
-    timeout -k 10 "$t_bf16_train" python3 benchmarks/train_step_cuda.py --device CUDA:0 --size "$size" \
-      --precision bf16 2>&1 | tee -a "$out/bf16.log" || status=1
-  done
-fi
-mark done
+for stage in "${stages[@]}"; do
+  echo "== $stage at ${SECONDS}s"
+  case "$stage" in
+    tests)
+      workers=()
+      if python3 -c "import xdist" 2>/dev/null; then workers=(-n "$(( $(nproc) > 4 ? $(nproc) - 2 : 2 ))"); fi
+      run tests.log python3 -m pytest tests -q -rs --tb=short --durations=10 -p no:cacheprovider \
+        ${workers[@]+"${workers[@]}"} ;;
+    decode)
+      run decode.log python3 benchmarks/decode_products.py --device CUDA:0
+      run decode.log python3 benchmarks/generate.py --device CUDA:0 --sizes ~100M 1B --repeat 1 ;;
+    bf16)
+      run bf16.log python3 benchmarks/generate.py --device CUDA:0 --sizes 1B --batch 1 8 --prompt 512 --precision bf16
+      run bf16.log python3 benchmarks/train_step_cuda.py --device CUDA:0 --size medium --precision bf16
+      run bf16.log python3 benchmarks/train_step_cuda.py --device CUDA:0 --size large --precision bf16 ;;
+    memory)
+      run memory.log python3 benchmarks/memory.py --device CUDA:0 ;;
+    rope)
+      run rope.log python3 benchmarks/rope_cuda.py --json "$out/rope_cuda.json" ;;
+    train)
+      run train.log python3 benchmarks/train_step_cuda.py --device CUDA:0 --size medium
+      run train.log python3 benchmarks/allreduce.py --device CUDA:0 ;;
+    serve)
+      run serve.log python3 benchmarks/serve.py --device CUDA:0 ;;
+    *)
+      echo "gpu_check.sh: unknown stage '$stage' (tests, decode, bf16, memory, rope, train, serve)" >&2
+      status=2 ;;
+  esac
+done
+echo "== done at ${SECONDS}s"
 exit $status

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_arrays import EMULATED, dev, host
+from cuda_arrays import EMULATED, REDUCED_PARAMS, agree, dev, host
 from layer_helpers import (
     INFERENCE,
     TRAINING,
@@ -126,3 +126,17 @@ def test_cuda_op_equals_cpu(cuda_device: str, scale, rng) -> None:
     np.testing.assert_allclose(host(gpu.forward(dev(x), dev(f))), cpu.forward(x, f), rtol, atol)
     for a, b in zip(gpu.backward(dev(dy)), cpu.backward(dy), strict=True):
         np.testing.assert_allclose(host(a), b, rtol, atol)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.3])
+@pytest.mark.parametrize("precision", REDUCED_PARAMS)
+def test_cuda_component_in_16_bits_matches_cpu(
+    cuda_device: str, scale: float, precision: Precision, rng
+) -> None:
+    """16-bit inputs summed in float32 and rounded once, on both devices."""
+    gpu, cpu = (
+        make(scale, precision=precision, device=cuda_device),
+        make(scale, precision=precision),
+    )
+    x, f = (rng.standard_normal((B, T, D)).astype(precision.numpy_dtype) for _ in range(2))
+    agree(gpu.forward(dev(x), dev(f)), cpu.forward(x, f), precision, units=1.0)

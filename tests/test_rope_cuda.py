@@ -12,10 +12,10 @@ from __future__ import annotations
 import gc
 from typing import Any
 
-import ml_dtypes
+import cuda_arrays
 import numpy as np
 import pytest
-from cuda_arrays import EMULATED, cupy
+from cuda_arrays import CUPY_BF16, EMULATED, cupy
 from rope_helpers import (
     BF16,
     FP16,
@@ -44,18 +44,6 @@ from mila_py.ops.cuda import rope as cuda_rope
 pytestmark = pytest.mark.usefixtures("cuda_device")
 
 DEVICE = "CUDA:0"
-BF16_DTYPE = np.dtype(ml_dtypes.bfloat16)
-
-
-def _cupy_has_bfloat16() -> bool:
-    try:
-        cupy.empty((0,), dtype=BF16_DTYPE)
-    except Exception:
-        return False
-    return True
-
-
-CUPY_BF16 = _cupy_has_bfloat16()
 NO_BF16_REASON = (
     "this CuPy has no bfloat16 dtype (CuPy >= 14 has); BF16 is then checked with torch bf16 "
     "tensors in test_torch_tensors_are_rotated_in_place_through_dlpack"
@@ -93,22 +81,13 @@ def rng() -> np.random.Generator:
 
 
 def up(x: np.ndarray) -> Any:
-    """A device copy of a host array (BF16 moved as its bits), ready when this returns."""
-    x = np.ascontiguousarray(x)
-    if x.dtype == BF16_DTYPE:
-        out = cupy.asarray(x.view(np.uint16)).view(BF16_DTYPE)
-    else:
-        out = cupy.asarray(x)
-    cupy.cuda.runtime.deviceSynchronize()
-    return out
+    """A C-contiguous device copy of a host array (BF16 moved as its bits)."""
+    return cuda_arrays.dev(np.ascontiguousarray(x))
 
 
 def down(x: Any) -> np.ndarray:
     """A host copy of a device array after every stream finished (BF16 moved as its bits)."""
-    cupy.cuda.runtime.deviceSynchronize()
-    if x.dtype == BF16_DTYPE:
-        return cupy.asnumpy(x.view(cupy.uint16)).view(BF16_DTYPE)
-    return cupy.asnumpy(x)
+    return cuda_arrays.host(x)
 
 
 def bits(x: Any) -> bytes:

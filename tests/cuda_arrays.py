@@ -98,3 +98,8 @@ def agree(actual: Any, expected: Any, precision: Precision, units: float = 2.0) 
     bound = units * ULP[precision] * (np.abs(e) + 0.05 * np.abs(e).max(initial=0.0))
     worst = float(np.max(np.abs(a - e) - bound, initial=-1.0))
     assert worst <= 0, f"{precision}: differs by {np.abs(a - e).max():.3g} beyond the bound"
+
+
+def on(device: str, x: Any) -> Any:
+    """Host array ``x`` on ``device``: itself for ``"CPU"``, else a device copy (:func:`dev`)."""
+    return x if device == "CPU" else dev(x)

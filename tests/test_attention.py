@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cuda_arrays import EMULATED, close, cupy, dev, host
+from cuda_arrays import EMULATED, REDUCED_PARAMS, agree, close, cupy, dev, host
 from layer_helpers import f32
 
 from mila_py import Precision
@@ -30,6 +30,8 @@ needs_numba = pytest.mark.skipif(
     reason="Numba is not installed or MILA_PY_CPU_BACKEND=numpy",
 )
 KERNELS = ["numpy", pytest.param("fused", marks=needs_numba)]
+#: the CPU ops a CUDA op is checked against
+CPU = create_execution_context("CPU")
 
 
 def forward_hooks(kernels: str) -> dict:  # type: ignore[type-arg]
@@ -820,3 +822,77 @@ def test_cuda_host_orchestration_with_numpy_kernels(rng) -> None:
     attention_backward(dout, q, k, v, p_ref, hq, hk, scale, *grads[1::2], out=out_ref)
     for ours, ref in zip(grads[0::2], grads[1::2], strict=True):
         close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("precision", REDUCED_PARAMS)
+def test_cuda_op_in_16_bits_matches_the_cpu_op(cuda_ctx, rng, precision: Precision) -> None:
+    """The training forward (float32 probabilities) and backward over views of one 16-bit
+    QKV buffer, and a prefill chunk at an offset into a 16-bit cache, against the CPU op in
+    the same precision."""
+    p, dtype = precision, precision.numpy_dtype
+    hq, hk, d, n_b, n_t, scale = 4, 2, 8, 2, 9, 0.41
+    gpu, cpu = create_op("AttentionOp", cuda_ctx, None, p), create_op("AttentionOp", CPU, None, p)
+    qkv = f32(rng, n_b, n_t, (hq + 2 * hk) * d).astype(dtype)
+    q, k, v = _qkv_views(qkv, hq, hk, d)
+    gq, gk, gv = _qkv_views(dev(qkv), hq, hk, d)
+    probs = cupy.empty((n_b, hk, hq // hk, n_t, n_t), cupy.float32)
+    probs_ref = np.empty((n_b, hk, hq // hk, n_t, n_t), np.float32)
+    out, out_ref = cupy.empty((n_b, n_t, hq * d), dtype), np.empty((n_b, n_t, hq * d), dtype)
+    gpu.forward(gq, gk, gv, hq, hk, scale, out=out, probs=probs)
+    cpu.forward(q, k, v, hq, hk, scale, out=out_ref, probs=probs_ref)
+    close(probs, probs_ref, rtol=1e-5, atol=1e-6)
+    agree(out, out_ref, p)
+    dout = f32(rng, n_b, n_t, hq * d).astype(dtype)
+    dqkv, dqkv_ref = cupy.zeros(qkv.shape, dtype), np.zeros_like(qkv)
+    gpu.backward(
+        dev(dout), gq, gk, gv, dev(probs_ref), hq, hk, scale, *_qkv_views(dqkv, hq, hk, d),
+        out=dev(out_ref),
+    )  # fmt: skip
+    cpu.backward(
+        dout, q, k, v, probs_ref, hq, hk, scale, *_qkv_views(dqkv_ref, hq, hk, d), out=out_ref
+    )
+    agree(dqkv, dqkv_ref, p)
+    cache = f32(rng, n_b, 20, 2 * hk * d).astype(dtype)
+    g_cache = dev(cache)
+    chunk, chunk_ref = cupy.empty((n_b, 3, hq * d), dtype), np.empty((n_b, 3, hq * d), dtype)
+    gpu.prefill(gq[:, :3], g_cache[:, :12, : hk * d], g_cache[:, :12, hk * d :], hq, hk, scale,
+                chunk, 9)  # fmt: skip
+    cpu.prefill(q[:, :3], cache[:, :12, : hk * d], cache[:, :12, hk * d :], hq, hk, scale,
+                chunk_ref, 9)  # fmt: skip
+    agree(chunk, chunk_ref, p)
+
+
+@pytest.mark.parametrize("precision", REDUCED_PARAMS)
+def test_cuda_decode_kernels_in_16_bits_match_the_cpu_op(
+    cuda_ctx, rng, precision: Precision
+) -> None:
+    """``kv_cache_write<T>`` and ``attention_decode<T>`` (the 16-bit cache read as it is)
+    against the CPU op's decode plan on the same 16-bit values, uniform and ragged: the caches
+    bit for bit, the output to a rounding."""
+    p, dtype = precision, precision.numpy_dtype
+    hq, hk, d, n_b, t_max, scale = 6, 2, 16, 3, 40, 0.37
+    qkv = f32(rng, n_b, 1, (hq + 2 * hk) * d).astype(dtype)
+    caches = [f32(rng, n_b, t_max, hk * d).astype(dtype) for _ in range(2)]
+    sides = {
+        "gpu": (cuda_ctx, _qkv_views(dev(qkv), hq, hk, d), [dev(c) for c in caches]),
+        "cpu": (CPU, _qkv_views(qkv, hq, hk, d), [c.copy() for c in caches]),
+    }
+    outs = {"gpu": cupy.zeros((n_b, 1, hq * d), dtype), "cpu": np.zeros((n_b, 1, hq * d), dtype)}
+    cells, steps = {}, {}
+    for side, (ctx, (q, k_new, v_new), (kc, vc)) in sides.items():
+        op = create_op("AttentionOp", ctx, None, p)
+        cells[side] = cell = DecodePositions(n_b, cuda_ctx if side == "gpu" else None)
+        write = op.bind_cache_write(k_new[:, 0], v_new[:, 0], kc, vc, cell)
+        steps[side] = (write, op.bind_decode(q, kc, vc, hq, hk, scale, outs[side], cell))
+    for positions in ([7, 7, 7], [3, 30, 12]):
+        pos = np.array(positions)
+        for side in sides:
+            cells[side].set(pos, int(pos.min()), int(pos.max()))
+            for step in steps[side]:
+                step()
+        for g, c in zip(sides["gpu"][2], sides["cpu"][2], strict=True):
+            np.testing.assert_array_equal(host(g), c)
+        agree(outs["gpu"], outs["cpu"], p)
+    if EMULATED:
+        tag = "mila_bf16" if p is Precision.BF16 else "mila_half"
+        assert {f"attention_decode<{tag}>", f"kv_cache_write<{tag}>"} <= set(cuda_ctx.launches)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_arrays import close, cupy, dev, host
+from cuda_arrays import REDUCED_PARAMS, agree, close, cupy, dev, host
 from layer_helpers import (
     ATOL32,
     INFERENCE,
@@ -21,11 +21,14 @@ from layer_helpers import (
 
 from mila_py import BuildContext, Network, Precision, RuntimeMode, TrainingMode
 from mila_py.components import Linear, LinearConfig
+from mila_py.devices import create_execution_context
 from mila_py.init import manual_seed
 from mila_py.ops.cpu.linear import linear_backward, linear_forward
 from mila_py.ops.registry import create_op
 
 B, T, IN, OUT = 3, 5, 7, 4
+#: the CPU ops a CUDA op is checked against
+CPU = create_execution_context("CPU")
 
 
 @pytest.fixture
@@ -425,3 +428,29 @@ def test_cuda_bound_forward_equals_the_forward(cuda_ctx, rng, m: int, transposed
         reference = x.astype(np.float64) @ w.T + (0 if bias is None else bias)
         close(out, reference, rtol=1e-5, atol=1e-5)
         close(out, host(want) + (0 if bias is None else bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("precision", REDUCED_PARAMS)
+def test_cuda_op_in_16_bits_matches_the_cpu_op(cuda_ctx, rng, precision: Precision) -> None:
+    """CuPy's 2-D products over the 16-bit values against the CPU op in the same precision,
+    an ``[out, in]`` view of ``[in, out]`` storage as INFERENCE keeps it; ``dy`` in the storage
+    type, then in float32 (taken as it is); the weight and bias gradients in float32."""
+    p, dtype = precision, precision.numpy_dtype
+    cfg = LinearConfig(24, 16, bias=True)
+    gpu, cpu = create_op("LinearOp", cuda_ctx, cfg, p), create_op("LinearOp", CPU, cfg, p)
+    x, storage, b = f32(rng, 3, 5, 24).astype(dtype), f32(rng, 24, 16), f32(rng, 16)
+    w, b = storage.astype(dtype).T, b.astype(dtype)
+    gx, gw, gb = dev(x), dev(storage.astype(dtype)).T, dev(b)
+    out, ref = cupy.empty((3, 5, 16), dtype), np.empty((3, 5, 16), dtype)
+    gpu.forward(gx, gw, gb, out)
+    cpu.forward(x, w, b, ref)
+    agree(out, ref, p)
+    for dy in (f32(rng, 3, 5, 16).astype(dtype), f32(rng, 3, 5, 16)):
+        dw, dw_ref = cupy.zeros((16, 24), cupy.float32), np.zeros((16, 24), np.float32)
+        db, db_ref = cupy.zeros(16, cupy.float32), np.zeros(16, np.float32)
+        dx, dx_ref = cupy.empty((3, 5, 24), dtype), np.empty((3, 5, 24), dtype)
+        gpu.backward(gx, gw, dev(dy), dw, db, dx)
+        cpu.backward(x, w, dy, dw_ref, db_ref, dx_ref)
+        close(dw, dw_ref, rtol=1e-5, atol=1e-5)
+        close(db, db_ref, rtol=1e-5, atol=1e-5)
+        agree(dx, dx_ref, p)

@@ -42,7 +42,7 @@ from mila_py.interop.hf import checkpoint_precision, hf_weight_files, save_hf_ch
 from mila_py.models import Llama, LlamaConfig
 from mila_py.ops.cpu import _fused_linear
 from mila_py.ops.cpu._fused_math import AVAILABLE as HAS_NUMBA
-from mila_py.ops.registry import is_supported
+from mila_py.ops.registry import OpNotFoundError, create_op, is_supported
 
 REDUCED = [Precision.BF16, Precision.FP16]
 #: relative error (2-norm) of a layer against its float64 twin on the same 16-bit values: the
@@ -432,3 +432,15 @@ def test_from_pretrained_bounds_its_default_context(tmp_path: Path) -> None:
     assert Llama.from_pretrained(long_path).context_length == 4096
     assert Llama.from_pretrained(short_path).context_length == 40
     assert Llama.from_pretrained(long_path, seq_len=5000).context_length == 5000
+
+
+def test_bf16_cuda_ops_need_cupy_bfloat16_arrays(cuda_ctx: Any) -> None:
+    """A CuPy that carries bfloat16 as uint16 bits (before CuPy 14; the context's
+    ``bfloat16_native`` set False plays one) cannot run the layers' products and sums in BF16:
+    the op is refused when made, naming the precisions that work; FP16 needs no bfloat16."""
+    cuda_ctx.bfloat16_native = False
+    for op in ("LinearOp", "RmsNormOp", "AttentionOp"):
+        with pytest.raises(OpNotFoundError, match="CuPy >= 14") as info:
+            create_op(op, cuda_ctx, None, Precision.BF16)
+        assert info.value.other_precisions == {Precision.FP32, Precision.FP16}
+    create_op("RmsNormOp", cuda_ctx, RmsNormConfig(4), Precision.FP16)

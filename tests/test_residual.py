@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_arrays import EMULATED, dev, host
+from cuda_arrays import EMULATED, REDUCED_PARAMS, agree, dev, host, on
 from layer_helpers import (
     INFERENCE,
     TRAINING,
@@ -40,15 +40,21 @@ def make(
 
 @pytest.mark.parametrize("precision", [Precision.FP32, Precision.FP64], ids=str)
 @pytest.mark.parametrize("scale", [1.0, 0.5, -2.0])
-def test_forward_matches_float64_and_calls_may_be_smaller(precision, scale, rng) -> None:
-    res = make(scale, precision=precision)
+def test_forward_matches_float64_and_calls_may_be_smaller(device, precision, scale, rng) -> None:
+    """On every device in FP32 (FP64 is the CPU's alone); a smaller call than the build
+    writes a view of the component's output buffer."""
+    if precision is Precision.FP64 and device != "CPU":
+        pytest.skip("FP64 is a CPU precision")
+    res = make(scale, precision=precision, device=device)
     dtype = precision.numpy_dtype
     for shape in ((B, T, D), (1, 3, D)):
         x, f = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
-        y = res.forward(x, f)
+        y = res.forward(on(device, x), on(device, f))
         assert y.shape == shape and y.dtype == dtype
-        np.testing.assert_allclose(y, x.astype(np.float64) + scale * f.astype(np.float64), 1e-6)
-        assert np.shares_memory(y, res._state["output"])
+        want = x.astype(np.float64) + scale * f.astype(np.float64)
+        np.testing.assert_allclose(host(y), want, 1e-6)
+        if device == "CPU":  # NumPy can tell; a CuPy array's memory is not NumPy's
+            assert np.shares_memory(y, res._state["output"])
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.75])
@@ -126,3 +132,17 @@ def test_cuda_op_equals_cpu(cuda_device: str, scale, rng) -> None:
     np.testing.assert_allclose(host(gpu.forward(dev(x), dev(f))), cpu.forward(x, f), rtol, atol)
     for a, b in zip(gpu.backward(dev(dy)), cpu.backward(dy), strict=True):
         np.testing.assert_allclose(host(a), b, rtol, atol)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.3])
+@pytest.mark.parametrize("precision", REDUCED_PARAMS)
+def test_cuda_component_in_16_bits_matches_cpu(
+    cuda_device: str, scale: float, precision: Precision, rng
+) -> None:
+    """16-bit inputs summed in float32 and rounded once, on both devices."""
+    gpu, cpu = (
+        make(scale, precision=precision, device=cuda_device),
+        make(scale, precision=precision),
+    )
+    x, f = (rng.standard_normal((B, T, D)).astype(precision.numpy_dtype) for _ in range(2))
+    agree(gpu.forward(dev(x), dev(f)), cpu.forward(x, f), precision, units=1.0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_arrays import EMULATED, close, cupy, dev, host
+from cuda_arrays import EMULATED, REDUCED_PARAMS, agree, close, cupy, dev, host
 from layer_helpers import (
     ATOL32,
     INFERENCE,
@@ -22,12 +22,15 @@ from layer_helpers import (
 
 from mila_py import BuildContext, Precision, TrainingMode
 from mila_py.components import RmsNorm, RmsNormConfig
+from mila_py.devices import create_execution_context
 from mila_py.ops.cpu.rms_norm import rms_norm_backward, rms_norm_forward
 from mila_py.ops.cuda import rms_norm as cuda_rms_norm
 from mila_py.ops.registry import create_op
 
 B, T, D = 3, 5, 8
 EPS = 1e-5
+#: the CPU ops a CUDA op is checked against
+CPU = create_execution_context("CPU")
 
 
 @pytest.fixture
@@ -324,3 +327,30 @@ def test_cuda_weight_gradient_chunks_cover_every_row() -> None:
         per, chunks = cuda_rms_norm.dweight_chunks(n_rows)
         assert per * chunks >= n_rows > per * (chunks - 1)
         assert chunks <= 512
+
+
+@pytest.mark.parametrize("precision", REDUCED_PARAMS)
+def test_cuda_op_in_16_bits_matches_the_cpu_op(cuda_ctx, rng, precision: Precision) -> None:
+    """``rms_norm_*<mila_bf16 | mila_half>`` against the CPU op in the same precision: the
+    16-bit output and input gradient to a rounding, rstd and the weight gradient in float32."""
+    p, dtype, dim = precision, precision.numpy_dtype, 300
+    cfg = RmsNormConfig(dim, eps=1e-5)
+    gpu, cpu = create_op("RmsNormOp", cuda_ctx, cfg, p), create_op("RmsNormOp", CPU, cfg, p)
+    x, w = f32(rng, 7, dim, scale=3.0).astype(dtype), (f32(rng, dim) + 1).astype(dtype)
+    gx, gw = dev(x), dev(w)
+    y, y_ref = cupy.empty((7, dim), dtype), np.empty((7, dim), dtype)
+    r, r_ref = cupy.empty(7, cupy.float32), np.empty(7, np.float32)
+    gpu.forward(gx, gw, y, r)
+    cpu.forward(x, w, y_ref, r_ref)
+    agree(y, y_ref, p)
+    close(r, r_ref, rtol=1e-6, atol=0.0)
+    dy = f32(rng, 7, dim).astype(dtype)
+    dw, dw_ref = cupy.zeros(dim, cupy.float32), np.zeros(dim, np.float32)
+    dx, dx_ref = cupy.empty((7, dim), dtype), np.empty((7, dim), dtype)
+    gpu.backward(gx, gw, r, dev(dy), dw, dx)
+    cpu.backward(x, w, r_ref, dy, dw_ref, dx_ref)
+    agree(dx, dx_ref, p)
+    close(dw, dw_ref, rtol=1e-5, atol=1e-5)
+    if EMULATED:
+        tag = "mila_bf16" if p is Precision.BF16 else "mila_half"
+        assert cuda_ctx.launches[0] == f"rms_norm_forward<{tag}>"

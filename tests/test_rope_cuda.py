@@ -12,10 +12,10 @@ from __future__ import annotations
 import gc
 from typing import Any
 
-import ml_dtypes
+import cuda_arrays
 import numpy as np
 import pytest
-from cuda_arrays import EMULATED, cupy
+from cuda_arrays import CUPY_BF16, EMULATED, cupy
 from rope_helpers import (
     BF16,
     FP16,
@@ -44,18 +44,6 @@ from mila_py.ops.cuda import rope as cuda_rope
 pytestmark = pytest.mark.usefixtures("cuda_device")
 
 DEVICE = "CUDA:0"
-BF16_DTYPE = np.dtype(ml_dtypes.bfloat16)
-
-
-def _cupy_has_bfloat16() -> bool:
-    try:
-        cupy.empty((0,), dtype=BF16_DTYPE)
-    except Exception:
-        return False
-    return True
-
-
-CUPY_BF16 = _cupy_has_bfloat16()
 NO_BF16_REASON = (
     "this CuPy has no bfloat16 dtype (CuPy >= 14 has); BF16 is then checked with torch bf16 "
     "tensors in test_torch_tensors_are_rotated_in_place_through_dlpack"
@@ -93,22 +81,13 @@ def rng() -> np.random.Generator:
 
 
 def up(x: np.ndarray) -> Any:
-    """A device copy of a host array (BF16 moved as its bits), ready when this returns."""
-    x = np.ascontiguousarray(x)
-    if x.dtype == BF16_DTYPE:
-        out = cupy.asarray(x.view(np.uint16)).view(BF16_DTYPE)
-    else:
-        out = cupy.asarray(x)
-    cupy.cuda.runtime.deviceSynchronize()
-    return out
+    """A C-contiguous device copy of a host array (BF16 moved as its bits)."""
+    return cuda_arrays.dev(np.ascontiguousarray(x))
 
 
 def down(x: Any) -> np.ndarray:
     """A host copy of a device array after every stream finished (BF16 moved as its bits)."""
-    cupy.cuda.runtime.deviceSynchronize()
-    if x.dtype == BF16_DTYPE:
-        return cupy.asnumpy(x.view(cupy.uint16)).view(BF16_DTYPE)
-    return cupy.asnumpy(x)
+    return cuda_arrays.host(x)
 
 
 def bits(x: Any) -> bytes:
@@ -510,9 +489,79 @@ def test_a_decode_plan_step_reads_its_positions_from_the_device_buffer(
             positions.set(each, int(each.min()), int(each.max()))
             step()
         assert uploads == []  # (the component's decode below uploads its positions)
+        if EMULATED:  # one launch of the kernel
+            assert ctx.launches[-1].startswith("rope_qk<")
         checked_q, checked_k = up(q0), up(k0)
         rope.decode(checked_q, checked_k, each)
         assert bits(q) == bits(checked_q) and bits(k) == bits(checked_k)
+
+
+@pytest.mark.parametrize("scaling", ["none", "dynamic", "longrope"])
+def test_a_decode_plan_step_across_the_original_context(scaling: str, rng) -> None:
+    """The op's bound decode (a decode plan's call) across the original context (1024):
+    dynamic NTK's rows are computed per call past it and LongRoPE switches tables, so for
+    positions that may cross it (below 4096) their call goes through the general path, which
+    reads the positions on the host (no CUDA graph can replay it); below a limit of 1024 the
+    table is one, and the call reads the step's device positions alone, as without scaling.
+    Every step rotates as the CPU component."""
+    from mila_py.devices.graph import replayable
+    from mila_py.ops.operation import DecodePositions
+
+    n = 8
+    scalings = {
+        "none": None,
+        "dynamic": {
+            "rope_type": "dynamic",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+        },
+        "longrope": {
+            "rope_type": "longrope",
+            "short_factor": [1.0 + 0.05 * i for i in range(n)],
+            "long_factor": [1.0 + 1.7 * i for i in range(n)],
+            "original_max_position_embeddings": 1024,
+        },
+    }
+    cfg = rope_config((3, 1), 16, max_seq_len=4096, scaling=scalings[scaling])
+    batch = 2
+    rope = cuda_rope_of(cfg, batch, 1)
+    cpu = make_rope(cfg, batch, 1)
+    ctx = rope.execution_context
+    q = up(np.zeros((batch, 1, cfg.channels), np.float32))
+    k = up(np.zeros((batch, 1, cfg.kv_channels), np.float32))
+    under = DecodePositions(batch, ctx, limit=1024)
+    assert replayable(rope.op.bind_decode(q, k, under))
+    positions = DecodePositions(batch, ctx)
+    step = rope.op.bind_decode(q, k, positions)
+    assert replayable(step) == (scaling == "none")
+    for position in (1022, 1023, 1024, 1025, 3000, 7):
+        q0, k0 = random_qk(rng, cfg, batch, 1)
+        q[...], k[...] = up(q0), up(k0)
+        with ctx.activate():
+            positions.set(position, position, position)
+            step()
+        cpu.decode(q0, k0, position)
+        assert_parity(down(q), q0, FP32)
+        assert_parity(down(k), k0, FP32)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [None, {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 8}],
+    ids=["default", "dynamic"],
+)
+def test_prefill_in_chunks_given_the_prompt_end_equals_one_call(rng, scaling: Any) -> None:
+    """Chunks given the whole prompt's end (seq_len) rotate bit for bit as one call over it,
+    a length-dependent scaling included."""
+    cfg = rope_config((4, 2), 16, max_seq_len=64, scaling=scaling)
+    rope = cuda_rope_of(cfg, 2, 24)
+    q0, k0 = random_qk(rng, cfg, 2, 24)
+    whole_q, whole_k = up(q0), up(k0)
+    rope.prefill(whole_q, whole_k, 3)
+    q, k = up(q0), up(k0)
+    for lo, hi in ((0, 5), (5, 13), (13, 24)):
+        rope.prefill(q[:, lo:hi], k[:, lo:hi], 3 + lo, seq_len=27)
+    assert bits(q) == bits(whole_q) and bits(k) == bits(whole_k)
 
 
 @pytest.mark.parametrize(
@@ -825,6 +874,7 @@ def test_q_and_k_sharing_memory_are_refused_before_launch(precision: Precision, 
     q0, k0 = random_qk(rng, cfg, 2, 4, precision)
     fused0 = np.concatenate([q0, k0], axis=2)
     fused = up(fused0)
+    launched = len(rope.execution_context.launches) if EMULATED else 0
     with pytest.raises(ValueError, match="share memory"):
         rope.forward(fused[:, :, :24], fused[:, :, 20:28])
     q = up(q0)
@@ -837,6 +887,8 @@ def test_q_and_k_sharing_memory_are_refused_before_launch(precision: Precision, 
     with pytest.raises(ValueError, match="dk lies in this component's dq_in"):
         rope.backward(up(q0), first_q[:, :, :8])
     assert (bits(first_q), bits(first_k)) == saved
+    if EMULATED:  # refused before launch: only the accepted backward launched
+        assert len(rope.execution_context.launches) == launched + 1
     rope.forward(fused[:, :, :24], fused[:, :, 24:])  # disjoint: rotated
     ref_q, ref_k = reference(cfg, q0, k0, arange_positions(2, 4))
     assert_close(down(fused)[:, :, :24], ref_q, precision)

@@ -344,35 +344,6 @@ def test_a_batch_slice_and_a_token_slice(cuda: None, rng) -> None:
     assert same_bits(q_big[outside], q0[outside]) and same_bits(k_big[outside], k0[outside])
 
 
-@pytest.mark.parametrize(
-    "scaling",
-    [None, {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 8}],
-    ids=["default", "dynamic"],
-)
-def test_prefill_in_chunks_equals_one_call(cuda: None, rng, scaling: Any) -> None:
-    """Chunks given the whole prompt's end (seq_len) rotate bit for bit as one call over it,
-    a length-dependent scaling included (the emulated twin of the GPU test)."""
-    cfg = rope_config((4, 2), 16, max_seq_len=64, scaling=scaling)
-    rope = cuda_rope_of(cfg, 2, 24)
-    q, k = random_qk(rng, cfg, 2, 24)
-    whole_q, whole_k = q.copy(), k.copy()
-    rope.prefill(whole_q, whole_k, 3)
-    for lo, hi in ((0, 5), (5, 13), (13, 24)):
-        rope.prefill(q[:, lo:hi], k[:, lo:hi], 3 + lo, seq_len=27)
-    assert same_bits(q, whole_q) and same_bits(k, whole_k)
-
-
-def test_q_and_k_sharing_memory_are_refused_before_launch(cuda: None, rng) -> None:
-    """Overlapping Q and K would rotate a shared element twice: refused, nothing launched."""
-    cfg = rope_config((2, 2), 8)
-    rope = cuda_rope_of(cfg, 1, 4)
-    q, _ = random_qk(rng, cfg, 1, 4)
-    before, launched = q.copy(), len(launches(rope))
-    with pytest.raises(ValueError, match="share memory"):
-        rope.prefill(q, q[..., : cfg.kv_channels], 0)
-    assert same_bits(q, before) and len(launches(rope)) == launched
-
-
 # ---------------------------------------------------------------------------------- positions
 
 
@@ -516,18 +487,6 @@ def test_backward_is_the_inverse_rotation_into_the_gradient_buffers(
         for grad, before in zip(rope.input_gradients, full, strict=True):  # the rest left alone
             assert same_bits(grad[batch:], before[batch:])
             assert same_bits(grad[:, tokens:], before[:, tokens:])
-
-
-def test_forward_then_backward_returns_the_input(cuda: None, rng) -> None:
-    cfg = rope_config((4, 2), 32, layout="interleaved")
-    rope = cuda_rope_of(cfg, 2, 9, mode=TRAINING)
-    q0, k0 = random_qk(rng, cfg, 2, 9)
-    q, k = q0.copy(), k0.copy()
-    rope.prefill(q, k, 0)
-    dq_in, dk_in = rope.backward(q, k)
-    np.testing.assert_allclose(dq_in, q0, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(dk_in, k0, rtol=1e-5, atol=1e-6)
-    assert launches(rope)[-2:] == [name_of(FP32, 4, "interleaved")] * 2
 
 
 # ---------------------------------------------------------------------------------- scaling
@@ -683,68 +642,6 @@ def test_explicit_positions_go_to_the_kernel_as_int32_device_memory(
     np.testing.assert_array_equal(upload, positions)
 
 
-@pytest.mark.parametrize("batch", [3, 600])
-def test_a_decode_plan_step_reads_its_positions_from_the_device_buffer(
-    cuda: None, monkeypatch, batch: int, rng
-) -> None:
-    """A decode plan's step (one position for all, or one per sequence) is one ``rope_qk``
-    launch that reads the step's positions from their device buffer (int32 ``[B]``, written by
-    ``DecodePositions.set``): nothing is uploaded per step, and each step rotates as the CPU."""
-    from mila_py.ops.operation import DecodePositions
-
-    cfg = rope_config((2, 1), 8)
-    rope = cuda_rope_of(cfg, batch, 1)
-    cpu = make_rope(cfg, batch, 1)
-    ctx = rope.execution_context
-    uploads: list[int] = []
-    real_to_device = ctx.to_device
-    monkeypatch.setattr(ctx, "to_device", lambda a: uploads.append(1) or real_to_device(a))
-    q, k = random_qk(rng, cfg, batch, 1)
-    positions = DecodePositions(batch, ctx)
-    step = rope.op.bind_decode(q, k, positions)
-    for ragged in (True, False, True):
-        each = rng.integers(0, cfg.max_seq_len, size=batch) if ragged else np.full(batch, 77)
-        q0, k0 = random_qk(rng, cfg, batch, 1)
-        q[...], k[...] = q0, k0
-        positions.set(each, int(each.min()), int(each.max()))
-        step()
-        cpu.decode(q0, k0, each)
-        assert_parity(q, q0, FP32)
-        assert_parity(k, k0, FP32)
-        assert launches(rope)[-1].startswith("rope_qk<")
-    assert uploads == []
-
-
-@pytest.mark.parametrize("scaling", ["none", "dynamic", "longrope"])
-def test_a_decode_plan_step_across_the_original_context(cuda: None, scaling: str, rng) -> None:
-    """The op's bound decode (a decode plan's call) across the original context (1024):
-    dynamic NTK's rows are computed per call past it and LongRoPE switches tables, so for
-    positions that may cross it (below 4096) their call goes through the general path, which
-    reads the positions on the host (no CUDA graph can replay it); below a limit of 1024 the
-    table is one, and the call reads the step's device positions alone, as without scaling."""
-    from mila_py.devices.graph import replayable
-    from mila_py.ops.operation import DecodePositions
-
-    cfg = rope_config((3, 1), 16, max_seq_len=4096, scaling=_decode_loop_cases(8)[scaling])
-    batch = 2
-    rope = cuda_rope_of(cfg, batch, 1)
-    cpu = make_rope(cfg, batch, 1)
-    q, k = random_qk(rng, cfg, batch, 1)
-    under = DecodePositions(batch, rope.execution_context, limit=1024)
-    assert replayable(rope.op.bind_decode(q, k, under))
-    positions = DecodePositions(batch, rope.execution_context)
-    step = rope.op.bind_decode(q, k, positions)
-    assert replayable(step) == (scaling == "none")
-    for position in (1022, 1023, 1024, 1025, 3000, 7):
-        q0, k0 = random_qk(rng, cfg, batch, 1)
-        q[...], k[...] = q0, k0
-        positions.set(position, position, position)
-        step()
-        cpu.decode(q0, k0, position)
-        assert_parity(q, q0, FP32)
-        assert_parity(k, k0, FP32)
-
-
 @settings(max_examples=40, deadline=None)
 @given(program=DECODE_PROGRAMS, config=DECODE_CONFIGS, seed=st.integers(0, 2**16))
 def test_any_program_of_decodes_matches_a_fresh_checked_component(  # type: ignore[no-untyped-def]
@@ -847,38 +744,3 @@ def test_one_op_through_changing_layouts(cuda: None, rng) -> None:
         assert launches(rope)[-1] == name_of(FP32, vec, "half")
         assert_parity(q, cpu_q, FP32)
         assert_parity(k, cpu_k, FP32)
-
-
-@pytest.mark.parametrize("layout", ["half", "interleaved"])
-def test_bf16_as_uint16_bits_on_a_cupy_without_bfloat16(
-    cuda: None, monkeypatch, layout: str, rng
-) -> None:
-    """A CuPy older than 14 has no bfloat16 dtype: its context carries BF16 arrays as their
-    uint16 bits (torch bf16 tensors arrive so through DLPack). A BF16 Rope built there takes
-    and writes those bits: the bits the BF16 Rope of a CuPy 14 writes, in prefill, ragged
-    decode and backward. A bfloat16 array is refused there, untouched."""
-    cfg = rope_config((4, 2), 64, layout=layout)
-    q0, k0 = random_qk(rng, cfg, 2, 3, BF16)
-    dq0, dk0 = random_qk(rng, cfg, 2, 3, BF16)
-    positions = np.array([40, 7])
-    native = cuda_rope_of(cfg, 2, 3, BF16, mode=TRAINING)
-    want_q, want_k = q0.copy(), k0.copy()
-    native.prefill(want_q, want_k, 9)
-    want_dq, want_dk = (x.copy() for x in native.backward(dq0, dk0))
-    want_q1, want_k1 = q0[:, :1].copy(), k0[:, :1].copy()
-    native.decode(want_q1, want_k1, positions)
-
-    monkeypatch.setattr(EmulatedContext, "bfloat16_native", False)  # contexts made from here on
-    rope = cuda_rope_of(cfg, 2, 3, BF16, mode=TRAINING)
-    q, k = q0.view(np.uint16).copy(), k0.view(np.uint16).copy()
-    rope.prefill(q, k, 9)
-    assert same_bits(q, want_q) and same_bits(k, want_k)
-    dq, dk = rope.backward(dq0.view(np.uint16), dk0.view(np.uint16))
-    assert dq.dtype == np.uint16 and same_bits(dq, want_dq) and same_bits(dk, want_dk)
-    q1, k1 = q0[:, :1].view(np.uint16).copy(), k0[:, :1].view(np.uint16).copy()
-    rope.decode(q1, k1, positions)
-    assert same_bits(q1, want_q1) and same_bits(k1, want_k1)
-    as_bf16 = q0.copy()
-    with pytest.raises(TypeError, match="dtype"):
-        rope.prefill(as_bf16, k0.copy(), 0)
-    assert same_bits(as_bf16, q0)

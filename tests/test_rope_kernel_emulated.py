@@ -2,7 +2,8 @@
 where a GPU would fault or misread (misaligned vector accesses, launch bounds, dynamic shared
 memory, instantiations NVRTC was not asked for, undeclared strided or writable parameters,
 ``None`` for a null pointer), and the source's own FP16 / BF16 conversions compiled with g++,
-bit for bit against NumPy and ml_dtypes."""
+bit for bit against NumPy and ml_dtypes. Also: BF16 carried as uint16 bits through the Rope
+component on a CuPy before 14 (no bfloat16 arrays), which the emulator's context imitates."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from kernel_emulator import COMPILER, EmulatedContext, KernelLibrary, emulated_context
-from rope_helpers import FP32, make_rope, random_qk, rope_config
+from rope_helpers import BF16, FP32, TRAINING, make_rope, random_qk, rope_config
 
 from mila_py.ops.cuda import _kernels
 from mila_py.ops.cuda import rope as cuda_rope
@@ -32,6 +33,10 @@ def aligned_empty(n: int, dtype: Any, align: int = 256) -> np.ndarray:
     raw = np.empty(n * dt.itemsize + align, np.uint8)
     start = -raw.ctypes.data % align
     return raw[start : start + n * dt.itemsize].view(dt)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
 
 
 def test_the_emulator_traps_what_the_gpu_would(cuda: None, monkeypatch, rng) -> None:
@@ -176,3 +181,39 @@ def test_fp16_and_bf16_conversions_round_to_nearest_even(converters: KernelLibra
     )
     np.testing.assert_array_equal(from_half, every.view(np.float16).astype(np.float32))
     np.testing.assert_array_equal(from_bf16, every.view(ml_dtypes.bfloat16).astype(np.float32))
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_bf16_as_uint16_bits_on_a_cupy_without_bfloat16(
+    cuda: None, monkeypatch, layout: str, rng
+) -> None:
+    """A CuPy older than 14 has no bfloat16 dtype: its context carries BF16 arrays as their
+    uint16 bits (torch bf16 tensors arrive so through DLPack). A BF16 Rope built there takes
+    and writes those bits: the bits the BF16 Rope of a CuPy 14 writes, in prefill, ragged
+    decode and backward. A bfloat16 array is refused there, untouched."""
+    cfg = rope_config((4, 2), 64, layout=layout)
+    q0, k0 = random_qk(rng, cfg, 2, 3, BF16)
+    dq0, dk0 = random_qk(rng, cfg, 2, 3, BF16)
+    positions = np.array([40, 7])
+    native = make_rope(cfg, 2, 3, mode=TRAINING, precision=BF16, device="CUDA:0")
+    want_q, want_k = q0.copy(), k0.copy()
+    native.prefill(want_q, want_k, 9)
+    want_dq, want_dk = (x.copy() for x in native.backward(dq0, dk0))
+    want_q1, want_k1 = q0[:, :1].copy(), k0[:, :1].copy()
+    native.decode(want_q1, want_k1, positions)
+
+    monkeypatch.setattr(EmulatedContext, "bfloat16_native", False)  # contexts made from here on
+    rope = make_rope(cfg, 2, 3, mode=TRAINING, precision=BF16, device="CUDA:0")
+    assert not rope.execution_context.bfloat16_native
+    q, k = q0.view(np.uint16).copy(), k0.view(np.uint16).copy()
+    rope.prefill(q, k, 9)
+    assert same_bits(q, want_q) and same_bits(k, want_k)
+    dq, dk = rope.backward(dq0.view(np.uint16), dk0.view(np.uint16))
+    assert dq.dtype == np.uint16 and same_bits(dq, want_dq) and same_bits(dk, want_dk)
+    q1, k1 = q0[:, :1].view(np.uint16).copy(), k0[:, :1].view(np.uint16).copy()
+    rope.decode(q1, k1, positions)
+    assert same_bits(q1, want_q1) and same_bits(k1, want_k1)
+    as_bf16 = q0.copy()
+    with pytest.raises(TypeError, match="dtype"):
+        rope.prefill(as_bf16, k0.copy(), 0)
+    assert same_bits(as_bf16, q0)

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from cuda_arrays import close, cupy, dev, host
+from cuda_arrays import REDUCED_PARAMS, agree, close, cupy, dev, host
 from layer_helpers import (
     INFERENCE,
     TRAINING,
@@ -22,6 +22,7 @@ from layer_helpers import (
 
 from mila_py import BuildContext, Precision, TrainingMode
 from mila_py.components import SoftmaxCrossEntropy, SoftmaxCrossEntropyConfig
+from mila_py.devices import create_execution_context
 from mila_py.ops.cpu.softmax_cross_entropy import (
     softmax_cross_entropy_backward,
     softmax_cross_entropy_forward,
@@ -30,6 +31,8 @@ from mila_py.ops.registry import create_op
 
 B, T, V = 3, 4, 9
 IGNORE = -100
+#: the CPU ops a CUDA op is checked against
+CPU = create_execution_context("CPU")
 
 
 @pytest.fixture
@@ -336,3 +339,28 @@ def test_cuda_op_with_every_target_ignored(cuda_ctx, rng) -> None:
     lse = cupy.empty((1, 3), cupy.float32)
     loss, count = op.forward(dev(f32(rng, 1, 3, 6)), dev(np.full((1, 3), -1)), lse)
     assert np.isnan(loss) and count == 0
+
+
+@pytest.mark.parametrize("precision", REDUCED_PARAMS)
+def test_cuda_op_of_16_bit_logits_matches_the_cpu_op(cuda_ctx, rng, precision: Precision) -> None:
+    """The loss and log-sum-exp of 16-bit logits in float32, the 16-bit gradient to a
+    rounding, zero at an ignored target."""
+    p, dtype, vocab = precision, precision.numpy_dtype, 300
+    cfg = SoftmaxCrossEntropyConfig(vocab)
+    gpu = create_op("SoftmaxCrossEntropyOp", cuda_ctx, cfg, p)
+    cpu = create_op("SoftmaxCrossEntropyOp", CPU, cfg, p)
+    logits = f32(rng, 2, 5, vocab, scale=5.0).astype(dtype)
+    targets = rng.integers(0, vocab, (2, 5))
+    targets[1, 2] = -100
+    gl, gt = dev(logits), dev(targets)
+    lse, lse_ref = cupy.empty((2, 5), cupy.float32), np.empty((2, 5), np.float32)
+    loss, count = gpu.forward(gl, gt, lse)
+    loss_ref, count_ref = cpu.forward(logits, targets, lse_ref)
+    assert count == count_ref == 9
+    assert float(loss) == pytest.approx(float(loss_ref), rel=1e-6)
+    close(lse, lse_ref, rtol=1e-6, atol=0.0)
+    d, d_ref = cupy.empty((2, 5, vocab), dtype), np.empty((2, 5, vocab), dtype)
+    gpu.backward(gl, gt, lse, d, 0.1)
+    cpu.backward(logits, targets, lse_ref, d_ref, 0.1)
+    agree(d, d_ref, p)
+    assert not host(d)[1, 2].astype(np.float32).any()

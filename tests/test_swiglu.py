@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_arrays import close, cupy, dev, host
+from cuda_arrays import REDUCED_PARAMS, agree, close, cupy, dev, host
 from layer_helpers import (
     ATOL32,
     INFERENCE,
@@ -22,6 +22,7 @@ from layer_helpers import (
 
 from mila_py import BuildContext, Network, Precision, TrainingMode
 from mila_py.components import Linear, SwiGLU, SwiGLUConfig
+from mila_py.devices import create_execution_context
 from mila_py.init import set_init_name
 from mila_py.ops.cpu.linear import linear_backward, linear_forward
 from mila_py.ops.cpu.swiglu import swiglu_backward, swiglu_forward
@@ -29,6 +30,8 @@ from mila_py.ops.registry import create_op
 from mila_py.serialization import assign_parameters
 
 B, T, D, H = 2, 4, 6, 10
+#: the CPU ops a CUDA op is checked against
+CPU = create_execution_context("CPU")
 NAMES = ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
 
 
@@ -422,3 +425,24 @@ def test_cuda_op_with_an_in_place_backward_matches_the_cpu_op(cuda_ctx, rng) -> 
     close(dgate, dg_ref)
     close(dup, du_ref)
     assert np.isfinite(host(h)).all() and np.isfinite(host(dgate)).all()
+
+
+@pytest.mark.parametrize("precision", REDUCED_PARAMS)
+def test_cuda_op_in_16_bits_matches_the_cpu_op(cuda_ctx, rng, precision: Precision) -> None:
+    """``swiglu_*<mila_bf16 | mila_half>`` against the CPU op in the same precision, the
+    backward in place (``dgate`` the upstream gradient itself, as the component calls it)."""
+    p, dtype = precision, precision.numpy_dtype
+    gpu, cpu = create_op("SwiGLUOp", cuda_ctx, None, p), create_op("SwiGLUOp", CPU, None, p)
+    g, u = f32(rng, 3, 4, 50, scale=4.0).astype(dtype), f32(rng, 3, 4, 50).astype(dtype)
+    gg, gu = dev(g), dev(u)
+    h, h_ref = cupy.empty(g.shape, dtype), np.empty_like(g)
+    gpu.forward(gg, gu, h)
+    cpu.forward(g, u, h_ref)
+    agree(h, h_ref, p)
+    dh = f32(rng, 3, 4, 50).astype(dtype)
+    dg, dg_ref = dev(dh), dh.copy()
+    du, du_ref = cupy.empty(g.shape, dtype), np.empty_like(g)
+    gpu.backward(gg, gu, dg, dg, du)
+    cpu.backward(g, u, dg_ref, dg_ref, du_ref)
+    agree(dg, dg_ref, p)
+    agree(du, du_ref, p)

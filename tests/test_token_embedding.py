@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_arrays import close, cupy, dev, host
+from cuda_arrays import REDUCED_PARAMS, close, cupy, dev, host
 from layer_helpers import (
     INFERENCE,
     TRAINING,
@@ -19,10 +19,13 @@ from layer_helpers import (
 
 from mila_py import BuildContext, Precision, TrainingMode
 from mila_py.components import TokenEmbedding, TokenEmbeddingConfig
+from mila_py.devices import create_execution_context
 from mila_py.ops.cpu.token_embedding import token_embedding_backward, token_embedding_forward
 from mila_py.ops.registry import create_op
 
 B, T, V, D = 3, 5, 11, 6
+#: the CPU ops a CUDA op is checked against
+CPU = create_execution_context("CPU")
 
 
 @pytest.fixture
@@ -227,3 +230,22 @@ def test_cuda_op_with_repeated_ids_matches_the_cpu_op(cuda_ctx, rng, dim: int, i
     op.backward(dev(tokens), dev(dy), dw)
     token_embedding_backward(tokens, dy, dw0)
     close(dw, dw0)
+
+
+@pytest.mark.parametrize("precision", REDUCED_PARAMS)
+def test_cuda_op_in_16_bits_matches_the_cpu_op(cuda_ctx, rng, precision: Precision) -> None:
+    """The lookup copies the 16-bit rows (bit for bit); the gradient sums them into float32."""
+    p, dtype = precision, precision.numpy_dtype
+    gpu = create_op("TokenEmbeddingOp", cuda_ctx, None, p)
+    cpu = create_op("TokenEmbeddingOp", CPU, None, p)
+    weight = f32(rng, 11, 64).astype(dtype)
+    tokens = np.array([[3, 3, 0, 10], [3, 7, 7, 0]])
+    out, ref = cupy.empty((2, 4, 64), dtype), np.empty((2, 4, 64), dtype)
+    gpu.forward(dev(tokens), dev(weight), out)
+    cpu.forward(tokens, weight, ref)
+    np.testing.assert_array_equal(host(out), ref)
+    dy = f32(rng, 2, 4, 64).astype(dtype)
+    dw, dw_ref = cupy.zeros((11, 64), cupy.float32), np.zeros((11, 64), np.float32)
+    gpu.backward(dev(tokens), dev(dy), dw)
+    cpu.backward(tokens, dy, dw_ref)
+    close(dw, dw_ref, rtol=1e-6, atol=1e-6)

@@ -1,9 +1,11 @@
-"""Shared helpers of the Rope tests: building components, random inputs, tolerances, backends."""
+"""Shared helpers of the Rope tests: building components, random inputs, tolerances, backends,
+and the CUDA op's documented access widths."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import cuda_arrays
 import ml_dtypes
 import numpy as np
 import pytest
@@ -239,15 +241,35 @@ def check_negative_positions_refused(
     dtype: Any, max_seq_len: int, rng: np.random.Generator, device: str = "CPU"
 ) -> None:
     """A negative position per sequence of ``dtype`` is refused by a decode loop on the same
-    buffers (ValueError, Q and K untouched): seen as unsigned, -1 of int8 is 255, under a table
-    of 200."""
+    buffers (ValueError, Q and K untouched, nothing launched on an emulated ``CUDA:0``): seen
+    as unsigned, -1 of int8 is 255, under a table of 200. Q and K live on ``device``."""
     cfg = rope_config((2, 1), 8, max_seq_len=max_seq_len)
     rope = make_rope(cfg, 2, 1, backend="fused" if device == "CPU" else None, device=device)
-    q, k = random_qk(rng, cfg, 2, 1)
+    q, k = (cuda_arrays.on(device, x) for x in random_qk(rng, cfg, 2, 1))
     rope.decode(q, k, np.array([1, 2]))
     rope.decode(q, k, np.array([3, 4]))
-    before_q, before_k = q.copy(), k.copy()
+    before_q, before_k = cuda_arrays.host(q).copy(), cuda_arrays.host(k).copy()
+    launched = list(getattr(rope.execution_context, "launches", ()))
     for bad in (np.array([-1, 5], dtype), np.array([3, np.iinfo(dtype).min], dtype)):
         with pytest.raises(ValueError, match=">= 0"):
             rope.decode(q, k, bad)
-        assert _same_bits(q, before_q) and _same_bits(k, before_k)
+        assert _same_bits(cuda_arrays.host(q), before_q)
+        assert _same_bits(cuda_arrays.host(k), before_k)
+    assert list(getattr(rope.execution_context, "launches", ())) == launched
+
+
+def expected_width(
+    precision: Precision, layout: str, head_dim: int, n_freq: int, spans: list[int]
+) -> int:
+    """The widest access (elements) the CUDA op documents: every byte offset and row stride in
+    ``spans``, the rotated span (``n_freq`` for "half", ``2 n_freq`` for "interleaved") and the
+    head a multiple of it; 1 where no 16-bit-or-wider access fits."""
+    item = precision.itemsize
+    span = 2 * n_freq if layout == "interleaved" else n_freq
+    for nbytes in (16, 8, 4, 2):
+        vec = nbytes // item
+        if vec < 2:
+            break
+        if span % vec == 0 and head_dim % vec == 0 and all(s % nbytes == 0 for s in spans):
+            return vec
+    return 1

@@ -1,7 +1,9 @@
 """Rope: rotation against an independent float64 reference, positions, backward, validation.
 
 Every correctness case runs on both CPU paths (``numpy`` and the Numba ``fused`` kernel).
-Scaling types are covered in ``test_rope_scaling.py``.
+Scaling types are covered in ``test_rope_scaling.py``. The refusal of negative positions per
+sequence runs over ``device`` (the CPU and ``CUDA:0``); the CUDA op's own checks are in
+``test_rope_cuda.py``.
 """
 
 from __future__ import annotations
@@ -407,8 +409,10 @@ def test_a_decode_loop_on_the_same_buffers(
 
 
 @pytest.mark.parametrize(("dtype", "max_seq_len"), NARROW_POSITIONS)
-def test_negative_positions_per_sequence_are_refused(dtype: Any, max_seq_len: int, rng) -> None:
-    check_negative_positions_refused(dtype, max_seq_len, rng)
+def test_negative_positions_per_sequence_are_refused(
+    device: str, dtype: Any, max_seq_len: int, rng
+) -> None:
+    check_negative_positions_refused(dtype, max_seq_len, rng, device=device)
 
 
 @settings(max_examples=60, deadline=None)

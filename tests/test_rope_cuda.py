@@ -4,7 +4,9 @@ emulator (``cuda_device``; the checks of CuPy itself carry ``real_gpu`` and skip
 Every case compares the CUDA component with the independent float64 reference of
 ``rope_reference.py`` (precision-keyed tolerances) and, where it adds something, with the CPU
 component on the same inputs (parity). Arrays go to the device and back through their bits for
-BF16, so no case depends on CuPy compiling bfloat16 kernels of its own.
+BF16, so no case depends on CuPy compiling bfloat16 kernels of its own. Where the emulator
+records launches, a case also checks which kernel instantiation ran, or that a refused call
+launched nothing; what only the emulator can show is in ``test_rope_kernel_emulated.py``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from rope_helpers import (
     arange_positions,
     assert_close,
     dtype_of,
+    expected_width,
     f64,
     make_rope,
     random_qk,
@@ -369,24 +372,20 @@ def test_decode_at_each_position_equals_forward(layout: str, precision: Precisio
 
 
 @pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
-@pytest.mark.parametrize("scaling", [None, "dynamic"], ids=["plain", "dynamic"])
-def test_a_decode_loop_on_the_same_buffers(precision: Precision, scaling: Any, rng) -> None:
-    """A decode loop on one Q/K pair, at int positions and at one per sequence, across dynamic
-    NTK's original context (1024, past which rows are computed per call): each step equals the
-    float64 reference, and decoding a fresh copy gives the same bits."""
-    extra = (
-        {}
-        if scaling is None
-        else {"scaling": {"rope_type": "dynamic", "factor": 4.0,
-                          "original_max_position_embeddings": 1024}}
-    )  # fmt: skip
-    cfg = rope_config((4, 2), 16, max_seq_len=4096, **extra)
+@pytest.mark.parametrize("scaling", ["default", "dynamic", "longrope"])
+def test_a_decode_loop_on_the_same_buffers(precision: Precision, scaling: str, rng) -> None:
+    """A decode loop on one Q/K pair, at int positions and at one per sequence, across the
+    original context (1024) where dynamic NTK computes rows per call and LongRoPE switches
+    tables: each step equals the float64 reference and the CPU component, and decoding a fresh
+    copy gives the same bits."""
+    cfg = rope_config((4, 2), 16, max_seq_len=4096, scaling=_scalings(8)[scaling])
     batch = 2
     rope = cuda_rope_of(cfg, batch, 1, precision=precision)
     checked = cuda_rope_of(cfg, batch, 1, precision=precision)  # fresh buffers: checked calls
+    cpu = make_rope(cfg, batch, 1, precision=precision)
     q, k = (up(x) for x in random_qk(rng, cfg, batch, 1, precision))
     each = (np.array([8, 1000]), np.array([1023, 4]), np.array([3000, 7]), np.array([11, 12]))
-    for position in (5, 6, 7, 1023, 1024, 3000, 4095, np.int64(9), 2, *each):
+    for position in (5, 6, 7, 1022, 1023, 1024, 3000, 4095, np.int64(9), 2, 1023, *each):
         q0, k0 = random_qk(rng, cfg, batch, 1, precision)
         for buffer, host in ((q, q0), (k, k0)):  # the loop's new token, in place (as bytes)
             write_bits(buffer, host)
@@ -394,18 +393,25 @@ def test_a_decode_loop_on_the_same_buffers(precision: Precision, scaling: Any, r
         fresh_q, fresh_k = up(q0), up(k0)
         checked.decode(fresh_q, fresh_k, position if np.ndim(position) else int(position))
         assert bits(q) == bits(fresh_q) and bits(k) == bits(fresh_k)
+        got_q, got_k = down(q), down(k)
         ref_q, ref_k = reference(
             cfg, q0, k0, np.broadcast_to(np.reshape(position, (-1, 1)), (batch, 1))
         )
-        assert_close(down(q), ref_q, precision)
-        assert_close(down(k), ref_k, precision)
+        assert_close(got_q, ref_q, precision, scale=rope.attention_scaling)
+        assert_close(got_k, ref_k, precision, scale=rope.attention_scaling)
+        cpu_q, cpu_k = q0.copy(), k0.copy()
+        cpu.decode(cpu_q, cpu_k, position)
+        assert_parity(got_q, cpu_q, precision)
+        assert_parity(got_k, cpu_k, precision)
 
 
 @pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
-def test_decode_per_sequence_positions(precision: Precision, rng) -> None:
-    cfg = rope_config((4, 1))
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_decode_per_sequence_positions(layout: str, precision: Precision, rng) -> None:
+    cfg = rope_config((4, 1), layout=layout)
     batch = 4
     rope = cuda_rope_of(cfg, batch, 8, precision=precision)
+    cpu = make_rope(cfg, batch, 8, precision=precision)
     positions = np.array([3, 1500, 2047, 0])
     q0, k0 = random_qk(rng, cfg, batch, 1, precision)
     q, k = up(q0), up(k0)
@@ -414,6 +420,10 @@ def test_decode_per_sequence_positions(precision: Precision, rng) -> None:
     got_q, got_k = down(q), down(k)
     assert_close(got_q, ref_q, precision)
     assert_close(got_k, ref_k, precision)
+    cpu_q, cpu_k = q0.copy(), k0.copy()
+    cpu.decode(cpu_q, cpu_k, positions)
+    assert_parity(got_q, cpu_q, precision)
+    assert_parity(got_k, cpu_k, precision)
     for b, p in enumerate(positions):  # the same as decoding each sequence on its own
         one_q, one_k = up(q0[b : b + 1]), up(k0[b : b + 1])
         rope.decode(one_q, one_k, int(p))
@@ -439,26 +449,41 @@ def test_explicit_positions_of_any_count(
     monkeypatch, batch: int, tokens: int, mrope: bool, layout: str, precision: Precision, rng
 ) -> None:
     """Explicit positions (``[B, T]``, or ``[3, B, T]`` with M-RoPE), few or many, go to the
-    kernel in one upload per call and rotate as the float64 reference."""
+    kernel in one upload per call, as int32 in the shape the kernel indexes, and rotate as the
+    float64 reference and the CPU."""
     section = {"mrope_section": (4, 2, 2)} if mrope else {}  # the 8 frequencies of 16
     cfg = rope_config((4, 2), 16, layout=layout, **section)
     rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
+    cpu = make_rope(cfg, batch, tokens, precision=precision)
     ctx = rope.execution_context
     shape = (3, batch, tokens) if mrope else (batch, tokens)
     positions = rng.integers(0, cfg.max_seq_len, size=shape)
     q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
-    uploads: list[int] = []
+    uploads: list[np.ndarray] = []
     real_to_device = ctx.to_device
-    monkeypatch.setattr(ctx, "to_device", lambda a: uploads.append(1) or real_to_device(a))
+    monkeypatch.setattr(ctx, "to_device",
+                        lambda a: uploads.append(np.array(a)) or real_to_device(a))  # fmt: skip
     q, k = up(q0), up(k0)
+    cpu_q, cpu_k = q0.copy(), k0.copy()
     if tokens == 1:
         rope.decode(q, k, positions[..., 0])
+        cpu.decode(cpu_q, cpu_k, positions[..., 0])
     else:
         rope.rotate(q, k, positions)
-    assert len(uploads) == 1
+        cpu.rotate(cpu_q, cpu_k, positions)
+    (upload,) = uploads  # int32, in the shape the kernel indexes
+    assert upload.dtype == np.int32 and upload.shape == shape
+    np.testing.assert_array_equal(upload, positions)
+    if EMULATED:
+        vec = rope.op.vector_width(q, k)
+        launched = rope.execution_context.launches[-1]
+        assert launched == cuda_rope.kernel_name(precision, vec, layout == "interleaved")
+    got_q, got_k = down(q), down(k)
     ref_q, ref_k = reference(cfg, q0, k0, positions)
-    assert_close(down(q), ref_q, precision)
-    assert_close(down(k), ref_k, precision)
+    assert_close(got_q, ref_q, precision)
+    assert_close(got_k, ref_k, precision)
+    assert_parity(got_q, cpu_q, precision)
+    assert_parity(got_k, cpu_k, precision)
 
 
 @pytest.mark.parametrize("batch", [5, 600])
@@ -582,30 +607,45 @@ def test_rotate_explicit_positions(layout: str, precision: Precision, make_posit
     cfg = rope_config((5, 1), layout=layout)
     batch, tokens = 3, 5
     rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
+    cpu = make_rope(cfg, batch, tokens, precision=precision)
     positions = make_positions(rng, batch, tokens)
     host_positions = cupy.asnumpy(positions) if isinstance(positions, cupy.ndarray) else positions
     q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
     q, k = up(q0), up(k0)
     rope.rotate(q, k, positions)
+    got_q, got_k = down(q), down(k)
     ref_q, ref_k = reference(cfg, q0, k0, np.asarray(host_positions))
-    assert_close(down(q), ref_q, precision)
-    assert_close(down(k), ref_k, precision)
+    assert_close(got_q, ref_q, precision)
+    assert_close(got_k, ref_k, precision)
+    cpu_q, cpu_k = q0.copy(), k0.copy()
+    cpu.rotate(cpu_q, cpu_k, np.asarray(host_positions))
+    assert_parity(got_q, cpu_q, precision)
+    assert_parity(got_k, cpu_k, precision)
+
+
+#: a dynamic type short enough that M-RoPE positions pass its original length: the rows of a
+#: call are made on the host
+MROPE_DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 256}
 
 
 @pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
 @pytest.mark.parametrize(
-    ("section", "interleaved", "layout", "rotary_dim"),
-    [((16, 24, 24), False, "half", 0), ((24, 20, 20), True, "half", 0),
-     ((8, 12, 12), False, "interleaved", 64)],
-    ids=["qwen2vl", "qwen3vl", "glm4v"],
+    ("section", "interleaved", "layout", "rotary_dim", "scaling"),
+    [((16, 24, 24), False, "half", 0, None), ((24, 20, 20), True, "half", 0, None),
+     ((8, 12, 12), False, "interleaved", 64, None),
+     ((16, 24, 24), False, "half", 0, MROPE_DYNAMIC)],
+    ids=["qwen2vl", "qwen3vl", "glm4v", "dynamic-rows"],
 )  # fmt: skip
 def test_mrope_positions_per_axis(
-    section, interleaved: bool, layout: str, rotary_dim: int, precision: Precision, rng
-) -> None:
-    """M-RoPE positions ``[3, B, T]`` (host or device), forward, backward and decode."""
+    section, interleaved: bool, layout: str, rotary_dim: int, scaling: Any,
+    precision: Precision, rng,
+) -> None:  # fmt: skip
+    """M-RoPE positions ``[3, B, T]`` (host or device): the kernel picks each frequency's row
+    by its axis (or, past a dynamic type's original length, rotates by rows made on the host),
+    forward, backward (positions broadcast over sequences too) and decode."""
     cfg = rope_config(
         (8, 2), 128, rotary_dim=rotary_dim, layout=layout, mrope_section=section,
-        mrope_interleaved=interleaved,
+        mrope_interleaved=interleaved, scaling=scaling,
     )  # fmt: skip
     batch, tokens = 2, 33
     rope = cuda_rope_of(cfg, batch, tokens, precision=precision, mode=TRAINING)
@@ -621,10 +661,11 @@ def test_mrope_positions_per_axis(
     cpu.rotate(cpu_q, cpu_k, positions)
     assert_parity(down(q), cpu_q, precision)
     assert_parity(down(k), cpu_k, precision)
-    dq, dk = rope.backward(q, k, positions)
-    back_q, back_k = cpu.backward(down(q), down(k), positions)
-    assert_parity(down(dq), back_q, precision)
-    assert_parity(down(dk), back_k, precision)
+    for given in (positions, positions[:, :1]):  # [3, 1, T]: broadcast over sequences
+        dq, dk = rope.backward(q, k, given)
+        back_q, back_k = cpu.backward(down(q), down(k), given)
+        assert_parity(down(dq), back_q, precision)
+        assert_parity(down(dk), back_k, precision)
     q1, k1 = up(q0[:, :1]), up(k0[:, :1])
     rope.decode(q1, k1, positions[:, :, 0])
     ref_q, ref_k = reference(cfg, q0[:, :1], k0[:, :1], positions[:, :, :1])
@@ -634,8 +675,11 @@ def test_mrope_positions_per_axis(
 
 @pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
 def test_smaller_calls_than_the_build(precision: Precision, rng) -> None:
+    """Calls on fewer sequences and tokens than the build, and on a batch and token slice of
+    a larger buffer (strides of that buffer): only the slice is rotated, as the CPU does."""
     cfg = rope_config((4, 2))
     rope = cuda_rope_of(cfg, 4, 16, precision=precision)
+    cpu = make_rope(cfg, 4, 16, precision=precision)
     for batch, tokens in ((1, 1), (4, 3), (2, 16)):
         q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
         q, k = up(q0), up(k0)
@@ -643,45 +687,100 @@ def test_smaller_calls_than_the_build(precision: Precision, rng) -> None:
         ref_q, ref_k = reference(cfg, q0, k0, arange_positions(batch, tokens, 700))
         assert_close(down(q), ref_q, precision)
         assert_close(down(k), ref_k, precision)
+    q0, k0 = random_qk(rng, cfg, 5, 18, precision)
+    q_big, k_big = up(q0), up(k0)
+    view = np.s_[1:4, 2:17]
+    rope.prefill(q_big[view], k_big[view], 40)
+    got_q, got_k = down(q_big), down(k_big)
+    cpu_q, cpu_k = q0[view].copy(), k0[view].copy()
+    cpu.prefill(cpu_q, cpu_k, 40)
+    assert_parity(got_q[view], cpu_q, precision)
+    assert_parity(got_k[view], cpu_k, precision)
+    ref_q, ref_k = reference(cfg, q0[view], k0[view], arange_positions(3, 15, 40))
+    assert_close(got_q[view], ref_q, precision)
+    assert_close(got_k[view], ref_k, precision)
+    outside = np.ones(q0.shape[:2], bool)
+    outside[view] = False
+    assert bits(got_q[outside]) == bits(q0[outside]) and bits(got_k[outside]) == bits(k0[outside])
 
 
 # ---------------------------------------------------------------------------------- layouts in memory
 
 
+#: fused QKV rows: (elements before Q, elements between Q and K, elements after V)
+FUSED = {
+    "plain": (0, 0, 0),
+    "k-at-odd-element": (0, 1, 0),
+    "q-and-k-shifted-2": (2, 0, 0),
+    "odd-row-stride": (0, 0, 1),
+    "shift4-row-pad4": (4, 0, 4),
+}
+
+
 @pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
-@pytest.mark.parametrize("heads", [(4, 1), (3, 3), (32, 8)], ids=["mqa", "mha", "gqa"])
-@pytest.mark.parametrize("head_dim", [12, 128])
+@pytest.mark.parametrize(
+    ("heads", "head_dim", "rotary_dim"),
+    [((4, 1), 12, 8), ((3, 3), 64, 0), ((6, 2), 16, 0), ((32, 8), 128, 8)],
+    ids=["mqa-d12-partial", "mha-d64", "gqa-d16", "gqa-d128-partial"],
+)
 def test_fused_qkv_views_rotate_through_the_view(
-    heads: tuple[int, int], head_dim: int, layout: str, precision: Precision, rng
+    heads: tuple[int, int], head_dim: int, rotary_dim: int, layout: str, precision: Precision, rng
 ) -> None:
+    """Q and K as strided views of one QKV buffer, at the offsets of :data:`FUSED` (padding
+    before Q, between Q and K and after V, filled with NaN canaries): prefill, decode and
+    rotate go through the views (row strides passed to the kernel) with the widest access
+    their addresses allow, as the reference and the CPU on contiguous copies; V and the
+    padding are left bit for bit."""
     hq, hk = heads
     d = head_dim
-    cfg = rope_config(heads, head_dim=d, layout=layout, rotary_dim=8)
+    cfg = rope_config(heads, head_dim=d, layout=layout, rotary_dim=rotary_dim)
     batch, tokens = 2, 5
     rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
-    qkv0 = rng.standard_normal((batch, tokens, (hq + 2 * hk) * d)).astype(dtype_of(precision))
-    qkv = up(qkv0)
-    q, k = qkv[:, :, : hq * d], qkv[:, :, hq * d : (hq + hk) * d]
-    rope.prefill(q, k, 900)
-    after = down(qkv)
-    ref_q, ref_k = reference(
-        cfg, qkv0[:, :, : hq * d], qkv0[:, :, hq * d : (hq + hk) * d], arange_positions(2, 5, 900)
-    )
-    assert_close(after[:, :, : hq * d], ref_q, precision)
-    assert_close(after[:, :, hq * d : (hq + hk) * d], ref_k, precision)
-    assert bits(after[:, :, (hq + hk) * d :]) == bits(qkv0[:, :, (hq + hk) * d :])  # V untouched
-    # decode through views of a [B, 1, ...] buffer
-    step0 = qkv0[:, :1].copy()
-    step = up(step0)
-    rope.decode(step[:, :, : hq * d], step[:, :, hq * d : (hq + hk) * d], np.array([7, 1999]))
-    got = down(step)
-    ref_q, ref_k = reference(
-        cfg, step0[:, :, : hq * d], step0[:, :, hq * d : (hq + hk) * d], np.array([[7], [1999]])
-    )
-    assert_close(got[:, :, : hq * d], ref_q, precision)
-    assert_close(got[:, :, hq * d : (hq + hk) * d], ref_k, precision)
-    assert bits(got[:, :, (hq + hk) * d :]) == bits(step0[:, :, (hq + hk) * d :])
+    cpu = make_rope(cfg, batch, tokens, precision=precision)
+    item = precision.itemsize
+    for fused, (before, gap, after) in FUSED.items():
+        q_at, k_at = before, before + hq * d + gap
+        width = k_at + 3 * hk * d + after  # K, V, padding
+        for method in ("prefill", "decode", "rotate"):
+            n_t = 1 if method == "decode" else tokens
+            qkv0 = rng.standard_normal((batch, n_t, width)).astype(dtype_of(precision))
+            qkv0[..., :before] = np.nan
+            qkv0[..., q_at + hq * d : k_at] = np.nan
+            qkv0[..., width - after :] = np.nan
+            qkv = up(qkv0)
+            q, k = qkv[..., q_at : q_at + hq * d], qkv[..., k_at : k_at + hk * d]
+            arg: Any = {
+                "prefill": 900,
+                "decode": np.array([7, 1999]),
+                "rotate": rng.integers(0, cfg.max_seq_len, size=(batch, tokens)),
+            }[method]
+            spans = [_kernels.address(q), _kernels.address(k), width * item]
+            vec = expected_width(precision, layout, d, rope.table.n_freq, spans)
+            assert rope.op.vector_width(q, k) == vec, (fused, method)
+            getattr(rope, method)(q, k, arg)
+            if EMULATED:  # the instantiation of that width was launched
+                launched = rope.execution_context.launches[-1]
+                assert launched == cuda_rope.kernel_name(precision, vec, layout == "interleaved")
+            got = down(qkv)
+            q0 = np.ascontiguousarray(qkv0[..., q_at : q_at + hq * d])
+            k0 = np.ascontiguousarray(qkv0[..., k_at : k_at + hk * d])
+            if method == "prefill":
+                positions = arange_positions(batch, tokens, arg)
+            elif method == "decode":
+                positions = arg[:, None]
+            else:
+                positions = arg
+            ref_q, ref_k = reference(cfg, q0, k0, positions)
+            assert_close(got[..., q_at : q_at + hq * d], ref_q, precision)
+            assert_close(got[..., k_at : k_at + hk * d], ref_k, precision)
+            cpu_q, cpu_k = q0.copy(), k0.copy()
+            getattr(cpu, method)(cpu_q, cpu_k, arg)
+            assert_parity(got[..., q_at : q_at + hq * d], cpu_q, precision)
+            assert_parity(got[..., k_at : k_at + hk * d], cpu_k, precision)
+            untouched = np.ones(width, bool)
+            untouched[q_at : q_at + hq * d] = untouched[k_at : k_at + hk * d] = False
+            assert bits(got[..., untouched]) == bits(qkv0[..., untouched]), (fused, method)
 
 
 @pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
@@ -811,17 +910,45 @@ def test_forward_after_backward_is_identity(layout: str, rng) -> None:
 
 
 @pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
-def test_backward_parity_with_cpu(precision: Precision, rng) -> None:
-    cfg = rope_config((4, 2), head_dim=64, layout="interleaved", rotary_dim=32)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("upstream", ["contiguous", "fused-views"])
+def test_backward_parity_with_cpu(upstream: str, layout: str, precision: Precision, rng) -> None:
+    """``R^T dq`` into the component's gradient buffers (views of them for a smaller call than
+    the build), as the CPU computes it; the upstream gradients contiguous, or views of a fused
+    dQKV buffer one element past an aligned address (other strides than the outputs',
+    element-by-element accesses), and never modified. The rest of the buffers is left alone."""
+    hq, hk, d = 4, 2, 64
+    cfg = rope_config((hq, hk), head_dim=d, layout=layout, rotary_dim=32)
     batch, tokens = 3, 7
-    rope = cuda_rope_of(cfg, batch, tokens, mode=TRAINING, precision=precision)
+    rope = cuda_rope_of(cfg, batch + 1, tokens + 2, mode=TRAINING, precision=precision)
     cpu = make_rope(cfg, batch, tokens, mode=TRAINING, precision=precision)
-    dq0, dk0 = random_qk(rng, cfg, batch, tokens, precision)
-    positions = rng.integers(0, cfg.max_seq_len, size=(batch, tokens))
-    dq_in, dk_in = rope.backward(up(dq0), up(dk0), positions=positions)
-    cpu_q, cpu_k = cpu.backward(dq0, dk0, positions=positions)
-    assert_parity(down(dq_in), cpu_q, precision)
-    assert_parity(down(dk_in), cpu_k, precision)
+    full = [down(g) for g in rope.input_gradients]
+    for positions in (None, rng.integers(0, cfg.max_seq_len, size=(batch, tokens))):
+        dq0, dk0 = random_qk(rng, cfg, batch, tokens, precision)
+        if upstream == "contiguous":
+            dq, dk = up(dq0), up(dk0)
+        else:
+            width = 1 + (hq + 2 * hk) * d
+            buf0 = np.full((batch, tokens, width), np.nan, dtype_of(precision))
+            buf0[..., 1 : 1 + hq * d], buf0[..., 1 + hq * d : 1 + (hq + hk) * d] = dq0, dk0
+            buf = up(buf0)
+            dq, dk = buf[..., 1 : 1 + hq * d], buf[..., 1 + hq * d : 1 + (hq + hk) * d]
+            assert rope.op.vector_width(dq, dk) == 1
+        dq_in, dk_in = rope.backward(dq, dk, positions=positions)
+        if EMULATED and upstream != "contiguous":  # element by element
+            launched = rope.execution_context.launches[-1]
+            assert launched == cuda_rope.kernel_name(precision, 1, layout == "interleaved")
+        assert bits(dq) == bits(dq0) and bits(dk) == bits(dk0)  # upstream gradients unchanged
+        for out, grad in zip((dq_in, dk_in), rope.input_gradients, strict=True):  # views of them
+            assert _kernels.address(out) == _kernels.address(grad)
+            assert out.strides == grad.strides
+        cpu_q, cpu_k = cpu.backward(dq0.copy(), dk0.copy(), positions=positions)
+        assert_parity(down(dq_in), cpu_q, precision)
+        assert_parity(down(dk_in), cpu_k, precision)
+        for grad, before in zip(rope.input_gradients, full, strict=True):  # the rest left alone
+            after = down(grad)
+            assert bits(after[batch:]) == bits(before[batch:])
+            assert bits(after[:, tokens:]) == bits(before[:, tokens:])
 
 
 # ---------------------------------------------------------------------------------- errors
@@ -854,14 +981,33 @@ def test_positions_past_the_table_raise_and_leave_qk_untouched(
     assert [bits(g) for g in rope.input_gradients] == grads
 
 
-def test_the_op_itself_refuses_positions_past_the_table(rng) -> None:
-    cfg = rope_config((3, 1), head_dim=8, max_seq_len=64)
-    rope = cuda_rope_of(cfg, 2, 4)
-    q0, k0 = random_qk(rng, cfg, 2, 4)
+def test_bad_calls_raise_before_any_launch(rng) -> None:
+    """Positions past the table or negative, positions that are not integers, a call past the
+    table at the op and a reversed last axis: each raises with Q and K unchanged, before the
+    kernel is launched (the emulator's record shows no launch)."""
+    cfg = rope_config((4, 2), 16, max_seq_len=64)
+    rope = cuda_rope_of(cfg, 2, 8, mode=TRAINING)
+    q0, k0 = random_qk(rng, cfg, 2, 8)
     q, k = up(q0), up(k0)
-    with pytest.raises(ValueError, match="beyond the table"):
-        rope.op.apply(q, k, offset=61, seq_len=65)
-    assert bits(q) == bits(q0) and bits(k) == bits(k0)
+    launched = len(rope.execution_context.launches) if EMULATED else 0
+    bad: list[tuple[Any, type[Exception], str]] = [
+        (lambda: rope.prefill(q, k, 57), ValueError, "position 64"),
+        (lambda: rope.prefill(q, k, -1), ValueError, ">= 0"),
+        (lambda: rope.decode(q[:, :1], k[:, :1], 64), ValueError, "position 64"),
+        (lambda: rope.decode(q[:, :1], k[:, :1], np.array([3, 64])), ValueError, "position 64"),
+        (lambda: rope.decode(q[:, :1], k[:, :1], np.array([3, -2])), ValueError, ">= 0"),
+        (lambda: rope.rotate(q, k, np.full((2, 8), 64)), ValueError, "position 64"),
+        (lambda: rope.rotate(q, k, np.full((2, 8), 1.0)), TypeError, "integers"),
+        (lambda: rope.backward(q, k, positions=np.full((2, 8), 99)), ValueError, "position 99"),
+        (lambda: rope.op.apply(q, k, offset=60, seq_len=65), ValueError, "beyond the table"),
+        (lambda: rope.op.apply(q[:, :, ::-1], k, seq_len=8), ValueError, "contiguous"),
+    ]
+    for call, error, match in bad:
+        with pytest.raises(error, match=match):
+            call()
+        assert bits(q) == bits(q0) and bits(k) == bits(k0)
+    if EMULATED:
+        assert len(rope.execution_context.launches) == launched
 
 
 @pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)

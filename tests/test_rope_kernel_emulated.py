@@ -3,7 +3,16 @@ where a GPU would fault or misread (misaligned vector accesses, launch bounds, d
 memory, instantiations NVRTC was not asked for, undeclared strided or writable parameters,
 ``None`` for a null pointer), and the source's own FP16 / BF16 conversions compiled with g++,
 bit for bit against NumPy and ml_dtypes. Also: BF16 carried as uint16 bits through the Rope
-component on a CuPy before 14 (no bfloat16 arrays), which the emulator's context imitates."""
+component on a CuPy before 14 (no bfloat16 arrays), which the emulator's context imitates.
+
+And what only the emulator can show of the Rope component on ``CUDA:0`` (the checks a GPU runs
+too are in ``test_rope_cuda.py`` over ``cuda_device``): which ``rope_qk`` instantiation each
+geometry and memory layout launches (the emulator records every launch and checks each vector
+access for the alignment the GPU requires), that every width gives the bits of the widest, that
+the kernels give the bits of the CPU's fused (Numba) path, that an array off whole elements is
+refused rather than launched (NumPy can place one there; CuPy cannot), and decode programs on
+read-only buffers (NumPy's writeable flag, which CuPy arrays lack).
+"""
 
 from __future__ import annotations
 
@@ -12,9 +21,35 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
-from kernel_emulator import COMPILER, EmulatedContext, KernelLibrary, emulated_context
-from rope_helpers import BF16, FP32, TRAINING, make_rope, random_qk, rope_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kernel_emulator import (
+    COMPILER,
+    EmulatedContext,
+    KernelLibrary,
+    emulated_context,
+    emulated_cuda_devices,
+)
+from rope_helpers import (
+    BF16,
+    DECODE_CONFIGS,
+    DECODE_PROGRAMS,
+    FP32,
+    INFERENCE,
+    PRECISIONS,
+    TRAINING,
+    arange_positions,
+    assert_close,
+    expected_width,
+    make_rope,
+    random_qk,
+    reference,
+    rope_config,
+    run_decode_program,
+)
 
+from mila_py import Precision, RuntimeMode
+from mila_py.components import Rope, RopeConfig
 from mila_py.ops.cuda import _kernels
 from mila_py.ops.cuda import rope as cuda_rope
 from mila_py.ops.cuda.rope import CudaRopeOp
@@ -37,6 +72,45 @@ def aligned_empty(n: int, dtype: Any, align: int = 256) -> np.ndarray:
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+
+
+#: (rtol, atol) between the CUDA and CPU ops: one rounding of the storage format apart at most
+#: (the CPU's NumPy path multiplies interleaved pairs as complex numbers, its own way)
+PARITY: dict[Precision, tuple[float, float]] = {
+    FP32: (2.0**-23, 1e-7),
+    Precision.FP16: (2.0**-10, 1e-7),
+    BF16: (2.0**-7, 1e-7),
+}
+
+
+def emulated_rope(
+    config: RopeConfig,
+    batch: int,
+    tokens: int,
+    precision: Precision = FP32,
+    mode: RuntimeMode = INFERENCE,
+) -> Rope:
+    """A Rope on the emulated ``CUDA:0`` (its context records the kernels it launches)."""
+    rope = make_rope(config, batch, tokens, mode=mode, precision=precision, device="CUDA:0")
+    assert isinstance(rope.op, CudaRopeOp)
+    assert isinstance(rope.execution_context, EmulatedContext)
+    return rope
+
+
+def launches(rope: Rope) -> list[str]:
+    return rope.execution_context.launches  # type: ignore[no-any-return]
+
+
+def assert_parity(actual: Any, expected: Any, precision: Precision) -> None:
+    rtol, atol = PARITY[precision]
+    np.testing.assert_allclose(
+        np.asarray(actual, np.float64), np.asarray(expected, np.float64), rtol=rtol, atol=atol
+    )
+
+
+def name_of(precision: Precision, vec: int, layout: str) -> str:
+    """The kernel instantiation launched."""
+    return cuda_rope.kernel_name(precision, vec, layout == "interleaved")
 
 
 def test_the_emulator_traps_what_the_gpu_would(cuda: None, monkeypatch, rng) -> None:
@@ -217,3 +291,186 @@ def test_bf16_as_uint16_bits_on_a_cupy_without_bfloat16(
     with pytest.raises(TypeError, match="dtype"):
         rope.prefill(as_bf16, k0.copy(), 0)
     assert same_bits(as_bf16, q0)
+
+
+# ---------------------------------------------------------------------------------- launches
+
+#: (Hq, Hk), head_dim, rotary_dim, and the widths (elements) the op must pick for aligned,
+#: contiguous Q and K: (FP32 half, FP32 interleaved, 16-bit half, 16-bit interleaved)
+GEOMETRIES = {
+    "llama-d128": ((8, 2), 128, 0, (4, 4, 8, 8)),
+    "gqa32x8-partial64": ((32, 8), 128, 64, (4, 4, 8, 8)),  # 640 items > 128 threads
+    "partial8of16": ((6, 2), 16, 8, (4, 4, 4, 8)),
+    "d12": ((5, 1), 12, 0, (2, 4, 2, 4)),
+    "d10-partial4": ((8, 4), 10, 4, (2, 2, 2, 2)),  # the head, not the rows, limits the width
+    "mha-d6": ((3, 3), 6, 0, (1, 2, 1, 2)),
+    "d2": ((2, 1), 2, 0, (1, 2, 1, 2)),
+}
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+def test_each_geometry_launches_its_widest_aligned_kernel(
+    cuda: None, geometry: str, layout: str, precision: Precision, rng
+) -> None:
+    """Aligned, contiguous Q and K of each geometry: the instantiation of the widest access
+    the head, the rotated span and the addresses allow, as the CPU and the reference."""
+    heads, head_dim, rotary_dim, widths = GEOMETRIES[geometry]
+    cfg = rope_config(heads, head_dim, rotary_dim=rotary_dim, layout=layout)
+    batch, tokens = 2, 5
+    rope = emulated_rope(cfg, batch, tokens, precision)
+    cpu = make_rope(cfg, batch, tokens, precision=precision)
+    vec = widths[(precision.itemsize == 2) * 2 + (layout == "interleaved")]
+    for offset in (0, 7, cfg.max_seq_len - tokens):
+        q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
+        q = aligned_empty(q0.size, q0.dtype).reshape(q0.shape)
+        k = aligned_empty(k0.size, k0.dtype).reshape(k0.shape)
+        q[...], k[...] = q0, k0
+        if offset == 0:
+            rope.forward(q, k)
+        else:
+            rope.prefill(q, k, offset)
+        assert launches(rope)[-1] == name_of(precision, vec, layout)
+        cpu_q, cpu_k = q0.copy(), k0.copy()
+        cpu.prefill(cpu_q, cpu_k, offset)
+        assert_parity(q, cpu_q, precision)
+        assert_parity(k, cpu_k, precision)
+        ref_q, ref_k = reference(cfg, q0, k0, arange_positions(batch, tokens, offset))
+        assert_close(q, ref_q, precision)
+        assert_close(k, ref_k, precision)
+        if rotary_dim:  # channels past the rotated ones: bit for bit the input
+            rest = np.s_[..., rotary_dim:]
+            for x, x0, h in ((q, q0, heads[0]), (k, k0, heads[1])):
+                shape = (batch, tokens, h, head_dim)
+                assert same_bits(x.reshape(shape)[rest], x0.reshape(shape)[rest])
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_bit_for_bit_with_the_cpu_fused_path(
+    cuda: None, layout: str, precision: Precision, rng
+) -> None:
+    """The kernels use the CPU kernels' order of operations and no FMA: identical bits."""
+    cfg = rope_config((4, 2), 64, rotary_dim=48, layout=layout)
+    rope = emulated_rope(cfg, 3, 7, precision)
+    cpu = make_rope(cfg, 3, 7, precision=precision)
+    if not cpu.op.uses_fused:
+        pytest.skip("the CPU op's fused (Numba) path is not in use")
+    q0, k0 = random_qk(rng, cfg, 3, 7, precision)
+    q, k = q0.copy(), k0.copy()
+    rope.prefill(q, k, 1500)
+    cpu_q, cpu_k = q0.copy(), k0.copy()
+    cpu.prefill(cpu_q, cpu_k, 1500)
+    assert same_bits(q, cpu_q) and same_bits(k, cpu_k)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("shift", [0, 1, 2, 3, 4, 8], ids=lambda s: f"shift{s}")
+def test_every_vector_width_gives_the_same_bits(
+    cuda: None, shift: int, layout: str, precision: Precision, rng
+) -> None:
+    """Q and K (or the upstream gradients of backward) ``shift`` elements past an aligned
+    address: each width down to one element is taken (and checked aligned by the emulator),
+    forward and inverse, all with the bits of the aligned call."""
+    cfg = rope_config((4, 2), 128, layout=layout)
+    batch, tokens = 2, 3
+    rope = emulated_rope(cfg, batch, tokens, precision, mode=TRAINING)
+    q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
+    aligned_q, aligned_k = q0.copy(), k0.copy()
+    rope.prefill(aligned_q, aligned_k, 77)
+    aligned_dq, aligned_dk = (x.copy() for x in rope.backward(q0, k0))
+    q_buf, k_buf = (
+        aligned_empty(q0.size + shift, q0.dtype),
+        aligned_empty(k0.size + shift, q0.dtype),
+    )
+    q_buf[:shift] = k_buf[:shift] = np.nan
+    q, k = q_buf[shift:].reshape(q0.shape), k_buf[shift:].reshape(k0.shape)
+    q[...], k[...] = q0, k0
+    rope.prefill(q, k, 77)
+    vec = expected_width(precision, layout, 128, 64, [shift * precision.itemsize])
+    if shift == 1:
+        assert vec == 1
+    if shift in (0, 8):
+        assert vec * precision.itemsize == 16
+    assert launches(rope)[-1] == name_of(precision, vec, layout)
+    assert same_bits(q, aligned_q) and same_bits(k, aligned_k)
+    assert np.isnan(q_buf[:shift].astype(np.float32)).all()  # nothing written before Q
+    assert np.isnan(k_buf[:shift].astype(np.float32)).all()
+    q[...], k[...] = q0, k0
+    dq_in, dk_in = rope.backward(q, k)
+    assert launches(rope)[-1] == name_of(precision, vec, layout)
+    assert same_bits(dq_in, aligned_dq) and same_bits(dk_in, aligned_dk)
+
+
+def test_arrays_off_whole_elements_are_refused(cuda: None, rng) -> None:
+    """A float32 Q two bytes past an aligned address: no access width is aligned, so the op
+    raises instead of launching (a misaligned load would trap on the GPU)."""
+    cfg = rope_config((2, 1), 8)
+    rope = emulated_rope(cfg, 1, 3)
+    q0, k0 = random_qk(rng, cfg, 1, 3)
+    raw = aligned_empty(q0.nbytes + 2, np.uint8)
+    q = raw[2:].view(np.float32).reshape(q0.shape)
+    q[...] = q0
+    k = k0.copy()
+    with pytest.raises(ValueError, match="whole elements"):
+        rope.prefill(q, k, 0)
+    assert same_bits(q, q0) and same_bits(k, k0)
+    assert not launches(rope)
+
+
+def test_one_op_through_changing_layouts(cuda: None, rng) -> None:
+    """The op keeps the width of each alignment it has seen: one op, called on aligned, shifted,
+    fused-QKV and sliced views in turn (and again), launches each time the width and strides of
+    that call, not of an earlier one."""
+    cfg = rope_config((4, 2), 16)
+    hq, hk, d = 4, 2, 16
+    rope = emulated_rope(cfg, 2, 4)
+    cpu = make_rope(cfg, 2, 4)
+    item = FP32.itemsize
+
+    def plain(shift: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        q = aligned_empty(2 * 4 * hq * d + shift, np.float32)[shift:].reshape(2, 4, hq * d)
+        k = aligned_empty(2 * 4 * hk * d + shift, np.float32)[shift:].reshape(2, 4, hk * d)
+        return q, k, [shift * item]
+
+    def fused(before: int, after: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        width = before + (hq + 2 * hk) * d + after
+        qkv = aligned_empty(2 * 4 * width, np.float32).reshape(2, 4, width)
+        k_at = before + hq * d
+        q, k = qkv[..., before:k_at], qkv[..., k_at : k_at + hk * d]
+        return q, k, [before * item, k_at * item, width * item]
+
+    def sliced() -> tuple[np.ndarray, np.ndarray, list[int]]:
+        q = aligned_empty(3 * 6 * hq * d, np.float32).reshape(3, 6, hq * d)[1:, 2:]
+        k = aligned_empty(3 * 6 * hk * d, np.float32).reshape(3, 6, hk * d)[1:, 2:]
+        return q, k, [(6 + 2) * hq * d * item, (6 + 2) * hk * d * item]
+
+    cases = [plain(0), plain(1), fused(0, 0), plain(2), fused(2, 1), sliced(), plain(0)]
+    for q, k, spans in [*cases, cases[1], cases[4]]:
+        q[...] = rng.standard_normal(q.shape)
+        k[...] = rng.standard_normal(k.shape)
+        cpu_q, cpu_k = q.copy(), k.copy()
+        rope.prefill(q, k, 33)
+        cpu.prefill(cpu_q, cpu_k, 33)
+        vec = expected_width(FP32, "half", d, d // 2, spans)
+        assert launches(rope)[-1] == name_of(FP32, vec, "half")
+        assert_parity(q, cpu_q, FP32)
+        assert_parity(k, cpu_k, FP32)
+
+
+# ---------------------------------------------------------------------------------- decode programs
+
+
+@settings(max_examples=40, deadline=None)
+@given(program=DECODE_PROGRAMS, config=DECODE_CONFIGS, seed=st.integers(0, 2**16))
+def test_any_program_of_decodes_matches_a_fresh_checked_component(  # type: ignore[no-untyped-def]
+    library, program, config, seed
+) -> None:
+    """As on the CPU (``test_rope.py``): decode calls in any order on two buffer pairs,
+    with bad positions, read-only, reshaped or retyped buffers, each equal to a fresh
+    component's call on copies. (A read-only NumPy buffer exists only in emulation, where the
+    emulator refuses it at launch; CuPy arrays have no writeable flag.)"""
+    with emulated_cuda_devices(library):
+        run_decode_program(program, np.random.default_rng(seed), device="CUDA:0", config=config)

@@ -473,7 +473,7 @@ def test_outputs_may_be_views_with_any_strides(kernels: str) -> None:
         assert (big[..., 1::2] == 7.0).all()
 
 
-def test_deepseek_softmax_multiplier_is_opt_in() -> None:
+def test_deepseek_softmax_multiplier_is_opt_in(device) -> None:
     from mila_py import BuildContext, RuntimeMode
     from mila_py.components import AttentionConfig, GroupedQueryAttention
 
@@ -490,7 +490,7 @@ def test_deepseek_softmax_multiplier_is_opt_in() -> None:
             dim=32, n_heads=4, n_kv_heads=2, max_seq_len=64, rope_scaling=yarn,
             rope_softmax_scale=opt_in,
         )  # fmt: skip
-        attn = GroupedQueryAttention("attn", cfg, device="CPU")
+        attn = GroupedQueryAttention("attn", cfg, device=device)
         attn.build(BuildContext((1, 4, 32), RuntimeMode.INFERENCE))
         scales[opt_in] = attn.scale
     mscale = 0.1 * 0.8 * math.log(8.0) + 1.0  # DeepSeek: softmax scale * mscale(factor, all_dim)^2

@@ -1,10 +1,12 @@
-"""Linear: forward against x W^T + b (NumPy float64 and torch), gradients, lifecycle, memory."""
+"""Linear: forward against x W^T + b (NumPy float64 and torch), gradients, lifecycle, memory,
+on every device (``device``: CPU, CUDA:0, emulated CUDA:0); ``test_cpu_*`` check what only the
+CPU has (NumPy's buffer identity and flags), ``test_cuda_op_*`` the CUDA op against the CPU op."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_arrays import REDUCED_PARAMS, agree, close, cupy, dev, host
+from cuda_arrays import REDUCED_PARAMS, agree, close, cupy, dev, host, on
 from layer_helpers import (
     ATOL32,
     INFERENCE,
@@ -17,6 +19,7 @@ from layer_helpers import (
     f32,
     owned_arrays,
     snapshot,
+    tolerances,
 )
 
 from mila_py import BuildContext, Network, Precision, RuntimeMode, TrainingMode
@@ -36,13 +39,25 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
 
 
-def make(bias: bool = True, mode=TRAINING, shape=(B, T, IN), name: str = "proj", **kw) -> Linear:
-    return built(Linear(name, LinearConfig(IN, OUT, bias=bias), device="CPU"), shape, mode, **kw)
+def make(
+    bias: bool = True,
+    mode=TRAINING,
+    shape=(B, T, IN),
+    name: str = "proj",
+    device: str = "CPU",
+    **kw,
+) -> Linear:
+    return built(Linear(name, LinearConfig(IN, OUT, bias=bias), device=device), shape, mode, **kw)
 
 
 def reference(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
-    y = np.einsum("...i,oi->...o", x.astype(np.float64), w.astype(np.float64))
-    return y if b is None else y + b
+    """``x W^T + b`` in float64 (arrays on any device)."""
+    y = np.einsum("...i,oi->...o", host(x).astype(np.float64), host(w).astype(np.float64))
+    return y if b is None else y + host(b)
+
+
+def random_bias(lin: Linear, rng: np.random.Generator, device: str) -> None:
+    lin.bias[...] = on(device, rng.standard_normal(OUT).astype(np.float32))
 
 
 # ------------------------------------------------------------------------------- config
@@ -83,41 +98,46 @@ def test_construction_allocates_nothing_in_every_cpu_precision() -> None:
 # ------------------------------------------------------------------------------- forward
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("lead", [(B, T), (1, T), (B, 1), (2, 3)])
-def test_forward_matches_float64_reference(bias: bool, lead, rng) -> None:
-    lin = make(bias)
+def test_forward_matches_float64_reference(device, bias: bool, lead, rng) -> None:
+    lin = make(bias, device=device)
     if bias:
-        lin.bias[...] = rng.standard_normal(OUT)
+        random_bias(lin, rng, device)
     x = rng.standard_normal((*lead, IN)).astype(np.float32)
-    y = lin.forward(x)
+    y = lin.forward(on(device, x))
     assert y.shape == (*lead, OUT) and y.dtype == np.float32
-    assert np.shares_memory(y, owned_arrays(lin)["s:proj.output"])
-    np.testing.assert_allclose(y, reference(x, lin.weight, lin.bias), rtol=RTOL32, atol=ATOL32)
+    if device == "CPU":  # NumPy can tell; a CuPy array's memory is not NumPy's
+        assert np.shares_memory(y, owned_arrays(lin)["s:proj.output"])
+    want = reference(x, lin.weight, lin.bias)
+    np.testing.assert_allclose(host(y), want, **tolerances(device))
 
 
-def test_forward_matches_torch(rng) -> None:
+def test_forward_matches_torch(device, rng) -> None:
     torch = pytest.importorskip("torch")
-    lin = make(bias=True)
-    lin.bias[...] = rng.standard_normal(OUT)
+    lin = make(bias=True, device=device)
+    random_bias(lin, rng, device)
     x = rng.standard_normal((B, T, IN)).astype(np.float32)
     expected = torch.nn.functional.linear(
-        torch.from_numpy(x), torch.from_numpy(lin.weight), torch.from_numpy(lin.bias)
+        torch.from_numpy(x), torch.from_numpy(host(lin.weight)), torch.from_numpy(host(lin.bias))
     )
-    np.testing.assert_allclose(lin.forward(x), expected.numpy(), rtol=RTOL32, atol=ATOL32)
+    y = host(lin.forward(on(device, x)))
+    np.testing.assert_allclose(y, expected.numpy(), **tolerances(device))
 
 
-def test_any_number_of_leading_dimensions(rng) -> None:
-    lin = make(shape=(6, IN))
+def test_any_number_of_leading_dimensions(device, rng) -> None:
+    lin = make(shape=(6, IN), device=device)
     x = rng.standard_normal((4, IN)).astype(np.float32)
-    np.testing.assert_allclose(lin.forward(x), reference(x, lin.weight, lin.bias), atol=ATOL32)
+    want = reference(x, lin.weight, lin.bias)
+    np.testing.assert_allclose(host(lin.forward(on(device, x))), want, **tolerances(device))
     with pytest.raises(ValueError, match="must be"):
-        lin.forward(np.zeros((1, 4, IN), np.float32))
+        lin.forward(on(device, np.zeros((1, 4, IN), np.float32)))
 
 
-def test_non_contiguous_input(rng) -> None:
-    lin = make()
+def test_non_contiguous_input(device, rng) -> None:
+    lin = make(device=device)
     wide = rng.standard_normal((B, T, 2 * IN)).astype(np.float32)
-    x = wide[..., ::2]
-    np.testing.assert_allclose(lin.forward(x), reference(x, lin.weight, lin.bias), atol=ATOL32)
+    x = on(device, wide)[..., ::2]
+    want = reference(wide[..., ::2], lin.weight, lin.bias)
+    np.testing.assert_allclose(host(lin.forward(x)), want, **tolerances(device))
 
 
 # ------------------------------------------------------------------------------- backward
@@ -142,69 +162,69 @@ def test_backward_float64_matches_finite_differences(bias: bool, rng) -> None:
     assert_gradients(objective, pairs)
 
 
-def test_component_backward_matches_float64_formula(rng) -> None:
-    lin = make(bias=True)
+def test_component_backward_matches_float64_formula(device, rng) -> None:
+    lin = make(bias=True, device=device)
     x = rng.standard_normal((2, 3, IN)).astype(np.float32)
     dy = rng.standard_normal((2, 3, OUT)).astype(np.float32)
-    lin.forward(x)
-    dx = lin.backward(dy)
+    lin.forward(on(device, x))
+    dx = lin.backward(on(device, dy))
     assert dx.shape == x.shape
-    assert np.shares_memory(dx, owned_arrays(lin)["s:proj.dinput"])
+    if device == "CPU":  # NumPy can tell; a CuPy array's memory is not NumPy's
+        assert np.shares_memory(dx, owned_arrays(lin)["s:proj.dinput"])
     x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
-    grads = dict(lin.named_gradients())
-    np.testing.assert_allclose(dx, dy64 @ lin.weight, rtol=RTOL32, atol=ATOL32)
-    np.testing.assert_allclose(
-        grads["weight"], np.einsum("bto,bti->oi", dy64, x64), rtol=RTOL32, atol=ATOL32
-    )
-    np.testing.assert_allclose(grads["bias"], dy64.sum((0, 1)), rtol=RTOL32, atol=ATOL32)
+    grads = {name: host(g) for name, g in lin.named_gradients()}
+    tol = tolerances(device)
+    np.testing.assert_allclose(host(dx), dy64 @ host(lin.weight), **tol)
+    np.testing.assert_allclose(grads["weight"], np.einsum("bto,bti->oi", dy64, x64), **tol)
+    np.testing.assert_allclose(grads["bias"], dy64.sum((0, 1)), **tol)
 
 
-def test_gradients_accumulate_and_zero(rng) -> None:
-    lin = make(bias=True)
+def test_gradients_accumulate_and_zero(device, rng) -> None:
+    lin = make(bias=True, device=device)
     x = rng.standard_normal((B, T, IN)).astype(np.float32)
-    dy = rng.standard_normal((B, T, OUT)).astype(np.float32)
-    lin.forward(x)
-    dx1 = lin.backward(dy).copy()
-    once = [g.copy() for g in lin.get_gradients()]
+    dy = on(device, rng.standard_normal((B, T, OUT)).astype(np.float32))
+    lin.forward(on(device, x))
+    dx1 = host(lin.backward(dy)).copy()
+    once = [host(g).copy() for g in lin.get_gradients()]
     dx2 = lin.backward(dy)
     for g, g1 in zip(lin.get_gradients(), once, strict=True):
-        np.testing.assert_allclose(g, 2 * g1, rtol=1e-6)
-    np.testing.assert_array_equal(dx2, dx1)  # dx is overwritten, not accumulated
+        np.testing.assert_allclose(host(g), 2 * g1, rtol=1e-6)
+    np.testing.assert_array_equal(host(dx2), dx1)  # dx is overwritten, not accumulated
     lin.zero_gradients()
-    assert all(not g.any() for g in lin.get_gradients())
+    assert all(not host(g).any() for g in lin.get_gradients())
 
 
-def test_eval_mode_runs_as_normal_mode(rng) -> None:
+def test_eval_mode_runs_as_normal_mode(device, rng) -> None:
     """EVAL changes nothing a Linear computes: the same output, input gradient and parameter
     gradients as a NORMAL twin with the same weights."""
-    lin, twin = make(), make()
+    lin, twin = make(device=device), make(device=device)
     for p, q in zip(lin.get_parameters(), twin.get_parameters(), strict=True):
         q[...] = p
     lin.set_training_mode(TrainingMode.EVAL)
-    x = rng.standard_normal((B, T, IN)).astype(np.float32)
-    np.testing.assert_array_equal(lin.forward(x), twin.forward(x))
-    dy = rng.standard_normal((B, T, OUT)).astype(np.float32)
-    np.testing.assert_array_equal(lin.backward(dy), twin.backward(dy))
+    x = on(device, rng.standard_normal((B, T, IN)).astype(np.float32))
+    np.testing.assert_array_equal(host(lin.forward(x)), host(twin.forward(x)))
+    dy = on(device, rng.standard_normal((B, T, OUT)).astype(np.float32))
+    np.testing.assert_array_equal(host(lin.backward(dy)), host(twin.backward(dy)))
     for g, h in zip(lin.get_gradients(), twin.get_gradients(), strict=True):
-        np.testing.assert_array_equal(g, h)
+        np.testing.assert_array_equal(host(g), host(h))
 
 
 # ------------------------------------------------------------------------------- lifecycle
-def test_inference_build_has_no_gradients_and_backward_raises(rng) -> None:
-    lin = make(mode=INFERENCE)
+def test_inference_build_has_no_gradients_and_backward_raises(device, rng) -> None:
+    lin = make(mode=INFERENCE, device=device)
     assert lin.get_gradients() == []
-    assert not lin.weight.any()  # inference builds expect loaded weights
-    lin.forward(rng.standard_normal((B, T, IN)).astype(np.float32))
+    assert not host(lin.weight).any()  # inference builds expect loaded weights
+    lin.forward(on(device, rng.standard_normal((B, T, IN)).astype(np.float32)))
     with pytest.raises(RuntimeError, match="INFERENCE"):
-        lin.backward(np.zeros((B, T, OUT), np.float32))
+        lin.backward(on(device, np.zeros((B, T, OUT), np.float32)))
 
 
-def test_backward_before_forward_and_calls_before_build_raise() -> None:
+def test_backward_before_forward_and_calls_before_build_raise(device) -> None:
     with pytest.raises(RuntimeError, match="forward"):
-        make().backward(np.zeros((B, T, OUT), np.float32))
-    lin = Linear("proj", LinearConfig(IN, OUT), device="CPU")
+        make(device=device).backward(on(device, np.zeros((B, T, OUT), np.float32)))
+    lin = Linear("proj", LinearConfig(IN, OUT), device=device)
     with pytest.raises(RuntimeError, match="built"):
-        lin.forward(np.zeros((B, T, IN), np.float32))
+        lin.forward(on(device, np.zeros((B, T, IN), np.float32)))
 
 
 @pytest.mark.parametrize(
@@ -219,16 +239,18 @@ def test_backward_before_forward_and_calls_before_build_raise() -> None:
     ],
     ids=["float64", "list", "width", "batch", "tokens", "rank"],
 )
-def test_bad_forward_leaves_everything_unchanged(x, error, rng) -> None:
-    lin = make()
+def test_bad_forward_leaves_everything_unchanged(device, x, error, rng) -> None:
+    lin = make(device=device)
     good = rng.standard_normal((B, T, IN)).astype(np.float32)
-    lin.forward(good)
-    lin.backward(np.ones((B, T, OUT), np.float32))
+    ones = on(device, np.ones((B, T, OUT), np.float32))
+    lin.forward(on(device, good))
+    lin.backward(ones)
+    x = x if isinstance(x, list) else on(device, x)
     saved = snapshot(lin, x)
     with pytest.raises(error):
         lin.forward(x)
     assert_unchanged(lin, saved, x)
-    assert lin.backward(np.ones((B, T, OUT), np.float32)).shape == good.shape  # still the good x
+    assert lin.backward(ones).shape == good.shape  # still the good x
 
 
 @pytest.mark.parametrize(
@@ -240,18 +262,19 @@ def test_bad_forward_leaves_everything_unchanged(x, error, rng) -> None:
     ],
     ids=["dtype", "shape", "width"],
 )
-def test_bad_backward_leaves_everything_unchanged(dy, error, message, rng) -> None:
-    lin = make()
-    lin.forward(rng.standard_normal((B, T, IN)).astype(np.float32))
-    lin.backward(np.ones((B, T, OUT), np.float32))
+def test_bad_backward_leaves_everything_unchanged(device, dy, error, message, rng) -> None:
+    lin = make(device=device)
+    lin.forward(on(device, rng.standard_normal((B, T, IN)).astype(np.float32)))
+    lin.backward(on(device, np.ones((B, T, OUT), np.float32)))
+    dy = on(device, dy)
     saved = snapshot(lin, dy)
     with pytest.raises(error, match=message):
         lin.backward(dy)
     assert_unchanged(lin, saved, dy)
 
 
-def test_bad_build_shape_rolls_back_and_retry_succeeds() -> None:
-    lin = Linear("proj", LinearConfig(IN, OUT), device="CPU")
+def test_bad_build_shape_rolls_back_and_retry_succeeds(device) -> None:
+    lin = Linear("proj", LinearConfig(IN, OUT), device=device)
     for shape in [(B, T, IN + 1), (IN,)]:
         with pytest.raises(ValueError, match="input_shape"):
             lin.build(BuildContext(shape, TRAINING))
@@ -263,8 +286,8 @@ def test_bad_build_shape_rolls_back_and_retry_succeeds() -> None:
 # ------------------------------------------------------------------------------- memory, init
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("mode", [TRAINING, INFERENCE])
-def test_memory_stats_count_every_owned_array_once(bias: bool, mode) -> None:
-    lin = make(bias, mode)
+def test_memory_stats_count_every_owned_array_once(device, bias: bool, mode) -> None:
+    lin = make(bias, mode, device=device)
     stats = lin.get_memory_stats()
     params = (OUT * IN + OUT * bias) * 4
     state = B * T * OUT * 4 + (B * T * IN * 4 if mode is TRAINING else 0)
@@ -274,61 +297,66 @@ def test_memory_stats_count_every_owned_array_once(bias: bool, mode) -> None:
     assert stats.total_bytes == distinct_nbytes(list(owned_arrays(lin).values()))
 
 
-def test_initialization_is_seeded_normal_and_bias_zero() -> None:
-    big = built(Linear("big", LinearConfig(256, 128, bias=True), device="CPU"), (1, 1, 256))
-    assert abs(big.weight.std() - 0.02) < 0.001 and abs(big.weight.mean()) < 0.001
-    assert not big.bias.any()
-    w = make(name="a").weight.copy()
-    np.testing.assert_array_equal(make(name="a").weight, w)  # same (seed, name): same weights
-    assert not np.array_equal(make(name="b").weight, w)  # another name: another stream
+def test_initialization_is_seeded_normal_and_bias_zero(device) -> None:
+    """The same draws on every device: a CUDA build's weights are the CPU build's."""
+    big = built(Linear("big", LinearConfig(256, 128, bias=True), device=device), (1, 1, 256))
+    weight = host(big.weight)
+    assert abs(weight.std() - 0.02) < 0.001 and abs(weight.mean()) < 0.001
+    assert not host(big.bias).any()
+    w = host(make(name="a").weight).copy()  # the CPU's draws
+    np.testing.assert_array_equal(host(make(name="a", device=device).weight), w)
+    assert not np.array_equal(host(make(name="b", device=device).weight), w)  # another stream
     try:
         manual_seed(7)
-        assert not np.array_equal(make(name="a").weight, w)
+        assert not np.array_equal(host(make(name="a", device=device).weight), w)
     finally:
         manual_seed(0)
-    assert not make(initialize=False).weight.any()
+    assert not host(make(initialize=False, device=device).weight).any()
 
 
-def test_inside_a_network(rng) -> None:
-    net = Network("net")
+def test_inside_a_network(device, rng) -> None:
+    net = Network("net", device=device)
     lin = Linear("proj", LinearConfig(IN, OUT))
     net.add_component(lin)
     net.build(BuildContext((B, T, IN), TRAINING))
     x = rng.standard_normal((B, T, IN)).astype(np.float32)
-    np.testing.assert_allclose(lin.forward(x), reference(x, lin.weight, None), atol=ATOL32)
+    want = reference(x, lin.weight, None)
+    np.testing.assert_allclose(host(lin.forward(on(device, x))), want, **tolerances(device))
     assert [n for n, _ in net.named_parameters()] == ["proj.weight"]
 
 
 @pytest.mark.parametrize(("n_in", "n_out"), [(IN, OUT), (OUT, IN), (IN, IN)])
 def test_inference_builds_store_a_widening_weight_transposed_with_the_same_values(
-    n_in: int, n_out: int, rng
+    device, n_in: int, n_out: int, rng
 ) -> None:
-    """INFERENCE keeps ``weight [out, in]`` of a layer with ``in <= out`` as a view of
-    ``[in, out]`` rows (the faster decode GEMV for it), of a narrowing one as ``[out, in]`` rows;
-    initialization, loading and the forward result are those of a TRAINING build."""
+    """A CPU INFERENCE build keeps ``weight [out, in]`` of a layer with ``in <= out`` as a view
+    of ``[in, out]`` rows (the faster decode GEMV for it), of a narrowing one as ``[out, in]``
+    rows; CUDA builds keep ``[out, in]`` rows; initialization, loading and the forward result
+    are those of a TRAINING build on every device."""
+    transposed = device == "CPU" and n_in <= n_out
 
     def build(mode) -> Linear:  # type: ignore[no-untyped-def]
-        lin = Linear("w", LinearConfig(n_in, n_out), device="CPU")
+        lin = Linear("w", LinearConfig(n_in, n_out), device=device)
         return built(lin, (B, T, n_in), mode, initialize=True)
 
     train, serve = build(TRAINING), build(INFERENCE)
     assert serve.weight.shape == train.weight.shape == (n_out, n_in)
     assert train.weight.flags.c_contiguous
-    assert serve.weight.T.flags.c_contiguous is (n_in <= n_out)
-    assert serve.weight.flags.c_contiguous is (n_in > n_out)
-    np.testing.assert_array_equal(serve.weight, train.weight)  # the same seeded draws
-    x = rng.standard_normal((B, T, n_in)).astype(np.float32)
-    np.testing.assert_allclose(serve.forward(x), train.forward(x), rtol=1e-6, atol=1e-6)
+    assert serve.weight.T.flags.c_contiguous is transposed
+    assert serve.weight.flags.c_contiguous is not transposed
+    np.testing.assert_array_equal(host(serve.weight), host(train.weight))  # the same draws
+    x = on(device, rng.standard_normal((B, T, n_in)).astype(np.float32))
+    np.testing.assert_allclose(host(serve.forward(x)), host(train.forward(x)), rtol=1e-6, atol=1e-6)
     new = rng.standard_normal((n_out, n_in)).astype(np.float32)
-    serve.weight[...] = new  # loading writes through the view
-    np.testing.assert_array_equal(serve.weight, new)
+    serve.weight[...] = on(device, new)  # loading writes through the view
+    np.testing.assert_array_equal(host(serve.weight), new)
     assert serve.get_memory_stats().device_parameter_bytes == new.nbytes  # no bias
 
 
-def test_call_shapes_in_any_order_reuse_correct_views_of_the_output_buffer(rng) -> None:
+def test_cpu_call_shapes_in_any_order_reuse_correct_views_of_the_output_buffer(rng) -> None:
     """Views of the output buffer are kept per call shape (decode asks for the same one per
     token): shapes in any order, many more than are kept, and a replaced buffer all give the
-    right result in the right memory."""
+    right result in the right memory (on the CPU, where NumPy tells which memory)."""
     lin = make(False)
     leads = [(1, 1), (B, T), (1, 3), (1, 1), (B, 1)] + [(1, t) for t in range(1, T + 1)] * 20
     for lead in leads:
@@ -344,7 +372,8 @@ def test_call_shapes_in_any_order_reuse_correct_views_of_the_output_buffer(rng) 
     assert np.shares_memory(y, fresh)
 
 
-def test_a_caller_changing_its_output_view_changes_nothing_for_the_next_call(rng) -> None:
+def test_cpu_a_caller_changing_its_output_view_changes_nothing_for_the_next_call(rng) -> None:
+    """NumPy's view flags and in-place shape (a CuPy array has neither)."""
     lin = make(False)
     x = rng.standard_normal((B, T, IN)).astype(np.float32)
     y = lin.forward(x)
@@ -355,7 +384,8 @@ def test_a_caller_changing_its_output_view_changes_nothing_for_the_next_call(rng
     np.testing.assert_allclose(again, reference(x, lin.weight, None), rtol=RTOL32, atol=ATOL32)
 
 
-def test_a_packed_weight_of_the_wrong_shape_is_refused_and_the_build_rolls_back() -> None:
+def test_cpu_a_packed_weight_of_the_wrong_shape_is_refused_and_the_build_rolls_back() -> None:
+    """A NumPy packed weight, taken as is (NumPy tells the view)."""
     layer = Linear("proj", LinearConfig(3, 5), device="CPU")
     layer._packed_weight = np.zeros((3, 5), np.float32)  # [in, out]: the transpose
     with pytest.raises(ValueError, match=r"packed weight must be \[5, 3\], got \[3, 5\]"):

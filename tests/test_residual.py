@@ -1,5 +1,7 @@
 """Residual: ``y = x + scale * f`` against float64, gradients by finite differences, checks that
-leave everything untouched, memory, and the CUDA component against the CPU one on ``CUDA:0``."""
+leave everything untouched, memory, on every device (``device``: CPU, CUDA:0, emulated CUDA:0);
+``test_cpu_*`` check what only the CPU has (FP64, NumPy's buffer identity), ``test_cuda_*`` the
+CUDA component against the CPU one on ``CUDA:0``."""
 
 from __future__ import annotations
 
@@ -57,8 +59,19 @@ def test_forward_matches_float64_and_calls_may_be_smaller(device, precision, sca
             assert np.shares_memory(y, res._state["output"])
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.3])
+def test_backward_matches_float64(device, scale, rng) -> None:
+    """``dx = dy`` and ``df = scale * dy`` on every device."""
+    res = make(scale, device=device)
+    x, f, dy = (rng.standard_normal((B, T, D)).astype(np.float32) for _ in range(3))
+    res.forward(on(device, x), on(device, f))
+    dx, df = res.backward(on(device, dy))
+    np.testing.assert_array_equal(host(dx), dy)
+    np.testing.assert_allclose(host(df), scale * dy.astype(np.float64), 1e-6)
+
+
 @pytest.mark.parametrize("scale", [1.0, 0.75])
-def test_gradients_match_finite_differences(scale, rng) -> None:
+def test_cpu_float64_gradients_match_finite_differences(scale, rng) -> None:
     res = make(scale, precision=Precision.FP64)
     x, f = rng.standard_normal((B, T, D)), rng.standard_normal((B, T, D))
     w = rng.standard_normal((B, T, D))
@@ -78,36 +91,42 @@ def test_gradients_match_finite_differences(scale, rng) -> None:
         assert "dbranch" not in res._state
 
 
-def test_bad_input_is_refused_and_leaves_everything_untouched(rng) -> None:
-    res = make(0.5)
-    x, f = rng.standard_normal((B, T, D)).astype(np.float32), rng.standard_normal((B, T, D))
-    res.forward(x, f.astype(np.float32))
+def test_bad_input_is_refused_and_leaves_everything_untouched(device, rng) -> None:
+    res = make(0.5, device=device)
+    x_host, f_host = (
+        rng.standard_normal((B, T, D)).astype(np.float32),
+        rng.standard_normal((B, T, D)),
+    )
+    x, f, f32 = on(device, x_host), on(device, f_host), on(device, f_host.astype(np.float32))
+    res.forward(x, f32)
     saved = snapshot(res, x)
     bad = [
         ((x, f), TypeError, "dtype"),  # f is float64
-        ((x, f.astype(np.float32)[:, :2]), ValueError, "one shape"),
-        ((x[..., :4], f.astype(np.float32)[..., :4]), ValueError, str(D)),
-        ((np.zeros((B + 1, T, D), np.float32),) * 2, ValueError, "exceeds"),
-        ((x.tolist(), f), TypeError, "array"),
+        ((x, f32[:, :2]), ValueError, "one shape"),
+        ((x[..., :4], f32[..., :4]), ValueError, str(D)),
+        ((on(device, np.zeros((B + 1, T, D), np.float32)),) * 2, ValueError, "exceeds"),
+        ((x_host.tolist(), f), TypeError, "array"),
     ]
     for args, error, match in bad:
         with pytest.raises(error, match=match):
             res.forward(*args)
         assert_unchanged(res, saved, x)
     with pytest.raises(ValueError):
-        res.backward(np.zeros((B, T + 1, D), np.float32))
+        res.backward(on(device, np.zeros((B, T + 1, D), np.float32)))
     with pytest.raises(RuntimeError, match="TRAINING"):
-        make(mode=INFERENCE).backward(x)
+        make(mode=INFERENCE, device=device).backward(x)
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.5])
 @pytest.mark.parametrize("mode", [TRAINING, INFERENCE])
-def test_memory_is_the_output_and_the_scaled_gradient(scale, mode) -> None:
-    res = make(scale, mode)
+def test_memory_is_the_output_and_the_scaled_gradient(device, scale, mode) -> None:
+    res = make(scale, mode, device=device)
     stats = res.get_memory_stats()
     buffers = 2 if mode is TRAINING and scale != 1 else 1
-    assert stats.device_state_bytes == buffers * B * T * D * 4
-    assert stats.device_total_bytes == distinct_nbytes(list(owned_arrays(res).values()))
+    assert stats.state_bytes == buffers * B * T * D * 4
+    assert stats.total_bytes == distinct_nbytes(list(owned_arrays(res).values()))
+    if device == "CPU" or not EMULATED:  # the emulator's device arrays are NumPy's: "host"
+        assert stats.host_total_bytes == 0
     assert res.parameter_count() == 0 and res.get_gradients() == []
 
 

@@ -1,14 +1,15 @@
-"""RmsNorm: forward against HF's formula (NumPy float64 and torch), gradients, lifecycle, memory."""
+"""RmsNorm: forward against HF's formula (NumPy float64 and torch), gradients, lifecycle, memory,
+on every device (``device``: CPU, CUDA:0, emulated CUDA:0); the NumPy op's own float64 math
+stays on the CPU, ``test_cuda_op_*`` check the CUDA op against the CPU op."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_arrays import EMULATED, REDUCED_PARAMS, agree, close, cupy, dev, host
+from cuda_arrays import EMULATED, REDUCED_PARAMS, agree, close, cupy, dev, host, on
 from layer_helpers import (
     ATOL32,
     INFERENCE,
-    RTOL32,
     TRAINING,
     assert_gradients,
     assert_unchanged,
@@ -18,6 +19,7 @@ from layer_helpers import (
     owned_arrays,
     rel_err,
     snapshot,
+    tolerances,
 )
 
 from mila_py import BuildContext, Precision, TrainingMode
@@ -38,17 +40,18 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(4321)
 
 
-def make(mode=TRAINING, shape=(B, T, D), eps: float = EPS, **kw) -> RmsNorm:
-    return built(RmsNorm("norm", RmsNormConfig(D, eps), device="CPU"), shape, mode, **kw)
+def make(mode=TRAINING, shape=(B, T, D), eps: float = EPS, device: str = "CPU", **kw) -> RmsNorm:
+    return built(RmsNorm("norm", RmsNormConfig(D, eps), device=device), shape, mode, **kw)
 
 
 def reference(x: np.ndarray, w: np.ndarray, eps: float = EPS) -> np.ndarray:
-    x = x.astype(np.float64)
-    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+    """HF's RMSNorm in float64 (arrays on any device)."""
+    x = host(x).astype(np.float64)
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * host(w)
 
 
-def random_weight(norm: RmsNorm, rng: np.random.Generator) -> None:
-    norm.weight[...] = rng.uniform(0.5, 1.5, D)
+def random_weight(norm: RmsNorm, rng: np.random.Generator, device: str = "CPU") -> None:
+    norm.weight[...] = on(device, rng.uniform(0.5, 1.5, D).astype(np.float32))
 
 
 # ------------------------------------------------------------------------------- config
@@ -78,36 +81,39 @@ def test_construction_allocates_nothing_in_every_cpu_precision() -> None:
 
 # ------------------------------------------------------------------------------- forward
 @pytest.mark.parametrize("lead", [(B, T), (1, 1), (2, 3)])
-def test_forward_matches_float64_reference(lead, rng) -> None:
-    norm = make()
-    random_weight(norm, rng)
+def test_forward_matches_float64_reference(device, lead, rng) -> None:
+    norm = make(device=device)
+    random_weight(norm, rng, device)
     x = (rng.standard_normal((*lead, D)) * 3 + 0.5).astype(np.float32)
-    y = norm.forward(x)
+    y = norm.forward(on(device, x))
     assert y.shape == x.shape and y.dtype == np.float32
-    assert np.shares_memory(y, owned_arrays(norm)["s:norm.output"])
-    np.testing.assert_allclose(y, reference(x, norm.weight), rtol=RTOL32, atol=ATOL32)
+    if device == "CPU":  # NumPy can tell; a CuPy array's memory is not NumPy's
+        assert np.shares_memory(y, owned_arrays(norm)["s:norm.output"])
+    np.testing.assert_allclose(host(y), reference(x, norm.weight), **tolerances(device))
 
 
-def test_forward_matches_torch_llama_rms_norm(rng) -> None:
+def test_forward_matches_torch_llama_rms_norm(device, rng) -> None:
     torch = pytest.importorskip("torch")
-    norm = make()
-    random_weight(norm, rng)
+    norm = make(device=device)
+    random_weight(norm, rng, device)
     x = rng.standard_normal((B, T, D)).astype(np.float32)
     # transformers' LlamaRMSNorm.forward, written out
     h = torch.from_numpy(x).to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
-    expected = torch.from_numpy(norm.weight.copy()) * h
-    np.testing.assert_allclose(norm.forward(x), expected.numpy(), rtol=1e-6, atol=1e-6)
+    expected = torch.from_numpy(host(norm.weight).copy()) * h
+    tol = {"rtol": 1e-6, "atol": 1e-6} if device == "CPU" else tolerances(device)
+    np.testing.assert_allclose(host(norm.forward(on(device, x))), expected.numpy(), **tol)
 
 
-def test_weight_initialized_to_ones_and_large_or_tiny_rows(rng) -> None:
-    norm = make()
-    np.testing.assert_array_equal(norm.weight, np.ones(D, np.float32))
+def test_weight_initialized_to_ones_and_large_or_tiny_rows(device, rng) -> None:
+    norm = make(device=device)
+    np.testing.assert_array_equal(host(norm.weight), np.ones(D, np.float32))
     x = rng.standard_normal((B, T, D)).astype(np.float32)
     x[0] *= 1e15  # squares near the float32 limit stay finite
     x[1] *= 1e-3
-    np.testing.assert_allclose(norm.forward(x), reference(x, norm.weight), rtol=1e-5, atol=1e-6)
-    assert not make(mode=INFERENCE).weight.any()  # inference builds expect loaded weights
+    tol = {"rtol": 1e-5, "atol": 1e-6} if device == "CPU" else tolerances(device)
+    np.testing.assert_allclose(host(norm.forward(on(device, x))), reference(x, norm.weight), **tol)
+    assert not host(make(mode=INFERENCE, device=device).weight).any()  # expects loaded weights
 
 
 @pytest.mark.parametrize("magnitude", [3e17, 1e20, 1e-25])
@@ -131,11 +137,12 @@ def test_rows_whose_float32_squares_overflow_or_underflow(rng, magnitude: float)
     np.testing.assert_allclose(dx, want_dx, rtol=1e-4, atol=1e-6 * np.abs(want_dx).max())
 
 
-def test_many_rows_span_several_blocks(rng) -> None:
-    # 160 rows of 512: three row blocks of the op
-    norm = built(RmsNorm("wide", RmsNormConfig(512), device="CPU"), (4, 40, 512))
+def test_many_rows_span_several_blocks(device, rng) -> None:
+    # 160 rows of 512: three row blocks of the CPU op
+    norm = built(RmsNorm("wide", RmsNormConfig(512), device=device), (4, 40, 512))
     x = rng.standard_normal((4, 40, 512)).astype(np.float32)
-    np.testing.assert_allclose(norm.forward(x), reference(x, norm.weight), rtol=RTOL32, atol=ATOL32)
+    y = host(norm.forward(on(device, x)))
+    np.testing.assert_allclose(y, reference(x, norm.weight), **tolerances(device))
 
 
 # ------------------------------------------------------------------------------- backward
@@ -158,60 +165,61 @@ def test_backward_float64_matches_finite_differences(rng) -> None:
     assert_gradients(objective, {"x": (x, dx), "weight": (w, dw)})
 
 
-def test_component_gradients_match_float64_backward(rng) -> None:
-    norm = make()
-    random_weight(norm, rng)
+def test_component_gradients_match_float64_backward(device, rng) -> None:
+    norm = make(device=device)
+    random_weight(norm, rng, device)
     x = rng.standard_normal((2, 4, D)).astype(np.float32)
     dy = rng.standard_normal((2, 4, D)).astype(np.float32)
-    norm.forward(x)
-    dx = norm.backward(dy)
-    assert np.shares_memory(dx, owned_arrays(norm)["s:norm.dinput"])
-    x64, w64 = x.astype(np.float64), norm.weight.astype(np.float64)
+    norm.forward(on(device, x))
+    dx = norm.backward(on(device, dy))
+    if device == "CPU":  # NumPy can tell; a CuPy array's memory is not NumPy's
+        assert np.shares_memory(dx, owned_arrays(norm)["s:norm.dinput"])
+    x64, w64 = x.astype(np.float64), host(norm.weight).astype(np.float64)
     rstd, dw64, dx64 = np.empty((2, 4)), np.zeros(D), np.empty_like(x64)
     rms_norm_forward(x64, w64, EPS, np.empty_like(x64), rstd)
     rms_norm_backward(x64, w64, rstd, dy.astype(np.float64), dw64, dx64)
-    np.testing.assert_allclose(dx, dx64, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(norm.get_gradients()[0], dw64, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(host(dx), dx64, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(host(norm.get_gradients()[0]), dw64, rtol=1e-4, atol=1e-5)
 
 
-def test_gradients_accumulate_and_zero(rng) -> None:
-    norm = make()
-    x = rng.standard_normal((B, T, D)).astype(np.float32)
-    dy = rng.standard_normal((B, T, D)).astype(np.float32)
+def test_gradients_accumulate_and_zero(device, rng) -> None:
+    norm = make(device=device)
+    x = on(device, rng.standard_normal((B, T, D)).astype(np.float32))
+    dy = on(device, rng.standard_normal((B, T, D)).astype(np.float32))
     norm.forward(x)
-    dx1 = norm.backward(dy).copy()
-    once = norm.get_gradients()[0].copy()
-    np.testing.assert_array_equal(norm.backward(dy), dx1)
-    np.testing.assert_allclose(norm.get_gradients()[0], 2 * once, rtol=1e-6)
+    dx1 = host(norm.backward(dy)).copy()
+    once = host(norm.get_gradients()[0]).copy()
+    np.testing.assert_array_equal(host(norm.backward(dy)), dx1)
+    np.testing.assert_allclose(host(norm.get_gradients()[0]), 2 * once, rtol=1e-6)
     norm.zero_gradients()
-    assert not norm.get_gradients()[0].any()
+    assert not host(norm.get_gradients()[0]).any()
 
 
-def test_eval_mode_runs_as_normal_mode(rng) -> None:
+def test_eval_mode_runs_as_normal_mode(device, rng) -> None:
     """EVAL changes nothing RMSNorm computes: the same output and gradients as a NORMAL twin."""
-    norm, twin = make(), make()
-    random_weight(norm, rng)
+    norm, twin = make(device=device), make(device=device)
+    random_weight(norm, rng, device)
     twin.weight[...] = norm.weight
     norm.set_training_mode(TrainingMode.EVAL)
-    x = rng.standard_normal((1, 2, D)).astype(np.float32)
-    np.testing.assert_array_equal(norm.forward(x), twin.forward(x))
-    dy = rng.standard_normal((1, 2, D)).astype(np.float32)
-    np.testing.assert_array_equal(norm.backward(dy), twin.backward(dy))
-    np.testing.assert_array_equal(norm.get_gradients()[0], twin.get_gradients()[0])
+    x = on(device, rng.standard_normal((1, 2, D)).astype(np.float32))
+    np.testing.assert_array_equal(host(norm.forward(x)), host(twin.forward(x)))
+    dy = on(device, rng.standard_normal((1, 2, D)).astype(np.float32))
+    np.testing.assert_array_equal(host(norm.backward(dy)), host(twin.backward(dy)))
+    np.testing.assert_array_equal(host(norm.get_gradients()[0]), host(twin.get_gradients()[0]))
 
 
 # ------------------------------------------------------------------------------- lifecycle
-def test_inference_build_has_no_gradients_and_backward_raises(rng) -> None:
-    norm = make(mode=INFERENCE)
+def test_inference_build_has_no_gradients_and_backward_raises(device, rng) -> None:
+    norm = make(mode=INFERENCE, device=device)
     assert norm.get_gradients() == []
-    norm.forward(rng.standard_normal((B, T, D)).astype(np.float32))
+    norm.forward(on(device, rng.standard_normal((B, T, D)).astype(np.float32)))
     with pytest.raises(RuntimeError, match="INFERENCE"):
-        norm.backward(np.zeros((B, T, D), np.float32))
+        norm.backward(on(device, np.zeros((B, T, D), np.float32)))
 
 
-def test_backward_before_forward_raises() -> None:
+def test_backward_before_forward_raises(device) -> None:
     with pytest.raises(RuntimeError, match="forward"):
-        make().backward(np.zeros((B, T, D), np.float32))
+        make(device=device).backward(on(device, np.zeros((B, T, D), np.float32)))
 
 
 @pytest.mark.parametrize(
@@ -224,30 +232,34 @@ def test_backward_before_forward_raises() -> None:
     ],
     ids=["dtype", "width", "batch", "rank"],
 )
-def test_bad_forward_leaves_everything_unchanged(x, error, rng) -> None:
-    norm = make()
-    norm.forward(rng.standard_normal((B, T, D)).astype(np.float32))
-    norm.backward(np.ones((B, T, D), np.float32))
+def test_bad_forward_leaves_everything_unchanged(device, x, error, rng) -> None:
+    norm = make(device=device)
+    norm.forward(on(device, rng.standard_normal((B, T, D)).astype(np.float32)))
+    norm.backward(on(device, np.ones((B, T, D), np.float32)))
+    x = on(device, x)
     saved = snapshot(norm, x)
     with pytest.raises(error):
         norm.forward(x)
     assert_unchanged(norm, saved, x)
 
 
-def test_own_output_as_input_is_refused(rng) -> None:
-    norm = make()
-    y = norm.forward(rng.standard_normal((B, T, D)).astype(np.float32))
+def test_own_output_as_input_is_refused(device, rng) -> None:
+    norm = make(device=device)
+    y = norm.forward(on(device, rng.standard_normal((B, T, D)).astype(np.float32)))
     saved = snapshot(norm)
     with pytest.raises(ValueError, match="overlaps"):
         norm.forward(y)
     assert_unchanged(norm, saved)
-    np.testing.assert_allclose(norm.forward(y.copy()), reference(y, norm.weight), atol=ATOL32)
+    want = reference(y, norm.weight)
+    tol = {"atol": ATOL32} if device == "CPU" else tolerances(device)
+    np.testing.assert_allclose(host(norm.forward(y.copy())), want, **tol)
 
 
-def test_bad_backward_leaves_everything_unchanged(rng) -> None:
-    norm = make()
-    norm.forward(rng.standard_normal((1, 2, D)).astype(np.float32))
-    for dy in (np.ones((1, 3, D), np.float32), np.ones((1, 2, D), np.float64)):
+def test_bad_backward_leaves_everything_unchanged(device, rng) -> None:
+    norm = make(device=device)
+    norm.forward(on(device, rng.standard_normal((1, 2, D)).astype(np.float32)))
+    for dy_host in (np.ones((1, 3, D), np.float32), np.ones((1, 2, D), np.float64)):
+        dy = on(device, dy_host)
         saved = snapshot(norm, dy)
         error, message = (TypeError, "dtype") if dy.dtype == np.float64 else (ValueError, "shape")
         with pytest.raises(error, match=message):
@@ -255,8 +267,8 @@ def test_bad_backward_leaves_everything_unchanged(rng) -> None:
         assert_unchanged(norm, saved, dy)
 
 
-def test_bad_build_shape_rolls_back() -> None:
-    norm = RmsNorm("norm", RmsNormConfig(D), device="CPU")
+def test_bad_build_shape_rolls_back(device) -> None:
+    norm = RmsNorm("norm", RmsNormConfig(D), device=device)
     with pytest.raises(ValueError, match="input_shape"):
         norm.build(BuildContext((B, T, D + 1), TRAINING))
     assert not norm.is_built and norm.get_memory_stats().total_bytes == 0
@@ -264,8 +276,8 @@ def test_bad_build_shape_rolls_back() -> None:
 
 
 @pytest.mark.parametrize("mode", [TRAINING, INFERENCE])
-def test_memory_stats_count_every_owned_array_once(mode) -> None:
-    norm = make(mode)
+def test_memory_stats_count_every_owned_array_once(device, mode) -> None:
+    norm = make(mode, device=device)
     stats = norm.get_memory_stats()
     assert stats.parameter_bytes == D * 4
     assert stats.gradient_bytes == (D * 4 if mode is TRAINING else 0)

@@ -1,5 +1,7 @@
 """SoftmaxCrossEntropy: loss against a float64 formula and torch, ignore_index, stability,
-gradient against finite differences, lifecycle, memory."""
+gradient against finite differences, lifecycle, memory, on every device (``device``: CPU, CUDA:0,
+emulated CUDA:0); ``test_cpu_*`` check the NumPy op's own float64 and overflow-free math,
+``test_cuda_op_*`` the CUDA op against the CPU op."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import math
 
 import numpy as np
 import pytest
-from cuda_arrays import REDUCED_PARAMS, agree, close, cupy, dev, host
+from cuda_arrays import REDUCED_PARAMS, agree, close, cupy, dev, host, on
 from layer_helpers import (
     INFERENCE,
     TRAINING,
@@ -40,9 +42,11 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(2718)
 
 
-def make(mode=TRAINING, shape=(B, T, V), ignore_index: int = IGNORE) -> SoftmaxCrossEntropy:
+def make(
+    mode=TRAINING, shape=(B, T, V), ignore_index: int = IGNORE, device: str = "CPU"
+) -> SoftmaxCrossEntropy:
     cfg = SoftmaxCrossEntropyConfig(V, ignore_index)
-    return built(SoftmaxCrossEntropy("loss", cfg, device="CPU"), shape, mode)
+    return built(SoftmaxCrossEntropy("loss", cfg, device=device), shape, mode)
 
 
 def inputs(rng, lead=(B, T), scale: float = 3.0) -> tuple[np.ndarray, np.ndarray]:
@@ -90,11 +94,11 @@ def test_construction_allocates_nothing_in_every_cpu_precision() -> None:
 
 # ------------------------------------------------------------------------------- forward
 @pytest.mark.parametrize("lead", [(B, T), (1, 1), (2, 3)])
-def test_loss_matches_float64_reference(lead, rng) -> None:
-    loss = make()
+def test_loss_matches_float64_reference(device, lead, rng) -> None:
+    loss = make(device=device)
     logits, targets = inputs(rng, lead)
     targets[0, 0] = IGNORE
-    value = loss.forward(logits, targets)
+    value = loss.forward(on(device, logits), on(device, targets))
     assert isinstance(value, float)
     if targets.size == 1:
         assert math.isnan(value)
@@ -102,9 +106,9 @@ def test_loss_matches_float64_reference(lead, rng) -> None:
         assert value == pytest.approx(reference(logits, targets), rel=1e-6)
 
 
-def test_loss_and_gradient_match_torch(rng) -> None:
+def test_loss_and_gradient_match_torch(device, rng) -> None:
     torch = pytest.importorskip("torch")
-    loss = make()
+    loss = make(device=device)
     logits, targets = inputs(rng)
     targets[1, :2] = IGNORE
     z = torch.from_numpy(logits).requires_grad_()
@@ -112,11 +116,14 @@ def test_loss_and_gradient_match_torch(rng) -> None:
         z.reshape(-1, V), torch.from_numpy(targets).reshape(-1), ignore_index=IGNORE
     )
     expected.backward()
-    assert loss.forward(logits, targets) == pytest.approx(expected.item(), rel=1e-6)
-    np.testing.assert_allclose(loss.backward(), z.grad.numpy(), rtol=1e-5, atol=1e-7)
+    value = loss.forward(on(device, logits), on(device, targets))
+    assert value == pytest.approx(expected.item(), rel=1e-6)
+    np.testing.assert_allclose(host(loss.backward()), z.grad.numpy(), rtol=1e-5, atol=1e-7)
 
 
-def test_large_logits_are_stable(rng) -> None:
+def test_cpu_large_logits_are_stable(rng) -> None:
+    """NumPy raises on any overflow here (``test_cuda_op_of_large_logits_is_exact`` is the
+    CUDA op's)."""
     loss = make()
     logits, targets = inputs(rng)
     logits += np.float32(1e4)  # exp would overflow without the max subtraction
@@ -137,21 +144,23 @@ def test_large_logits_are_stable(rng) -> None:
     np.testing.assert_allclose(dz[0, 0], [-2 / 3, 1 / 3, 1 / 3], rtol=1e-6)
 
 
-def test_ignore_index_inside_the_vocabulary(rng) -> None:
-    loss = make(ignore_index=0)
+def test_ignore_index_inside_the_vocabulary(device, rng) -> None:
+    loss = make(ignore_index=0, device=device)
     logits, targets = inputs(rng)
     targets[:, 0] = 0
-    assert loss.forward(logits, targets) == pytest.approx(reference(logits, targets, 0), rel=1e-6)
+    value = loss.forward(on(device, logits), on(device, targets))
+    assert value == pytest.approx(reference(logits, targets, 0), rel=1e-6)
     np.testing.assert_allclose(
-        loss.backward(), reference_grad(logits, targets, 0), rtol=1e-5, atol=1e-7
+        host(loss.backward()), reference_grad(logits, targets, 0), rtol=1e-5, atol=1e-7
     )
 
 
-def test_all_targets_ignored_gives_nan_loss_and_zero_gradient(rng) -> None:
-    loss = make()
+@pytest.mark.parametrize("ignore", [IGNORE, -1])
+def test_all_targets_ignored_gives_nan_loss_and_zero_gradient(device, ignore: int, rng) -> None:
+    loss = make(ignore_index=ignore, device=device)
     logits, _ = inputs(rng)
-    assert math.isnan(loss.forward(logits, np.full((B, T), IGNORE)))
-    assert not loss.backward().any()
+    assert math.isnan(loss.forward(on(device, logits), on(device, np.full((B, T), ignore))))
+    assert not host(loss.backward()).any()
 
 
 # ------------------------------------------------------------------------------- backward
@@ -171,45 +180,48 @@ def test_backward_float64_matches_finite_differences(rng) -> None:
     assert_gradients(objective, {"logits": (logits, dlogits)})
 
 
-def test_component_gradient_matches_formula_and_scales(rng) -> None:
-    loss = make()
-    logits, targets = inputs(rng, (2, 3))
-    targets[1, 2] = IGNORE
-    loss.forward(logits, targets)
-    expected = reference_grad(logits, targets)
+def test_component_gradient_matches_formula_and_scales(device, rng) -> None:
+    loss = make(device=device)
+    logits, targets_host = inputs(rng, (2, 3))
+    targets_host[1, 2] = IGNORE
+    targets = on(device, targets_host)
+    loss.forward(on(device, logits), targets)
+    expected = reference_grad(logits, targets_host)
     targets[...] = 0  # the caller may reuse its array: the component kept a copy
     grad = loss.backward()
     assert grad.shape == logits.shape
-    assert np.shares_memory(grad, owned_arrays(loss)["s:loss.dinput"])
-    np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-7)
-    once = grad.copy()
-    np.testing.assert_allclose(loss.backward(0.25), 0.25 * once, rtol=1e-6, atol=1e-9)
-    np.testing.assert_allclose(loss.backward(), once, rtol=0, atol=0)  # idempotent
+    if device == "CPU":  # NumPy can tell; a CuPy array's memory is not NumPy's
+        assert np.shares_memory(grad, owned_arrays(loss)["s:loss.dinput"])
+    np.testing.assert_allclose(host(grad), expected, rtol=1e-5, atol=1e-7)
+    once = host(grad).copy()
+    np.testing.assert_allclose(host(loss.backward(0.25)), 0.25 * once, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(host(loss.backward()), once, rtol=0, atol=0)  # idempotent
     assert loss.get_gradients() == []  # no parameters
 
 
-def test_eval_mode_runs_as_normal_mode(rng) -> None:
+def test_eval_mode_runs_as_normal_mode(device, rng) -> None:
     """EVAL changes nothing the loss computes: the same value and gradient as a NORMAL twin."""
-    loss, twin = make(), make()
+    loss, twin = make(device=device), make(device=device)
     loss.set_training_mode(TrainingMode.EVAL)
-    logits, targets = inputs(rng, (1, 2))
+    logits, targets = (on(device, a) for a in inputs(rng, (1, 2)))
     assert loss.forward(logits, targets) == twin.forward(logits, targets)
-    np.testing.assert_array_equal(loss.backward(), twin.backward())
+    np.testing.assert_array_equal(host(loss.backward()), host(twin.backward()))
 
 
 # ------------------------------------------------------------------------------- lifecycle
-def test_inference_build_has_no_gradient_buffer_and_backward_raises(rng) -> None:
-    loss = make(mode=INFERENCE)
+def test_inference_build_has_no_gradient_buffer_and_backward_raises(device, rng) -> None:
+    loss = make(mode=INFERENCE, device=device)
     logits, targets = inputs(rng)
-    assert loss.forward(logits, targets) == pytest.approx(reference(logits, targets), rel=1e-6)
+    value = loss.forward(on(device, logits), on(device, targets))
+    assert value == pytest.approx(reference(logits, targets), rel=1e-6)
     assert "s:loss.dinput" not in owned_arrays(loss)
     with pytest.raises(RuntimeError, match="INFERENCE"):
         loss.backward()
 
 
-def test_backward_before_forward_raises() -> None:
+def test_backward_before_forward_raises(device) -> None:
     with pytest.raises(RuntimeError, match="forward"):
-        make().backward()
+        make(device=device).backward()
 
 
 @pytest.mark.parametrize(
@@ -224,9 +236,9 @@ def test_backward_before_forward_raises() -> None:
         ("width", ValueError, "must be"),
     ],
 )
-def test_bad_forward_leaves_everything_unchanged(case, error, match, rng) -> None:
-    loss = make()
-    loss.forward(*inputs(rng))
+def test_bad_forward_leaves_everything_unchanged(device, case, error, match, rng) -> None:
+    loss = make(device=device)
+    loss.forward(*(on(device, a) for a in inputs(rng)))
     loss.backward()
     logits, targets = inputs(rng)
     if case == "target-too-big":
@@ -243,6 +255,7 @@ def test_bad_forward_leaves_everything_unchanged(case, error, match, rng) -> Non
         logits, targets = inputs(rng, (B, T + 1))
     elif case == "width":
         logits = np.zeros((B, T, V + 1), np.float32)
+    logits, targets = on(device, logits), on(device, targets)
     saved = snapshot(loss, logits, targets)
     with pytest.raises(error, match=match):
         loss.forward(logits, targets)
@@ -252,17 +265,17 @@ def test_bad_forward_leaves_everything_unchanged(case, error, match, rng) -> Non
 @pytest.mark.parametrize(
     ("dloss", "error"), [("1", TypeError), (True, TypeError), (math.inf, ValueError)]
 )
-def test_bad_dloss_leaves_everything_unchanged(dloss, error, rng) -> None:
-    loss = make()
-    loss.forward(*inputs(rng))
+def test_bad_dloss_leaves_everything_unchanged(device, dloss, error, rng) -> None:
+    loss = make(device=device)
+    loss.forward(*(on(device, a) for a in inputs(rng)))
     saved = snapshot(loss)
     with pytest.raises(error, match="dloss"):
         loss.backward(dloss)
     assert_unchanged(loss, saved)
 
 
-def test_bad_build_shape_rolls_back() -> None:
-    loss = SoftmaxCrossEntropy("loss", SoftmaxCrossEntropyConfig(V), device="CPU")
+def test_bad_build_shape_rolls_back(device) -> None:
+    loss = SoftmaxCrossEntropy("loss", SoftmaxCrossEntropyConfig(V), device=device)
     with pytest.raises(ValueError, match="input_shape"):
         loss.build(BuildContext((B, T, V - 1), TRAINING))
     assert not loss.is_built and loss.get_memory_stats().total_bytes == 0
@@ -270,8 +283,8 @@ def test_bad_build_shape_rolls_back() -> None:
 
 
 @pytest.mark.parametrize("mode", [TRAINING, INFERENCE])
-def test_memory_stats_count_every_owned_array_once(mode) -> None:
-    loss = make(mode)
+def test_memory_stats_count_every_owned_array_once(device, mode) -> None:
+    loss = make(mode, device=device)
     stats = loss.get_memory_stats()
     assert stats.parameter_bytes == 0 and stats.gradient_bytes == 0
     # lse [B, T] float32 (+ targets [B, T] int64, dinput [B, T, V] float32)
@@ -331,14 +344,6 @@ def test_cuda_op_of_large_logits_is_exact(cuda_ctx, rng, shift: float) -> None:
     p = np.exp(z - m - log_sum)
     p[np.arange(4), targets[0]] -= 1.0
     np.testing.assert_allclose(host(d).reshape(4, vocab), p / count, rtol=0, atol=2e-7)
-
-
-def test_cuda_op_with_every_target_ignored(cuda_ctx, rng) -> None:
-    config = SoftmaxCrossEntropyConfig(6, ignore_index=-1)
-    op = create_op("SoftmaxCrossEntropyOp", cuda_ctx, config, Precision.FP32)
-    lse = cupy.empty((1, 3), cupy.float32)
-    loss, count = op.forward(dev(f32(rng, 1, 3, 6)), dev(np.full((1, 3), -1)), lse)
-    assert np.isnan(loss) and count == 0
 
 
 @pytest.mark.parametrize("precision", REDUCED_PARAMS)

@@ -1,11 +1,13 @@
 """SwiGLU: forward against down(silu(gate x) * up x) (NumPy float64 and torch), gradients through
-the three Linear children, lifecycle, memory."""
+the three Linear children, lifecycle, memory, on every device (``device``: CPU, CUDA:0, emulated
+CUDA:0); ``test_cpu_*`` check the packed gate/up product only CPU builds have, ``test_cuda_op_*``
+the CUDA op against the CPU op."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_arrays import REDUCED_PARAMS, agree, close, cupy, dev, host
+from cuda_arrays import REDUCED_PARAMS, agree, close, cupy, dev, host, on
 from layer_helpers import (
     ATOL32,
     INFERENCE,
@@ -18,6 +20,7 @@ from layer_helpers import (
     f32,
     owned_arrays,
     snapshot,
+    tolerances,
 )
 
 from mila_py import BuildContext, Network, Precision, TrainingMode
@@ -40,16 +43,17 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(777)
 
 
-def make(mode=TRAINING, shape=(B, T, D), name: str = "mlp", **kw) -> SwiGLU:
-    return built(SwiGLU(name, SwiGLUConfig(D, H), device="CPU"), shape, mode, **kw)
+def make(mode=TRAINING, shape=(B, T, D), name: str = "mlp", device: str = "CPU", **kw) -> SwiGLU:
+    return built(SwiGLU(name, SwiGLUConfig(D, H), device=device), shape, mode, **kw)
 
 
 def weights(mlp: SwiGLU) -> dict[str, np.ndarray]:
-    return dict(mlp.named_parameters())
+    """Host copies of the parameters, by name (host arrays themselves on the CPU)."""
+    return {name: host(p) for name, p in mlp.named_parameters()}
 
 
 def reference(x: np.ndarray, w: dict[str, np.ndarray]) -> np.ndarray:
-    x = x.astype(np.float64)
+    x = host(x).astype(np.float64)
     g = x @ w["gate_proj.weight"].T.astype(np.float64)
     u = x @ w["up_proj.weight"].T.astype(np.float64)
     return (g / (1 + np.exp(-g)) * u) @ w["down_proj.weight"].T.astype(np.float64)
@@ -72,8 +76,8 @@ def test_bias_puts_a_bias_on_each_projection() -> None:
     assert "bias=True" in repr(mlp)
 
 
-def test_children_are_bias_free_linears_with_hf_names() -> None:
-    mlp = SwiGLU("mlp", SwiGLUConfig(D, H), device="CPU")
+def test_children_are_bias_free_linears_with_hf_names(device) -> None:
+    mlp = SwiGLU("mlp", SwiGLUConfig(D, H), device=device)
     assert list(mlp.components) == ["gate_proj", "up_proj", "down_proj"]
     assert all(isinstance(c, Linear) and not c.config.bias for c in mlp)
     assert mlp.get_memory_stats().total_bytes == 0  # construction allocates nothing
@@ -94,23 +98,24 @@ def test_children_are_seeded_by_their_path() -> None:
 
 # ------------------------------------------------------------------------------- forward
 @pytest.mark.parametrize("lead", [(B, T), (1, 1), (2, 3)])
-def test_forward_matches_float64_reference(lead, rng) -> None:
-    mlp = make()
+def test_forward_matches_float64_reference(device, lead, rng) -> None:
+    mlp = make(device=device)
     x = rng.standard_normal((*lead, D)).astype(np.float32) * 20  # pre-activations far from 0
-    y = mlp.forward(x)
+    y = mlp.forward(on(device, x))
     assert y.shape == x.shape and y.dtype == np.float32
-    np.testing.assert_allclose(y, reference(x, weights(mlp)), rtol=RTOL32, atol=ATOL32)
+    np.testing.assert_allclose(host(y), reference(x, weights(mlp)), **tolerances(device))
 
 
-def test_forward_matches_torch(rng) -> None:
+def test_forward_matches_torch(device, rng) -> None:
     torch = pytest.importorskip("torch")
-    mlp = make()
+    mlp = make(device=device)
     x = rng.standard_normal((B, T, D)).astype(np.float32) * 20
     w = {k: torch.from_numpy(v.copy()) for k, v in weights(mlp).items()}
     xt = torch.from_numpy(x)
     F = torch.nn.functional
     expected = F.linear(F.silu(F.linear(xt, w[NAMES[0]])) * F.linear(xt, w[NAMES[1]]), w[NAMES[2]])
-    np.testing.assert_allclose(mlp.forward(x), expected.numpy(), rtol=1e-5, atol=1e-6)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if device == "CPU" else tolerances(device)
+    np.testing.assert_allclose(host(mlp.forward(on(device, x))), expected.numpy(), **tol)
 
 
 def test_activation_is_finite_for_extreme_gates() -> None:
@@ -169,13 +174,14 @@ def test_activation_backward_float64_matches_finite_differences(rng) -> None:
     assert_gradients(objective, {"gate": (g, dg), "up": (u, du)})
 
 
-def test_component_backward_matches_float64_ops(rng) -> None:
-    mlp = make()
+def test_component_backward_matches_float64_ops(device, rng) -> None:
+    mlp = make(device=device)
     x = rng.standard_normal((2, 3, D)).astype(np.float32)
     dy = rng.standard_normal((2, 3, D)).astype(np.float32)
-    mlp.forward(x)
-    dx = mlp.backward(dy)
-    assert np.shares_memory(dx, owned_arrays(mlp)["s:mlp.dinput"])
+    mlp.forward(on(device, x))
+    dx = mlp.backward(on(device, dy))
+    if device == "CPU":  # NumPy can tell; a CuPy array's memory is not NumPy's
+        assert np.shares_memory(dx, owned_arrays(mlp)["s:mlp.dinput"])
     w = {k: v.astype(np.float64) for k, v in weights(mlp).items()}
     x64 = x.astype(np.float64)
     g, u = x64 @ w[NAMES[0]].T, x64 @ w[NAMES[1]].T
@@ -187,53 +193,54 @@ def test_component_backward_matches_float64_ops(rng) -> None:
         NAMES[1]: np.einsum("bth,btd->hd", du, x64),
         NAMES[2]: np.einsum("btd,bth->dh", dy.astype(np.float64), g * s * u),
     }
-    grads = dict(mlp.named_gradients())
+    grads = {name: host(g) for name, g in mlp.named_gradients()}
     for name, value in expected.items():
         np.testing.assert_allclose(grads[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
-    np.testing.assert_allclose(dx, dg @ w[NAMES[0]] + du @ w[NAMES[1]], rtol=1e-4, atol=1e-6)
+    want = dg @ w[NAMES[0]] + du @ w[NAMES[1]]
+    np.testing.assert_allclose(host(dx), want, rtol=1e-4, atol=1e-6)
 
 
-def test_gradients_accumulate_and_zero(rng) -> None:
-    mlp = make()
-    x = rng.standard_normal((B, T, D)).astype(np.float32)
-    dy = rng.standard_normal((B, T, D)).astype(np.float32)
+def test_gradients_accumulate_and_zero(device, rng) -> None:
+    mlp = make(device=device)
+    x = on(device, rng.standard_normal((B, T, D)).astype(np.float32))
+    dy = on(device, rng.standard_normal((B, T, D)).astype(np.float32))
     mlp.forward(x)
-    dx1 = mlp.backward(dy).copy()
-    once = [g.copy() for g in mlp.get_gradients()]
-    np.testing.assert_array_equal(mlp.backward(dy), dx1)  # repeated backward is exact
+    dx1 = host(mlp.backward(dy)).copy()
+    once = [host(g).copy() for g in mlp.get_gradients()]
+    np.testing.assert_array_equal(host(mlp.backward(dy)), dx1)  # repeated backward is exact
     for g, g1 in zip(mlp.get_gradients(), once, strict=True):
-        np.testing.assert_allclose(g, 2 * g1, rtol=1e-6)
+        np.testing.assert_allclose(host(g), 2 * g1, rtol=1e-6)
     mlp.zero_gradients()
-    assert not any(g.any() for g in mlp.get_gradients())
+    assert not any(host(g).any() for g in mlp.get_gradients())
 
 
-def test_eval_mode_propagates_and_still_runs(rng) -> None:
-    mlp = make()
+def test_eval_mode_propagates_and_still_runs(device, rng) -> None:
+    mlp = make(device=device)
     mlp.set_training_mode(TrainingMode.EVAL)
     assert all(c.training_mode is TrainingMode.EVAL for c in mlp)
-    twin = make()
+    twin = make(device=device)
     for p, q in zip(mlp.get_parameters(), twin.get_parameters(), strict=True):
         q[...] = p
-    x = rng.standard_normal((1, 2, D)).astype(np.float32)
-    np.testing.assert_array_equal(mlp.forward(x), twin.forward(x))  # as a NORMAL twin
-    dy = rng.standard_normal((1, 2, D)).astype(np.float32)
-    np.testing.assert_array_equal(mlp.backward(dy), twin.backward(dy))
+    x = on(device, rng.standard_normal((1, 2, D)).astype(np.float32))
+    np.testing.assert_array_equal(host(mlp.forward(x)), host(twin.forward(x)))  # as NORMAL
+    dy = on(device, rng.standard_normal((1, 2, D)).astype(np.float32))
+    np.testing.assert_array_equal(host(mlp.backward(dy)), host(twin.backward(dy)))
     for g, h in zip(mlp.get_gradients(), twin.get_gradients(), strict=True):
-        np.testing.assert_array_equal(g, h)
+        np.testing.assert_array_equal(host(g), host(h))
 
 
 # ------------------------------------------------------------------------------- lifecycle
-def test_inference_build_has_no_gradients_and_backward_raises(rng) -> None:
-    mlp = make(mode=INFERENCE)
+def test_inference_build_has_no_gradients_and_backward_raises(device, rng) -> None:
+    mlp = make(mode=INFERENCE, device=device)
     assert mlp.get_gradients() == []
-    mlp.forward(rng.standard_normal((B, T, D)).astype(np.float32))
+    mlp.forward(on(device, rng.standard_normal((B, T, D)).astype(np.float32)))
     with pytest.raises(RuntimeError, match="INFERENCE"):
-        mlp.backward(np.zeros((B, T, D), np.float32))
+        mlp.backward(on(device, np.zeros((B, T, D), np.float32)))
 
 
-def test_backward_before_forward_raises() -> None:
+def test_backward_before_forward_raises(device) -> None:
     with pytest.raises(RuntimeError, match="forward"):
-        make().backward(np.zeros((B, T, D), np.float32))
+        make(device=device).backward(on(device, np.zeros((B, T, D), np.float32)))
 
 
 @pytest.mark.parametrize(
@@ -245,20 +252,22 @@ def test_backward_before_forward_raises() -> None:
     ],
     ids=["dtype", "width", "tokens"],
 )
-def test_bad_forward_leaves_everything_unchanged(x, error, rng) -> None:
-    mlp = make()
-    mlp.forward(rng.standard_normal((B, T, D)).astype(np.float32))
-    mlp.backward(np.ones((B, T, D), np.float32))
+def test_bad_forward_leaves_everything_unchanged(device, x, error, rng) -> None:
+    mlp = make(device=device)
+    mlp.forward(on(device, rng.standard_normal((B, T, D)).astype(np.float32)))
+    mlp.backward(on(device, np.ones((B, T, D), np.float32)))
+    x = on(device, x)
     saved = snapshot(mlp, x)
     with pytest.raises(error):
         mlp.forward(x)
     assert_unchanged(mlp, saved, x)
 
 
-def test_bad_backward_leaves_everything_unchanged(rng) -> None:
-    mlp = make()
-    mlp.forward(rng.standard_normal((1, 2, D)).astype(np.float32))
-    for dy in (np.ones((1, 3, D), np.float32), np.ones((1, 2, D), np.float64)):
+def test_bad_backward_leaves_everything_unchanged(device, rng) -> None:
+    mlp = make(device=device)
+    mlp.forward(on(device, rng.standard_normal((1, 2, D)).astype(np.float32)))
+    for dy_host in (np.ones((1, 3, D), np.float32), np.ones((1, 2, D), np.float64)):
+        dy = on(device, dy_host)
         saved = snapshot(mlp, dy)
         error, message = (TypeError, "dtype") if dy.dtype == np.float64 else (ValueError, "shape")
         with pytest.raises(error, match=message):
@@ -266,8 +275,8 @@ def test_bad_backward_leaves_everything_unchanged(rng) -> None:
         assert_unchanged(mlp, saved, dy)
 
 
-def test_bad_build_shape_rolls_back_the_children() -> None:
-    mlp = SwiGLU("mlp", SwiGLUConfig(D, H), device="CPU")
+def test_bad_build_shape_rolls_back_the_children(device) -> None:
+    mlp = SwiGLU("mlp", SwiGLUConfig(D, H), device=device)
     with pytest.raises(ValueError, match="input_shape"):
         mlp.build(BuildContext((B, T, H), TRAINING))
     assert not any(c.is_built for c in mlp._walk())
@@ -277,8 +286,8 @@ def test_bad_build_shape_rolls_back_the_children() -> None:
 
 
 @pytest.mark.parametrize("mode", [TRAINING, INFERENCE])
-def test_memory_stats_count_every_owned_array_once(mode) -> None:
-    mlp = make(mode)
+def test_memory_stats_count_every_owned_array_once(device, mode) -> None:
+    mlp = make(mode, device=device)
     stats = mlp.get_memory_stats()
     training = mode is TRAINING
     params = 3 * D * H * 4
@@ -289,31 +298,32 @@ def test_memory_stats_count_every_owned_array_once(mode) -> None:
     state = (2 * n * H + n * D) + n * H
     if training:  # children's dinputs: gate, up [n, D], down [n, H]; the block's dup, dinput
         state += (2 * n * D + n * H) + (n * H + n * D)
-    else:  # the packed gate/up product of a decode step, [B, 2H]
+    elif device == "CPU":  # the packed gate/up product of a CPU decode step, [B, 2H]
         state += B * 2 * H
     assert stats.state_bytes == state * 4
     assert stats.total_bytes == distinct_nbytes(list(owned_arrays(mlp).values()))
 
 
-def test_inside_a_network(rng) -> None:
-    net = Network("net")
+def test_inside_a_network(device, rng) -> None:
+    net = Network("net", device=device)
     net.add_component(SwiGLU("mlp", SwiGLUConfig(D, H)))
     net.build(BuildContext((B, T, D), TRAINING))
     mlp = net.find_component("mlp")
     assert isinstance(mlp, SwiGLU)
     assert net.find_component("mlp.down_proj").is_built
     x = rng.standard_normal((B, T, D)).astype(np.float32)
-    np.testing.assert_allclose(mlp.forward(x), reference(x, weights(mlp)), rtol=RTOL32, atol=ATOL32)
+    y = host(mlp.forward(on(device, x)))
+    np.testing.assert_allclose(y, reference(x, weights(mlp)), **tolerances(device))
     assert [n for n, _ in net.named_parameters()] == [f"mlp.{n}" for n in NAMES]
 
 
-def test_input_in_a_buffer_of_the_block_is_refused(rng) -> None:
+def test_input_in_a_buffer_of_the_block_is_refused(device, rng) -> None:
     """The projections run unchecked inside the block, so the block refuses an ``x`` that lies
     in a buffer it writes: gate_proj's or up_proj's (overwritten while still needed) and
     down_proj's, its own output given back (kept for backward, then overwritten: the weight
     gradients came out wrong by orders of magnitude)."""
-    mlp = make()
-    x = rng.standard_normal((B, T, D)).astype(np.float32)
+    mlp = make(device=device)
+    x = on(device, rng.standard_normal((B, T, D)).astype(np.float32))
     mlp.forward(x)
     for proj in (mlp.gate_proj, mlp.up_proj):
         inside = proj._state["output"].reshape(-1)[: B * T * D].reshape(B, T, D)
@@ -327,9 +337,8 @@ def test_input_in_a_buffer_of_the_block_is_refused(rng) -> None:
     with pytest.raises(ValueError, match=r"overlaps down_proj\.output.*pass a copy"):
         mlp.forward(y)
     assert_unchanged(mlp, saved)
-    np.testing.assert_allclose(
-        mlp.forward(y.copy()), reference(y.copy(), weights(mlp)), rtol=RTOL32, atol=ATOL32
-    )
+    want = reference(y, weights(mlp))
+    np.testing.assert_allclose(host(mlp.forward(y.copy())), want, **tolerances(device))
 
 
 # ------------------------------------------------------------------------------- packing
@@ -339,7 +348,7 @@ def _run(steps: list) -> None:
 
 
 @pytest.mark.parametrize("dims", [(D, H), (9, 4)])  # widening [dim, 2H] rows; narrowing [2H, dim]
-def test_inference_builds_pack_gate_and_up_into_one_product(rng, dims) -> None:
+def test_cpu_inference_builds_pack_gate_and_up_into_one_product(rng, dims) -> None:
     """gate_proj's and up_proj's weights are the halves of one buffer; a bound forward of at
     most B rows runs one product for both, and equals the component call and the reference,
     also after new weights are assigned in place (as load and from_pretrained do)."""
@@ -372,7 +381,7 @@ def test_inference_builds_pack_gate_and_up_into_one_product(rng, dims) -> None:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_training_builds_and_biases_do_not_pack(rng, bias: bool) -> None:
+def test_cpu_training_builds_and_biases_do_not_pack(rng, bias: bool) -> None:
     for mode in (TRAINING, INFERENCE):
         if mode is INFERENCE and not bias:
             continue
@@ -386,7 +395,7 @@ def test_training_builds_and_biases_do_not_pack(rng, bias: bool) -> None:
         np.testing.assert_allclose(y, mlp.forward(x), rtol=1e-6, atol=1e-6)
 
 
-def test_a_failed_packed_build_leaves_no_packed_view() -> None:
+def test_cpu_a_failed_packed_build_leaves_no_packed_view() -> None:
     mlp2 = SwiGLU("mlp", SwiGLUConfig(D, H), device="CPU")
 
     def refuse(build_context: BuildContext) -> None:

@@ -1,10 +1,12 @@
-"""TokenEmbedding: lookup against indexing and torch, scatter-add gradient, validation, memory."""
+"""TokenEmbedding: lookup against indexing and torch, scatter-add gradient, validation, memory,
+on every device (``device``: CPU, CUDA:0, emulated CUDA:0); ``test_cuda_op_*`` check the CUDA op
+against the CPU op."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_arrays import REDUCED_PARAMS, close, cupy, dev, host
+from cuda_arrays import REDUCED_PARAMS, close, cupy, dev, host, on
 from layer_helpers import (
     INFERENCE,
     TRAINING,
@@ -33,8 +35,10 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(99)
 
 
-def make(mode=TRAINING, shape=(B, T), name: str = "embed", **kw) -> TokenEmbedding:
-    return built(TokenEmbedding(name, TokenEmbeddingConfig(V, D), device="CPU"), shape, mode, **kw)
+def make(
+    mode=TRAINING, shape=(B, T), name: str = "embed", device: str = "CPU", **kw
+) -> TokenEmbedding:
+    return built(TokenEmbedding(name, TokenEmbeddingConfig(V, D), device=device), shape, mode, **kw)
 
 
 def random_tokens(rng: np.random.Generator, shape=(B, T), dtype=np.int64) -> np.ndarray:
@@ -67,30 +71,34 @@ def test_construction_allocates_nothing_in_every_cpu_precision() -> None:
 # ------------------------------------------------------------------------------- forward
 @pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint8])
 @pytest.mark.parametrize("lead", [(B, T), (1, 1), (2, 4)])
-def test_forward_is_a_table_lookup(lead, dtype, rng) -> None:
-    emb = make()
+def test_forward_is_a_table_lookup(device, lead, dtype, rng) -> None:
+    emb = make(device=device)
     tokens = random_tokens(rng, lead, dtype)
-    y = emb.forward(tokens)
+    y = emb.forward(on(device, tokens))
     assert y.shape == (*lead, D) and y.dtype == np.float32
-    assert np.shares_memory(y, owned_arrays(emb)["s:embed.output"])
-    expected = np.stack([[emb.weight[int(t)] for t in row] for row in tokens])
-    np.testing.assert_array_equal(y, expected)
+    if device == "CPU":  # NumPy can tell; a CuPy array's memory is not NumPy's
+        assert np.shares_memory(y, owned_arrays(emb)["s:embed.output"])
+    weight = host(emb.weight)
+    expected = np.stack([[weight[int(t)] for t in row] for row in tokens])
+    np.testing.assert_array_equal(host(y), expected)
 
 
-def test_forward_matches_torch(rng) -> None:
+def test_forward_matches_torch(device, rng) -> None:
     torch = pytest.importorskip("torch")
-    emb = make()
+    emb = make(device=device)
     tokens = random_tokens(rng)
-    expected = torch.nn.functional.embedding(torch.from_numpy(tokens), torch.from_numpy(emb.weight))
-    np.testing.assert_array_equal(emb.forward(tokens), expected.numpy())
+    weight = torch.from_numpy(host(emb.weight))
+    expected = torch.nn.functional.embedding(torch.from_numpy(tokens), weight)
+    np.testing.assert_array_equal(host(emb.forward(on(device, tokens))), expected.numpy())
 
 
-def test_initialization_is_seeded_normal() -> None:
-    big = built(TokenEmbedding("big", TokenEmbeddingConfig(512, 64), device="CPU"), (1, 1))
-    assert abs(big.weight.std() - 0.02) < 0.001
-    np.testing.assert_array_equal(make().weight, make().weight)
-    assert not np.array_equal(make(name="other").weight, make().weight)
-    assert not make(mode=INFERENCE).weight.any()
+def test_initialization_is_seeded_normal(device) -> None:
+    """The same draws on every device: a CUDA build's table is the CPU build's."""
+    big = built(TokenEmbedding("big", TokenEmbeddingConfig(512, 64), device=device), (1, 1))
+    assert abs(host(big.weight).std() - 0.02) < 0.001
+    np.testing.assert_array_equal(host(make(device=device).weight), host(make().weight))
+    assert not np.array_equal(host(make(name="other", device=device).weight), host(make().weight))
+    assert not host(make(mode=INFERENCE, device=device).weight).any()
 
 
 # ------------------------------------------------------------------------------- backward
@@ -110,51 +118,52 @@ def test_backward_float64_matches_finite_differences(rng) -> None:
     assert_gradients(objective, {"weight": (w, dw)})
 
 
-def test_component_backward_scatters_and_accumulates(rng) -> None:
-    emb = make()
-    tokens = np.array([[3, 3, 7], [0, 3, 10]])
-    dy = rng.standard_normal((2, 3, D)).astype(np.float32)
+def test_component_backward_scatters_and_accumulates(device, rng) -> None:
+    emb = make(device=device)
+    tokens = on(device, np.array([[3, 3, 7], [0, 3, 10]]))
+    dy_host = rng.standard_normal((2, 3, D)).astype(np.float32)
+    dy = on(device, dy_host)
     emb.forward(tokens)
     tokens[...] = 99  # the caller may reuse its array: the component kept a copy
     emb.backward(dy)  # returns None: token ids have no gradient
     expected = np.zeros((V, D))
     for (b, t), tok in np.ndenumerate(np.array([[3, 3, 7], [0, 3, 10]])):
-        expected[tok] += dy[b, t]
+        expected[tok] += dy_host[b, t]
     (grad,) = emb.get_gradients()
-    np.testing.assert_allclose(grad, expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(host(grad), expected, rtol=1e-6, atol=1e-7)
     emb.backward(dy)
-    np.testing.assert_allclose(grad, 2 * expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(host(grad), 2 * expected, rtol=1e-6, atol=1e-7)
     emb.zero_gradients()
-    assert not grad.any()
+    assert not host(grad).any()
 
 
-def test_eval_mode_runs_as_normal_mode(rng) -> None:
+def test_eval_mode_runs_as_normal_mode(device, rng) -> None:
     """EVAL changes nothing a token embedding computes: the same output and gradient as a
     NORMAL twin with the same weight."""
-    emb, twin = make(), make()
+    emb, twin = make(device=device), make(device=device)
     twin.weight[...] = emb.weight
     emb.set_training_mode(TrainingMode.EVAL)
     assert emb.training_mode is TrainingMode.EVAL
-    tokens = random_tokens(rng, (1, 2))
-    np.testing.assert_array_equal(emb.forward(tokens), twin.forward(tokens))
-    dy = rng.standard_normal((1, 2, D)).astype(np.float32)
+    tokens = on(device, random_tokens(rng, (1, 2)))
+    np.testing.assert_array_equal(host(emb.forward(tokens)), host(twin.forward(tokens)))
+    dy = on(device, rng.standard_normal((1, 2, D)).astype(np.float32))
     emb.backward(dy)
     twin.backward(dy)
-    np.testing.assert_array_equal(emb.get_gradients()[0], twin.get_gradients()[0])
+    np.testing.assert_array_equal(host(emb.get_gradients()[0]), host(twin.get_gradients()[0]))
 
 
 # ------------------------------------------------------------------------------- lifecycle
-def test_inference_build_has_no_gradients_and_backward_raises(rng) -> None:
-    emb = make(mode=INFERENCE)
+def test_inference_build_has_no_gradients_and_backward_raises(device, rng) -> None:
+    emb = make(mode=INFERENCE, device=device)
     assert emb.get_gradients() == []
-    emb.forward(random_tokens(rng))
+    emb.forward(on(device, random_tokens(rng)))
     with pytest.raises(RuntimeError, match="INFERENCE"):
-        emb.backward(np.zeros((B, T, D), np.float32))
+        emb.backward(on(device, np.zeros((B, T, D), np.float32)))
 
 
-def test_backward_before_forward_raises() -> None:
+def test_backward_before_forward_raises(device) -> None:
     with pytest.raises(RuntimeError, match="forward"):
-        make().backward(np.zeros((B, T, D), np.float32))
+        make(device=device).backward(on(device, np.zeros((B, T, D), np.float32)))
 
 
 @pytest.mark.parametrize(
@@ -170,20 +179,22 @@ def test_backward_before_forward_raises() -> None:
     ],
     ids=["too-big", "negative", "float", "bool", "rank", "too-long", "list"],
 )
-def test_bad_tokens_leave_everything_unchanged(tokens, error, match, rng) -> None:
-    emb = make()
-    emb.forward(random_tokens(rng))
-    emb.backward(np.ones((B, T, D), np.float32))
+def test_bad_tokens_leave_everything_unchanged(device, tokens, error, match, rng) -> None:
+    emb = make(device=device)
+    emb.forward(on(device, random_tokens(rng)))
+    emb.backward(on(device, np.ones((B, T, D), np.float32)))
+    tokens = tokens if isinstance(tokens, list) else on(device, tokens)
     saved = snapshot(emb, tokens)
     with pytest.raises(error, match=match):
         emb.forward(tokens)
     assert_unchanged(emb, saved, tokens)
 
 
-def test_bad_backward_leaves_everything_unchanged(rng) -> None:
-    emb = make()
-    emb.forward(random_tokens(rng, (2, 2)))
-    for dy in (np.ones((2, 3, D), np.float32), np.ones((2, 2, D), np.float64)):
+def test_bad_backward_leaves_everything_unchanged(device, rng) -> None:
+    emb = make(device=device)
+    emb.forward(on(device, random_tokens(rng, (2, 2))))
+    for dy_host in (np.ones((2, 3, D), np.float32), np.ones((2, 2, D), np.float64)):
+        dy = on(device, dy_host)
         saved = snapshot(emb, dy)
         error, message = (TypeError, "dtype") if dy.dtype == np.float64 else (ValueError, "shape")
         with pytest.raises(error, match=message):
@@ -191,8 +202,8 @@ def test_bad_backward_leaves_everything_unchanged(rng) -> None:
         assert_unchanged(emb, saved, dy)
 
 
-def test_bad_build_shape_rolls_back() -> None:
-    emb = TokenEmbedding("embed", TokenEmbeddingConfig(V, D), device="CPU")
+def test_bad_build_shape_rolls_back(device) -> None:
+    emb = TokenEmbedding("embed", TokenEmbeddingConfig(V, D), device=device)
     with pytest.raises(ValueError, match=r"\[B, T\]"):
         emb.build(BuildContext((B, T, D), TRAINING))
     assert not emb.is_built and emb.get_memory_stats().total_bytes == 0
@@ -200,8 +211,8 @@ def test_bad_build_shape_rolls_back() -> None:
 
 
 @pytest.mark.parametrize("mode", [TRAINING, INFERENCE])
-def test_memory_stats_count_every_owned_array_once(mode) -> None:
-    emb = make(mode)
+def test_memory_stats_count_every_owned_array_once(device, mode) -> None:
+    emb = make(mode, device=device)
     stats = emb.get_memory_stats()
     training = mode is TRAINING
     assert stats.parameter_bytes == V * D * 4

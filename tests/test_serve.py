@@ -103,8 +103,9 @@ def test_streamed_completion_joins_to_the_same_text(client: Any, model: Llama) -
             stream_options={"include_usage": True},
         )
     )  # fmt: skip
+    # pieces ready together go out as one event, so the number of events depends on timing
     texts = [c.choices[0].text for c in chunks if c.choices]
-    assert "".join(texts) == want.text and len(texts) > 2
+    assert "".join(texts) == want.text
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == want.finish_reason and set(finishes[:-1]) == {None}
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == (

@@ -103,3 +103,16 @@ def agree(actual: Any, expected: Any, precision: Precision, units: float = 2.0) 
 def on(device: str, x: Any) -> Any:
     """Host array ``x`` on ``device``: itself for ``"CPU"``, else a device copy (:func:`dev`)."""
     return x if device == "CPU" else dev(x)
+
+
+def context(device: str) -> Any:
+    """An execution context of ``device`` (an emulated one for the emulated ``CUDA:0``: the
+    factory is looked up when called, as the emulator replaces it)."""
+    from mila_py import devices
+
+    return devices.create_execution_context(device)
+
+
+def array_module(device: str) -> Any:
+    """NumPy for ``"CPU"``, else the array module of the ``CUDA:0`` under test (:data:`cupy`)."""
+    return np if device == "CPU" else cupy

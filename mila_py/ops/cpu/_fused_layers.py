@@ -55,6 +55,7 @@ def _rms_norm_rows(x, w, eps, out, rstd, fmt):
     # x, out [N, D]; w [D] (stored as the storage marker fmt says); rstd [N], of the compute dtype
     # (float32, or float64 for float64 storage)
     n_rows, dim = x.shape
+    eps = np.float64(rstd.dtype.type(eps))  # in the compute dtype, as torch and the CUDA op
     for r in range(n_rows):
         row = x[r]
         acc = 0.0  # float64

@@ -8,6 +8,10 @@ Per row ``x [D]`` with weight ``w [D]``::
               dw [D]    += sum_N dy * n
               dx [N, D]  = r * (g - n * mean(g * n))
 
+``eps`` is taken in the compute dtype (float32 for float32 and 16-bit storage, float64 for
+float64), as torch's RMSNorm adds it to a float32 mean square and as the CUDA op passes it: a
+``1e-45`` is float32's ``2^-149`` on every device. The mean square itself sums in float64.
+
 Rows are processed in cache-sized blocks, so temporaries stay small however large the batch.
 The math is dtype-generic (the tests run it in float64); the op trusts its caller's shapes.
 FP16 and BF16 storage computes in float32, ``y`` and ``dx`` rounded once (``r`` and ``dw`` are
@@ -43,13 +47,14 @@ def rms_norm_forward(
     Args:
         x: ``[..., D]``.
         weight: ``[D]``.
-        eps: added to the mean square.
+        eps: added to the mean square, rounded to ``rstd``'s dtype (the compute dtype) first.
         out: ``[..., D]``, C-contiguous, written.
         rstd: ``[...]`` (x's leading shape), C-contiguous, written with ``r`` for backward.
     """
     x2, y2 = as_rows(x), out_rows(out)  # [N, D]
     r = out_flat(rstd)  # [N]
     dim = x2.shape[1]
+    eps = float(rstd.dtype.type(eps))
     for s in row_blocks(x2.shape[0], dim):
         xb, yb, rb = x2[s], y2[s], r[s]
         # the mean square in float64, as the fused kernel: x^2 of float32 rows overflows past

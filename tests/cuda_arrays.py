@@ -116,3 +116,14 @@ def context(device: str) -> Any:
 def array_module(device: str) -> Any:
     """NumPy for ``"CPU"``, else the array module of the ``CUDA:0`` under test (:data:`cupy`)."""
     return np if device == "CPU" else cupy
+
+
+#: BF16 and FP16 for a body over ``device``: it calls :func:`skip_bf16_without_arrays` first,
+#: so that the CPU runs BF16 wherever CuPy lacks bfloat16 arrays
+PRECISIONS_16 = [pytest.param(Precision.BF16, id="BF16"), pytest.param(Precision.FP16, id="FP16")]
+
+
+def skip_bf16_without_arrays(device: str, precision: Precision) -> None:
+    """Skip BF16 on a ``CUDA:0`` whose CuPy has no bfloat16 arrays (the CUDA ops refuse it)."""
+    if device != "CPU" and precision is Precision.BF16 and not CUPY_BF16:
+        pytest.skip(NO_BF16_REASON)

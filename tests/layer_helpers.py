@@ -172,3 +172,68 @@ def cpu_stats_of_a_cuda_build(stats: Any, model: Any) -> Any:
 def f32(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
     """Standard normal float32 values of ``shape``, times ``scale``."""
     return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+#: relative error (2-norm) of a 16-bit layer against its float64 twin on the same (16-bit)
+#: values: the output's own rounding (2^-9 for BF16, 2^-12 for FP16) and 16-bit intermediates
+TWIN_TOL = {"BF16": 1e-2, "FP16": 1e-3}
+
+
+def check_16_bit_twin(
+    make: Callable[[Any, str], Component],
+    shape: tuple[int, ...],
+    inputs: Callable[[np.random.Generator, np.dtype], tuple[np.ndarray, ...]],
+    device: str,
+    precision: Any,
+    rng: np.random.Generator,
+    stages: float = 1.0,
+) -> None:
+    """Forward and backward of a 16-bit TRAINING build on ``device`` against the float64 CPU
+    build holding the same values: the output and input gradients in 16 bits (or float32), the
+    parameter gradients float32, all within :data:`TWIN_TOL`; ``dy`` is given in the 16-bit
+    dtype, then in float32 (taken as it is).
+
+    Args:
+        make: ``make(precision, device)`` -> the unbuilt component.
+        shape: the build's input shape.
+        inputs: ``inputs(rng, dtype)`` -> the forward's host arguments (floats in ``dtype``).
+        device: where the 16-bit component runs.
+        precision: BF16 or FP16.
+        rng: draws the parameters (moved off their initial zeros and ones) and ``dy``.
+        stages: the tolerance's multiple, for a layer that stores more 16-bit intermediates
+            than one (each costs a rounding).
+    """
+    from cuda_arrays import host, on
+
+    from mila_py import Precision
+
+    dtype, tol = precision.numpy_dtype, stages * TWIN_TOL[str(precision)]
+    layer = built(make(precision, device), shape, TRAINING)
+    reference = built(make(Precision.FP64, "CPU"), shape, TRAINING)
+    for p, q in zip(layer.get_parameters(), reference.get_parameters(), strict=True):
+        moved = host(p).astype(np.float32) + 0.3 * rng.standard_normal(p.shape)
+        values = moved.astype(dtype)
+        p[...] = on(device, values)
+        q[...] = values.astype(np.float64)
+    args = inputs(rng, dtype)
+    y = layer.forward(*(on(device, a) for a in args))
+    wide = (a if np.issubdtype(a.dtype, np.integer) else a.astype(np.float64) for a in args)
+    y_ref = reference.forward(*wide)
+    assert y.dtype == dtype
+    assert rel_err(host(y), y_ref) < tol
+    dy = rng.standard_normal(y.shape)
+    for given in (dy.astype(dtype), dy.astype(np.float32)):
+        layer.zero_gradients()
+        reference.zero_gradients()
+        dx = layer.backward(on(device, given))
+        dx_ref = reference.backward(given.astype(np.float64))
+        for g in layer.get_gradients():
+            assert g.dtype == np.float32
+        if dx is not None:
+            pairs = zip(dx, dx_ref, strict=True) if isinstance(dx, tuple) else [(dx, dx_ref)]
+            for ours, theirs in pairs:
+                assert ours.dtype in (dtype, np.float32)
+                assert rel_err(host(ours), theirs) < tol
+        ref_grads = {n: g for n, _, g in reference.named_parameter_gradients()}
+        for name, _, g in layer.named_parameter_gradients():
+            assert rel_err(host(g), ref_grads[name]) < tol, name

@@ -7,8 +7,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cuda_arrays import EMULATED, REDUCED_PARAMS, agree, close, cupy, dev, host
-from layer_helpers import f32
+from cuda_arrays import (
+    EMULATED,
+    PRECISIONS_16,
+    REDUCED_PARAMS,
+    agree,
+    close,
+    cupy,
+    dev,
+    host,
+    skip_bf16_without_arrays,
+)
+from layer_helpers import check_16_bit_twin, f32
 
 from mila_py import Precision
 from mila_py.devices import create_execution_context
@@ -496,6 +506,28 @@ def test_deepseek_softmax_multiplier_is_opt_in(device) -> None:
     mscale = 0.1 * 0.8 * math.log(8.0) + 1.0  # DeepSeek: softmax scale * mscale(factor, all_dim)^2
     assert scales[False] == pytest.approx(1 / math.sqrt(8))
     assert scales[True] == pytest.approx(mscale**2 / math.sqrt(8))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS_16)
+def test_component_in_16_bits_matches_its_float64_twin(device, precision: Precision) -> None:
+    """A 16-bit GroupedQueryAttention (grouped heads, RoPE) against the float64 CPU layer of
+    the same weights, forward and backward (see :func:`check_16_bit_twin`); its backward
+    rounds the QKV product, the attention output and their gradients to 16 bits in turn
+    (twice the one-layer tolerance)."""
+    skip_bf16_without_arrays(device, precision)
+    from mila_py.components import AttentionConfig, GroupedQueryAttention
+
+    check_16_bit_twin(
+        lambda p, d: GroupedQueryAttention(
+            "attn", AttentionConfig(32, 4, 2, max_seq_len=16), device=d, precision=p
+        ),
+        (2, 5, 32),
+        lambda rng, dtype: (rng.standard_normal((2, 5, 32)).astype(dtype),),
+        device,
+        precision,
+        np.random.default_rng(2024),
+        stages=2.0,
+    )
 
 
 # ------------------------------------------------------------------ CUDA op against the CPU op

@@ -4,9 +4,21 @@ CPU has (NumPy's buffer identity and flags), ``test_cuda_op_*`` the CUDA op agai
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
-from cuda_arrays import REDUCED_PARAMS, agree, close, cupy, dev, host, on
+from cuda_arrays import (
+    PRECISIONS_16,
+    REDUCED_PARAMS,
+    agree,
+    close,
+    cupy,
+    dev,
+    host,
+    on,
+    skip_bf16_without_arrays,
+)
 from layer_helpers import (
     ATOL32,
     INFERENCE,
@@ -15,6 +27,7 @@ from layer_helpers import (
     assert_gradients,
     assert_unchanged,
     built,
+    check_16_bit_twin,
     distinct_nbytes,
     f32,
     owned_arrays,
@@ -26,12 +39,15 @@ from mila_py import BuildContext, Network, Precision, RuntimeMode, TrainingMode
 from mila_py.components import Linear, LinearConfig
 from mila_py.devices import create_execution_context
 from mila_py.init import manual_seed
+from mila_py.ops.cpu import _fused_linear
+from mila_py.ops.cpu._fused_math import AVAILABLE as HAS_NUMBA
 from mila_py.ops.cpu.linear import linear_backward, linear_forward
 from mila_py.ops.registry import create_op
 
 B, T, IN, OUT = 3, 5, 7, 4
 #: the CPU ops a CUDA op is checked against
 CPU = create_execution_context("CPU")
+needs_numba = pytest.mark.skipif(not HAS_NUMBA, reason="needs Numba (the jit extra)")
 
 
 @pytest.fixture
@@ -395,6 +411,90 @@ def test_cpu_a_packed_weight_of_the_wrong_shape_is_refused_and_the_build_rolls_b
     layer._packed_weight = view
     layer.build(BuildContext((2, 3), RuntimeMode.INFERENCE, initialize_parameters=False))
     assert layer.weight is view
+
+
+@pytest.mark.parametrize("precision", PRECISIONS_16)
+def test_component_in_16_bits_matches_its_float64_twin(device, precision: Precision, rng) -> None:
+    """A 16-bit Linear with a bias against the float64 CPU layer of the same values, forward
+    and backward (see :func:`check_16_bit_twin`)."""
+    skip_bf16_without_arrays(device, precision)
+    check_16_bit_twin(
+        lambda p, d: Linear("lin", LinearConfig(24, 40, bias=True), device=d, precision=p),
+        (2, 3, 24),
+        lambda rng, dtype: (rng.standard_normal((2, 3, 24)).astype(dtype),),
+        device,
+        precision,
+        rng,
+    )
+
+
+@pytest.mark.parametrize("precision", PRECISIONS_16)
+def test_a_16_bit_product_is_the_float32_product_rounded_once(device, precision, rng) -> None:
+    """The prefill path: float32 products of the 16-bit values, rounded once on store (not a
+    16-bit accumulation, nor a second rounding for the bias): bit for bit the NumPy float32
+    product on the CPU, to a rounding of the float64 one elsewhere (another summation order)."""
+    skip_bf16_without_arrays(device, precision)
+    dtype = precision.numpy_dtype
+    lin = built(
+        Linear("lin", LinearConfig(64, 48, bias=True), device=device, precision=precision),
+        (4, 64),
+        INFERENCE,
+        initialize=True,
+    )
+    bias = rng.standard_normal(48).astype(dtype)
+    lin.bias[...] = on(device, bias)
+    x = rng.standard_normal((4, 64)).astype(dtype)
+    weight = host(lin.weight)
+    y = lin.forward(on(device, x))
+    if device == "CPU":
+        wide = x.astype(np.float32) @ weight.astype(np.float32).T + bias.astype(np.float32)
+        np.testing.assert_array_equal(y, wide.astype(dtype))
+    else:
+        exact = x.astype(np.float64) @ weight.astype(np.float64).T + bias.astype(np.float64)
+        agree(y, exact, precision, units=1.0)
+
+
+def test_cpu_16_bit_inference_weights_are_stored_as_rows() -> None:
+    """16-bit CPU INFERENCE builds keep every weight ``[out, in]`` (the decode kernel streams
+    rows); FP32 builds store widening layers transposed."""
+    for precision, rows in ((Precision.FP32, False), (Precision.BF16, True)):
+        lin = built(
+            Linear("lin", LinearConfig(16, 48), device="CPU", precision=precision),
+            (1, 16),
+            INFERENCE,
+        )
+        assert lin.weight.flags.c_contiguous is rows
+
+
+@needs_numba
+@pytest.mark.parametrize("precision", [Precision.BF16, Precision.FP16], ids=str)
+def test_cpu_a_decode_product_reads_the_16_bit_weight_without_a_copy(precision, rng) -> None:
+    """A decode plan's product of a few rows runs the Numba kernel on the 16-bit weight: its
+    result is the float32 product rounded (to within one rounding of the summation order), and
+    the call allocates far less than the weight (no widened copy). A weight of another layout
+    takes the general path, to the same values."""
+    n_in, n_out, dtype = 384, 512, precision.numpy_dtype
+    weight = rng.standard_normal((n_out, n_in)).astype(dtype)
+    bias = rng.standard_normal(n_out).astype(dtype)
+    x = rng.standard_normal((2, n_in)).astype(dtype)
+    out = np.zeros((2, n_out), dtype)
+    lin = Linear("lin", LinearConfig(n_in, n_out, bias=True), device="CPU", precision=precision)
+    assert _fused_linear.applies(x, weight, bias, out)
+    step = lin.op.bind_forward(x, weight, bias, out)
+    step()  # compiled before the measurement
+    tracemalloc.start()
+    step()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < weight.nbytes // 10
+    exact = x.astype(np.float64) @ weight.astype(np.float64).T + bias.astype(np.float64)
+    ulp = 2.0**-8 if precision is Precision.BF16 else 2.0**-11
+    np.testing.assert_allclose(out.astype(np.float64), exact, rtol=1.01 * ulp, atol=1e-3)
+    transposed = np.ascontiguousarray(weight.T).T  # [out, in] in Fortran order
+    assert not _fused_linear.applies(x, transposed, bias, out)
+    general = np.zeros_like(out)
+    lin.op.bind_forward(x, transposed, bias, general)()
+    np.testing.assert_allclose(general.astype(np.float64), exact, rtol=1.01 * ulp, atol=1e-3)
 
 
 # ------------------------------------------------------------------ CUDA op against the CPU op

@@ -7,13 +7,22 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_arrays import EMULATED, REDUCED_PARAMS, agree, dev, host, on
+from cuda_arrays import (
+    EMULATED,
+    PRECISIONS_16,
+    agree,
+    dev,
+    host,
+    on,
+    skip_bf16_without_arrays,
+)
 from layer_helpers import (
     INFERENCE,
     TRAINING,
     assert_gradients,
     assert_unchanged,
     built,
+    check_16_bit_twin,
     distinct_nbytes,
     owned_arrays,
     snapshot,
@@ -154,14 +163,22 @@ def test_cuda_op_equals_cpu(cuda_device: str, scale, rng) -> None:
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.3])
-@pytest.mark.parametrize("precision", REDUCED_PARAMS)
-def test_cuda_component_in_16_bits_matches_cpu(
-    cuda_device: str, scale: float, precision: Precision, rng
+@pytest.mark.parametrize("precision", PRECISIONS_16)
+def test_component_in_16_bits_matches_float64(
+    device: str, scale: float, precision: Precision, rng
 ) -> None:
-    """16-bit inputs summed in float32 and rounded once, on both devices."""
-    gpu, cpu = (
-        make(scale, precision=precision, device=cuda_device),
-        make(scale, precision=precision),
-    )
+    """16-bit inputs summed in float32 and rounded once (to a rounding of the float64 sum);
+    forward and backward against the float64 CPU component (see :func:`check_16_bit_twin`)."""
+    skip_bf16_without_arrays(device, precision)
+    res = make(scale, precision=precision, device=device)
     x, f = (rng.standard_normal((B, T, D)).astype(precision.numpy_dtype) for _ in range(2))
-    agree(gpu.forward(dev(x), dev(f)), cpu.forward(x, f), precision, units=1.0)
+    want = x.astype(np.float64) + scale * f.astype(np.float64)
+    agree(res.forward(on(device, x), on(device, f)), want, precision, units=1.0)
+    check_16_bit_twin(
+        lambda p, d: Residual("res", ResidualConfig(24, scale), device=d, precision=p),
+        (2, 3, 24),
+        lambda rng, dtype: tuple(rng.standard_normal((2, 3, 24)).astype(dtype) for _ in "xf"),
+        device,
+        precision,
+        rng,
+    )

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from cuda_arrays import (
     EMULATED,
+    PRECISIONS_16,
     REDUCED_PARAMS,
     agree,
     array_module,
@@ -17,6 +18,7 @@ from cuda_arrays import (
     dev,
     host,
     on,
+    skip_bf16_without_arrays,
 )
 from layer_helpers import (
     ATOL32,
@@ -25,6 +27,7 @@ from layer_helpers import (
     assert_gradients,
     assert_unchanged,
     built,
+    check_16_bit_twin,
     distinct_nbytes,
     f32,
     owned_arrays,
@@ -288,6 +291,21 @@ def test_memory_stats_count_every_owned_array_once(device, mode) -> None:
     # output [B, T, D] + rstd [B, T] (+ dinput [B, T, D])
     assert stats.state_bytes == (B * T * D + B * T + (B * T * D if mode is TRAINING else 0)) * 4
     assert stats.total_bytes == distinct_nbytes(list(owned_arrays(norm).values()))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS_16)
+def test_component_in_16_bits_matches_its_float64_twin(device, precision: Precision, rng) -> None:
+    """A 16-bit RmsNorm against the float64 CPU layer of the same values, forward and
+    backward (see :func:`check_16_bit_twin`)."""
+    skip_bf16_without_arrays(device, precision)
+    check_16_bit_twin(
+        lambda p, d: RmsNorm("norm", RmsNormConfig(24), device=d, precision=p),
+        (2, 3, 24),
+        lambda rng, dtype: ((3 * rng.standard_normal((2, 3, 24))).astype(dtype),),
+        device,
+        precision,
+        rng,
+    )
 
 
 # ------------------------------------------------------------------ CUDA op against the CPU op

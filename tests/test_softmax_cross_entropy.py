@@ -9,7 +9,17 @@ import math
 
 import numpy as np
 import pytest
-from cuda_arrays import REDUCED_PARAMS, agree, close, cupy, dev, host, on
+from cuda_arrays import (
+    PRECISIONS_16,
+    REDUCED_PARAMS,
+    agree,
+    close,
+    cupy,
+    dev,
+    host,
+    on,
+    skip_bf16_without_arrays,
+)
 from layer_helpers import (
     INFERENCE,
     TRAINING,
@@ -291,6 +301,30 @@ def test_memory_stats_count_every_owned_array_once(device, mode) -> None:
     training = mode is TRAINING
     assert stats.state_bytes == B * T * 4 + ((B * T * 8 + B * T * V * 4) if training else 0)
     assert stats.total_bytes == distinct_nbytes(list(owned_arrays(loss).values()))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS_16)
+def test_the_loss_of_16_bit_logits_is_computed_in_float32(device, precision: Precision, rng):
+    """The loss of 16-bit logits equals the float64 loss of the same values to float32
+    accuracy (nothing is rounded to 16 bits before the loss); ``dlogits`` is 16-bit, rounded
+    once from the exact gradient: bit for bit on the CPU (float32 then 16 bits), to a rounding
+    elsewhere (another ``exp``, another summation order)."""
+    skip_bf16_without_arrays(device, precision)
+    shape, dtype = (2, 3, 50), precision.numpy_dtype
+    cfg = SoftmaxCrossEntropyConfig(50)
+    loss = built(SoftmaxCrossEntropy("ce", cfg, device=device, precision=precision), shape)
+    logits = (4 * rng.standard_normal(shape)).astype(dtype)
+    targets = rng.integers(0, 50, shape[:2])
+    targets[0, 1] = -100
+    value = loss.forward(on(device, logits), on(device, targets))
+    assert float(value) == pytest.approx(reference(logits, targets, -100), rel=1e-6)
+    d = loss.backward()
+    assert d.dtype == dtype
+    exact = reference_grad(logits, targets, -100)
+    if device == "CPU":
+        np.testing.assert_array_equal(d, exact.astype(np.float32).astype(dtype))
+    else:
+        agree(d, exact, precision, units=1.0)
 
 
 # ------------------------------------------------------------------ CUDA op against the CPU op

@@ -7,7 +7,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_arrays import REDUCED_PARAMS, agree, close, cupy, dev, host, on
+from cuda_arrays import (
+    PRECISIONS_16,
+    REDUCED_PARAMS,
+    agree,
+    close,
+    cupy,
+    dev,
+    host,
+    on,
+    skip_bf16_without_arrays,
+)
 from layer_helpers import (
     ATOL32,
     INFERENCE,
@@ -16,6 +26,7 @@ from layer_helpers import (
     assert_gradients,
     assert_unchanged,
     built,
+    check_16_bit_twin,
     distinct_nbytes,
     f32,
     owned_arrays,
@@ -406,6 +417,34 @@ def test_cpu_a_failed_packed_build_leaves_no_packed_view() -> None:
         mlp2.build(BuildContext((B, T, D), INFERENCE))
     assert mlp2.gate_proj._packed_weight is None and mlp2.up_proj._packed_weight is None
     assert not mlp2.is_built and mlp2.get_memory_stats().total_bytes == 0
+
+
+@pytest.mark.parametrize("precision", PRECISIONS_16)
+def test_component_in_16_bits_matches_its_float64_twin(device, precision: Precision, rng) -> None:
+    """A 16-bit SwiGLU against the float64 CPU layer of the same values, forward and
+    backward (see :func:`check_16_bit_twin`)."""
+    skip_bf16_without_arrays(device, precision)
+    check_16_bit_twin(
+        lambda p, d: SwiGLU("mlp", SwiGLUConfig(24, 40), device=d, precision=p),
+        (2, 3, 24),
+        lambda rng, dtype: (rng.standard_normal((2, 3, 24)).astype(dtype),),
+        device,
+        precision,
+        rng,
+    )
+
+
+def test_cpu_16_bit_inference_builds_pack_gate_and_up_as_rows() -> None:
+    """A 16-bit CPU INFERENCE build keeps its packed gate/up weight ``[out, in]`` (the decode
+    kernel streams rows); an FP32 one stores it transposed (the product widens)."""
+    for precision, rows in ((Precision.FP32, False), (Precision.BF16, True)):
+        mlp = built(
+            SwiGLU("mlp", SwiGLUConfig(16, 24), device="CPU", precision=precision),
+            (1, 16),
+            INFERENCE,
+        )
+        packed = mlp._packed_weight()
+        assert packed is not None and packed.flags.c_contiguous is rows
 
 
 # ------------------------------------------------------------------ CUDA op against the CPU op

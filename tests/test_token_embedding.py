@@ -6,13 +6,23 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_arrays import REDUCED_PARAMS, close, cupy, dev, host, on
+from cuda_arrays import (
+    PRECISIONS_16,
+    REDUCED_PARAMS,
+    close,
+    cupy,
+    dev,
+    host,
+    on,
+    skip_bf16_without_arrays,
+)
 from layer_helpers import (
     INFERENCE,
     TRAINING,
     assert_gradients,
     assert_unchanged,
     built,
+    check_16_bit_twin,
     distinct_nbytes,
     f32,
     owned_arrays,
@@ -220,6 +230,21 @@ def test_memory_stats_count_every_owned_array_once(device, mode) -> None:
     # output [B, T, D] float32 (+ kept token ids [B, T] int64)
     assert stats.state_bytes == B * T * D * 4 + (B * T * 8 if training else 0)
     assert stats.total_bytes == distinct_nbytes(list(owned_arrays(emb).values()))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS_16)
+def test_component_in_16_bits_matches_its_float64_twin(device, precision: Precision, rng) -> None:
+    """A 16-bit TokenEmbedding against the float64 CPU layer of the same table, forward and
+    the table's float32 gradient (see :func:`check_16_bit_twin`)."""
+    skip_bf16_without_arrays(device, precision)
+    check_16_bit_twin(
+        lambda p, d: TokenEmbedding("emb", TokenEmbeddingConfig(30, 24), device=d, precision=p),
+        (2, 3),
+        lambda rng, dtype: (rng.integers(0, 30, (2, 3)),),
+        device,
+        precision,
+        rng,
+    )
 
 
 # ------------------------------------------------------------------ CUDA op against the CPU op

@@ -9,6 +9,7 @@ import cuda_arrays
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import CUDA_PARAMS
 from hypothesis import strategies as st
 from rope_reference import Spec
 
@@ -28,6 +29,22 @@ BACKEND_PARAMS = [
         marks=pytest.mark.skipif(not _rope_fused.AVAILABLE, reason="Numba is not installed"),
     ),
 ]
+
+#: where a device-generic component body runs, as ``(device, backend)``: the CPU op's two paths,
+#: and ``CUDA:0`` (a GPU's, or the kernel emulator's where none is present), which has no
+#: backend; ``device`` goes through conftest's fixture (``indirect``)
+PLACES = [
+    pytest.param("CPU", "numpy", id="CPU-numpy"),
+    pytest.param(
+        "CPU",
+        "fused",
+        id="CPU-fused",
+        marks=pytest.mark.skipif(not _rope_fused.AVAILABLE, reason="Numba is not installed"),
+    ),
+    *(pytest.param(p.values[0], None, id=p.id, marks=p.marks) for p in CUDA_PARAMS),
+]
+#: a body runs over :data:`PLACES`, taking ``device`` and ``backend``
+on_every_device = pytest.mark.parametrize(("device", "backend"), PLACES, indirect=["device"])
 
 #: (rtol, atol) against the float64 reference. FP32: table rounding plus a few fp32 operations.
 #: FP16/BF16: one rounding of the fp32 result, at most half an ulp = 2^-11 / 2^-8 relative.
@@ -72,7 +89,11 @@ def make_rope(
     name: str = "rope",
     device: str = "CPU",
 ) -> Rope:
-    """A standalone Rope built for ``[batch, tokens, channels]`` (on the CPU by default)."""
+    """A standalone Rope built for ``[batch, tokens, channels]`` (on the CPU by default); the
+    test skips where ``device`` is a GPU whose CuPy has no bfloat16 arrays and ``precision`` is
+    BF16 (the CUDA op refuses it there)."""
+    if device != "CPU" and precision is BF16 and not cuda_arrays.CUPY_BF16:
+        pytest.skip(cuda_arrays.NO_BF16_REASON)
     rope = Rope(name, config, device=device, precision=precision)
     if backend is not None:
         rope.op.backend = backend
@@ -110,6 +131,22 @@ def reference(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The float64 reference of one call at ``positions`` (broadcast to ``[B, T]``)."""
     return Spec.of(config).rotate_qk(f64(q), f64(k), positions, inverse=inverse)
+
+
+def put(device: str, x: Any) -> Any:
+    """A C-contiguous copy of host array ``x`` on ``device`` (a NumPy copy on the CPU)."""
+    return cuda_arrays.on(device, np.array(x, order="C", copy=True))
+
+
+def write_bits(buffer: Any, values: np.ndarray) -> None:
+    """``values``' bytes into the C-contiguous array ``buffer`` (of any device) in place, as
+    a decode loop writes its new token: a copy from the host, no kernel of CuPy's (BF16 too)."""
+    values = np.ascontiguousarray(values)
+    assert values.nbytes == buffer.nbytes and buffer.flags.c_contiguous
+    if cuda_arrays.EMULATED or isinstance(buffer, np.ndarray):
+        buffer[...] = values
+    else:
+        buffer.data.copy_from_host(values.ctypes.data, values.nbytes)
 
 
 def arange_positions(batch: int, tokens: int, offset: int = 0) -> np.ndarray:

@@ -1,9 +1,12 @@
 """Rope: rotation against an independent float64 reference, positions, backward, validation.
 
-Every correctness case runs on both CPU paths (``numpy`` and the Numba ``fused`` kernel).
-Scaling types are covered in ``test_rope_scaling.py``. The refusal of negative positions per
-sequence runs over ``device`` (the CPU and ``CUDA:0``); the CUDA op's own checks are in
-``test_rope_cuda.py``.
+The component bodies run on every device (:data:`rope_helpers.PLACES`: both CPU paths, ``numpy``
+and the Numba ``fused`` kernel, and ``CUDA:0`` on a GPU or on the kernel emulator); bodies named
+``test_cpu_*`` check what only the CPU op has (its backends, blocking, read-only and torch
+arrays). Scaling types are covered in ``test_rope_scaling.py``; what only the CUDA op has
+(access widths, launches, uploads, device memory, streams, foreign arrays) is in
+``test_rope_cuda_op.py``, and what only the kernel emulator shows in
+``test_rope_kernel_emulated.py``.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import cuda_arrays
 import numpy as np
 import pytest
+from cuda_arrays import EMULATED
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from numpy.lib.stride_tricks import as_strided
@@ -34,17 +39,23 @@ from rope_helpers import (
     assert_close,
     check_negative_positions_refused,
     dtype_of,
+    expected_width,
     f64,
     make_rope,
+    on_every_device,
+    put,
     random_qk,
     reference,
     rope_config,
     run_decode_program,
+    write_bits,
 )
 
 from mila_py import BuildContext, Network, Precision
 from mila_py.components import Rope, RopeConfig, get_rope
 from mila_py.ops.cpu import _rope_fused
+from mila_py.ops.cuda import _kernels
+from mila_py.ops.cuda import rope as cuda_rope
 
 HEAD_DIM = 12  # not a power of two; n_freq = 6
 #: (n_heads, n_kv_heads): single head, MQA, MHA, odd MHA, odd MQA, GQA
@@ -61,24 +72,49 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(20240531)
 
 
+def host(x: Any) -> np.ndarray:
+    """A host copy of ``x`` (any device's array) after the device finished."""
+    return cuda_arrays.host(x)
+
+
 def _bits(x: Any) -> bytes:
-    return np.ascontiguousarray(x).tobytes()
+    return np.ascontiguousarray(host(x)).tobytes()
 
 
-def _assert_bit_identical(actual: np.ndarray, expected: np.ndarray) -> None:
+def _assert_bit_identical(actual: Any, expected: Any) -> None:
+    actual, expected = host(actual), host(expected)
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
     assert _bits(actual) == _bits(expected)
+
+
+def _assert_rest_untouched(
+    x: Any, x0: np.ndarray, n_heads: int, head_dim: int, rotary_dim: int
+) -> None:
+    """Channels past ``rotary_dim`` of every head of ``x`` are bit-identical to ``x0``'s."""
+    b, t = x0.shape[:2]
+    rest = host(x).reshape(b, t, n_heads, head_dim)[..., rotary_dim:]
+    _assert_bit_identical(rest, x0.reshape(b, t, n_heads, head_dim)[..., rotary_dim:])
+
+
+def _assert_on(device: str, x: Any) -> None:
+    """``x`` is an array of ``device`` (on a GPU: of ``CUDA:0``)."""
+    if device == "CPU":
+        assert isinstance(x, np.ndarray)
+    elif not EMULATED:
+        assert isinstance(x, cuda_arrays.cupy.ndarray) and int(x.device.id) == 0
 
 
 # ---------------------------------------------------------------------------------- forward
 
 
+@on_every_device
 @pytest.mark.parametrize("precision", PRECISIONS, ids=str)
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 @pytest.mark.parametrize("rotary_dim", [0, 8], ids=["full", "partial8of12"])
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"hq{h[0]}-hk{h[1]}")
 def test_forward_and_prefill_match_reference(
-    backend: str,
+    device: str,
+    backend: str | None,
     heads: tuple[int, int],
     rotary_dim: int,
     layout: str,
@@ -87,34 +123,35 @@ def test_forward_and_prefill_match_reference(
 ) -> None:
     cfg = rope_config(heads, rotary_dim=rotary_dim, layout=layout)
     batch, tokens = 2, 6
-    rope = make_rope(cfg, batch, tokens, precision=precision, backend=backend)
+    rope = make_rope(cfg, batch, tokens, precision=precision, backend=backend, device=device)
     for offset in (0, 5, 1000, cfg.max_seq_len - tokens):
-        q, k = random_qk(rng, cfg, batch, tokens, precision)
-        q0, k0 = q.copy(), k.copy()
+        q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
+        q, k = put(device, q0), put(device, k0)
         if offset == 0:
             rope.forward(q, k)
         else:
             rope.prefill(q, k, offset)
         ref_q, ref_k = reference(cfg, q0, k0, arange_positions(batch, tokens, offset))
-        assert_close(q, ref_q, precision)
-        assert_close(k, ref_k, precision)
+        assert_close(host(q), ref_q, precision)
+        assert_close(host(k), ref_k, precision)
         if rotary_dim:  # channels past the rotated part pass through untouched
-            for x, x0, h in ((q, q0, heads[0]), (k, k0, heads[1])):
-                rest = x.reshape(batch, tokens, h, HEAD_DIM)[..., rotary_dim:]
-                rest0 = x0.reshape(batch, tokens, h, HEAD_DIM)[..., rotary_dim:]
-                _assert_bit_identical(rest, rest0)
+            _assert_rest_untouched(q, q0, heads[0], HEAD_DIM, rotary_dim)
+            _assert_rest_untouched(k, k0, heads[1], HEAD_DIM, rotary_dim)
 
 
-def test_position_zero_is_identity_and_position_changes_values(backend: str, rng) -> None:
+@on_every_device
+def test_position_zero_is_identity_and_position_changes_values(
+    device: str, backend: str | None, rng
+) -> None:
     cfg = rope_config()
-    rope = make_rope(cfg, 1, 1, backend=backend)
-    q, k = random_qk(rng, cfg, 1, 1)
-    q0, k0 = q.copy(), k.copy()
+    rope = make_rope(cfg, 1, 1, backend=backend, device=device)
+    q0, k0 = random_qk(rng, cfg, 1, 1)
+    q, k = put(device, q0), put(device, k0)
     rope.forward(q, k)
-    np.testing.assert_array_equal(q, q0)
-    np.testing.assert_array_equal(k, k0)
+    np.testing.assert_array_equal(host(q), q0)
+    np.testing.assert_array_equal(host(k), k0)
     rope.decode(q, k, 1)
-    assert not np.allclose(q, q0)
+    assert not np.allclose(host(q), q0)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS, ids=str)
@@ -124,7 +161,7 @@ def test_position_zero_is_identity_and_position_changes_values(backend: str, rng
     [(2, 600), (300, 2)],
     ids=["long-sequences", "many-sequences"],
 )
-def test_large_calls_cross_block_boundaries(
+def test_cpu_large_calls_cross_block_boundaries(
     backend: str,
     layout: str,
     precision: Precision,
@@ -154,67 +191,94 @@ def test_large_calls_cross_block_boundaries(
     assert_close(k, ref_k, precision)
 
 
+@on_every_device
 @pytest.mark.parametrize(
     "make_positions",
     [
-        lambda rng, b, t: rng.integers(0, 2048, size=(b, t)),
-        lambda rng, b, t: rng.integers(1000, 2048, size=(t,)),
-        lambda rng, b, t: rng.integers(1000, 2048, size=(b, 1)),
-        lambda rng, b, t: rng.integers(0, 2048, size=(b, t)).astype(np.int32),
-        lambda rng, b, t: rng.integers(0, 2048, size=(b, t)).astype(np.uint16),
-        lambda rng, b, t: rng.integers(0, 2048, size=(b, t)).tolist(),
-        lambda rng, b, t: np.full((b, t), 2047),
+        lambda rng, b, t, _: rng.integers(0, 2048, size=(b, t)),
+        lambda rng, b, t, _: rng.integers(1000, 2048, size=(t,)),
+        lambda rng, b, t, _: rng.integers(1000, 2048, size=(b, 1)),
+        lambda rng, b, t, _: rng.integers(0, 2048, size=(b, t)).astype(np.int32),
+        lambda rng, b, t, _: rng.integers(0, 2048, size=(b, t)).astype(np.uint16),
+        lambda rng, b, t, _: rng.integers(0, 2048, size=(b, t)).tolist(),
+        lambda rng, b, t, _: np.full((b, t), 2047),
+        lambda rng, b, t, device: put(device, rng.integers(0, 2048, size=(b, t))),
     ],
-    ids=["BT", "T", "B1", "int32", "uint16", "list", "last-row"],
+    ids=["BT", "T", "B1", "int32", "uint16", "list", "last-row", "device-array"],
 )
 @pytest.mark.parametrize("precision", PRECISIONS, ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_rotate_explicit_positions(
-    backend: str, precision: Precision, make_positions: Callable[..., Any], rng
+    device: str,
+    backend: str | None,
+    layout: str,
+    precision: Precision,
+    make_positions: Callable[..., Any],
+    rng,
 ) -> None:
-    cfg = rope_config((5, 1), layout="interleaved")
+    cfg = rope_config((5, 1), layout=layout)
     batch, tokens = 3, 5
-    rope = make_rope(cfg, batch, tokens, precision=precision, backend=backend)
-    positions = make_positions(rng, batch, tokens)
-    q, k = random_qk(rng, cfg, batch, tokens, precision)
-    q0, k0 = q.copy(), k.copy()
+    rope = make_rope(cfg, batch, tokens, precision=precision, backend=backend, device=device)
+    positions = make_positions(rng, batch, tokens, device)
+    host_positions = positions if isinstance(positions, list) else host(positions)
+    q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
+    q, k = put(device, q0), put(device, k0)
     rope.rotate(q, k, positions)
-    ref_q, ref_k = reference(cfg, q0, k0, np.asarray(positions))
-    assert_close(q, ref_q, precision)
-    assert_close(k, ref_k, precision)
+    ref_q, ref_k = reference(cfg, q0, k0, np.asarray(host_positions))
+    assert_close(host(q), ref_q, precision)
+    assert_close(host(k), ref_k, precision)
 
 
+@on_every_device
 @pytest.mark.parametrize("precision", PRECISIONS, ids=str)
-def test_smaller_calls_than_the_build(backend: str, precision: Precision, rng) -> None:
+def test_smaller_calls_than_the_build(
+    device: str, backend: str | None, precision: Precision, rng
+) -> None:
+    """Calls on fewer sequences and tokens than the build, and on a batch and token slice of
+    a larger buffer (strides of that buffer): only the slice is rotated."""
     cfg = rope_config((4, 2))
-    rope = make_rope(cfg, 4, 16, precision=precision, backend=backend)
+    rope = make_rope(cfg, 4, 16, precision=precision, backend=backend, device=device)
     for batch, tokens in ((1, 1), (4, 3), (2, 16)):
-        q, k = random_qk(rng, cfg, batch, tokens, precision)
-        q0, k0 = q.copy(), k.copy()
+        q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
+        q, k = put(device, q0), put(device, k0)
         rope.prefill(q, k, 700)
         ref_q, ref_k = reference(cfg, q0, k0, arange_positions(batch, tokens, 700))
-        assert_close(q, ref_q, precision)
-        assert_close(k, ref_k, precision)
+        assert_close(host(q), ref_q, precision)
+        assert_close(host(k), ref_k, precision)
+    q0, k0 = random_qk(rng, cfg, 5, 18, precision)
+    q_big, k_big = put(device, q0), put(device, k0)
+    view = np.s_[1:4, 2:17]
+    rope.prefill(q_big[view], k_big[view], 40)
+    got_q, got_k = host(q_big), host(k_big)
+    ref_q, ref_k = reference(cfg, q0[view], k0[view], arange_positions(3, 15, 40))
+    assert_close(got_q[view], ref_q, precision)
+    assert_close(got_k[view], ref_k, precision)
+    outside = np.ones(q0.shape[:2], bool)
+    outside[view] = False
+    _assert_bit_identical(got_q[outside], q0[outside])
+    _assert_bit_identical(got_k[outside], k0[outside])
 
 
 # ---------------------------------------------------------------------------------- prefill / decode
 
 
+@on_every_device
 @pytest.mark.parametrize("precision", PRECISIONS, ids=str)
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 @pytest.mark.parametrize("start", [0, 1500])
 def test_prefill_in_chunks_equals_one_call(
-    backend: str, layout: str, precision: Precision, start: int, rng
+    device: str, backend: str | None, layout: str, precision: Precision, start: int, rng
 ) -> None:
     cfg = rope_config((4, 1), layout=layout, rotary_dim=8)
     batch, tokens = 2, 20
-    rope = make_rope(cfg, batch, tokens, precision=precision, backend=backend)
-    q, k = random_qk(rng, cfg, batch, tokens, precision)
-    whole_q, whole_k = q.copy(), k.copy()
+    rope = make_rope(cfg, batch, tokens, precision=precision, backend=backend, device=device)
+    q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
+    whole_q, whole_k = put(device, q0), put(device, k0)
     if start == 0:
         rope.forward(whole_q, whole_k)
     else:
         rope.prefill(whole_q, whole_k, start)
-    chunk_q, chunk_k = q.copy(), k.copy()
+    chunk_q, chunk_k = put(device, q0), put(device, k0)
     for lo, hi in ((0, 7), (7, 14), (14, 19), (19, 20)):
         # slices of the same buffers: non-contiguous in T, rotated through the view
         rope.prefill(chunk_q[:, lo:hi], chunk_k[:, lo:hi], start + lo)
@@ -222,109 +286,178 @@ def test_prefill_in_chunks_equals_one_call(
     _assert_bit_identical(chunk_k, whole_k)
 
 
-def test_prefill_chunks_given_the_whole_length_rotate_as_one_call(backend: str, rng) -> None:
-    """A length-dependent scaling (dynamic NTK) picks its frequencies for ``seq_len``: chunks
-    given the whole prompt's end rotate as one call over it, and a bad ``seq_len`` is refused
-    before anything is rotated."""
-    scaling = {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 8}
-    cfg = RopeConfig(4 * 16, 4, 1, 64, scaling=scaling)
-    rope = make_rope(cfg, 1, 24, backend=backend)
-    q, k = random_qk(rng, cfg, 1, 24)
-    whole_q, whole_k = q.copy(), k.copy()
-    rope.forward(whole_q, whole_k)
-    for lo, hi in ((0, 5), (5, 12), (12, 24)):
-        rope.prefill(q[:, lo:hi], k[:, lo:hi], lo, seq_len=24)
-    _assert_bit_identical(q, whole_q)
-    _assert_bit_identical(k, whole_k)
-    before = q.copy()
+@on_every_device
+@pytest.mark.parametrize(
+    "scaling",
+    [None, {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 8}],
+    ids=["default", "dynamic"],
+)
+def test_prefill_chunks_given_the_prompt_end_rotate_as_one_call(
+    device: str, backend: str | None, scaling: Any, rng
+) -> None:
+    """Chunks given the whole prompt's end (``seq_len``) rotate bit for bit as one call over
+    it, from the start and from an offset; a length-dependent scaling (dynamic NTK) picks its
+    frequencies for ``seq_len``. A bad ``seq_len`` is refused before anything is rotated."""
+    cfg = rope_config((4, 2), 16, max_seq_len=64, scaling=scaling)
+    rope = make_rope(cfg, 2, 24, backend=backend, device=device)
+    q0, k0 = random_qk(rng, cfg, 2, 24)
+    for start in (0, 3):
+        whole_q, whole_k = put(device, q0), put(device, k0)
+        if start == 0:
+            rope.forward(whole_q, whole_k)
+        else:
+            rope.prefill(whole_q, whole_k, start)
+        q, k = put(device, q0), put(device, k0)
+        for lo, hi in ((0, 5), (5, 13), (13, 24)):
+            rope.prefill(q[:, lo:hi], k[:, lo:hi], start + lo, seq_len=start + 24)
+        _assert_bit_identical(q, whole_q)
+        _assert_bit_identical(k, whole_k)
+    before_q, before_k = host(q).copy(), host(k).copy()
     for bad in (4, 65, 2.0):
         with pytest.raises((ValueError, TypeError), match="seq_len"):
             rope.prefill(q[:, :5], k[:, :5], 0, seq_len=bad)  # type: ignore[arg-type]
-    _assert_bit_identical(q, before)
+    _assert_bit_identical(q, before_q)
+    _assert_bit_identical(k, before_k)
 
 
+@on_every_device
 @pytest.mark.parametrize("precision", PRECISIONS, ids=str)
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_decode_at_each_position_equals_forward(
-    backend: str, layout: str, precision: Precision, rng
+    device: str, backend: str | None, layout: str, precision: Precision, rng
 ) -> None:
     cfg = rope_config((3, 3), layout=layout, max_seq_len=64)
     batch, tokens = 2, 64
-    rope = make_rope(cfg, batch, tokens, precision=precision, backend=backend)
-    q, k = random_qk(rng, cfg, batch, tokens, precision)
-    whole_q, whole_k = q.copy(), k.copy()
+    rope = make_rope(cfg, batch, tokens, precision=precision, backend=backend, device=device)
+    q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
+    whole_q, whole_k = put(device, q0), put(device, k0)
     rope.forward(whole_q, whole_k)
-    for t in range(tokens):
-        step_q, step_k = q[:, t : t + 1].copy(), k[:, t : t + 1].copy()
+    whole_q, whole_k = host(whole_q), host(whole_k)
+    # every position on the CPU; off it every 7th (both parities), a step costs a launch
+    for t in range(0, tokens, 1 if device == "CPU" else 7):
+        step_q, step_k = put(device, q0[:, t : t + 1]), put(device, k0[:, t : t + 1])
         rope.decode(step_q, step_k, t if t % 2 else np.int64(t))
         _assert_bit_identical(step_q, whole_q[:, t : t + 1])
         _assert_bit_identical(step_k, whole_k[:, t : t + 1])
 
 
-@pytest.mark.parametrize("precision", PRECISIONS, ids=str)
-def test_decode_per_sequence_positions(backend: str, precision: Precision, rng) -> None:
-    cfg = rope_config((4, 1))
-    batch = 4
-    rope = make_rope(cfg, batch, 8, precision=precision, backend=backend)
-    positions = np.array([3, 1500, 2047, 0])
-    q, k = random_qk(rng, cfg, batch, 1, precision)
-    q0, k0 = q.copy(), k.copy()
-    rope.decode(q, k, positions)
-    ref_q, ref_k = reference(cfg, q0, k0, positions[:, None])
-    assert_close(q, ref_q, precision)
-    assert_close(k, ref_k, precision)
-    for b, p in enumerate(positions):  # the same as decoding each sequence on its own
-        one_q, one_k = q0[b : b + 1].copy(), k0[b : b + 1].copy()
-        rope.decode(one_q, one_k, int(p))
-        _assert_bit_identical(one_q, q[b : b + 1])
-        _assert_bit_identical(one_k, k[b : b + 1])
-    # a list and a one-element array (broadcast to every sequence) work too
-    list_q, list_k = q0.copy(), k0.copy()
-    rope.decode(list_q, list_k, positions.tolist())
-    _assert_bit_identical(list_q, q)
-    same_q, same_k = q0.copy(), k0.copy()
-    rope.decode(same_q, same_k, np.array([1500]))
-    ref_q, ref_k = reference(cfg, q0, k0, np.full((batch, 1), 1500))
-    assert_close(same_q, ref_q, precision)
-    assert_close(same_k, ref_k, precision)
-
-
+@on_every_device
 @pytest.mark.parametrize("precision", PRECISIONS, ids=str)
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
-@pytest.mark.parametrize("heads", [(4, 1), (3, 3)], ids=["mqa", "mha"])
-def test_fused_qkv_views_rotate_through_the_view(
-    backend: str, heads: tuple[int, int], layout: str, precision: Precision, rng
+def test_decode_per_sequence_positions(
+    device: str, backend: str | None, layout: str, precision: Precision, rng
 ) -> None:
+    cfg = rope_config((4, 1), layout=layout)
+    batch = 4
+    rope = make_rope(cfg, batch, 8, precision=precision, backend=backend, device=device)
+    positions = np.array([3, 1500, 2047, 0])
+    q0, k0 = random_qk(rng, cfg, batch, 1, precision)
+    q, k = put(device, q0), put(device, k0)
+    rope.decode(q, k, positions)
+    ref_q, ref_k = reference(cfg, q0, k0, positions[:, None])
+    got_q, got_k = host(q), host(k)
+    assert_close(got_q, ref_q, precision)
+    assert_close(got_k, ref_k, precision)
+    for b, p in enumerate(positions):  # the same as decoding each sequence on its own
+        one_q, one_k = put(device, q0[b : b + 1]), put(device, k0[b : b + 1])
+        rope.decode(one_q, one_k, int(p))
+        _assert_bit_identical(one_q, got_q[b : b + 1])
+        _assert_bit_identical(one_k, got_k[b : b + 1])
+    # positions given as a list, and as an array of the device, work too
+    for spelled in (positions.tolist(), put(device, positions)):
+        again_q, again_k = put(device, q0), put(device, k0)
+        rope.decode(again_q, again_k, spelled)
+        _assert_bit_identical(again_q, got_q)
+        _assert_bit_identical(again_k, got_k)
+    # a one-element array is broadcast to every sequence
+    same_q, same_k = put(device, q0), put(device, k0)
+    rope.decode(same_q, same_k, np.array([1500]))
+    ref_q, ref_k = reference(cfg, q0, k0, np.full((batch, 1), 1500))
+    assert_close(host(same_q), ref_q, precision)
+    assert_close(host(same_k), ref_k, precision)
+
+
+#: fused QKV rows: (elements before Q, elements between Q and K, elements after V)
+FUSED = {
+    "plain": (0, 0, 0),
+    "k-at-odd-element": (0, 1, 0),
+    "q-and-k-shifted-2": (2, 0, 0),
+    "odd-row-stride": (0, 0, 1),
+    "shift4-row-pad4": (4, 0, 4),
+}
+
+
+@on_every_device
+@pytest.mark.parametrize("precision", PRECISIONS, ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize(
+    ("heads", "head_dim", "rotary_dim"),
+    [((4, 1), 12, 8), ((3, 3), 12, 8), ((3, 3), 64, 0), ((6, 2), 16, 0), ((32, 8), 128, 8)],
+    ids=["mqa-d12-partial", "mha-d12-partial", "mha-d64", "gqa-d16", "gqa-d128-partial"],
+)
+def test_fused_qkv_views_rotate_through_the_view(
+    device: str,
+    backend: str | None,
+    heads: tuple[int, int],
+    head_dim: int,
+    rotary_dim: int,
+    layout: str,
+    precision: Precision,
+    rng,
+) -> None:
+    """Q and K as strided views of one QKV buffer, at the offsets of :data:`FUSED` (padding
+    before Q, between Q and K and after V, filled with NaN canaries): prefill, decode and
+    rotate go through the views as the reference on contiguous copies; V and the padding are
+    left bit for bit. On ``CUDA:0`` the op takes the widest access the addresses allow (and
+    the emulator records that instantiation's launch)."""
     hq, hk = heads
-    cfg = rope_config(heads, layout=layout, rotary_dim=8)
-    d = HEAD_DIM
+    d = head_dim
+    cfg = rope_config(heads, head_dim=d, layout=layout, rotary_dim=rotary_dim)
     batch, tokens = 2, 5
-    rope = make_rope(cfg, batch, tokens, precision=precision, backend=backend)
-    qkv = rng.standard_normal((batch, tokens, (hq + 2 * hk) * d)).astype(dtype_of(precision))
-    qkv0 = qkv.copy()
-    q = qkv[:, :, : hq * d]
-    k = qkv[:, :, hq * d : (hq + hk) * d]
-    rope.prefill(q, k, 900)
-    ref_q, ref_k = reference(
-        cfg,
-        qkv0[:, :, : hq * d],
-        qkv0[:, :, hq * d : (hq + hk) * d],
-        arange_positions(batch, tokens, 900),
-    )
-    assert_close(qkv[:, :, : hq * d], ref_q, precision)
-    assert_close(qkv[:, :, hq * d : (hq + hk) * d], ref_k, precision)
-    _assert_bit_identical(qkv[:, :, (hq + hk) * d :], qkv0[:, :, (hq + hk) * d :])  # V untouched
-    # decode through views of a [B, 1, ...] slice of the same buffer
-    step = qkv0[:, :1].copy()
-    rope.decode(step[:, :, : hq * d], step[:, :, hq * d : (hq + hk) * d], np.array([7, 1999]))
-    ref_q, ref_k = reference(
-        cfg, qkv0[:, :1, : hq * d], qkv0[:, :1, hq * d : (hq + hk) * d], np.array([[7], [1999]])
-    )
-    assert_close(step[:, :, : hq * d], ref_q, precision)
-    assert_close(step[:, :, hq * d : (hq + hk) * d], ref_k, precision)
-    _assert_bit_identical(step[:, :, (hq + hk) * d :], qkv0[:, :1, (hq + hk) * d :])
+    rope = make_rope(cfg, batch, tokens, precision=precision, backend=backend, device=device)
+    item = precision.itemsize
+    for fused, (before, gap, after) in FUSED.items():
+        q_at, k_at = before, before + hq * d + gap
+        width = k_at + 3 * hk * d + after  # K, V, padding
+        for method in ("prefill", "decode", "rotate"):
+            n_t = 1 if method == "decode" else tokens
+            qkv0 = rng.standard_normal((batch, n_t, width)).astype(dtype_of(precision))
+            qkv0[..., :before] = np.nan
+            qkv0[..., q_at + hq * d : k_at] = np.nan
+            qkv0[..., width - after :] = np.nan
+            qkv = put(device, qkv0)
+            q, k = qkv[..., q_at : q_at + hq * d], qkv[..., k_at : k_at + hk * d]
+            arg: Any = {
+                "prefill": 900,
+                "decode": np.array([7, 1999]),
+                "rotate": rng.integers(0, cfg.max_seq_len, size=(batch, tokens)),
+            }[method]
+            if device != "CPU":
+                spans = [_kernels.address(q), _kernels.address(k), width * item]
+                vec = expected_width(precision, layout, d, rope.table.n_freq, spans)
+                assert rope.op.vector_width(q, k) == vec, (fused, method)
+            getattr(rope, method)(q, k, arg)
+            if device != "CPU" and EMULATED:  # the instantiation of that width was launched
+                launched = rope.execution_context.launches[-1]
+                assert launched == cuda_rope.kernel_name(precision, vec, layout == "interleaved")
+            got = host(qkv)
+            q0 = np.ascontiguousarray(qkv0[..., q_at : q_at + hq * d])
+            k0 = np.ascontiguousarray(qkv0[..., k_at : k_at + hk * d])
+            if method == "prefill":
+                positions = arange_positions(batch, tokens, arg)
+            elif method == "decode":
+                positions = arg[:, None]
+            else:
+                positions = arg
+            ref_q, ref_k = reference(cfg, q0, k0, positions)
+            assert_close(got[..., q_at : q_at + hq * d], ref_q, precision)
+            assert_close(got[..., k_at : k_at + hk * d], ref_k, precision)
+            untouched = np.ones(width, bool)
+            untouched[q_at : q_at + hq * d] = untouched[k_at : k_at + hk * d] = False
+            assert _bits(got[..., untouched]) == _bits(qkv0[..., untouched]), (fused, method)
 
 
+@on_every_device
 @pytest.mark.parametrize(
     "call",
     [
@@ -349,23 +482,26 @@ def test_fused_qkv_views_rotate_through_the_view(
 )
 @pytest.mark.parametrize("shape", [(0, 4), (2, 0)], ids=["B0", "T0"])
 @pytest.mark.parametrize("precision", [FP32, FP16], ids=str)
-def test_empty_calls_are_no_ops(backend: str, shape, precision: Precision, call) -> None:
+def test_empty_calls_are_no_ops(
+    device: str, backend: str | None, shape, precision: Precision, call
+) -> None:
     """Like PyTorch on empty tensors: B == 0 or T == 0 rotates nothing and does not fail."""
     cfg = rope_config((3, 1))
-    rope = make_rope(cfg, 2, 4, mode=TRAINING, precision=precision, backend=backend)
-    q = np.zeros((*shape, cfg.channels), dtype_of(precision))
-    k = np.zeros((*shape, cfg.kv_channels), dtype_of(precision))
+    rope = make_rope(cfg, 2, 4, mode=TRAINING, precision=precision, backend=backend, device=device)
+    q = put(device, np.zeros((*shape, cfg.channels), dtype_of(precision)))
+    k = put(device, np.zeros((*shape, cfg.kv_channels), dtype_of(precision)))
     call(rope, q, k)
     assert q.shape == (*shape, cfg.channels)
 
 
+@on_every_device
 @pytest.mark.parametrize("position", [5, np.zeros(0, np.int64)], ids=["int", "per-sequence"])
-def test_an_empty_batch_decodes_nothing(backend: str, position: Any) -> None:
+def test_an_empty_batch_decodes_nothing(device: str, backend: str | None, position: Any) -> None:
     """decode with B == 0 (T is 1 by contract), through the component and through its op."""
     cfg = rope_config((3, 1))
-    rope = make_rope(cfg, 2, 4, mode=TRAINING, backend=backend)
-    q = np.zeros((0, 1, cfg.channels), np.float32)
-    k = np.zeros((0, 1, cfg.kv_channels), np.float32)
+    rope = make_rope(cfg, 2, 4, mode=TRAINING, backend=backend, device=device)
+    q = put(device, np.zeros((0, 1, cfg.channels), np.float32))
+    k = put(device, np.zeros((0, 1, cfg.kv_channels), np.float32))
     rope.decode(q, k, position)
     rope._op.decode(q, k, position)
     assert q.shape == (0, 1, cfg.channels)
@@ -383,29 +519,167 @@ SCALINGS_ACROSS_1024: dict[str, Any] = {
 }
 
 
-@pytest.mark.parametrize("precision", [FP32, BF16], ids=str)
+@on_every_device
+@pytest.mark.parametrize("precision", PRECISIONS, ids=str)
 @pytest.mark.parametrize("scaling", list(SCALINGS_ACROSS_1024))
 def test_a_decode_loop_on_the_same_buffers(
-    backend: str, scaling: str, precision: Precision, rng
+    device: str, backend: str | None, scaling: str, precision: Precision, rng
 ) -> None:
-    """A decode loop writes each token into the same Q/K buffers, at positions across the
-    original context (dynamic NTK's rows, LongRoPE's long table): each step gives the bits of a
-    fresh component's call and the float64 reference."""
-    cfg = rope_config((3, 1), 16, max_seq_len=4096, scaling=SCALINGS_ACROSS_1024[scaling])
+    """A decode loop writes each token into the same Q/K buffers, at int positions and at one
+    per sequence, across the original context (1024) where dynamic NTK computes rows per call
+    and LongRoPE switches tables: each step gives the bits of a fresh component's call (fresh
+    buffers) and the float64 reference."""
+    cfg = rope_config((4, 2), 16, max_seq_len=4096, scaling=SCALINGS_ACROSS_1024[scaling])
     batch = 2
-    rope = make_rope(cfg, batch, 1, precision=precision, backend=backend)
-    checked = make_rope(cfg, batch, 1, precision=precision, backend=backend)
-    q, k = random_qk(rng, cfg, batch, 1, precision)
-    for position in (5, 6, 1022, 1023, 1024, 1500, 4095, np.int64(9), 2):
+    rope = make_rope(cfg, batch, 1, precision=precision, backend=backend, device=device)
+    checked = make_rope(cfg, batch, 1, precision=precision, backend=backend, device=device)
+    q, k = (put(device, x) for x in random_qk(rng, cfg, batch, 1, precision))
+    each = (np.array([8, 1000]), np.array([1023, 4]), np.array([3000, 7]), np.array([11, 12]))
+    for position in (5, 6, 7, 1022, 1023, 1024, 1500, 3000, 4095, np.int64(9), 2, 1023, *each):
         q0, k0 = random_qk(rng, cfg, batch, 1, precision)
-        q[...], k[...] = q0, k0
+        write_bits(q, q0)  # the loop's new token, in place
+        write_bits(k, k0)
         rope.decode(q, k, position)
-        fresh_q, fresh_k = q0.copy(), k0.copy()
-        checked.decode(fresh_q, fresh_k, int(position))
+        fresh_q, fresh_k = put(device, q0), put(device, k0)
+        checked.decode(fresh_q, fresh_k, position if np.ndim(position) else int(position))
         assert _bits(q) == _bits(fresh_q) and _bits(k) == _bits(fresh_k)
-        ref_q, ref_k = reference(cfg, q0, k0, np.full((batch, 1), int(position)))
-        assert_close(q, ref_q, precision)
-        assert_close(k, ref_k, precision)
+        positions = np.broadcast_to(np.reshape(position, (-1, 1)), (batch, 1))
+        ref_q, ref_k = reference(cfg, q0, k0, positions)
+        assert_close(host(q), ref_q, precision, scale=rope.attention_scaling)
+        assert_close(host(k), ref_k, precision, scale=rope.attention_scaling)
+
+
+def _scalings(n: int) -> dict[str, dict[str, Any] | None]:
+    """Scaling dicts by id (``n`` pairs, for LongRoPE's lists); original context 1024 of 4096."""
+    orig = 1024
+    longrope = {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.05 * i for i in range(n)],
+        "long_factor": [1.0 + 1.7 * i for i in range(n)],
+        "original_max_position_embeddings": orig,
+    }
+    return {
+        "default": None,
+        "linear": {"rope_type": "linear", "factor": 4.0},
+        "dynamic": {
+            "rope_type": "dynamic",
+            "factor": 4.0,
+            "original_max_position_embeddings": orig,
+        },
+        "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": orig},
+        "yarn-deepseek": {
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": orig,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+        },
+        "llama3": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": orig,
+        },
+        "longrope": longrope,
+        "longrope-factor-attention": {**longrope, "factor": 16.0, "attention_factor": 1.25},
+        "proportional-factor": {"rope_type": "proportional", "factor": 2.0},
+    }
+
+
+@pytest.mark.parametrize("precision", [FP32, BF16], ids=str)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("rotary_dim", [0, 8], ids=["full", "partial"])
+@pytest.mark.parametrize("name", list(_scalings(1)))
+def test_scaling_types_far_from_zero(
+    device: str, name: str, rotary_dim: int, layout: str, precision: Precision, rng
+) -> None:
+    """Every scaling type through prefill, rotate and decode at positions 1000..4095, and
+    dynamic and LongRoPE below and across their original context (1024), as the reference."""
+    head_dim, max_seq = 16, 4096
+    n = (rotary_dim or head_dim) // 2
+    cfg = RopeConfig(
+        channels=3 * head_dim,
+        n_heads=3,
+        n_kv_heads=1,
+        max_seq_len=max_seq,
+        rotary_dim=rotary_dim,
+        layout=layout,
+        scaling=_scalings(n)[name],
+    )
+    batch, tokens = 2, 8
+    rope = make_rope(cfg, batch, tokens, precision=precision, device=device)
+    calls: list[tuple[str, Any]] = [
+        ("prefill", 1000),  # below the original context
+        ("prefill", 1024 - 3),  # crosses it: the whole call uses the long parameters
+        ("prefill", 2500),
+        ("prefill", max_seq - tokens),
+        ("rotate", rng.integers(1000, max_seq, size=(batch, tokens))),
+        ("rotate", rng.integers(0, 1024, size=(batch, tokens))),
+        ("decode", np.array([1000, 3999])),
+        ("decode", np.array([1017, 5])),
+        ("decode", max_seq - 1),
+    ]
+    for method, arg in calls:
+        n_t = 1 if method == "decode" else tokens
+        q0, k0 = random_qk(rng, cfg, batch, n_t, precision)
+        q, k = put(device, q0), put(device, k0)
+        getattr(rope, method)(q, k, arg)
+        if method == "prefill":
+            positions = arange_positions(batch, tokens, arg)
+        elif method == "decode":
+            positions = np.broadcast_to(np.reshape(arg, (-1, 1)), (batch, 1))
+        else:
+            positions = arg
+        ref_q, ref_k = reference(cfg, q0, k0, positions)
+        assert_close(host(q), ref_q, precision, scale=rope.attention_scaling)
+        assert_close(host(k), ref_k, precision, scale=rope.attention_scaling)
+
+
+#: a dynamic type short enough that M-RoPE positions pass its original length: the rows of a
+#: call are made on the host
+MROPE_DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 256}
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=str)
+@pytest.mark.parametrize(
+    ("section", "interleaved", "layout", "rotary_dim", "scaling"),
+    [((16, 24, 24), False, "half", 0, None), ((24, 20, 20), True, "half", 0, None),
+     ((8, 12, 12), False, "interleaved", 64, None),
+     ((16, 24, 24), False, "half", 0, MROPE_DYNAMIC)],
+    ids=["qwen2vl", "qwen3vl", "glm4v", "dynamic-rows"],
+)  # fmt: skip
+def test_mrope_positions_per_axis(
+    device: str, section, interleaved: bool, layout: str, rotary_dim: int, scaling: Any,
+    precision: Precision, rng,
+) -> None:  # fmt: skip
+    """M-RoPE positions ``[3, B, T]`` (an array of the device): each frequency's row is picked
+    by its axis (past a dynamic type's original length, from rows made for the call), through
+    rotate, backward (positions broadcast over sequences too) and decode, as the reference."""
+    cfg = rope_config(
+        (8, 2), 128, rotary_dim=rotary_dim, layout=layout, mrope_section=section,
+        mrope_interleaved=interleaved, scaling=scaling,
+    )  # fmt: skip
+    batch, tokens = 2, 33
+    rope = make_rope(cfg, batch, tokens, precision=precision, mode=TRAINING, device=device)
+    positions = rng.integers(0, 2048, size=(3, batch, tokens))
+    q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
+    q, k = put(device, q0), put(device, k0)
+    rope.rotate(q, k, put(device, positions))
+    ref_q, ref_k = reference(cfg, q0, k0, positions)
+    assert_close(host(q), ref_q, precision)
+    assert_close(host(k), ref_k, precision)
+    for back in (positions, positions[:, :1]):  # [3, 1, T]: broadcast over sequences
+        dq, dk = rope.backward(put(device, q0), put(device, k0), back)
+        each = np.broadcast_to(back, positions.shape)
+        ref_q, ref_k = reference(cfg, q0, k0, each, inverse=True)
+        assert_close(host(dq), ref_q, precision)
+        assert_close(host(dk), ref_k, precision)
+    q1, k1 = put(device, q0[:, :1]), put(device, k0[:, :1])
+    rope.decode(q1, k1, positions[:, :, 0])
+    ref_q, ref_k = reference(cfg, q0[:, :1], k0[:, :1], positions[:, :, :1])
+    assert_close(host(q1), ref_q, precision)
+    assert_close(host(k1), ref_k, precision)
 
 
 @pytest.mark.parametrize(("dtype", "max_seq_len"), NARROW_POSITIONS)
@@ -417,7 +691,9 @@ def test_negative_positions_per_sequence_are_refused(
 
 @settings(max_examples=60, deadline=None)
 @given(program=DECODE_PROGRAMS, config=DECODE_CONFIGS, seed=st.integers(0, 2**16))
-def test_any_program_of_decodes_matches_a_fresh_checked_component(program, config, seed) -> None:  # type: ignore[no-untyped-def]
+def test_cpu_any_program_of_decodes_matches_a_fresh_checked_component(
+    program, config, seed
+) -> None:  # type: ignore[no-untyped-def]
     """Decode calls in any order on two buffer pairs, with positions in and out of range (and
     not ints), a pair made read-only or reshaped in place before a call, the backend switched,
     a position given as np.int64: each call does what the same call on fresh copies through a
@@ -427,7 +703,7 @@ def test_any_program_of_decodes_matches_a_fresh_checked_component(program, confi
     run_decode_program(program, np.random.default_rng(seed), device="CPU", config=config)
 
 
-def test_backends_agree(rng) -> None:
+def test_cpu_backends_agree(rng) -> None:
     pytest.importorskip("numba")
     cfg = rope_config((5, 1), layout="interleaved", rotary_dim=10)
     for precision in PRECISIONS:
@@ -442,7 +718,7 @@ def test_backends_agree(rng) -> None:
         np.testing.assert_allclose(f64(results[0][1]), f64(results[1][1]), rtol=1e-6, atol=1e-6)
 
 
-def test_backend_setting() -> None:
+def test_cpu_backend_setting() -> None:
     rope = make_rope(rope_config(), 1, 1)
     assert rope.op.backend in ("numpy", "fused", "auto")
     with pytest.raises(ValueError, match="backend"):
@@ -454,12 +730,14 @@ def test_backend_setting() -> None:
 # ---------------------------------------------------------------------------------- backward
 
 
+@on_every_device
 @pytest.mark.parametrize("precision", PRECISIONS, ids=str)
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 @pytest.mark.parametrize("rotary_dim", [0, 8], ids=["full", "partial"])
 @pytest.mark.parametrize("heads", [(4, 1), (3, 3), (1, 1)], ids=["mqa", "mha-odd", "single"])
 def test_backward_matches_reference(
-    backend: str,
+    device: str,
+    backend: str | None,
     heads: tuple[int, int],
     rotary_dim: int,
     layout: str,
@@ -468,29 +746,36 @@ def test_backward_matches_reference(
 ) -> None:
     cfg = rope_config(heads, rotary_dim=rotary_dim, layout=layout)
     batch, tokens = 2, 6
-    rope = make_rope(cfg, batch, tokens, mode=TRAINING, precision=precision, backend=backend)
-    dq, dk = random_qk(rng, cfg, batch, tokens, precision)
-    dq0, dk0 = dq.copy(), dk.copy()
+    rope = make_rope(
+        cfg, batch, tokens, mode=TRAINING, precision=precision, backend=backend, device=device
+    )
+    dq0, dk0 = random_qk(rng, cfg, batch, tokens, precision)
+    dq, dk = put(device, dq0), put(device, dk0)
     dq_in, dk_in = rope.backward(dq, dk)
     _assert_bit_identical(dq, dq0)  # upstream gradients are not modified
     _assert_bit_identical(dk, dk0)
     ref_q, ref_k = reference(cfg, dq0, dk0, arange_positions(batch, tokens), inverse=True)
-    assert_close(dq_in, ref_q, precision)
-    assert_close(dk_in, ref_k, precision)
+    assert_close(host(dq_in), ref_q, precision)
+    assert_close(host(dk_in), ref_k, precision)
+    if rotary_dim:  # out of place: the pass-through channels are copied
+        _assert_rest_untouched(dq_in, dq0, heads[0], HEAD_DIM, rotary_dim)
+        _assert_rest_untouched(dk_in, dk0, heads[1], HEAD_DIM, rotary_dim)
     positions = rng.integers(1000, cfg.max_seq_len, size=(batch, tokens))
     dq_in, dk_in = rope.backward(dq, dk, positions=positions)
     ref_q, ref_k = reference(cfg, dq0, dk0, positions, inverse=True)
-    assert_close(dq_in, ref_q, precision)
-    assert_close(dk_in, ref_k, precision)
+    assert_close(host(dq_in), ref_q, precision)
+    assert_close(host(dk_in), ref_k, precision)
     # a smaller call fills the leading part of the component's buffers
     dq_in, dk_in = rope.backward(dq[:1, :3], dk[:1, :3], positions=np.array([1500, 7, 2047]))
     assert dq_in.shape == (1, 3, cfg.channels) and dk_in.shape == (1, 3, cfg.kv_channels)
     ref_q, ref_k = reference(cfg, dq0[:1, :3], dk0[:1, :3], np.array([1500, 7, 2047]), inverse=True)
-    assert_close(dq_in, ref_q, precision)
-    assert_close(dk_in, ref_k, precision)
+    assert_close(host(dq_in), ref_q, precision)
+    assert_close(host(dk_in), ref_k, precision)
+    _assert_on(device, dq_in)
+    _assert_on(device, dk_in)
 
 
-def test_backward_returns_component_owned_buffers(backend: str, rng) -> None:
+def test_cpu_backward_returns_component_owned_buffers(backend: str, rng) -> None:
     cfg = rope_config((4, 2))
     rope = make_rope(cfg, 2, 4, mode=TRAINING, backend=backend)
     assert rope.get_gradients() == []  # no parameters: nothing aligned with get_parameters
@@ -511,7 +796,7 @@ TORCH_DTYPES = {FP32: "float32", FP16: "float16", BF16: "bfloat16"}
 
 
 @pytest.mark.parametrize("precision", PRECISIONS, ids=str)
-def test_torch_tensors_are_rotated_in_place_without_a_copy(
+def test_cpu_torch_tensors_are_rotated_in_place_without_a_copy(
     backend: str, precision: Precision, rng
 ) -> None:
     """Every call takes torch CPU tensors as they are (views of their memory, bf16 included):
@@ -580,12 +865,12 @@ def test_torch_tensors_are_rotated_in_place_without_a_copy(
     ids=["forward", "decode", "rotate", "backward"],
 )
 def test_foreign_producers_are_released_even_when_adopting_k_fails(
-    call: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, rng
+    device: str, call: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, rng
 ) -> None:
     """Q adopted, then K's export raises: the call still ends by ordering Q's producer (on a
     GPU, a stream left recorded would be waited on by an unrelated later call)."""
     cfg = rope_config((4, 2))
-    rope = make_rope(cfg, 2, 4, mode=TRAINING)
+    rope = make_rope(cfg, 2, 4, mode=TRAINING, device=device)
     ctx = rope.execution_context
     events: list[str] = []
 
@@ -597,21 +882,24 @@ def test_foreign_producers_are_released_even_when_adopting_k_fails(
 
     monkeypatch.setattr(ctx, "as_device_array", adopt)
     monkeypatch.setattr(ctx, "release_foreign", lambda: events.append("release"))
-    q, k = random_qk(rng, cfg, 2, 4)
+    q, k = (put(device, x) for x in random_qk(rng, cfg, 2, 4))
     with pytest.raises(BufferError):
         call(rope, q, k)
     assert events == ["adopt", "adopt", "release"]
 
 
-def test_backward_refuses_gradients_that_lie_in_the_other_output_buffer(backend: str, rng) -> None:
+@on_every_device
+def test_backward_refuses_gradients_that_lie_in_the_other_output_buffer(
+    device: str, backend: str | None, rng
+) -> None:
     """The results of one backward passed back swapped (dq in the dk_in buffer) would be
     overwritten before they are read: refused, nothing changed. Passed back in their own
     buffers, they are rotated in place correctly."""
     cfg = rope_config((3, 3))
-    rope = make_rope(cfg, 2, 4, mode=TRAINING, backend=backend)
-    dq, dk = random_qk(rng, cfg, 2, 4)
+    rope = make_rope(cfg, 2, 4, mode=TRAINING, backend=backend, device=device)
+    dq, dk = (put(device, x) for x in random_qk(rng, cfg, 2, 4))
     first_q, first_k = rope.backward(dq, dk)
-    saved_q, saved_k = first_q.copy(), first_k.copy()
+    saved_q, saved_k = host(first_q).copy(), host(first_k).copy()
     for args, name in (((first_k, first_q), "dq"), ((dq, first_q[:, :, :]), "dk")):
         with pytest.raises(ValueError, match=f"{name} lies in this component's"):
             rope.backward(*args)
@@ -619,9 +907,9 @@ def test_backward_refuses_gradients_that_lie_in_the_other_output_buffer(backend:
         _assert_bit_identical(first_k, saved_k)
     dq_in, dk_in = rope.backward(first_q, first_k)  # each in its own buffer: in place
     ref_q, ref_k = reference(cfg, saved_q, saved_k, arange_positions(2, 4), inverse=True)
-    assert np.shares_memory(dq_in, first_q)
-    assert_close(dq_in, ref_q, FP32)
-    assert_close(dk_in, ref_k, FP32)
+    assert _kernels.address(dq_in) == _kernels.address(first_q)
+    assert_close(host(dq_in), ref_q, FP32)
+    assert_close(host(dk_in), ref_k, FP32)
 
 
 def _loss(rope: Rope, q: np.ndarray, k: np.ndarray, wq, wk, positions) -> float:
@@ -637,7 +925,7 @@ def _loss(rope: Rope, q: np.ndarray, k: np.ndarray, wq, wk, positions) -> float:
 )
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 @pytest.mark.parametrize("rotary_dim", [0, 4], ids=["full", "partial"])
-def test_backward_against_finite_differences(
+def test_cpu_backward_against_finite_differences(
     backend: str, rotary_dim: int, layout: str, scaling, rng
 ) -> None:
     """dL/dq by central differences of L = <Wq, rope(q)> + <Wk, rope(k)>, element by element."""
@@ -671,67 +959,77 @@ def test_backward_against_finite_differences(
         np.testing.assert_allclose(f64(grad), numeric, rtol=1e-5, atol=2e-5)
 
 
+@on_every_device
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
-def test_forward_after_backward_is_identity(backend: str, layout: str, rng) -> None:
+def test_forward_after_backward_is_identity(
+    device: str, backend: str | None, layout: str, rng
+) -> None:
     cfg = rope_config((3, 1), layout=layout, rotary_dim=8)
     batch, tokens = 2, 5
-    rope = make_rope(cfg, batch, tokens, mode=TRAINING, backend=backend)
-    dq, dk = random_qk(rng, cfg, batch, tokens)
+    rope = make_rope(cfg, batch, tokens, mode=TRAINING, backend=backend, device=device)
+    dq0, dk0 = random_qk(rng, cfg, batch, tokens)
+    dq, dk = put(device, dq0), put(device, dk0)
     # positions None = 0..T-1
     dq_in, dk_in = rope.backward(dq, dk)
-    x, y = dq_in.copy(), dk_in.copy()
+    x, y = put(device, host(dq_in)), put(device, host(dk_in))
     rope.forward(x, y)
-    np.testing.assert_allclose(x, dq, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(y, dk, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(host(x), dq0, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(host(y), dk0, rtol=1e-6, atol=1e-6)
     # explicit positions
     positions = rng.integers(0, cfg.max_seq_len, size=(batch, tokens))
     dq_in, dk_in = rope.backward(dq, dk, positions=positions)
-    x, y = dq_in.copy(), dk_in.copy()
+    x, y = put(device, host(dq_in)), put(device, host(dk_in))
     rope.rotate(x, y, positions)
-    np.testing.assert_allclose(x, dq, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(y, dk, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(host(x), dq0, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(host(y), dk0, rtol=1e-6, atol=1e-6)
     # and the other way round: backward(forward(x)) = x
-    x, y = dq.copy(), dk.copy()
+    x, y = put(device, dq0), put(device, dk0)
     rope.prefill(x, y, 1800)
     dq_in, dk_in = rope.backward(x, y, positions=np.arange(1800, 1800 + tokens))
-    np.testing.assert_allclose(dq_in, dq, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(dk_in, dk, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(host(dq_in), dq0, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(host(dk_in), dk0, rtol=1e-6, atol=1e-6)
 
 
+@on_every_device
 @pytest.mark.parametrize("precision", [FP16, BF16], ids=str)
-def test_backward_rounds_once_in_reduced_precision(backend: str, precision: Precision, rng) -> None:
+def test_backward_rounds_once_in_reduced_precision(
+    device: str, backend: str | None, precision: Precision, rng
+) -> None:
     cfg = rope_config((4, 1))
-    rope = make_rope(cfg, 2, 4, mode=TRAINING, precision=precision, backend=backend)
+    rope = make_rope(cfg, 2, 4, mode=TRAINING, precision=precision, backend=backend, device=device)
     dq, dk = random_qk(rng, cfg, 2, 4, precision)
-    dq_in, dk_in = rope.backward(dq, dk, positions=np.array([2000, 1, 1024, 77]))
+    dq_in, dk_in = rope.backward(
+        put(device, dq), put(device, dk), positions=np.array([2000, 1, 1024, 77])
+    )
     assert dq_in.dtype == dtype_of(precision)
     ref_q, ref_k = reference(cfg, dq, dk, np.array([2000, 1, 1024, 77]), inverse=True)
-    assert_close(dq_in, ref_q, precision)
-    assert_close(dk_in, ref_k, precision)
+    assert_close(host(dq_in), ref_q, precision)
+    assert_close(host(dk_in), ref_k, precision)
 
 
-def test_inference_build_has_no_gradients_and_no_backward(rng) -> None:
+def test_inference_build_has_no_gradients_and_no_backward(device: str, rng) -> None:
     cfg = rope_config((4, 1))
-    rope = make_rope(cfg, 2, 4, mode=INFERENCE)
+    rope = make_rope(cfg, 2, 4, mode=INFERENCE, device=device)
     assert rope.get_gradients() == []
     stats = rope.get_memory_stats()
     assert stats.gradient_bytes == 0
     assert stats.state_bytes == rope.table.nbytes == 2 * cfg.max_seq_len * (HEAD_DIM // 2) * 4
-    dq, dk = random_qk(rng, cfg, 2, 4)
+    dq, dk = (put(device, x) for x in random_qk(rng, cfg, 2, 4))
     with pytest.raises(RuntimeError, match="INFERENCE"):
         rope.backward(dq, dk)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS, ids=str)
-def test_training_build_memory(precision: Precision) -> None:
+def test_training_build_memory(device: str, precision: Precision) -> None:
     cfg = rope_config((4, 2), rotary_dim=8)
-    rope = make_rope(cfg, 3, 5, mode=TRAINING, precision=precision)
+    rope = make_rope(cfg, 3, 5, mode=TRAINING, precision=precision, device=device)
     stats = rope.get_memory_stats()
     item = dtype_of(precision).itemsize
     assert stats.gradient_bytes == 3 * 5 * (cfg.channels + cfg.kv_channels) * item
     assert stats.parameter_bytes == 0
     assert stats.state_bytes == 2 * cfg.max_seq_len * 4 * 4  # cos + sin, 4 pairs, float32
-    assert stats.host_total_bytes == 0
+    if device == "CPU" or not EMULATED:  # the emulator's table is host memory, counted so
+        assert stats.host_total_bytes == 0
     grads = rope.input_gradients
     assert [g.dtype for g in grads] == [dtype_of(precision)] * 2
     assert rope.get_parameters() == [] and rope.parameter_count() == 0
@@ -766,8 +1064,20 @@ def _overlapping_views(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     return buf[:, :, :Q_W], buf[:, :, Q_W - 4 : Q_W - 4 + K_W], 3
 
 
+def _as_strided(x: Any, shape: tuple[int, ...], strides: tuple[int, ...]) -> Any:
+    """``as_strided`` of NumPy or of the ``CUDA:0`` array module, whichever holds ``x``."""
+    if isinstance(x, np.ndarray) and not EMULATED:
+        return as_strided(x, shape, strides)
+    return cuda_arrays.cupy.lib.stride_tricks.as_strided(x, shape, strides)
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, np.ndarray | cuda_arrays.cupy.ndarray)
+
+
 F32 = np.float32
-#: (id, method, args(q, k, dq, dk), exception, message pattern); q [2, 4, 24], k [2, 4, 8]
+#: (id, method, args(q, k, dq, dk, on), exception, message pattern); q [2, 4, 24], k [2, 4, 8]
+#: of the device under test, ``on(x)``: host array ``x`` there (of the component's dtype)
 BAD_CALLS: list[tuple[str, str, Callable[..., tuple], type[Exception], str]] = [
     ("q-rank-2", "forward", lambda q, k, *_: (q[0], k), ValueError, r"\[B, T, 24\]"),
     ("q-rank-4", "forward", lambda q, k, *_: (q.reshape(2, 4, 3, 8), k), ValueError, r"\[B, T"),
@@ -777,21 +1087,27 @@ BAD_CALLS: list[tuple[str, str, Callable[..., tuple], type[Exception], str]] = [
     (
         "B-beyond-build",
         "forward",
-        lambda *_: (np.ones((3, 4, Q_W), F32), np.ones((3, 4, K_W), F32)),
+        lambda *a: (a[-1](np.ones((3, 4, Q_W), F32)), a[-1](np.ones((3, 4, K_W), F32))),
         ValueError,
         "build shape",
     ),
     (
         "T-beyond-build",
         "prefill",
-        lambda *_: (np.ones((2, 5, Q_W), F32), np.ones((2, 5, K_W), F32), 0),
+        lambda *a: (a[-1](np.ones((2, 5, Q_W), F32)), a[-1](np.ones((2, 5, K_W), F32)), 0),
         ValueError,
         "build shape",
     ),
     ("B-mismatch", "forward", lambda q, k, *_: (q, k[:1]), ValueError, "share B and T"),
     ("T-mismatch", "forward", lambda q, k, *_: (q, k[:, :2]), ValueError, "share B and T"),
     ("q-float64", "forward", lambda q, k, *_: (q.astype(np.float64), k), TypeError, "dtype"),
-    ("k-float16", "forward", lambda q, k, *_: (q, k.astype(np.float16)), TypeError, "dtype"),
+    (
+        "k-other-dtype",
+        "forward",
+        lambda q, k, *_: (q, k.astype(np.float32 if k.dtype == np.float16 else np.float16)),
+        TypeError,
+        "dtype",
+    ),
     ("q-list", "forward", lambda q, k, *_: (q.tolist(), k), TypeError, "must be an array"),
     ("k-duck", "forward", lambda q, k, *_: (q, _DuckArray(k)), TypeError, "must be an array"),
     ("q-read-only", "forward", lambda q, k, *_: (_readonly(q), k), ValueError, "read-only"),
@@ -800,14 +1116,14 @@ BAD_CALLS: list[tuple[str, str, Callable[..., tuple], type[Exception], str]] = [
     (
         "q-k-views-overlap",
         "prefill",
-        lambda q, k, *_: _overlapping_views(np.concatenate([q, k], axis=2)),
+        lambda q, k, dq, dk, on: _overlapping_views(on(np.concatenate([host(q), host(k)], 2))),
         ValueError,
         "share memory",
     ),
     (
         "q-rows-alias",
         "forward",
-        lambda q, k, *_: (as_strided(q, q.shape, (0, *q.strides[1:])), k),
+        lambda q, k, *_: (_as_strided(q, q.shape, (0, *q.strides[1:])), k),
         ValueError,
         "elements that share memory",
     ),
@@ -913,51 +1229,58 @@ BAD_CALLS: list[tuple[str, str, Callable[..., tuple], type[Exception], str]] = [
     (
         "backward-dtype",
         "backward",
-        lambda q, k, dq, dk: (dq.astype(np.float64), dk),
+        lambda q, k, dq, dk, _: (dq.astype(np.float64), dk),
         TypeError,
         "dtype",
     ),
-    ("backward-width", "backward", lambda q, k, dq, dk: (dk, dk), ValueError, r"\[B, T, 24\]"),
-    ("backward-list", "backward", lambda q, k, dq, dk: (dq, dk.tolist()), TypeError, "array"),
+    ("backward-width", "backward", lambda q, k, dq, dk, _: (dk, dk), ValueError, r"\[B, T, 24\]"),
+    ("backward-list", "backward", lambda q, k, dq, dk, _: (dq, dk.tolist()), TypeError, "array"),
     (
         "backward-B-beyond",
         "backward",
-        lambda *_: (np.ones((3, 4, Q_W), F32), np.ones((3, 4, K_W), F32)),
+        lambda *a: (a[-1](np.ones((3, 4, Q_W), F32)), a[-1](np.ones((3, 4, K_W), F32))),
         ValueError,
         "build shape",
     ),
     (
         "backward-past-table",
         "backward",
-        lambda q, k, dq, dk: (dq, dk, np.array([1, 2, 3, 64])),
+        lambda q, k, dq, dk, _: (dq, dk, np.array([1, 2, 3, 64])),
         ValueError,
         r"position 64\b.*max_seq_len = 64",
     ),
     (
         "backward-positions-shape",
         "backward",
-        lambda q, k, dq, dk: (dq, dk, np.arange(3)),
+        lambda q, k, dq, dk, _: (dq, dk, np.arange(3)),
         ValueError,
         "broadcast",
     ),
     (
         "backward-float-positions",
         "backward",
-        lambda q, k, dq, dk: (dq, dk, np.arange(4.0)),
+        lambda q, k, dq, dk, _: (dq, dk, np.arange(4.0)),
         TypeError,
         "integers",
     ),
 ]
 
 
-@pytest.mark.parametrize("precision", [FP32, BF16], ids=str)
+#: read-only arrays exist on the CPU alone (CuPy arrays have no writeable flag)
+CPU_ONLY_BAD_CALLS = {"q-read-only", "k-read-only"}
+
+
+@on_every_device
+@pytest.mark.parametrize("precision", PRECISIONS, ids=str)
 @pytest.mark.parametrize(
-    ("method", "make_args", "error", "pattern"),
-    [case[1:] for case in BAD_CALLS],
+    ("case", "method", "make_args", "error", "pattern"),
+    BAD_CALLS,
     ids=[case[0] for case in BAD_CALLS],
 )
 def test_bad_calls_raise_and_change_nothing(
-    backend: str,
+    device: str,
+    backend: str | None,
+    case: str,
     method: str,
     make_args: Callable[..., tuple],
     error: type[Exception],
@@ -965,22 +1288,23 @@ def test_bad_calls_raise_and_change_nothing(
     precision: Precision,
     rng,
 ) -> None:
+    if device != "CPU" and case in CPU_ONLY_BAD_CALLS:
+        pytest.skip("CuPy arrays have no read-only flag")
     cfg = RopeConfig(**_BAD_CFG)
-    rope = make_rope(cfg, 2, 4, mode=TRAINING, precision=precision, backend=backend)
-    q, k = random_qk(rng, cfg, 2, 4, precision)
-    dq, dk = random_qk(rng, cfg, 2, 4, precision)
+    rope = make_rope(cfg, 2, 4, mode=TRAINING, precision=precision, backend=backend, device=device)
+    q, k, dq, dk = (
+        put(device, x) for x in (*random_qk(rng, cfg, 2, 4, precision),
+                                 *random_qk(rng, cfg, 2, 4, precision))
+    )  # fmt: skip
     rope.backward(dq, dk)  # the gradient buffers hold something to compare
-    args = make_args(q, k, dq, dk)
-    if precision is not FP32:
-        args = tuple(
-            a.astype(dtype_of(precision))
-            if isinstance(a, np.ndarray) and a.dtype == np.float32
-            else a
-            for a in args
-        )
+
+    def on(x: np.ndarray) -> Any:
+        return put(device, x.astype(dtype_of(precision)) if x.dtype == np.float32 else x)
+
+    args = make_args(q, k, dq, dk, on)
     watched = [q, k, dq, dk, *rope.input_gradients, *rope.table.arrays()]
-    watched += [a for a in args if isinstance(a, np.ndarray)]
-    before = [(a, a.copy()) for a in watched]
+    watched += [a for a in args if _is_array(a)]
+    before = [(a, host(a).copy()) for a in watched]
     state = dict(rope.__dict__), dict(rope.op.__dict__)
     with pytest.raises(error, match=pattern):
         getattr(rope, method)(*args)
@@ -988,22 +1312,23 @@ def test_bad_calls_raise_and_change_nothing(
         _assert_bit_identical(array, saved)
     assert dict(rope.__dict__) == state[0] and dict(rope.op.__dict__) == state[1]
     # and the component still works
-    q0, k0 = q.copy(), k.copy()
+    q0, k0 = host(q).copy(), host(k).copy()
     rope.prefill(q, k, 60)
     ref_q, ref_k = reference(cfg, q0, k0, arange_positions(2, 4, 60))
-    assert_close(q, ref_q, precision)
-    assert_close(k, ref_k, precision)
+    assert_close(host(q), ref_q, precision)
+    assert_close(host(k), ref_k, precision)
 
 
-def test_wrong_precision_arrays_raise_type_error(rng) -> None:
+def test_wrong_precision_arrays_raise_type_error(device: str, rng) -> None:
     cfg = RopeConfig(**_BAD_CFG)
-    for precision in PRECISIONS:
-        rope = make_rope(cfg, 2, 4, precision=precision)
-        for other in PRECISIONS:
+    precisions = PRECISIONS if device == "CPU" or cuda_arrays.CUPY_BF16 else (FP32, FP16)
+    for precision in precisions:
+        rope = make_rope(cfg, 2, 4, precision=precision, device=device)
+        for other in precisions:
             if other is precision:
                 continue
-            q, k = random_qk(rng, cfg, 2, 4, other)
-            q0, k0 = q.copy(), k.copy()
+            q0, k0 = random_qk(rng, cfg, 2, 4, other)
+            q, k = put(device, q0), put(device, k0)
             with pytest.raises(TypeError, match=str(precision)):
                 rope.forward(q, k)
             _assert_bit_identical(q, q0)

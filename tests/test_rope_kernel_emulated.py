@@ -6,12 +6,13 @@ bit for bit against NumPy and ml_dtypes. Also: BF16 carried as uint16 bits throu
 component on a CuPy before 14 (no bfloat16 arrays), which the emulator's context imitates.
 
 And what only the emulator can show of the Rope component on ``CUDA:0`` (the checks a GPU runs
-too are in ``test_rope_cuda.py`` over ``cuda_device``): which ``rope_qk`` instantiation each
-geometry and memory layout launches (the emulator records every launch and checks each vector
-access for the alignment the GPU requires), that every width gives the bits of the widest, that
-the kernels give the bits of the CPU's fused (Numba) path, that an array off whole elements is
-refused rather than launched (NumPy can place one there; CuPy cannot), and decode programs on
-read-only buffers (NumPy's writeable flag, which CuPy arrays lack).
+too are in ``test_rope.py`` over ``device`` and ``test_rope_cuda_op.py`` over ``cuda_device``):
+which ``rope_qk`` instantiation each geometry and memory layout launches (the emulator records
+every launch and checks each vector access for the alignment the GPU requires), that every width
+gives the bits of the widest, that the kernels give the bits of the CPU's fused (Numba) path,
+that an array off whole elements is refused rather than launched (NumPy can place one there;
+CuPy cannot), and decode programs on read-only buffers (NumPy's writeable flag, which CuPy
+arrays lack).
 """
 
 from __future__ import annotations

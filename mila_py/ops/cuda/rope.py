@@ -23,9 +23,10 @@ The kernel file is compiled and launched through :mod:`._kernels` like the other
 (lazily, with CuPy/NVRTC, one module per device and storage precision holding that precision's
 instantiations, see :func:`kernel_names`); scalars are passed with explicit widths (CuPy turns a
 Python int into 64 bits). The CPU test suite runs this source in its kernel emulator:
-``tests/test_rope_cuda.py`` over the emulated ``CUDA:0`` (on a GPU, the same bodies run on it),
-and ``tests/test_rope_kernel_emulated.py`` for what only the emulator shows (the instantiation
-each layout launches, its traps for misaligned or out-of-bounds accesses).
+``tests/test_rope.py`` (the component on every device) and ``tests/test_rope_cuda_op.py`` (what
+only this op has) over the emulated ``CUDA:0`` (on a GPU, the same bodies run on it), and
+``tests/test_rope_kernel_emulated.py`` for what only the emulator shows (the instantiation each
+layout launches, its traps for misaligned or out-of-bounds accesses).
 """
 
 from __future__ import annotations

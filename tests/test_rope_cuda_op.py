@@ -1,12 +1,17 @@
-"""Rope on ``CUDA:0``: against the float64 reference and the CPU op, on a GPU and on the kernel
-emulator (``cuda_device``; the checks of CuPy itself carry ``real_gpu`` and skip there).
+"""What only Rope's CUDA op has, on ``CUDA:0`` (``cuda_device``: a GPU, or the kernel emulator
+where none is present; the checks of CuPy itself carry ``real_gpu`` and skip there): the
+kernels' instantiations and access widths (16-byte accesses, narrower ones at odd alignments,
+the width chosen for views), large grids, explicit positions uploaded once per call and a
+decode plan's positions read from their device buffer, refusals before any launch, the table
+shared per device, device memory, streams, and foreign (DLPack, CUDA array interface, torch)
+arrays.
 
-Every case compares the CUDA component with the independent float64 reference of
-``rope_reference.py`` (precision-keyed tolerances) and, where it adds something, with the CPU
-component on the same inputs (parity). Arrays go to the device and back through their bits for
-BF16, so no case depends on CuPy compiling bfloat16 kernels of its own. Where the emulator
-records launches, a case also checks which kernel instantiation ran, or that a refused call
-launched nothing; what only the emulator can show is in ``test_rope_kernel_emulated.py``.
+Every case checks results against the independent float64 reference of ``rope_reference.py``
+(precision-keyed tolerances). The Rope component's device-generic checks (forward, prefill,
+decode, rotate, backward, layouts and views, positions, scaling types, refusals) run on every
+device in ``test_rope.py``; what only the emulator can show is in
+``test_rope_kernel_emulated.py``. Arrays go to the device and back through their bits for BF16,
+so no case depends on CuPy compiling bfloat16 kernels of its own.
 """
 
 from __future__ import annotations
@@ -28,9 +33,6 @@ from rope_helpers import (
     arange_positions,
     assert_close,
     dtype_of,
-    expected_width,
-    f64,
-    make_rope,
     random_qk,
     reference,
     rope_config,
@@ -63,16 +65,6 @@ PRECISION_PARAMS = [
     FP16,
     pytest.param(BF16, marks=pytest.mark.skipif(not CUPY_BF16, reason=NO_BF16_REASON)),
 ]
-#: CPU vs CUDA: the kernels share the order of operations, so results agree to within an ulp of
-#: the storage format (the GPU flushes fp32 subnormals; the NumPy path groups operations its own
-#: way), far tighter than the reference tolerances.
-PARITY: dict[Precision, tuple[float, float]] = {
-    FP32: (1e-6, 1e-6),
-    FP16: (2.0**-10, 1e-7),
-    BF16: (2.0**-7, 1e-7),
-}
-HEAD_DIM = 12  # n_freq = 6: not a multiple of 4, so FP32 takes 8-byte accesses
-HEADS = [(1, 1), (4, 1), (4, 4), (3, 3), (5, 1), (6, 2)]
 
 
 @pytest.fixture
@@ -103,28 +95,6 @@ def device_index(x: Any) -> int:
     return 0 if EMULATED else int(x.device.id)
 
 
-def write_bits(buffer: Any, host: np.ndarray) -> None:
-    """``host``'s bytes into device array ``buffer`` in place, as a decode loop writes its new
-    token (a copy from the host, no CuPy kernel: bf16 too)."""
-    host = np.ascontiguousarray(host)
-    assert host.nbytes == buffer.nbytes and buffer.flags.c_contiguous
-    if EMULATED:
-        buffer[...] = host
-    else:
-        buffer.data.copy_from_host(host.ctypes.data, host.nbytes)
-
-
-def raw(x: Any) -> Any:
-    """Device array ``x`` seen as unsigned integers of its width: copies of it need no kernel
-    of CuPy's for bfloat16."""
-    return x.view(f"u{x.dtype.itemsize}")
-
-
-def raw_copy(x: Any) -> Any:
-    """A device copy of ``x`` made through its bits."""
-    return raw(x).copy().view(x.dtype)
-
-
 def cuda_rope_of(
     config: RopeConfig,
     batch: int,
@@ -138,19 +108,6 @@ def cuda_rope_of(
     rope = Rope(name, config, device=DEVICE, precision=precision)
     rope.build(BuildContext((batch, tokens, config.channels), mode))
     return rope
-
-
-def assert_parity(actual: np.ndarray, expected: np.ndarray, precision: Precision) -> None:
-    rtol, atol = PARITY[precision]
-    np.testing.assert_allclose(f64(actual), f64(expected), rtol=rtol, atol=atol)
-
-
-def assert_rest_untouched(x, x0, n_heads: int, head_dim: int, rotary_dim: int) -> None:
-    """Channels past ``rotary_dim`` of every head are bit-identical to the input."""
-    b, t = x.shape[:2]
-    rest = np.ascontiguousarray(x.reshape(b, t, n_heads, head_dim)[..., rotary_dim:])
-    rest0 = np.ascontiguousarray(x0.reshape(b, t, n_heads, head_dim)[..., rotary_dim:])
-    assert rest.tobytes() == rest0.tobytes()
 
 
 # ---------------------------------------------------------------------------------- kernels
@@ -170,37 +127,6 @@ def test_every_kernel_instantiation_compiles_and_is_cached(precision: Precision)
 
 
 # ---------------------------------------------------------------------------------- forward
-
-
-@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
-@pytest.mark.parametrize("layout", ["half", "interleaved"])
-@pytest.mark.parametrize("rotary_dim", [0, 8], ids=["full", "partial8of12"])
-@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"hq{h[0]}-hk{h[1]}")
-def test_forward_and_prefill_match_reference_and_cpu(
-    heads: tuple[int, int], rotary_dim: int, layout: str, precision: Precision, rng
-) -> None:
-    cfg = rope_config(heads, rotary_dim=rotary_dim, layout=layout)
-    batch, tokens = 2, 6
-    rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
-    cpu = make_rope(cfg, batch, tokens, precision=precision)
-    for offset in (0, 5, 1000, cfg.max_seq_len - tokens):
-        q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
-        q, k = up(q0), up(k0)
-        if offset == 0:
-            rope.forward(q, k)
-        else:
-            rope.prefill(q, k, offset)
-        got_q, got_k = down(q), down(k)
-        ref_q, ref_k = reference(cfg, q0, k0, arange_positions(batch, tokens, offset))
-        assert_close(got_q, ref_q, precision)
-        assert_close(got_k, ref_k, precision)
-        cpu_q, cpu_k = q0.copy(), k0.copy()
-        cpu.prefill(cpu_q, cpu_k, offset)
-        assert_parity(got_q, cpu_q, precision)
-        assert_parity(got_k, cpu_k, precision)
-        if rotary_dim:
-            assert_rest_untouched(got_q, q0, heads[0], HEAD_DIM, rotary_dim)
-            assert_rest_untouched(got_k, k0, heads[1], HEAD_DIM, rotary_dim)
 
 
 @pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
@@ -237,204 +163,7 @@ def test_large_calls(precision: Precision, layout: str, rng) -> None:
     assert_close(down(k), ref_k, precision)
 
 
-def _scalings(n: int) -> dict[str, dict[str, Any] | None]:
-    """Scaling dicts by id (``n`` pairs, for LongRoPE's lists); original context 1024 of 4096."""
-    orig = 1024
-    longrope = {
-        "rope_type": "longrope",
-        "short_factor": [1.0 + 0.05 * i for i in range(n)],
-        "long_factor": [1.0 + 1.7 * i for i in range(n)],
-        "original_max_position_embeddings": orig,
-    }
-    return {
-        "default": None,
-        "linear": {"rope_type": "linear", "factor": 4.0},
-        "dynamic": {
-            "rope_type": "dynamic",
-            "factor": 4.0,
-            "original_max_position_embeddings": orig,
-        },
-        "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": orig},
-        "yarn-deepseek": {
-            "rope_type": "yarn",
-            "factor": 40.0,
-            "original_max_position_embeddings": orig,
-            "mscale": 1.0,
-            "mscale_all_dim": 0.8,
-        },
-        "llama3": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": orig,
-        },
-        "longrope": longrope,
-        "longrope-factor-attention": {**longrope, "factor": 16.0, "attention_factor": 1.25},
-        "proportional-factor": {"rope_type": "proportional", "factor": 2.0},
-    }
-
-
-SCALING_IDS = list(_scalings(1))
-
-
-@pytest.mark.parametrize("precision", [FP32, PRECISION_PARAMS[2]], ids=str)
-@pytest.mark.parametrize("layout", ["half", "interleaved"])
-@pytest.mark.parametrize("rotary_dim", [0, 8], ids=["full", "partial"])
-@pytest.mark.parametrize("name", SCALING_IDS)
-def test_scaling_types_far_from_zero(
-    name: str, rotary_dim: int, layout: str, precision: Precision, rng
-) -> None:
-    """Every type at positions 1000..4095; dynamic and longrope below and above 1024."""
-    head_dim, max_seq = 16, 4096
-    n = (rotary_dim or head_dim) // 2
-    cfg = RopeConfig(
-        channels=3 * head_dim,
-        n_heads=3,
-        n_kv_heads=1,
-        max_seq_len=max_seq,
-        rotary_dim=rotary_dim,
-        layout=layout,
-        scaling=_scalings(n)[name],
-    )
-    batch, tokens = 2, 8
-    rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
-    cpu = make_rope(cfg, batch, tokens, precision=precision)
-    calls: list[tuple[str, Any]] = [
-        ("prefill", 1000),  # below the original context
-        ("prefill", 1024 - 3),  # crosses it: the whole call uses the long parameters
-        ("prefill", 2500),
-        ("prefill", max_seq - tokens),
-        ("rotate", rng.integers(1000, max_seq, size=(batch, tokens))),
-        ("rotate", rng.integers(0, 1024, size=(batch, tokens))),
-        ("decode", np.array([1000, 3999])),
-        ("decode", np.array([1017, 5])),
-        ("decode", max_seq - 1),
-    ]
-    for method, arg in calls:
-        n_t = 1 if method == "decode" else tokens
-        q0, k0 = random_qk(rng, cfg, batch, n_t, precision)
-        q, k = up(q0), up(k0)
-        getattr(rope, method)(q, k, arg)
-        if method == "prefill":
-            positions = arange_positions(batch, tokens, arg)
-        elif method == "decode":
-            positions = np.broadcast_to(np.reshape(arg, (-1, 1)), (batch, 1))
-        else:
-            positions = arg
-        ref_q, ref_k = reference(cfg, q0, k0, positions)
-        got_q, got_k = down(q), down(k)
-        assert_close(got_q, ref_q, precision, scale=rope.attention_scaling)
-        assert_close(got_k, ref_k, precision, scale=rope.attention_scaling)
-        cpu_q, cpu_k = q0.copy(), k0.copy()
-        getattr(cpu, method)(cpu_q, cpu_k, arg)
-        assert_parity(got_q, cpu_q, precision)
-        assert_parity(got_k, cpu_k, precision)
-
-
 # ---------------------------------------------------------------------------------- positions
-
-
-@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
-@pytest.mark.parametrize("layout", ["half", "interleaved"])
-@pytest.mark.parametrize("start", [0, 1500])
-def test_prefill_in_chunks_equals_one_call(
-    layout: str, precision: Precision, start: int, rng
-) -> None:
-    cfg = rope_config((4, 1), layout=layout, rotary_dim=8)
-    batch, tokens = 2, 20
-    rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
-    q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
-    whole_q, whole_k = up(q0), up(k0)
-    rope.prefill(whole_q, whole_k, start)
-    chunk_q, chunk_k = up(q0), up(k0)
-    for lo, hi in ((0, 7), (7, 14), (14, 19), (19, 20)):
-        rope.prefill(chunk_q[:, lo:hi], chunk_k[:, lo:hi], start + lo)
-    assert bits(chunk_q) == bits(whole_q)
-    assert bits(chunk_k) == bits(whole_k)
-
-
-@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
-@pytest.mark.parametrize("layout", ["half", "interleaved"])
-def test_decode_at_each_position_equals_forward(layout: str, precision: Precision, rng) -> None:
-    cfg = rope_config((3, 3), layout=layout, max_seq_len=64)
-    batch, tokens = 2, 64
-    rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
-    q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
-    whole_q, whole_k = up(q0), up(k0)
-    rope.forward(whole_q, whole_k)
-    whole_q, whole_k = down(whole_q), down(whole_k)
-    for t in range(0, tokens, 7):
-        step_q, step_k = up(q0[:, t : t + 1]), up(k0[:, t : t + 1])
-        rope.decode(step_q, step_k, t if t % 2 else np.int64(t))
-        assert bits(step_q) == bits(whole_q[:, t : t + 1])
-        assert bits(step_k) == bits(whole_k[:, t : t + 1])
-
-
-@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
-@pytest.mark.parametrize("scaling", ["default", "dynamic", "longrope"])
-def test_a_decode_loop_on_the_same_buffers(precision: Precision, scaling: str, rng) -> None:
-    """A decode loop on one Q/K pair, at int positions and at one per sequence, across the
-    original context (1024) where dynamic NTK computes rows per call and LongRoPE switches
-    tables: each step equals the float64 reference and the CPU component, and decoding a fresh
-    copy gives the same bits."""
-    cfg = rope_config((4, 2), 16, max_seq_len=4096, scaling=_scalings(8)[scaling])
-    batch = 2
-    rope = cuda_rope_of(cfg, batch, 1, precision=precision)
-    checked = cuda_rope_of(cfg, batch, 1, precision=precision)  # fresh buffers: checked calls
-    cpu = make_rope(cfg, batch, 1, precision=precision)
-    q, k = (up(x) for x in random_qk(rng, cfg, batch, 1, precision))
-    each = (np.array([8, 1000]), np.array([1023, 4]), np.array([3000, 7]), np.array([11, 12]))
-    for position in (5, 6, 7, 1022, 1023, 1024, 3000, 4095, np.int64(9), 2, 1023, *each):
-        q0, k0 = random_qk(rng, cfg, batch, 1, precision)
-        for buffer, host in ((q, q0), (k, k0)):  # the loop's new token, in place (as bytes)
-            write_bits(buffer, host)
-        rope.decode(q, k, position)
-        fresh_q, fresh_k = up(q0), up(k0)
-        checked.decode(fresh_q, fresh_k, position if np.ndim(position) else int(position))
-        assert bits(q) == bits(fresh_q) and bits(k) == bits(fresh_k)
-        got_q, got_k = down(q), down(k)
-        ref_q, ref_k = reference(
-            cfg, q0, k0, np.broadcast_to(np.reshape(position, (-1, 1)), (batch, 1))
-        )
-        assert_close(got_q, ref_q, precision, scale=rope.attention_scaling)
-        assert_close(got_k, ref_k, precision, scale=rope.attention_scaling)
-        cpu_q, cpu_k = q0.copy(), k0.copy()
-        cpu.decode(cpu_q, cpu_k, position)
-        assert_parity(got_q, cpu_q, precision)
-        assert_parity(got_k, cpu_k, precision)
-
-
-@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
-@pytest.mark.parametrize("layout", ["half", "interleaved"])
-def test_decode_per_sequence_positions(layout: str, precision: Precision, rng) -> None:
-    cfg = rope_config((4, 1), layout=layout)
-    batch = 4
-    rope = cuda_rope_of(cfg, batch, 8, precision=precision)
-    cpu = make_rope(cfg, batch, 8, precision=precision)
-    positions = np.array([3, 1500, 2047, 0])
-    q0, k0 = random_qk(rng, cfg, batch, 1, precision)
-    q, k = up(q0), up(k0)
-    rope.decode(q, k, positions)
-    ref_q, ref_k = reference(cfg, q0, k0, positions[:, None])
-    got_q, got_k = down(q), down(k)
-    assert_close(got_q, ref_q, precision)
-    assert_close(got_k, ref_k, precision)
-    cpu_q, cpu_k = q0.copy(), k0.copy()
-    cpu.decode(cpu_q, cpu_k, positions)
-    assert_parity(got_q, cpu_q, precision)
-    assert_parity(got_k, cpu_k, precision)
-    for b, p in enumerate(positions):  # the same as decoding each sequence on its own
-        one_q, one_k = up(q0[b : b + 1]), up(k0[b : b + 1])
-        rope.decode(one_q, one_k, int(p))
-        assert bits(one_q) == bits(got_q[b : b + 1])
-        assert bits(one_k) == bits(got_k[b : b + 1])
-    # positions given as a list, and as a CuPy array
-    for given in (positions.tolist(), cupy.asarray(positions)):
-        again_q, again_k = up(q0), up(k0)
-        rope.decode(again_q, again_k, given)
-        assert bits(again_q) == bits(got_q)
-        assert bits(again_k) == bits(got_k)
 
 
 @pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
@@ -450,11 +179,10 @@ def test_explicit_positions_of_any_count(
 ) -> None:
     """Explicit positions (``[B, T]``, or ``[3, B, T]`` with M-RoPE), few or many, go to the
     kernel in one upload per call, as int32 in the shape the kernel indexes, and rotate as the
-    float64 reference and the CPU."""
+    float64 reference."""
     section = {"mrope_section": (4, 2, 2)} if mrope else {}  # the 8 frequencies of 16
     cfg = rope_config((4, 2), 16, layout=layout, **section)
     rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
-    cpu = make_rope(cfg, batch, tokens, precision=precision)
     ctx = rope.execution_context
     shape = (3, batch, tokens) if mrope else (batch, tokens)
     positions = rng.integers(0, cfg.max_seq_len, size=shape)
@@ -464,13 +192,10 @@ def test_explicit_positions_of_any_count(
     monkeypatch.setattr(ctx, "to_device",
                         lambda a: uploads.append(np.array(a)) or real_to_device(a))  # fmt: skip
     q, k = up(q0), up(k0)
-    cpu_q, cpu_k = q0.copy(), k0.copy()
     if tokens == 1:
         rope.decode(q, k, positions[..., 0])
-        cpu.decode(cpu_q, cpu_k, positions[..., 0])
     else:
         rope.rotate(q, k, positions)
-        cpu.rotate(cpu_q, cpu_k, positions)
     (upload,) = uploads  # int32, in the shape the kernel indexes
     assert upload.dtype == np.int32 and upload.shape == shape
     np.testing.assert_array_equal(upload, positions)
@@ -482,8 +207,6 @@ def test_explicit_positions_of_any_count(
     ref_q, ref_k = reference(cfg, q0, k0, positions)
     assert_close(got_q, ref_q, precision)
     assert_close(got_k, ref_k, precision)
-    assert_parity(got_q, cpu_q, precision)
-    assert_parity(got_k, cpu_k, precision)
 
 
 @pytest.mark.parametrize("batch", [5, 600])
@@ -528,7 +251,7 @@ def test_a_decode_plan_step_across_the_original_context(scaling: str, rng) -> No
     positions that may cross it (below 4096) their call goes through the general path, which
     reads the positions on the host (no CUDA graph can replay it); below a limit of 1024 the
     table is one, and the call reads the step's device positions alone, as without scaling.
-    Every step rotates as the CPU component."""
+    Every step rotates as the float64 reference."""
     from mila_py.devices.graph import replayable
     from mila_py.ops.operation import DecodePositions
 
@@ -550,7 +273,6 @@ def test_a_decode_plan_step_across_the_original_context(scaling: str, rng) -> No
     cfg = rope_config((3, 1), 16, max_seq_len=4096, scaling=scalings[scaling])
     batch = 2
     rope = cuda_rope_of(cfg, batch, 1)
-    cpu = make_rope(cfg, batch, 1)
     ctx = rope.execution_context
     q = up(np.zeros((batch, 1, cfg.channels), np.float32))
     k = up(np.zeros((batch, 1, cfg.kv_channels), np.float32))
@@ -565,222 +287,12 @@ def test_a_decode_plan_step_across_the_original_context(scaling: str, rng) -> No
         with ctx.activate():
             positions.set(position, position, position)
             step()
-        cpu.decode(q0, k0, position)
-        assert_parity(down(q), q0, FP32)
-        assert_parity(down(k), k0, FP32)
-
-
-@pytest.mark.parametrize(
-    "scaling",
-    [None, {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 8}],
-    ids=["default", "dynamic"],
-)
-def test_prefill_in_chunks_given_the_prompt_end_equals_one_call(rng, scaling: Any) -> None:
-    """Chunks given the whole prompt's end (seq_len) rotate bit for bit as one call over it,
-    a length-dependent scaling included."""
-    cfg = rope_config((4, 2), 16, max_seq_len=64, scaling=scaling)
-    rope = cuda_rope_of(cfg, 2, 24)
-    q0, k0 = random_qk(rng, cfg, 2, 24)
-    whole_q, whole_k = up(q0), up(k0)
-    rope.prefill(whole_q, whole_k, 3)
-    q, k = up(q0), up(k0)
-    for lo, hi in ((0, 5), (5, 13), (13, 24)):
-        rope.prefill(q[:, lo:hi], k[:, lo:hi], 3 + lo, seq_len=27)
-    assert bits(q) == bits(whole_q) and bits(k) == bits(whole_k)
-
-
-@pytest.mark.parametrize(
-    "make_positions",
-    [
-        lambda rng, b, t: rng.integers(0, 2048, size=(b, t)),
-        lambda rng, b, t: rng.integers(1000, 2048, size=(t,)),
-        lambda rng, b, t: rng.integers(1000, 2048, size=(b, 1)),
-        lambda rng, b, t: rng.integers(0, 2048, size=(b, t)).astype(np.int32),
-        lambda rng, b, t: np.full((b, t), 2047),
-        lambda rng, b, t: cupy.asarray(rng.integers(0, 2048, size=(b, t))),
-    ],
-    ids=["BT", "T", "B1", "int32", "last-row", "cupy"],
-)
-@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
-@pytest.mark.parametrize("layout", ["half", "interleaved"])
-def test_rotate_explicit_positions(layout: str, precision: Precision, make_positions, rng) -> None:
-    cfg = rope_config((5, 1), layout=layout)
-    batch, tokens = 3, 5
-    rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
-    cpu = make_rope(cfg, batch, tokens, precision=precision)
-    positions = make_positions(rng, batch, tokens)
-    host_positions = cupy.asnumpy(positions) if isinstance(positions, cupy.ndarray) else positions
-    q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
-    q, k = up(q0), up(k0)
-    rope.rotate(q, k, positions)
-    got_q, got_k = down(q), down(k)
-    ref_q, ref_k = reference(cfg, q0, k0, np.asarray(host_positions))
-    assert_close(got_q, ref_q, precision)
-    assert_close(got_k, ref_k, precision)
-    cpu_q, cpu_k = q0.copy(), k0.copy()
-    cpu.rotate(cpu_q, cpu_k, np.asarray(host_positions))
-    assert_parity(got_q, cpu_q, precision)
-    assert_parity(got_k, cpu_k, precision)
-
-
-#: a dynamic type short enough that M-RoPE positions pass its original length: the rows of a
-#: call are made on the host
-MROPE_DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 256}
-
-
-@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
-@pytest.mark.parametrize(
-    ("section", "interleaved", "layout", "rotary_dim", "scaling"),
-    [((16, 24, 24), False, "half", 0, None), ((24, 20, 20), True, "half", 0, None),
-     ((8, 12, 12), False, "interleaved", 64, None),
-     ((16, 24, 24), False, "half", 0, MROPE_DYNAMIC)],
-    ids=["qwen2vl", "qwen3vl", "glm4v", "dynamic-rows"],
-)  # fmt: skip
-def test_mrope_positions_per_axis(
-    section, interleaved: bool, layout: str, rotary_dim: int, scaling: Any,
-    precision: Precision, rng,
-) -> None:  # fmt: skip
-    """M-RoPE positions ``[3, B, T]`` (host or device): the kernel picks each frequency's row
-    by its axis (or, past a dynamic type's original length, rotates by rows made on the host),
-    forward, backward (positions broadcast over sequences too) and decode."""
-    cfg = rope_config(
-        (8, 2), 128, rotary_dim=rotary_dim, layout=layout, mrope_section=section,
-        mrope_interleaved=interleaved, scaling=scaling,
-    )  # fmt: skip
-    batch, tokens = 2, 33
-    rope = cuda_rope_of(cfg, batch, tokens, precision=precision, mode=TRAINING)
-    cpu = make_rope(cfg, batch, tokens, precision=precision, mode=TRAINING)
-    positions = rng.integers(0, 2048, size=(3, batch, tokens))
-    q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
-    q, k = up(q0), up(k0)
-    rope.rotate(q, k, cupy.asarray(positions))
-    ref_q, ref_k = reference(cfg, q0, k0, positions)
-    assert_close(down(q), ref_q, precision)
-    assert_close(down(k), ref_k, precision)
-    cpu_q, cpu_k = q0.copy(), k0.copy()
-    cpu.rotate(cpu_q, cpu_k, positions)
-    assert_parity(down(q), cpu_q, precision)
-    assert_parity(down(k), cpu_k, precision)
-    for given in (positions, positions[:, :1]):  # [3, 1, T]: broadcast over sequences
-        dq, dk = rope.backward(q, k, given)
-        back_q, back_k = cpu.backward(down(q), down(k), given)
-        assert_parity(down(dq), back_q, precision)
-        assert_parity(down(dk), back_k, precision)
-    q1, k1 = up(q0[:, :1]), up(k0[:, :1])
-    rope.decode(q1, k1, positions[:, :, 0])
-    ref_q, ref_k = reference(cfg, q0[:, :1], k0[:, :1], positions[:, :, :1])
-    assert_close(down(q1), ref_q, precision)
-    assert_close(down(k1), ref_k, precision)
-
-
-@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
-def test_smaller_calls_than_the_build(precision: Precision, rng) -> None:
-    """Calls on fewer sequences and tokens than the build, and on a batch and token slice of
-    a larger buffer (strides of that buffer): only the slice is rotated, as the CPU does."""
-    cfg = rope_config((4, 2))
-    rope = cuda_rope_of(cfg, 4, 16, precision=precision)
-    cpu = make_rope(cfg, 4, 16, precision=precision)
-    for batch, tokens in ((1, 1), (4, 3), (2, 16)):
-        q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
-        q, k = up(q0), up(k0)
-        rope.prefill(q, k, 700)
-        ref_q, ref_k = reference(cfg, q0, k0, arange_positions(batch, tokens, 700))
-        assert_close(down(q), ref_q, precision)
-        assert_close(down(k), ref_k, precision)
-    q0, k0 = random_qk(rng, cfg, 5, 18, precision)
-    q_big, k_big = up(q0), up(k0)
-    view = np.s_[1:4, 2:17]
-    rope.prefill(q_big[view], k_big[view], 40)
-    got_q, got_k = down(q_big), down(k_big)
-    cpu_q, cpu_k = q0[view].copy(), k0[view].copy()
-    cpu.prefill(cpu_q, cpu_k, 40)
-    assert_parity(got_q[view], cpu_q, precision)
-    assert_parity(got_k[view], cpu_k, precision)
-    ref_q, ref_k = reference(cfg, q0[view], k0[view], arange_positions(3, 15, 40))
-    assert_close(got_q[view], ref_q, precision)
-    assert_close(got_k[view], ref_k, precision)
-    outside = np.ones(q0.shape[:2], bool)
-    outside[view] = False
-    assert bits(got_q[outside]) == bits(q0[outside]) and bits(got_k[outside]) == bits(k0[outside])
+        ref_q, ref_k = reference(cfg, q0, k0, np.full((batch, 1), position))
+        assert_close(down(q), ref_q, FP32)
+        assert_close(down(k), ref_k, FP32)
 
 
 # ---------------------------------------------------------------------------------- layouts in memory
-
-
-#: fused QKV rows: (elements before Q, elements between Q and K, elements after V)
-FUSED = {
-    "plain": (0, 0, 0),
-    "k-at-odd-element": (0, 1, 0),
-    "q-and-k-shifted-2": (2, 0, 0),
-    "odd-row-stride": (0, 0, 1),
-    "shift4-row-pad4": (4, 0, 4),
-}
-
-
-@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
-@pytest.mark.parametrize("layout", ["half", "interleaved"])
-@pytest.mark.parametrize(
-    ("heads", "head_dim", "rotary_dim"),
-    [((4, 1), 12, 8), ((3, 3), 64, 0), ((6, 2), 16, 0), ((32, 8), 128, 8)],
-    ids=["mqa-d12-partial", "mha-d64", "gqa-d16", "gqa-d128-partial"],
-)
-def test_fused_qkv_views_rotate_through_the_view(
-    heads: tuple[int, int], head_dim: int, rotary_dim: int, layout: str, precision: Precision, rng
-) -> None:
-    """Q and K as strided views of one QKV buffer, at the offsets of :data:`FUSED` (padding
-    before Q, between Q and K and after V, filled with NaN canaries): prefill, decode and
-    rotate go through the views (row strides passed to the kernel) with the widest access
-    their addresses allow, as the reference and the CPU on contiguous copies; V and the
-    padding are left bit for bit."""
-    hq, hk = heads
-    d = head_dim
-    cfg = rope_config(heads, head_dim=d, layout=layout, rotary_dim=rotary_dim)
-    batch, tokens = 2, 5
-    rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
-    cpu = make_rope(cfg, batch, tokens, precision=precision)
-    item = precision.itemsize
-    for fused, (before, gap, after) in FUSED.items():
-        q_at, k_at = before, before + hq * d + gap
-        width = k_at + 3 * hk * d + after  # K, V, padding
-        for method in ("prefill", "decode", "rotate"):
-            n_t = 1 if method == "decode" else tokens
-            qkv0 = rng.standard_normal((batch, n_t, width)).astype(dtype_of(precision))
-            qkv0[..., :before] = np.nan
-            qkv0[..., q_at + hq * d : k_at] = np.nan
-            qkv0[..., width - after :] = np.nan
-            qkv = up(qkv0)
-            q, k = qkv[..., q_at : q_at + hq * d], qkv[..., k_at : k_at + hk * d]
-            arg: Any = {
-                "prefill": 900,
-                "decode": np.array([7, 1999]),
-                "rotate": rng.integers(0, cfg.max_seq_len, size=(batch, tokens)),
-            }[method]
-            spans = [_kernels.address(q), _kernels.address(k), width * item]
-            vec = expected_width(precision, layout, d, rope.table.n_freq, spans)
-            assert rope.op.vector_width(q, k) == vec, (fused, method)
-            getattr(rope, method)(q, k, arg)
-            if EMULATED:  # the instantiation of that width was launched
-                launched = rope.execution_context.launches[-1]
-                assert launched == cuda_rope.kernel_name(precision, vec, layout == "interleaved")
-            got = down(qkv)
-            q0 = np.ascontiguousarray(qkv0[..., q_at : q_at + hq * d])
-            k0 = np.ascontiguousarray(qkv0[..., k_at : k_at + hk * d])
-            if method == "prefill":
-                positions = arange_positions(batch, tokens, arg)
-            elif method == "decode":
-                positions = arg[:, None]
-            else:
-                positions = arg
-            ref_q, ref_k = reference(cfg, q0, k0, positions)
-            assert_close(got[..., q_at : q_at + hq * d], ref_q, precision)
-            assert_close(got[..., k_at : k_at + hk * d], ref_k, precision)
-            cpu_q, cpu_k = q0.copy(), k0.copy()
-            getattr(cpu, method)(cpu_q, cpu_k, arg)
-            assert_parity(got[..., q_at : q_at + hq * d], cpu_q, precision)
-            assert_parity(got[..., k_at : k_at + hk * d], cpu_k, precision)
-            untouched = np.ones(width, bool)
-            untouched[q_at : q_at + hq * d] = untouched[k_at : k_at + hk * d] = False
-            assert bits(got[..., untouched]) == bits(qkv0[..., untouched]), (fused, method)
 
 
 @pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
@@ -794,7 +306,6 @@ def test_odd_alignments_take_narrower_accesses(
     cfg = rope_config((4, 2), head_dim=128, layout=layout)
     batch, tokens = 2, 9
     rope = cuda_rope_of(cfg, batch, tokens, precision=precision)
-    cpu = make_rope(cfg, batch, tokens, precision=precision)
     q0, k0 = random_qk(rng, cfg, batch, tokens, precision)
     dt = dtype_of(precision)
     q_buf = up(np.concatenate([np.zeros(shift, dt), q0.reshape(-1)]))
@@ -811,10 +322,6 @@ def test_odd_alignments_take_narrower_accesses(
     got_q, got_k = down(q), down(k)
     assert_close(got_q, ref_q, precision)
     assert_close(got_k, ref_k, precision)
-    cpu_q, cpu_k = q0.copy(), k0.copy()
-    cpu.prefill(cpu_q, cpu_k, 1234)
-    assert_parity(got_q, cpu_q, precision)
-    assert_parity(got_k, cpu_k, precision)
     assert not np.any(down(q_buf[:shift]).astype(np.float32))  # nothing written before Q
 
 
@@ -854,74 +361,18 @@ def test_non_contiguous_last_axis_is_refused_before_launch(rng) -> None:
 
 @pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
-@pytest.mark.parametrize("rotary_dim", [0, 8], ids=["full", "partial"])
-@pytest.mark.parametrize("heads", [(4, 1), (3, 3), (1, 1)], ids=["mqa", "mha-odd", "single"])
-def test_backward_matches_reference(
-    heads: tuple[int, int], rotary_dim: int, layout: str, precision: Precision, rng
-) -> None:
-    cfg = rope_config(heads, rotary_dim=rotary_dim, layout=layout)
-    batch, tokens = 2, 6
-    rope = cuda_rope_of(cfg, batch, tokens, mode=TRAINING, precision=precision)
-    dq0, dk0 = random_qk(rng, cfg, batch, tokens, precision)
-    dq, dk = up(dq0), up(dk0)
-    dq_in, dk_in = rope.backward(dq, dk)
-    assert bits(dq) == bits(dq0) and bits(dk) == bits(dk0)  # upstream gradients not modified
-    ref_q, ref_k = reference(cfg, dq0, dk0, arange_positions(batch, tokens), inverse=True)
-    assert_close(down(dq_in), ref_q, precision)
-    assert_close(down(dk_in), ref_k, precision)
-    if rotary_dim:  # out of place: the pass-through channels are copied
-        assert_rest_untouched(down(dq_in), dq0, heads[0], HEAD_DIM, rotary_dim)
-        assert_rest_untouched(down(dk_in), dk0, heads[1], HEAD_DIM, rotary_dim)
-    positions = rng.integers(1000, cfg.max_seq_len, size=(batch, tokens))
-    dq_in, dk_in = rope.backward(dq, dk, positions=positions)
-    ref_q, ref_k = reference(cfg, dq0, dk0, positions, inverse=True)
-    assert_close(down(dq_in), ref_q, precision)
-    assert_close(down(dk_in), ref_k, precision)
-    dq_in, dk_in = rope.backward(dq[:1, :3], dk[:1, :3], positions=np.array([1500, 7, 2047]))
-    assert dq_in.shape == (1, 3, cfg.channels) and dk_in.shape == (1, 3, cfg.kv_channels)
-    ref_q, ref_k = reference(cfg, dq0[:1, :3], dk0[:1, :3], np.array([1500, 7, 2047]), inverse=True)
-    assert_close(down(dq_in), ref_q, precision)
-    assert_close(down(dk_in), ref_k, precision)
-    assert isinstance(dq_in, cupy.ndarray) and device_index(dq_in) == 0
-
-
-@pytest.mark.parametrize("layout", ["half", "interleaved"])
-def test_forward_after_backward_is_identity(layout: str, rng) -> None:
-    cfg = rope_config((3, 1), layout=layout, rotary_dim=8)
-    batch, tokens = 2, 5
-    rope = cuda_rope_of(cfg, batch, tokens, mode=TRAINING)
-    dq0, dk0 = random_qk(rng, cfg, batch, tokens)
-    dq_in, dk_in = rope.backward(up(dq0), up(dk0))
-    x, y = up(down(dq_in)), up(down(dk_in))
-    rope.forward(x, y)
-    np.testing.assert_allclose(down(x), dq0, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(down(y), dk0, rtol=1e-6, atol=1e-6)
-    positions = rng.integers(0, cfg.max_seq_len, size=(batch, tokens))
-    dq_in, dk_in = rope.backward(up(dq0), up(dk0), positions=positions)
-    x, y = up(down(dq_in)), up(down(dk_in))
-    rope.rotate(x, y, positions)
-    np.testing.assert_allclose(down(x), dq0, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(down(y), dk0, rtol=1e-6, atol=1e-6)
-    x, y = up(dq0), up(dk0)  # and backward(forward(x)) = x
-    rope.prefill(x, y, 1800)
-    dq_in, dk_in = rope.backward(x, y, positions=np.arange(1800, 1800 + tokens))
-    np.testing.assert_allclose(down(dq_in), dq0, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(down(dk_in), dk0, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
-@pytest.mark.parametrize("layout", ["half", "interleaved"])
 @pytest.mark.parametrize("upstream", ["contiguous", "fused-views"])
-def test_backward_parity_with_cpu(upstream: str, layout: str, precision: Precision, rng) -> None:
+def test_backward_into_views_of_the_gradient_buffers(
+    upstream: str, layout: str, precision: Precision, rng
+) -> None:
     """``R^T dq`` into the component's gradient buffers (views of them for a smaller call than
-    the build), as the CPU computes it; the upstream gradients contiguous, or views of a fused
+    the build), as the float64 reference; the upstream gradients contiguous, or views of a fused
     dQKV buffer one element past an aligned address (other strides than the outputs',
     element-by-element accesses), and never modified. The rest of the buffers is left alone."""
     hq, hk, d = 4, 2, 64
     cfg = rope_config((hq, hk), head_dim=d, layout=layout, rotary_dim=32)
     batch, tokens = 3, 7
     rope = cuda_rope_of(cfg, batch + 1, tokens + 2, mode=TRAINING, precision=precision)
-    cpu = make_rope(cfg, batch, tokens, mode=TRAINING, precision=precision)
     full = [down(g) for g in rope.input_gradients]
     for positions in (None, rng.integers(0, cfg.max_seq_len, size=(batch, tokens))):
         dq0, dk0 = random_qk(rng, cfg, batch, tokens, precision)
@@ -942,9 +393,10 @@ def test_backward_parity_with_cpu(upstream: str, layout: str, precision: Precisi
         for out, grad in zip((dq_in, dk_in), rope.input_gradients, strict=True):  # views of them
             assert _kernels.address(out) == _kernels.address(grad)
             assert out.strides == grad.strides
-        cpu_q, cpu_k = cpu.backward(dq0.copy(), dk0.copy(), positions=positions)
-        assert_parity(down(dq_in), cpu_q, precision)
-        assert_parity(down(dk_in), cpu_k, precision)
+        each = arange_positions(batch, tokens) if positions is None else positions
+        ref_q, ref_k = reference(cfg, dq0, dk0, each, inverse=True)
+        assert_close(down(dq_in), ref_q, precision)
+        assert_close(down(dk_in), ref_k, precision)
         for grad, before in zip(rope.input_gradients, full, strict=True):  # the rest left alone
             after = down(grad)
             assert bits(after[batch:]) == bits(before[batch:])
@@ -952,33 +404,6 @@ def test_backward_parity_with_cpu(upstream: str, layout: str, precision: Precisi
 
 
 # ---------------------------------------------------------------------------------- errors
-
-
-@pytest.mark.parametrize(
-    "call",
-    [
-        lambda r, q, k: r.prefill(q, k, 61),
-        lambda r, q, k: r.prefill(q, k, 10**6),
-        lambda r, q, k: r.decode(q[:, :1], k[:, :1], 64),
-        lambda r, q, k: r.decode(q[:, :1], k[:, :1], np.array([3, 64])),
-        lambda r, q, k: r.rotate(q, k, np.array([[0, 1, 2, 3], [5, 6, 64, 7]])),
-        lambda r, q, k: r.backward(q, k, np.array([1, 2, 3, 64])),
-    ],
-    ids=["prefill", "prefill-far", "decode", "decode-per-seq", "rotate", "backward"],
-)
-@pytest.mark.parametrize("precision", PRECISION_PARAMS, ids=str)
-def test_positions_past_the_table_raise_and_leave_qk_untouched(
-    precision: Precision, call, rng
-) -> None:
-    cfg = rope_config((3, 1), head_dim=8, max_seq_len=64)
-    rope = cuda_rope_of(cfg, 2, 4, mode=TRAINING, precision=precision)
-    q0, k0 = random_qk(rng, cfg, 2, 4, precision)
-    q, k = up(q0), up(k0)
-    grads = [bits(g) for g in rope.input_gradients]
-    with pytest.raises(ValueError, match=r"position \d+.*max_seq_len = 64"):
-        call(rope, q, k)
-    assert bits(q) == bits(q0) and bits(k) == bits(k0)
-    assert [bits(g) for g in rope.input_gradients] == grads
 
 
 def test_bad_calls_raise_before_any_launch(rng) -> None:
@@ -1048,25 +473,6 @@ def test_host_arrays_are_refused_with_the_device_in_the_message(rng) -> None:
     q, k = random_qk(rng, cfg, 2, 4)
     with pytest.raises(TypeError, match="CUDA:0"):
         rope.forward(q, k)
-
-
-@pytest.mark.parametrize(
-    "call",
-    [
-        lambda r, q, k: r.forward(q, k),
-        lambda r, q, k: r.rotate(q, k, np.zeros(1, np.int64)),
-        lambda r, q, k: r.backward(q, k),
-    ],
-    ids=["forward", "rotate", "backward"],
-)
-@pytest.mark.parametrize("shape", [(0, 4), (2, 0)], ids=["B0", "T0"])
-def test_empty_calls_are_no_ops(shape, call) -> None:
-    cfg = rope_config((3, 1))
-    rope = cuda_rope_of(cfg, 2, 4, mode=TRAINING)
-    q = cupy.zeros((*shape, cfg.channels), cupy.float32)
-    k = cupy.zeros((*shape, cfg.kv_channels), cupy.float32)
-    call(rope, q, k)
-    assert q.shape == (*shape, cfg.channels)
 
 
 # ---------------------------------------------------------------------------------- tables, memory

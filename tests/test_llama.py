@@ -1,20 +1,42 @@
-"""Llama network: gradients, modes, memory accounting, save/load, AdamW and a short training run."""
+"""Llama network: gradients, modes, memory accounting, save/load, AdamW and a short training run.
+
+The bodies that take ``device`` run on the CPU and on ``CUDA:0`` (a GPU, or the kernel
+emulator's): training steps against the float64 model of the same weights, initialization,
+the ops each layer picks, memory predictions (a CUDA build against the CPU one), 16-bit
+storage against float64. Finite differences in float64 and NumPy's buffer identities are the
+CPU's alone.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import pytest
-from layer_helpers import assert_same_optimizer_state, move_optional_parameters
+from cuda_arrays import CUPY_BF16, EMULATED, NO_BF16_REASON, cupy
+from layer_helpers import (
+    MEMORY_BUILDS,
+    assert_same_optimizer_state,
+    cpu_stats_of_a_cuda_build,
+    move_optional_parameters,
+    rel_err,
+)
 
 from mila_py import BuildContext, Precision, RuntimeMode, TrainingMode
 from mila_py.component import Component
-from mila_py.components import Linear, LinearConfig
+from mila_py.components import (
+    Linear,
+    LinearConfig,
+    SoftmaxCrossEntropy,
+    SoftmaxCrossEntropyConfig,
+)
 from mila_py.devices import create_execution_context
 from mila_py.models import Llama, LlamaConfig
+from mila_py.ops.cuda.adamw import CudaAdamWOp
 from mila_py.ops.operation import Operation
 from mila_py.optim import AdamW, clip_grad_norm
 
@@ -38,8 +60,10 @@ def tiny(tie: bool = False, **overrides: object) -> LlamaConfig:
     return LlamaConfig(**fields)  # type: ignore[arg-type]
 
 
-def built(mode: RuntimeMode = RuntimeMode.TRAINING, tie: bool = False, **kw: object) -> Llama:
-    model = Llama("llama", tiny(tie, **kw), device="CPU")
+def built(
+    mode: RuntimeMode = RuntimeMode.TRAINING, tie: bool = False, device: str = "CPU", **kw: object
+) -> Llama:
+    model = Llama("llama", tiny(tie, **kw), device=device)
     model.build(BuildContext((B, T), mode, initialize_parameters=True))
     return model
 
@@ -125,11 +149,17 @@ def test_config_flags_must_be_bools(field: str) -> None:
     assert getattr(tiny(**{field: np.True_}), field)  # NumPy's bool is one
 
 
-def test_blocks_start_from_different_weights() -> None:
-    model = built()
-    a = model.find_component("layer0.mlp.gate_proj").weight
-    b = model.find_component("layer1.mlp.gate_proj").weight
+def test_blocks_start_from_different_weights_the_same_on_every_device(device: str) -> None:
+    """Each block draws its own weights, and the draws depend on the base seed alone: a
+    build on any device holds the CPU build's weights."""
+    model = built(device=device)
+    on_host = model.execution_context.to_host
+    a = on_host(model.find_component("layer0.mlp.gate_proj").weight)
+    b = on_host(model.find_component("layer1.mlp.gate_proj").weight)
     assert a.std() > 0 and not np.array_equal(a, b)
+    cpu = built()
+    for (name, p), (_, q) in zip(model.named_parameters(), cpu.named_parameters(), strict=True):
+        np.testing.assert_array_equal(on_host(p), q, err_msg=name)
 
 
 def test_gradients_accumulate_and_zero() -> None:
@@ -232,6 +262,52 @@ def test_memory_stats_equal_the_arrays_the_network_owns(mode: RuntimeMode, tie: 
     if mode is RuntimeMode.INFERENCE:
         assert stats.device_gradient_bytes == 0
         assert model.get_gradients() == []
+
+
+@pytest.mark.parametrize("build", MEMORY_BUILDS)
+@pytest.mark.parametrize("tie", [False, True])
+def test_required_memory_equals_the_build_and_cuda_holds_what_the_cpu_holds(
+    device: str, build: BuildContext, tie: bool
+) -> None:
+    """Each device's prediction equals its build; a CUDA build holds what the CPU build
+    holds, but for the CPU decode kernel's scratch (:func:`cpu_stats_of_a_cuda_build`). The
+    untied case has every optional part."""
+    cfg = tiny(tie, vocab_size=50, dim=32, hidden_dim=48, max_seq_len=64, **({} if tie else EXTRAS))
+    stats = []
+    for where in dict.fromkeys(("CPU", device)):
+        model = Llama("llama", cfg, device=where)
+        predicted = model.required_memory(build)
+        model.build(build)
+        assert model.get_memory_stats() == predicted
+        stats.append(predicted)
+    if device == "CPU":
+        assert stats[0].host_total_bytes == 0
+        return
+    cpu, cuda = stats
+    if EMULATED:  # the emulated GPU's memory is NumPy arrays, which count as host memory
+        assert cuda.host_state_bytes > 0
+        device_state = cuda.total_bytes - cuda.device_parameter_bytes - cuda.device_gradient_bytes
+        cuda = dataclasses.replace(cuda, device_state_bytes=device_state, host_state_bytes=0)
+    assert cpu == cpu_stats_of_a_cuda_build(cuda, model)
+    assert cuda.host_total_bytes == 0
+    if build.is_inference:
+        assert cpu != cuda
+
+
+def test_every_layer_runs_its_devices_ops(device: str) -> None:
+    """Every layer picked its device's op from the registry, RoPE's fused Q/K kernel on the
+    views of the QKV projection included (launched, where the emulator records launches)."""
+    model = Llama("llama", tiny(), device=device)
+    model.build(BuildContext((B, 16), RuntimeMode.INFERENCE, prefill_size=4))
+    model.prefill(tokens())
+    ops = {type(c.op).__name__ for c in model._walk() if hasattr(c, "op")}
+    kind = "Cpu" if device == "CPU" else "Cuda"
+    for layer in ("Linear", "RmsNorm", "TokenEmbedding", "SwiGLU", "Rope"):
+        assert f"{kind}{layer}Op" in ops, (layer, ops)
+    assert type(model.layers[0].self_attn._op).__name__ == f"{kind}AttentionOp"
+    if device != "CPU" and EMULATED:
+        launches = model.execution_context.launches
+        assert any(name.startswith("rope_qk<float, ") for name in launches)
 
 
 def test_rope_table_is_shared_by_every_layer() -> None:
@@ -593,6 +669,144 @@ def test_training_brings_the_loss_down() -> None:
         opt.step()
         model.zero_gradients()
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
+
+
+#: every optional part of the Llama config: attention and MLP biases, Q/K head norms (Qwen3)
+EXTRAS: dict[str, Any] = {"qkv_bias": True, "out_bias": True, "mlp_bias": True, "qk_norm": True}
+
+
+@pytest.mark.parametrize(("tie", "extras"), [(False, False), (True, False), (False, True)])
+def test_training_steps_match_float64(device: str, tie: bool, extras: bool) -> None:
+    """Three steps of forward, loss (a standalone component with a context of its own),
+    backward, clip_grad_norm and AdamW (the device's fused kernel) of the float32 model on
+    ``device`` against the same steps of the float64 CPU model from the same weights: logits,
+    losses, the gradient norm, every gradient and every parameter after the steps (tied and
+    untied embeddings, every optional part)."""
+    cfg = tiny(tie, max_seq_len=32, **(EXTRAS if extras else {}))
+    n_b, n_t = 2, 16
+    model = Llama("llama", cfg, device=device)
+    model.build(BuildContext((n_b, n_t), RuntimeMode.TRAINING))
+    move_optional_parameters(model, np.random.default_rng(4), bias=0.3, norm=0.3)
+    reference = Llama("llama", cfg, device="CPU", precision=Precision.FP64)
+    reference.build(BuildContext((n_b, n_t), RuntimeMode.TRAINING, initialize_parameters=False))
+    for (_, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        q[...] = model.execution_context.to_host(p)
+    rng = np.random.default_rng(20260601)
+    tokens = rng.integers(0, cfg.vocab_size, size=(n_b, n_t))
+    targets = rng.integers(0, cfg.vocab_size, size=(n_b, n_t))
+    targets[0, :3] = -100
+    runs = []
+    for m in (reference, model):
+        ctx = m.execution_context
+        loss_fn = SoftmaxCrossEntropy(
+            "loss", SoftmaxCrossEntropyConfig(cfg.vocab_size), device=str(m.device_id),
+            precision=m.precision,
+        )  # fmt: skip
+        loss_fn.build(BuildContext((n_b, n_t, cfg.vocab_size), RuntimeMode.TRAINING))
+        # eps 1e-4: AdamW's update g / (|g| + eps) would amplify float32 noise in near-zero
+        # gradients
+        opt = AdamW(m, lr=1e-3, eps=1e-4, weight_decay=0.1)
+        on_cuda = m.device_id.device_type.name == "CUDA"
+        assert isinstance(opt._fused, CudaAdamWOp) == on_cuda
+        assert type(m.layers[0].self_attn.rope.op).__name__ == (
+            "CudaRopeOp" if on_cuda else "CpuRopeOp"
+        )
+        tok, tgt = ctx.to_device(tokens), ctx.to_device(targets)
+        record: dict[str, Any] = {"loss": []}
+        for step in range(3):
+            logits = m.forward(tok)
+            if step == 0:
+                record["logits"] = ctx.to_host(logits)
+            record["loss"].append(loss_fn.forward(logits, tgt))
+            m.backward(loss_fn.backward())
+            if step == 0:
+                record["grads"] = {n: ctx.to_host(g) for n, g in m.named_gradients()}
+                record["norm"] = clip_grad_norm(m, 1e9)
+            opt.step()
+            m.zero_gradients()
+        record["params"] = {n: ctx.to_host(p) for n, p in m.named_parameters()}
+        runs.append(record)
+    ref, got = runs
+    assert rel_err(got["logits"], ref["logits"]) < 1e-5
+    np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
+    assert got["norm"] == pytest.approx(ref["norm"], rel=1e-5)
+    assert got["grads"].keys() == ref["grads"].keys()
+    for name, g in ref["grads"].items():
+        # relative to the gradient, or to a thousandth of the whole model's where it nearly
+        # cancels (Q/K head norms: ~1e-7 of it)
+        scale = max(float(np.linalg.norm(g)), 1e-3 * ref["norm"])
+        assert np.linalg.norm(got["grads"][name] - g) < 2e-5 * scale, name
+    for name, p in ref["params"].items():
+        np.testing.assert_allclose(got["params"][name], p, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+#: a 16-bit Llama against the float64 one of the same weights: each layer rounds its float32
+#: results once per store
+REDUCED_TOL = {Precision.BF16: 2e-2, Precision.FP16: 3e-3}
+
+
+@pytest.mark.parametrize("precision", [Precision.BF16, Precision.FP16], ids=str)
+def test_a_16_bit_llama_matches_float64(device: str, precision: Precision) -> None:
+    """BF16/FP16 storage on ``device`` (on a GPU: cuBLAS products with float32 accumulation,
+    the kernels' 16-bit instantiations) against the float64 CPU model of the same weights
+    (exact in both 16-bit types): training logits and float32 gradients, chunked prefill,
+    uniform and ragged decode over the 16-bit KV cache, greedy generation."""
+    if device != "CPU" and precision is Precision.BF16 and not CUPY_BF16:
+        pytest.skip(NO_BF16_REASON)
+    cfg = tiny(vocab_size=50, dim=32, hidden_dim=48, max_seq_len=64)
+    source = Llama("llama", cfg, device="CPU")
+    source.build(BuildContext((1, 8), RuntimeMode.TRAINING))
+    for p in source.get_parameters():
+        p[...] = p.astype(ml_dtypes.bfloat16)
+
+    def pair(shape: tuple[int, int], mode: RuntimeMode, prefill: int = 0) -> list[Llama]:
+        models = []
+        for where, p in ((device, precision), ("CPU", Precision.FP64)):
+            model = Llama("llama", cfg, device=where, precision=p)
+            model.build(
+                BuildContext(shape, mode, initialize_parameters=False, prefill_size=prefill)
+            )
+            ctx = model.execution_context
+            for q, w in zip(model.get_parameters(), source.get_parameters(), strict=True):
+                q[...] = ctx.to_device(w.astype(q.dtype))
+            models.append(model)
+        return models
+
+    tol = REDUCED_TOL[precision]
+    rng = np.random.default_rng(20260601)
+    tokens = rng.integers(0, cfg.vocab_size, size=(2, 12))
+    model, reference = pair((2, 12), RuntimeMode.TRAINING)
+    ctx = model.execution_context
+    logits = model.forward(ctx.to_device(tokens))
+    assert logits.dtype == precision.numpy_dtype
+    assert rel_err(ctx.to_host(logits), reference.forward(tokens)) < tol
+    dlogits = np.full(logits.shape, 0.1, np.float32)
+    model.backward(ctx.to_device(dlogits))
+    reference.backward(dlogits.astype(np.float64))
+    for (name, g), (_, want) in zip(
+        model.named_gradients(), reference.named_gradients(), strict=True
+    ):
+        assert g.dtype == np.float32, name
+        assert rel_err(ctx.to_host(g), want) < 2 * tol, name
+    model, reference = pair((2, 40), RuntimeMode.INFERENCE, prefill=5)
+    on_host = model.execution_context.to_host  # (bfloat16 comes back as ml_dtypes' bfloat16)
+    x = rng.integers(0, cfg.vocab_size, size=(2, 13))
+    assert rel_err(on_host(model.prefill(x)), reference.prefill(x)) < tol
+    for position in range(13, 20):
+        token = rng.integers(0, cfg.vocab_size, size=2)
+        got = on_host(model.decode(token, position))
+        assert rel_err(got, reference.decode(token, position)) < tol
+    token, ragged = rng.integers(0, cfg.vocab_size, size=2), np.array([20, 17])
+    assert rel_err(on_host(model.decode(token, ragged)), reference.decode(token, ragged)) < tol
+    assert model.generate(x[:, :5], max_new_tokens=4).shape == (2, 9)
+
+
+@pytest.mark.real_gpu("streams")
+def test_cuda_contexts_of_one_gpu_share_its_stream(cuda_device: str) -> None:
+    """A model and a loss with contexts of their own run in call order (one stream)."""
+    a, b = create_execution_context(cuda_device), create_execution_context(cuda_device)
+    assert a.stream is b.stream
+    assert a.stream is not cupy.cuda.Stream.null
 
 
 @pytest.mark.parametrize(

@@ -1,24 +1,26 @@
-"""A decode step's products on the kernel emulator's ``CUDA:0``: ``linear.cu``'s ``linear_rows``.
+"""A decode step's products: ``linear.cu``'s ``linear_rows``.
 
 A decode plan's Linear products (at most 16 rows, one per sequence) and its tied head are one
 launch each of ``linear_rows`` (``mila_py/ops/cuda/linear.py``), not ``cupy.matmul``: CuPy
 refuses cuBLAS calls while a stream captures a CUDA graph, and so does the emulated stream
-(``tests/emulated_cupy.py``). Checked here: the kernel against a float64 product of the same
-stored values in FP32, BF16 and FP16, for 1 to 16 rows, on the views the plans pass (rows of
-larger buffers, at an offset), with and without a bias, where the 16-byte loads apply and where
-the scalar fallback does; a Llama's decode steps captured as graphs in each precision, their
-replays equal to the eager step; greedy generation on the emulated GPU equal to the CPU's.
+(``tests/emulated_cupy.py``). Checked on ``CUDA:0`` (a GPU, or the kernel emulator's: the
+kernel's 16-byte loads, warp shuffles and 16-bit unpacking only show on a GPU): the kernel
+against a float64 product of the same stored values in FP32, BF16 and FP16, for 1 to 16 rows,
+on the views the plans pass (rows of larger buffers, at an offset), with and without a bias,
+where the 16-byte loads apply and where the scalar fallback does. On the emulator only (it
+counts launches and graph replays): a Llama's decode steps captured as graphs in each
+precision, their replays equal to the eager step; greedy generation equal to the CPU's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from kernel_emulator import COMPILER, EmulatedContext, KernelLibrary, emulated_context
+from cuda_arrays import EMULATED, cupy, dev, host, skip_bf16_without_arrays
+from kernel_emulator import COMPILER, EmulatedContext
 from layer_helpers import move_optional_parameters
 
 from mila_py import BuildContext, Precision, RuntimeMode
@@ -37,12 +39,6 @@ CFG = LlamaConfig(
 )
 
 
-@pytest.fixture
-def ctx(library: KernelLibrary) -> Iterator[EmulatedContext]:
-    with emulated_context(library) as c:
-        yield c
-
-
 def stored(rng: Any, precision: Precision, *shape: int) -> np.ndarray:
     return rng.standard_normal(shape).astype(precision.numpy_dtype)
 
@@ -55,7 +51,7 @@ def reference(x: Any, w: Any, b: Any) -> np.ndarray:
 
 def agree(actual: Any, expected: np.ndarray, precision: Precision, k_in: int) -> None:
     """Within one rounding of the storage type plus the float32 sum's roundings."""
-    a = np.asarray(actual, np.float64)
+    a = np.asarray(host(actual), np.float64)
     bound = ULP[precision] * np.abs(expected) + 1e-6 * k_in
     excess = float(np.max(np.abs(a - expected) - bound))
     assert excess <= 0, f"{precision}: off by {np.abs(a - expected).max():.3g} beyond the bound"
@@ -65,72 +61,85 @@ def agree(actual: Any, expected: np.ndarray, precision: Precision, k_in: int) ->
 @pytest.mark.parametrize("k_in", [40, 36, 13], ids=["K%8=0", "K%4=0", "K odd"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_linear_rows_matches_float64_on_the_plans_views(
-    ctx: EmulatedContext, precision: Precision, k_in: int, bias: bool
+    cuda_ctx: Any, precision: Precision, k_in: int, bias: bool
 ) -> None:
     """1..16 rows, each in the smallest row tile that holds them, on three views: ``[m, 1, K]``
     rows of a contiguous buffer, rows ``K + 8`` apart at an offset of a row (aligned for the
     16-byte loads where K allows), and a column slice at an offset of 3 elements (never
     aligned: the scalar fallback). N = 37: more than one block, not a multiple of a block's
-    outputs. Rows of the output outside the view stay untouched."""
+    outputs. Rows of the output outside the view stay untouched. (On a GPU, the 16-byte loads,
+    the warp shuffles and the 16-bit unpacking run as the hardware does them.)"""
+    skip_bf16_without_arrays("CUDA:0", precision)
     rng = np.random.default_rng(k_in + 100 * bias)
     n_out, item = 37, precision.numpy_dtype.itemsize
     w = stored(rng, precision, n_out, k_in)
     b = stored(rng, precision, n_out) if bias else None
-    op = CudaLinearOp(ctx, LinearConfig(k_in, n_out, bias=bias), precision)
+    op = CudaLinearOp(cuda_ctx, LinearConfig(k_in, n_out, bias=bias), precision)
+    gw, gb = dev(w), None if b is None else dev(b)
     ctype = _kernels.CTYPES[precision]
     for m in range(1, DECODE_MAX_ROWS + 1):
         tile = next(t for t in (1, 2, 4, 8, 16) if m <= t)
         big = stored(rng, precision, m + 1, 2, k_in + 8)
-        out_big = np.full((m + 1, 2, n_out), np.nan, precision.numpy_dtype)
+        nan = np.full((m + 1, 2, n_out), np.nan, precision.numpy_dtype)
+        g_big, g_out_big = dev(big), dev(nan)
+        # (host x, its device twin, the output view, whether the 16-byte loads may apply)
         views = [
-            (np.ascontiguousarray(big[:m, :1, :k_in]), out_big[:m, :1], True),
-            (big[1:, 1, :k_in], out_big[1:, 1], True),
-            (big[:m, 0, 3 : 3 + k_in], out_big[:m, 0], False),
+            (np.ascontiguousarray(big[:m, :1, :k_in]), None, (slice(m), slice(1)), True),
+            (big[1:, 1, :k_in], g_big[1:, 1, :k_in], (slice(1, None), 1), True),
+            (big[:m, 0, 3 : 3 + k_in], g_big[:m, 0, 3 : 3 + k_in], (slice(m), 0), False),
         ]
-        for x, out, aligned in views:
-            out[...] = np.nan
-            before = len(ctx.launches)
-            op.bind_forward(x, w, b, out)()
+        for x, gx, rows, aligned in views:
+            gx = dev(x) if gx is None else gx
+            out = g_out_big[rows]
+            out[...] = dev(nan)[rows]
+            before = len(cuda_ctx.launches) if EMULATED else 0
+            with cuda_ctx.activate():
+                op.bind_forward(gx, gw, gb, out)()
             vec = aligned and k_in % (16 // item) == 0
-            kernel = f"linear_rows<{ctype}, {tile}, {'true' if vec else 'false'}>"
-            assert ctx.launches[before:] == [kernel]
+            if EMULATED:
+                kernel = f"linear_rows<{ctype}, {tile}, {'true' if vec else 'false'}>"
+                assert cuda_ctx.launches[before:] == [kernel]
             agree(out, reference(x, w, b), precision, k_in)
-        assert np.isnan(np.asarray(out_big[0, 1], np.float64)).all()
+        assert np.isnan(np.asarray(host(g_out_big)[0, 1], np.float64)).all()
 
 
 @pytest.mark.parametrize("precision", PRECISIONS, ids=lambda p: p.name)
-def test_a_wide_product_spans_many_blocks_and_loads(
-    ctx: EmulatedContext, precision: Precision
-) -> None:
+def test_a_wide_product_spans_many_blocks_and_loads(cuda_ctx: Any, precision: Precision) -> None:
     """A product longer than one round of 16-byte loads per lane (K = 1040: the unrolled loop
     and its remainder) and wider than a few blocks, for 1, 3 and 9 rows."""
+    skip_bf16_without_arrays("CUDA:0", precision)
     rng = np.random.default_rng(5)
     n_out, k_in = 75, 1040
     w = stored(rng, precision, n_out, k_in)
-    op = CudaLinearOp(ctx, LinearConfig(k_in, n_out), precision)
+    gw = dev(w)
+    op = CudaLinearOp(cuda_ctx, LinearConfig(k_in, n_out), precision)
     for m in (1, 3, 9):
         x = stored(rng, precision, m, 1, k_in)
-        out = np.full((m, 1, n_out), np.nan, precision.numpy_dtype)
-        op.bind_forward(x, w, None, out)()
-        assert ctx.launches[-1].endswith(", true>")
+        out = dev(np.full((m, 1, n_out), np.nan, precision.numpy_dtype))
+        with cuda_ctx.activate():
+            op.bind_forward(dev(x), gw, None, out)()
+        if EMULATED:
+            assert cuda_ctx.launches[-1].endswith(", true>")
         agree(out, reference(x, w, None), precision, k_in)
 
 
-def test_more_rows_or_transposed_weights_stay_on_the_matrix_product(ctx: EmulatedContext) -> None:
+def test_more_rows_or_transposed_weights_stay_on_the_matrix_product(cuda_ctx: Any) -> None:
     """Past 16 rows, and for a weight whose rows are not contiguous (no CUDA build stores one),
     the bound product is the matrix product again: no kernel launch, the same values."""
     rng = np.random.default_rng(2)
     n_in, n_out = 8, 5
     w = stored(rng, Precision.FP32, n_out, n_in)
-    op = CudaLinearOp(ctx, LinearConfig(n_in, n_out), Precision.FP32)
+    op = CudaLinearOp(cuda_ctx, LinearConfig(n_in, n_out), Precision.FP32)
     for x, weight in (
-        (stored(rng, Precision.FP32, 17, n_in), w),
-        (stored(rng, Precision.FP32, 2, n_in), np.asfortranarray(w)),
+        (stored(rng, Precision.FP32, 17, n_in), dev(w)),
+        (stored(rng, Precision.FP32, 2, n_in), cupy.asfortranarray(dev(w))),
     ):
-        out = np.empty((x.shape[0], n_out), np.float32)
-        op.bind_forward(x, weight, None, out)()
+        out = dev(np.empty((x.shape[0], n_out), np.float32))
+        with cuda_ctx.activate():
+            op.bind_forward(dev(x), weight, None, out)()
         agree(out, reference(x, w, None), Precision.FP32, n_in)
-    assert ctx.launches == []
+    if EMULATED:
+        assert cuda_ctx.launches == []
 
 
 @pytest.mark.parametrize("precision", PRECISIONS, ids=lambda p: p.name)

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from cuda_arrays import skip_bf16_without_arrays
 
 from mila_py import BuildContext, Precision, RuntimeMode
 from mila_py.component import Component, lend_workspace
@@ -291,3 +292,27 @@ def test_a_build_that_cannot_take_the_lent_buffers_is_rolled_back() -> None:
         block.build(BuildContext((1, 8, CFG.dim), RuntimeMode.INFERENCE))
     assert block.mlp._state["hidden"] is donor.mlp._state["hidden"]
     assert block.self_attn._state["k_cache"] is not donor.self_attn._state["k_cache"]
+
+
+@pytest.mark.real_gpu("CuPy's memory pool")
+@pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16], ids=lambda p: p.name)
+def test_the_memory_pool_holds_what_the_stats_count(cuda_device: str, precision: Precision) -> None:
+    """A CUDA INFERENCE build of a ~100M-parameter shape holds, in CuPy's memory pool, what its
+    memory statistics count, within 1% (the pool rounds each allocation up to 512 bytes, and the
+    shared RoPE table is made once per device)."""
+    import cupy
+    from cuda_arrays import skip_bf16_without_arrays
+
+    skip_bf16_without_arrays(cuda_device, precision)
+    cfg = LlamaConfig(
+        vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, hidden_dim=2048,
+        max_seq_len=1024, tie_embeddings=True,
+    )  # fmt: skip
+    pool = cupy.get_default_memory_pool()
+    cupy.cuda.Device(0).synchronize()
+    before = pool.used_bytes()
+    model = Llama("llama", cfg, device=cuda_device, precision=precision)
+    model.build(BuildContext((4, 1024), RuntimeMode.INFERENCE, prefill_size=256))
+    held = pool.used_bytes() - before
+    counted = model.get_memory_stats().device_total_bytes
+    assert counted > 0 and abs(held - counted) <= 0.01 * counted, (held, counted)

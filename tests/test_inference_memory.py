@@ -301,7 +301,6 @@ def test_the_memory_pool_holds_what_the_stats_count(cuda_device: str, precision:
     memory statistics count, within 1% (the pool rounds each allocation up to 512 bytes, and the
     shared RoPE table is made once per device)."""
     import cupy
-    from cuda_arrays import skip_bf16_without_arrays
 
     skip_bf16_without_arrays(cuda_device, precision)
     cfg = LlamaConfig(

@@ -332,30 +332,3 @@ def test_row_ops_with_an_output_one_row_ahead_of_an_input(
     x, y = shifted(g)
     norm.forward(x, w, y, np.empty(n, np.float32))
     np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-5)
-
-
-def test_prefetch_is_a_hint_that_changes_nothing_and_never_faults() -> None:
-    """The decode kernel asks for K and V rows ahead of its position, past the array at the
-    end: a prefetch of any address (the cache line of a[row, col], rows far past the end
-    included) reads nothing into the program and cannot fault."""
-    a = np.arange(60.0, dtype=np.float32).reshape(6, 10)[:, ::2]  # strided rows and columns
-
-    @_fused_math.numba.njit
-    def total(a: np.ndarray, ahead: int) -> float:
-        acc = 0.0
-        for r in range(a.shape[0]):
-            for c in range(a.shape[1]):
-                _fused_math.prefetch(a, r + ahead, c)
-                acc += a[r, c]
-        return acc
-
-    for ahead in (0, 16, 1 << 20, np.uint32(3_000_000_000), np.int32(-7)):
-        assert total(a, ahead) == float(a.sum())
-    assert _fused_math.prefetch(a, 0, 0) is None  # plain Python: nothing
-
-    @_fused_math.numba.njit
-    def by_floats(a: np.ndarray) -> None:
-        _fused_math.prefetch(a, 1.0, 2.0)
-
-    with pytest.raises(_fused_math.numba.core.errors.TypingError):
-        by_floats(a)  # indexes are integers: refused when typing, not by LLVM

@@ -30,14 +30,10 @@ from mila_py.ops.cpu._fused_math import (
     literally,
     narrow,
     numba,
-    prefetch,
     storage,
     types,
     widen,
 )
-
-#: how many cached rows ahead of the scores the decode kernel asks for K
-AHEAD = 16
 
 __all__ = [
     "causal_softmax",
@@ -93,7 +89,7 @@ def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g, 
     # g = Hq / Hk are compile-time
     # constants (literal types: one compilation per pair), so the inner loops unroll into
     # registers (1.6x over runtime sizes at d = 64). Keys outer: K, then V, are read once, front
-    # to back, four whole rows (every kv head) at a time: one sequential stream the prefetcher
+    # to back, four whole rows (every kv head) at a time: one sequential stream the CPU's prefetcher
     # follows (a cold cache costs ~30% less than a pass per head), four independent sums per
     # query element.
     literally(d)
@@ -103,15 +99,8 @@ def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g, 
     qs = np.empty(n_heads * d, probs.dtype)
     for i in range(n_heads * d):
         qs[i] = widen(q[i], fmt) * scale
-    width = k.shape[1]
-    line = 64 // k.itemsize  # elements of a 64-byte cache line
     t = 0
     while t + 4 <= n:
-        # the rows of K ``AHEAD`` on, each cache line asked for early: a cold cache (the weights
-        # streamed past it) otherwise costs more than the arithmetic
-        for r in range(t + AHEAD, t + AHEAD + 4):
-            for c in range(0, width, line):
-                prefetch(k, r, c)
         k0, k1, k2, k3 = k[t], k[t + 1], k[t + 2], k[t + 3]
         for j in range(n_kv_heads):
             lo = j * d
@@ -153,9 +142,6 @@ def _decode_attention(q, k, v, n, n_heads, n_kv_heads, scale, out, probs, d, g, 
     total = np.zeros(n_heads * d, probs.dtype)  # local: vectorizes without alias checks
     t = 0
     while t + 4 <= n:
-        for r in range(t + AHEAD, t + AHEAD + 4):  # V likewise
-            for c in range(0, width, line):
-                prefetch(v, r, c)
         v0, v1, v2, v3 = v[t], v[t + 1], v[t + 2], v[t + 3]
         for j in range(n_kv_heads):
             lo = j * d

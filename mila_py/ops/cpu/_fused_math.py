@@ -66,7 +66,6 @@ try:
     import numba
     from llvmlite import ir
     from numba import literally, types
-    from numba.core import cgutils
     from numba.extending import intrinsic, overload
 except ImportError:  # the NumPy paths serve
     numba = types = None
@@ -245,11 +244,6 @@ def _row_max(x):
     return max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
 
 
-def prefetch(a, row, col):
-    """Ask the CPU to bring the cache line of ``a[row, col]`` (a 2-D array) closer, for a read
-    soon; inside Numba kernels an LLVM ``prefetch`` (no fault past the array), here nothing."""
-
-
 def _row_sum(x):
     total = x.dtype.type(0.0)
     for i in range(x.size):
@@ -345,38 +339,6 @@ if AVAILABLE:
         return types.float32(bits), codegen
 
     _k_exp32 = numba.njit(inline="always", cache=True)(_exp32)
-
-    @overload(prefetch, inline="always")
-    def _prefetch_overload(a, row, col):
-        indexes = isinstance(row, types.Integer) and isinstance(col, types.Integer)
-        if not (isinstance(a, types.Array) and a.ndim == 2 and indexes):
-            return None
-        return lambda a, row, col: _prefetch_at(a, row, col)
-
-    @intrinsic
-    def _prefetch_at(typingctx, a, row, col):
-        """``llvm.prefetch`` (read, high locality, data) of ``&a[row, col]``: a hint, which
-        never faults, so an address past the array is harmless."""
-
-        def codegen(context, builder, signature, args):
-            array = context.make_array(signature.args[0])(context, builder, args[0])
-            strides = cgutils.unpack_tuple(builder, array.strides, 2)
-            row_, col_ = (  # as intp, by their own signedness
-                context.cast(builder, value, kind, types.intp)
-                for value, kind in zip(args[1:], signature.args[1:], strict=True)
-            )
-            offset = builder.add(builder.mul(row_, strides[0]), builder.mul(col_, strides[1]))
-            byte = ir.IntType(8).as_pointer()
-            address = builder.gep(builder.bitcast(array.data, byte), [offset])
-            hint = builder.module.declare_intrinsic(
-                "llvm.prefetch",
-                fnty=ir.FunctionType(ir.VoidType(), [byte, *(ir.IntType(32),) * 3]),
-            )
-            flags = [ir.Constant(ir.IntType(32), v) for v in (0, 3, 1)]
-            builder.call(hint, [address, *flags])
-            return context.get_dummy_value()
-
-        return types.void(a, row, col), codegen
 
     @overload(kernel_exp, inline="always")
     def _exp_overload(x):

@@ -48,7 +48,7 @@ from mila_py.ops.operation import Operation
 from mila_py.ops.registry import OpNotFoundError
 from mila_py.precision import Precision
 
-__all__ = ["Component", "lend_workspace"]
+__all__ = ["Component", "share_workspace"]
 
 _BUILDING = threading.local()  # depth of nested build() calls in this thread
 _NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9._-]{0,127}")
@@ -78,7 +78,7 @@ class Component(metaclass=_ComponentMeta):
 
     _FINAL_METHODS: ClassVar[tuple[str, ...]] = ("build", "set_execution_context")
     #: the built component whose workspace buffers the next build takes instead of allocating
-    #: its own (see :func:`lend_workspace`); None: the build allocates them
+    #: its own (see :func:`share_workspace`); None: the build allocates them
     _workspace_donor: Component | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -498,7 +498,7 @@ class Component(metaclass=_ComponentMeta):
         what its own forward wrote. A state buffer (``gradient``: an input-gradient buffer,
         see :meth:`_add_gradient`) of ``shape`` and ``dtype`` (default: the precision's).
 
-        Within :func:`lend_workspace` the build takes the donor's buffer of the same name
+        Within :func:`share_workspace` the build takes the donor's buffer of the same name
         instead of allocating one: the two components then run on one buffer, one at a time,
         and memory stats count it once.
 
@@ -511,16 +511,16 @@ class Component(metaclass=_ComponentMeta):
         if donor is None:
             array = self._allocate(shape, dtype)
         else:
-            lent = (donor._input_gradients if gradient else donor._state).get(name)
+            given = (donor._input_gradients if gradient else donor._state).get(name)
             stored = getattr(self.execution_context, "storage_dtype", np.dtype)(dtype)
-            if lent is None or tuple(lent.shape) != shape or lent.dtype != stored:
-                has = "none" if lent is None else f"{tuple(lent.shape)} {lent.dtype}"
+            if given is None or tuple(given.shape) != shape or given.dtype != stored:
+                has = "none" if given is None else f"{tuple(given.shape)} {given.dtype}"
                 raise ValueError(
-                    f"{self._describe()}: the workspace lent by {donor._describe()} has no "
+                    f"{self._describe()}: the workspace shared by {donor._describe()} has no "
                     f"buffer {name!r} of shape {shape} and dtype {stored} (it has {has}); "
-                    "lend the workspace of a component built like this one"
+                    "share the workspace of a component built like this one"
                 )
-            array = lent
+            array = given
         if gradient:
             return self._add_gradient(name, array)
         return self._add_state(name, array)
@@ -674,7 +674,7 @@ class Component(metaclass=_ComponentMeta):
 
 
 @contextmanager
-def lend_workspace(
+def share_workspace(
     donor: Component, receiver: Component, *, keep: Collection[str] = ()
 ) -> Iterator[None]:
     """Within the ``with`` block, builds of ``receiver``'s subtree take the workspace buffers
@@ -695,14 +695,14 @@ def lend_workspace(
         ValueError: the two trees differ, or ``keep`` names no part of ``receiver``.
     """
     if not donor.is_built:
-        raise RuntimeError(f"lend_workspace: the donor {donor._describe()} is not built")
+        raise RuntimeError(f"share_workspace: the donor {donor._describe()} is not built")
     pairs: list[tuple[Component, Component]] = []
     kept: set[str] = set()
 
     def pair(given: Component, taker: Component, path: str) -> None:
         if type(given) is not type(taker) or (path and given.name != taker.name):
             raise ValueError(
-                f"lend_workspace: {taker._describe()} ({path or 'the receiver'}) does not match "
+                f"share_workspace: {taker._describe()} ({path or 'the receiver'}) does not match "
                 f"{given._describe()} of the donor; the two trees must have one structure"
             )
         if path in keep:
@@ -711,7 +711,7 @@ def lend_workspace(
         given_children, taker_children = given._children(), taker._children()
         if len(given_children) != len(taker_children):
             raise ValueError(
-                f"lend_workspace: {taker._describe()} has {len(taker_children)} children, the "
+                f"share_workspace: {taker._describe()} has {len(taker_children)} children, the "
                 f"donor's {given._describe()} {len(given_children)}"
             )
         pairs.append((given, taker))
@@ -721,7 +721,9 @@ def lend_workspace(
     pair(donor, receiver, "")
     unknown = sorted(set(keep) - kept)
     if unknown:
-        raise ValueError(f"lend_workspace: keep names no part of {receiver._describe()}: {unknown}")
+        raise ValueError(
+            f"share_workspace: keep names no part of {receiver._describe()}: {unknown}"
+        )
     try:
         for given, taker in pairs:
             taker._workspace_donor = given

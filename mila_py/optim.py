@@ -608,10 +608,9 @@ class GradScaler:
         ctx = optimizer.model.execution_context
         inverse = float(np.float32(1.0 / self._scale))
         with ctx.activate():
-            grads = [g for _, _, g in optimizer._pairs]
             # checked before the division, as torch does (a finite value stays finite)
-            finite = bool(ctx.xp.stack([_finite(ctx.xp, g) for g in grads]).all())
-            for g in grads:
+            finite = optimizer._gradients_finite(ctx.xp)
+            for _, _, g in optimizer._pairs:
                 g *= inverse
         self._found_inf = not finite
 

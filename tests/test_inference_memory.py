@@ -12,7 +12,7 @@ import pytest
 from cuda_arrays import skip_bf16_without_arrays
 
 from mila_py import BuildContext, Precision, RuntimeMode
-from mila_py.component import Component, lend_workspace
+from mila_py.component import Component, share_workspace
 from mila_py.models import Llama, LlamaConfig
 
 CFG = LlamaConfig(
@@ -254,11 +254,11 @@ def test_the_1b_shape_is_predicted_below_the_peak_of_hugging_face_eager() -> Non
     assert bf16.parameter_bytes == 2 * n_parameters
 
 
-# ---------------------------------------------------------------------- lend_workspace
+# ---------------------------------------------------------------------- share_workspace
 def test_lending_needs_a_built_donor_and_one_structure() -> None:
     model = Llama("llama", config(True, 2), device="CPU")
     a, b = model.layers
-    with pytest.raises(RuntimeError, match="not built"), lend_workspace(a, b):
+    with pytest.raises(RuntimeError, match="not built"), share_workspace(a, b):
         pass
     model.build(BuildContext((1, 8), RuntimeMode.INFERENCE))
     other = Llama("other", config(True, 1), device="CPU")
@@ -266,16 +266,16 @@ def test_lending_needs_a_built_donor_and_one_structure() -> None:
     unknown = ("no_such_part",)
     with (
         pytest.raises(ValueError, match="keep names no"),
-        lend_workspace(a, receiver, keep=unknown),
+        share_workspace(a, receiver, keep=unknown),
     ):
         pass
-    with pytest.raises(ValueError, match="one structure"), lend_workspace(a.mlp, receiver):
+    with pytest.raises(ValueError, match="one structure"), share_workspace(a.mlp, receiver):
         pass
     assert all(c._workspace_donor is None for c in receiver._walk())
 
 
 def test_a_build_that_cannot_take_the_lent_buffers_is_rolled_back() -> None:
-    """A receiver built for another shape than its donor refuses the lent buffers by name,
+    """A receiver built for another shape than its donor refuses the shared buffers by name,
     shape and dtype; it is left unbuilt, holding nothing, and no longer borrowing."""
     from mila_py.models.llama.block import LlamaBlock
 
@@ -283,12 +283,12 @@ def test_a_build_that_cannot_take_the_lent_buffers_is_rolled_back() -> None:
     donor.build(BuildContext((1, 8, CFG.dim), RuntimeMode.INFERENCE))
     block = LlamaBlock("block", CFG, device="CPU")
     wrong = BuildContext((2, 8, CFG.dim), RuntimeMode.INFERENCE)  # B = 2
-    with pytest.raises(ValueError, match="has no buffer 'output'"), lend_workspace(donor, block):
+    with pytest.raises(ValueError, match="has no buffer 'output'"), share_workspace(donor, block):
         block.build(wrong)
     assert not block.is_built
     assert all(c._workspace_donor is None for c in block._walk())
     assert all(not c._state and not c._parameters for c in block._walk())
-    with lend_workspace(donor, block):  # the shape the donor has: it takes the buffers
+    with share_workspace(donor, block):  # the shape the donor has: it takes the buffers
         block.build(BuildContext((1, 8, CFG.dim), RuntimeMode.INFERENCE))
     assert block.mlp._state["hidden"] is donor.mlp._state["hidden"]
     assert block.self_attn._state["k_cache"] is not donor.self_attn._state["k_cache"]

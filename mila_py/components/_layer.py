@@ -1,8 +1,8 @@
 """Layer: what the layer components share (op creation, argument checks, views of owned buffers).
 
 Every layer holds its buffers, allocated once at build for the build shape ``[*lead, C]`` (its
-activations and scratch may be another layer's of the same shape, lent by a parent whose parts
-run one at a time: :func:`~mila_py.component.lend_workspace`). A call with smaller leading
+activations and scratch may be another layer's of the same shape, shared by a parent whose parts
+run one at a time: :func:`~mila_py.component.share_workspace`). A call with smaller leading
 dimensions uses the first ``prod(lead')`` rows of each buffer as a contiguous ``[*lead', C]``
 view, so results are always C-contiguous whatever the call's shape.
 """

@@ -35,7 +35,7 @@ class LlamaBlock(CompositeComponent):
     Its parts register their activations and scratch as workspace
     (:meth:`~mila_py.component.Component._add_workspace`): a network whose blocks run one at a
     time builds every block after the first on the first one's buffers
-    (:func:`~mila_py.component.lend_workspace`), so only the parameters and the KV cache are
+    (:func:`~mila_py.component.share_workspace`), so only the parameters and the KV cache are
     per layer (see :meth:`Llama._build_blocks <mila_py.models.llama.network.Llama>`). The
     block may then write its output into the buffer its input came from: ``x`` is read for
     the last time by ``attn_residual``, before ``mlp_residual`` writes ``y``.

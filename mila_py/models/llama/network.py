@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from mila_py.build_context import BuildContext
-from mila_py.component import lend_workspace
+from mila_py.component import share_workspace
 from mila_py.components._layer import (
     check_grad,
     is_int,
@@ -187,7 +187,7 @@ class Llama(Network):
     def _build_blocks(self, block_context: BuildContext) -> None:
         """Build the decoder blocks: each with its own parameters (and KV cache), and, on
         INFERENCE and recomputing TRAINING builds, every block after the first on the first
-        one's workspace (:func:`~mila_py.component.lend_workspace`), since the blocks run one
+        one's workspace (:func:`~mila_py.component.share_workspace`), since the blocks run one
         at a time.
 
         INFERENCE: every buffer of a block's parts is shared, its output too, so the residual
@@ -204,7 +204,7 @@ class Llama(Network):
         keep = ("mlp_residual",) if block_context.is_training else ()
         for block in blocks:
             if shared and block is not blocks[0]:
-                with lend_workspace(blocks[0], block, keep=keep):
+                with share_workspace(blocks[0], block, keep=keep):
                     block.build(block_context)
             else:
                 block.build(block_context)

@@ -237,3 +237,17 @@ def check_16_bit_twin(
         ref_grads = {n: g for n, _, g in reference.named_parameter_gradients()}
         for name, _, g in layer.named_parameter_gradients():
             assert rel_err(host(g), ref_grads[name]) < tol, name
+
+
+def never_capture(monkeypatch: Any, model: Any) -> None:
+    """Make ``model``'s decode steps run eagerly (as on a stream without graphs) for the test,
+    while every other model's steps capture as usual: its decode plans get eager steps."""
+    from mila_py.devices.graph import Step
+    from mila_py.models.llama import decode_plan
+
+    ctx, graphed = model.execution_context, decode_plan.capture
+
+    def eager_here(context: Any, calls: Any) -> Step:
+        return Step(context, calls, None) if context is ctx else graphed(context, calls)
+
+    monkeypatch.setattr(decode_plan, "capture", eager_here)

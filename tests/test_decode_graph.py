@@ -21,13 +21,12 @@ import pytest
 from cuda_arrays import EMULATED, host
 from emulated_cupy import CaptureError, DeviceArray
 from kernel_emulator import COMPILER, EmulatedContext
-from layer_helpers import move_optional_parameters
+from layer_helpers import move_optional_parameters, never_capture
 
 from mila_py import BuildContext, RuntimeMode
 from mila_py.devices.cpu import CpuExecutionContext
-from mila_py.devices.graph import Step, capture, reads_host
+from mila_py.devices.graph import capture, reads_host
 from mila_py.models import Llama, LlamaConfig
-from mila_py.models.llama import decode_plan
 
 needs_emulator = pytest.mark.skipif(COMPILER is None, reason="the kernel emulator needs g++")
 
@@ -57,12 +56,7 @@ def inference(
     model.build(BuildContext(shape, RuntimeMode.INFERENCE, prefill_size=4))
     model.load(path)
     if monkeypatch is not None:
-        ctx, graphed = model.execution_context, decode_plan.capture
-
-        def eager_here(context: Any, calls: Any) -> Step:
-            return Step(context, calls, None) if context is ctx else graphed(context, calls)
-
-        monkeypatch.setattr(decode_plan, "capture", eager_here)
+        never_capture(monkeypatch, model)
     return model
 
 

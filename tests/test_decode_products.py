@@ -21,13 +21,11 @@ import numpy as np
 import pytest
 from cuda_arrays import EMULATED, cupy, dev, host, skip_bf16_without_arrays
 from kernel_emulator import COMPILER, EmulatedContext
-from layer_helpers import move_optional_parameters
+from layer_helpers import move_optional_parameters, never_capture
 
 from mila_py import BuildContext, Precision, RuntimeMode
 from mila_py.components import Linear, LinearConfig
-from mila_py.devices.graph import Step
 from mila_py.models import Llama, LlamaConfig
-from mila_py.models.llama import decode_plan
 from mila_py.ops.cuda import _kernels
 from mila_py.ops.cuda.linear import DECODE_MAX_ROWS, CudaLinearOp
 
@@ -189,12 +187,7 @@ def test_decode_steps_are_captured_and_replay_the_eager_logits(
     path = tmp_path / "w.safetensors"
     trained.save(path)
     graphed, eager = (inference(cfg, path, "CUDA:0", precision) for _ in range(2))
-    ctx, graphs = eager.execution_context, decode_plan.capture
-
-    def eager_here(context: Any, calls: Any) -> Step:  # the eager model's steps never capture
-        return Step(context, calls, None) if context is ctx else graphs(context, calls)
-
-    monkeypatch.setattr(decode_plan, "capture", eager_here)
+    never_capture(monkeypatch, eager)
     x = np.random.default_rng(4).integers(0, cfg.vocab_size, size=(2, 20))
     for model in (graphed, eager):
         model.prefill(x[:, :5])
